@@ -1,0 +1,95 @@
+"""Descriptions of the devices a pipeline's stages run on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from autopipe.units import parse_bytes
+
+__all__ = ["DeviceSpec", "make_devices"]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One pipeline device as the planner sees it.
+
+    Attributes:
+        name: where the stage runs, e.g. ``cuda:0`` or ``cpu``.
+        memory: capacity in bytes, or ``None`` for unlimited.
+        speed: relative speed; a stage's compute time is divided by it.
+        bandwidth: bytes per second of the link to the next stage's device, or ``None`` to
+            treat transfers as free.
+    """
+
+    name: str = "cpu"
+    memory: int | None = None
+    speed: float = 1.0
+    bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory is not None and self.memory < 0:
+            raise ValueError(f"device {self.name}: memory must be >= 0, got {self.memory}")
+        if not self.speed > 0:
+            raise ValueError(f"device {self.name}: speed must be > 0, got {self.speed}")
+        if self.bandwidth is not None and not self.bandwidth > 0:
+            raise ValueError(f"device {self.name}: bandwidth must be > 0, got {self.bandwidth}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
+        return cls(**data)
+
+
+def _per_device(value: Any, count: int, what: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{what} has {len(value)} entries but there are {count} devices")
+        return list(value)
+    return [value] * count
+
+
+def make_devices(
+    devices: int | Sequence[DeviceSpec | str],
+    *,
+    memory: int | str | Sequence[int | str | None] | None = None,
+    speed: float | Sequence[float] | None = None,
+    bandwidth: float | None = None,
+    name: str = "cpu",
+) -> list[DeviceSpec]:
+    """Builds the device list the planner works on.
+
+    Args:
+        devices: a device count (identical devices named ``name``), or a list of
+            :class:`DeviceSpec` or device names.
+        memory: capacity per device: one size for all, or one per device (bytes or
+            strings such as ``16GiB``). Fills in devices that have no capacity of their own.
+        speed: relative speed for all devices or one per device.
+        bandwidth: link bandwidth in bytes/s for devices that have none.
+        name: device name used when ``devices`` is a count.
+    """
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"need at least one stage, got {devices}")
+        specs = [DeviceSpec(name=name) for _ in range(devices)]
+    else:
+        specs = [d if isinstance(d, DeviceSpec) else DeviceSpec(name=str(d)) for d in devices]
+        if not specs:
+            raise ValueError("need at least one device")
+    count = len(specs)
+    memories = _per_device(memory, count, "memory")
+    speeds = _per_device(speed, count, "speed")
+    out = []
+    for spec, mem, spd in zip(specs, memories, speeds):
+        out.append(
+            DeviceSpec(
+                name=spec.name,
+                memory=spec.memory if mem is None else parse_bytes(mem),
+                speed=spec.speed if spd is None else float(spd),
+                bandwidth=spec.bandwidth if spec.bandwidth is not None else bandwidth,
+            )
+        )
+    return out

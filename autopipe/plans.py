@@ -1,0 +1,138 @@
+"""A pipeline plan as plain data: the split, its predicted costs, and what it came from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopipe.devices import DeviceSpec
+from profiler.jsonfile import read_json, write_json
+
+__all__ = ["PLAN_VERSION", "Plan", "StagePlan"]
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class StagePlan:
+    """One stage of a plan.
+
+    Attributes:
+        index: the stage's position in the pipeline.
+        device: the device the stage runs on.
+        start: index of the stage's first layer.
+        stop: one past the index of its last layer.
+        layers: names of the stage's layers.
+        compute: predicted forward + backward (+ re-computation) seconds per micro-batch.
+        transfer: predicted seconds per micro-batch to send its output to the next stage.
+        time: ``compute + transfer``, the stage's cost per micro-batch.
+        memory: predicted peak bytes on the device.
+        param_memory: bytes of parameters, gradients, optimizer state and buffers.
+        activation_memory: bytes of saved activations and boundary inputs at the peak.
+        capacity: the device's capacity in bytes, or ``None`` for unlimited.
+        in_flight: micro-batches whose activations the stage holds at its peak.
+    """
+
+    index: int
+    device: str
+    start: int
+    stop: int
+    layers: list[str]
+    compute: float
+    transfer: float
+    time: float
+    memory: float
+    param_memory: float
+    activation_memory: float
+    capacity: int | None
+    in_flight: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class Plan:
+    """A balanced split of a model into pipeline stages, with its predicted costs.
+
+    Attributes:
+        balance: layers per stage (torchgpipe's ``balance``).
+        stages: per-stage detail.
+        chunks: micro-batches per mini-batch (M).
+        micro_batch: samples per micro-batch.
+        checkpoint: ``always``, ``except_last`` or ``never``.
+        schedule: ``gpipe`` or ``1f1b``.
+        strategy: the balancing strategy that chose the split.
+        optimizer: name of the optimizer whose state is counted.
+        bottleneck: the largest stage cost per micro-batch, seconds.
+        bottleneck_stage: index of that stage.
+        step_time: predicted seconds per mini-batch, ``Σ c_k + (M−1)·max c_k``.
+        bubble: predicted idle fraction of the pipeline over a step.
+        devices: the devices the plan was made for.
+        profile: the profile the plan was made from, as a dict.
+        version: the JSON schema version.
+    """
+
+    balance: list[int]
+    stages: list[StagePlan]
+    chunks: int
+    micro_batch: int
+    checkpoint: str
+    schedule: str
+    strategy: str
+    optimizer: str
+    bottleneck: float
+    bottleneck_stage: int
+    step_time: float
+    bubble: float
+    devices: list[DeviceSpec]
+    profile: dict[str, Any] = field(default_factory=dict, repr=False)
+    version: int = PLAN_VERSION
+
+    @property
+    def efficiency(self) -> float:
+        """Busy fraction of the pipeline over a step: ``1 - bubble``."""
+        return 1.0 - self.bubble
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.balance)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["efficiency"] = self.efficiency
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(
+                f"plan format version {version!r} is not supported (expected {PLAN_VERSION}); "
+                "re-create it with `autopipe plan`"
+            )
+        fields = {k: v for k, v in data.items() if k not in ("stages", "devices", "efficiency")}
+        return cls(
+            stages=[StagePlan(**s) for s in data["stages"]],
+            devices=[DeviceSpec.from_dict(d) for d in data["devices"]],
+            **fields,
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the plan as JSON, atomically."""
+        write_json(path, "plan", self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Reads a plan written by :meth:`save`.
+
+        Raises:
+            ValueError: the file is not a plan of a supported version.
+        """
+        data = read_json(path, "plan")
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{path} is not a valid autopipe plan: {exc}") from None

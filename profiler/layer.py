@@ -1,0 +1,239 @@
+"""Time and memory of one layer, already on its device, at one input batch."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "LayerFigures",
+    "as_tensors",
+    "measure_layer",
+    "state_storages",
+    "storage_bytes",
+    "tensor_bytes",
+]
+
+
+@dataclass
+class LayerFigures:
+    """One layer's figures at one batch size: seconds and bytes."""
+
+    forward: float
+    backward: float
+    saved: int
+    peak: int | None
+
+
+def as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
+    """A layer's output (or a model input) as a tuple of tensors.
+
+    Raises:
+        ValueError: ``value`` is neither a tensor nor a tuple/list of tensors.
+    """
+    if isinstance(value, Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
+        return tuple(value)
+    raise ValueError(
+        f"{what} is a {type(value).__name__}; expected a tensor or a non-empty tuple of tensors"
+    )
+
+
+def _storage_key(tensor: Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the memory block behind a tensor."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        # Tensors without a plain storage (sparse, some subclasses): count them as they are.
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+def storage_bytes(tensors: list[Tensor], exclude: AbstractSet[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind ``tensors``, skipping those in ``exclude``."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        key, nbytes = _storage_key(tensor)
+        if nbytes and key not in exclude:
+            seen[key] = nbytes
+    return sum(seen.values())
+
+
+def tensor_bytes(tensors: tuple[Tensor, ...]) -> int:
+    """Bytes of the tensors themselves, each distinct view counted once."""
+    seen: dict[tuple[Any, ...], int] = {}
+    for t in tensors:
+        key = (_storage_key(t)[0], t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        seen[key] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def state_storages(layer: nn.Module) -> set[int]:
+    """Identities of the storages of a layer's parameters and buffers."""
+    return {_storage_key(t)[0] for t in (*layer.parameters(), *layer.buffers())}
+
+
+def _leaf(tensor: Tensor) -> Tensor:
+    """A stage input: floating tensors need gradients, integer ones (token ids) cannot."""
+    leaf = tensor.detach()
+    if leaf.is_floating_point() or leaf.is_complex():
+        leaf.requires_grad_(True)
+    return leaf
+
+
+def _targets(outputs: tuple[Tensor, ...]) -> list[Tensor]:
+    """The outputs backward starts from."""
+    return [t for t in outputs if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class _Pass:
+    """Forward and backward passes of one layer on a fixed input, with fixed gradients."""
+
+    def __init__(
+        self, layer: nn.Module, inputs: tuple[Tensor, ...], device: torch.device, label: str
+    ):
+        self.layer = layer
+        self.label = label
+        self.leaves = tuple(_leaf(t) for t in inputs)
+        self.device = device
+        self.grads: list[Tensor] | None = None
+
+    def arguments(self) -> tuple[Tensor, ...]:
+        """Fresh copies of the inputs for one pass.
+
+        Inside a model a layer's input is not a leaf, so in-place layers such as
+        ``ReLU(inplace=True)`` may modify it; copies allow that and keep the stored
+        inputs unchanged for the next pass.
+        """
+        for leaf in self.leaves:
+            leaf.grad = None
+        return tuple(leaf.clone() for leaf in self.leaves)
+
+    def forward(self, args: tuple[Tensor, ...]) -> list[Tensor]:
+        outputs = as_tensors(self.layer(*args), f"the output of {self.label}")
+        targets = _targets(outputs)
+        if self.grads is None:
+            self.grads = [torch.ones_like(t) for t in targets]
+        return targets
+
+    def backward(self, targets: list[Tensor]) -> None:
+        if targets:
+            torch.autograd.backward(targets, self.grads)
+
+    def run(self) -> None:
+        self.backward(self.forward(self.arguments()))
+
+    def timed(self) -> tuple[float, float]:
+        """Seconds of one forward and one backward."""
+        args = self.arguments()
+        if self.device.type == "cuda":
+            start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+            targets = self.forward(args)
+            middle.record()
+            self.backward(targets)
+            end.record()
+            # Events time the GPU stream; wait until it has reached the last one.
+            end.synchronize()
+            backward = middle.elapsed_time(end) / 1e3 if targets else 0.0
+            return start.elapsed_time(middle) / 1e3, backward
+        _synchronize(self.device)
+        t0 = time.perf_counter()
+        targets = self.forward(args)
+        _synchronize(self.device)
+        t1 = time.perf_counter()
+        if not targets:
+            return t1 - t0, 0.0
+        self.backward(targets)
+        _synchronize(self.device)
+        return t1 - t0, time.perf_counter() - t1
+
+    def saved(self, exclude: AbstractSet[int]) -> tuple[int, int]:
+        """Bytes autograd saves for backward during one forward (then runs the backward).
+
+        Returns:
+            All saved bytes, and those of them newly allocated (not the input's).
+        """
+        packed: list[Tensor] = []
+        args = self.arguments()
+
+        def pack(tensor: Tensor) -> Tensor:
+            packed.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            targets = self.forward(args)
+        nbytes = storage_bytes(packed, exclude)
+        fresh = storage_bytes(packed, {*exclude, *(_storage_key(a)[0] for a in args)})
+        packed.clear()
+        self.backward(targets)
+        return nbytes, fresh
+
+    def peak(self, fresh: int) -> int:
+        """CUDA memory above the baseline and the saved tensors during forward + backward.
+
+        The baseline holds what exists before the layer runs (parameters, their
+        gradients, the input), so only memory the layer allocates counts, less what
+        stays behind as newly saved tensors (``fresh`` bytes).
+        """
+        args = self.arguments()
+        torch.cuda.synchronize(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.backward(self.forward(args))
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.max_memory_allocated(self.device) - baseline - fresh)
+
+
+def measure_layer(
+    layer: nn.Module,
+    inputs: tuple[Tensor, ...],
+    device: torch.device,
+    *,
+    exclude: AbstractSet[int],
+    warmup: int,
+    repeats: int,
+    label: str = "the layer",
+) -> LayerFigures:
+    """Measures one layer, already on ``device``, on ``inputs`` (also on ``device``).
+
+    Args:
+        layer: the module; its parameter gradients accumulate, so pass a copy.
+        inputs: the layer's positional inputs; floating ones get ``requires_grad``.
+        device: where ``layer`` and ``inputs`` live.
+        exclude: storage identities not to count as saved (parameters and buffers).
+        warmup: untimed runs before the timed ones.
+        repeats: timed runs; the median is reported.
+        label: how error messages name the layer.
+
+    Returns:
+        Median forward and backward seconds, saved bytes and, on CUDA, the peak.
+    """
+    runs = _Pass(layer, inputs, device, label)
+    # The first pass counts saved tensors and allocates parameter gradients, so the
+    # later passes (and the peak) see gradients as existing state, not as transients.
+    saved, fresh = runs.saved(exclude)
+    for _ in range(warmup):
+        runs.run()
+    times = [runs.timed() for _ in range(repeats)]
+    peak = runs.peak(fresh) if device.type == "cuda" else None
+    return LayerFigures(
+        forward=statistics.median(t[0] for t in times),
+        backward=statistics.median(t[1] for t in times),
+        saved=saved,
+        peak=peak,
+    )

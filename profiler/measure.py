@@ -1,0 +1,249 @@
+"""Profiles a model layer by layer, one layer on the device at a time, leaving it untouched."""
+
+from __future__ import annotations
+
+import copy
+import math
+import platform
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from profiler.layer import as_tensors, measure_layer, state_storages, tensor_bytes
+from profiler.profile import LayerProfile, Profile
+
+__all__ = ["default_batch_sizes", "profile_layers", "profile_model"]
+
+Inputs = tuple[Tensor, ...]
+
+
+def default_batch_sizes(micro_batch: int) -> list[int]:
+    """Two distinct sizes around the micro-batch, enough to fit a line through."""
+    if micro_batch > 1:
+        return [max(1, micro_batch // 2), micro_batch]
+    return [1, 2]
+
+
+def _sample_tensors(sample: Any) -> Inputs:
+    """The sample as a tuple of tensors sharing a non-zero batch dimension."""
+    if isinstance(sample, Tensor):
+        tensors: Inputs = (sample,)
+    elif isinstance(sample, (tuple, list)) and sample:
+        if not all(isinstance(t, Tensor) for t in sample):
+            kinds = ", ".join(type(t).__name__ for t in sample)
+            raise ValueError(
+                f"sample must be a tensor or a tuple of tensors, got a tuple of {kinds}"
+            )
+        tensors = tuple(sample)
+    else:
+        raise ValueError(
+            f"sample must be a tensor or a non-empty tuple of tensors, got {type(sample).__name__}"
+        )
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("sample tensors need a batch dimension (dim 0); got a 0-d tensor")
+    sizes = [t.shape[0] for t in tensors]
+    if len(set(sizes)) > 1:
+        raise ValueError(f"sample tensors disagree on the batch size (dim 0): {sizes}")
+    if sizes[0] == 0:
+        raise ValueError("sample has an empty batch (dim 0 is 0); it needs at least one sample")
+    return tensors
+
+
+def _resize(tensors: Inputs, size: int, device: torch.device) -> Inputs:
+    """The sample at another batch size, repeating it when ``size`` exceeds it.
+
+    Every result owns a fresh storage, so saved-tensor bytes count only ``size`` rows.
+    """
+    out = []
+    with torch.no_grad():
+        for t in tensors:
+            rows = torch.arange(size, device=t.device) % t.shape[0]
+            out.append(t.detach().index_select(0, rows).to(device))
+    return tuple(out)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {dev} requested but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or device.type
+
+
+def _dtype(layers: Sequence[nn.Module], sample: Inputs) -> str:
+    """The first floating parameter's dtype, else the sample's."""
+    floating: list[Tensor] = [
+        p for layer in layers for p in layer.parameters() if p.is_floating_point()
+    ]
+    tensors = floating or [t for t in sample if t.is_floating_point()] or list(sample)
+    return str(tensors[0].dtype).removeprefix("torch.")
+
+
+def _batch_sizes(batch_sizes: Sequence[int] | None, micro_batch: int) -> list[int]:
+    if batch_sizes is None:
+        return default_batch_sizes(micro_batch)
+    sizes = list(batch_sizes)
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        raise ValueError(f"batch_sizes must be positive integers, got {sizes}")
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"batch_sizes must be distinct, got {sizes}")
+    return sorted(sizes)
+
+
+def _profile_layer(
+    layer: nn.Module,
+    name: str,
+    inputs: list[Inputs],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> tuple[LayerProfile, list[Inputs]]:
+    """Measures a copy of ``layer`` at every batch size; returns its outputs too."""
+    replica = copy.deepcopy(layer).to(device)
+    label = f"layer {name} ({type(layer).__name__})"
+    try:
+        exclude = state_storages(replica)
+        figures = [
+            measure_layer(
+                replica, x, device, exclude=exclude, warmup=warmup, repeats=repeats, label=label
+            )
+            for x in inputs
+        ]
+        with torch.no_grad():
+            outputs = [as_tensors(replica(*x), f"the output of {label}") for x in inputs]
+        params = sum(p.numel() * p.element_size() for p in replica.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in replica.buffers())
+    finally:
+        del replica
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    peaks = [f.peak for f in figures if f.peak is not None]
+    profile = LayerProfile(
+        name=name,
+        kind=type(layer).__name__,
+        forward=[f.forward for f in figures],
+        backward=[f.backward for f in figures],
+        saved=[f.saved for f in figures],
+        output=[tensor_bytes(out) for out in outputs],
+        param_bytes=params,
+        buffer_bytes=buffers,
+        peak=peaks if len(peaks) == len(figures) else None,
+    )
+    return profile, outputs
+
+
+def profile_layers(
+    layers: Sequence[nn.Module],
+    sample: Tensor | tuple[Tensor, ...],
+    *,
+    device: str | torch.device = "cpu",
+    chunks: int = 1,
+    batch_sizes: Sequence[int] | None = None,
+    names: Sequence[str] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Profile:
+    """Measures the time and memory of each layer of a sequential model.
+
+    Each layer is deep-copied to ``device`` alone, measured at every batch size on the
+    previous layer's outputs, then dropped. The given layers, their gradients, devices,
+    modes, parameters and buffers, and the global RNG state are left as they were.
+    Layers are measured in the mode they are in (``train()`` for training profiles).
+
+    Args:
+        layers: the layers in execution order; a tuple output is passed on as ``*args``.
+        sample: one mini-batch, a tensor or a tuple of tensors; dim 0 is the batch.
+        device: where to measure.
+        chunks: micro-batches per mini-batch; sets the default batch sizes.
+        batch_sizes: micro-batch sizes to measure at; default: around
+            ``ceil(N / chunks)``. Sizes above the sample's batch repeat the sample.
+        names: one name per layer; default: the positions ``"0"``, ``"1"``, ...
+        warmup: untimed runs before timing, per layer and batch size.
+        repeats: timed runs, per layer and batch size; the median is kept.
+        progress: called as ``progress(done, total, name)`` after each layer.
+
+    Returns:
+        The profile: per-layer forward/backward seconds and saved/output bytes at each
+        batch size, parameter and buffer bytes, and on CUDA the transient peak.
+
+    Raises:
+        ValueError: bad layers, sample, chunks, batch sizes, names or counts.
+    """
+    layers = list(layers)
+    if not layers:
+        raise ValueError("cannot profile an empty list of layers")
+    if not all(isinstance(layer, nn.Module) for layer in layers):
+        raise ValueError("every layer must be a torch.nn.Module")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    tensors = _sample_tensors(sample)
+    batch = tensors[0].shape[0]
+    sizes = _batch_sizes(batch_sizes, math.ceil(batch / chunks))
+    layer_names = [str(i) for i in range(len(layers))] if names is None else list(names)
+    if len(layer_names) != len(layers):
+        raise ValueError(f"got {len(layer_names)} names for {len(layers)} layers")
+    dev = _device(device)
+
+    cuda = [dev.index] if dev.type == "cuda" else []
+    on_device: AbstractContextManager[Any] = torch.cuda.device(dev) if cuda else nullcontext()
+    results: list[LayerProfile] = []
+    with (
+        torch.random.fork_rng(devices=cuda),
+        on_device,
+        torch.inference_mode(False),
+        torch.enable_grad(),
+    ):
+        inputs = [_resize(tensors, size, dev) for size in sizes]
+        input_bytes = [tensor_bytes(x) for x in inputs]
+        for i, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
+            result, inputs = _profile_layer(layer, name, inputs, dev, warmup, repeats)
+            results.append(result)
+            if progress is not None:
+                progress(i + 1, len(layers), name)
+        del inputs
+
+    return Profile(
+        layers=results,
+        batch_sizes=sizes,
+        input=input_bytes,
+        batch_size=batch,
+        chunks=chunks,
+        device=str(dev),
+        device_name=_device_name(dev),
+        torch_version=str(torch.__version__),
+        dtype=_dtype(layers, tensors),
+    )
+
+
+def profile_model(
+    model: nn.Sequential, sample: Tensor | tuple[Tensor, ...], **kwargs: Any
+) -> Profile:
+    """Profiles the children of an ``nn.Sequential``; see :func:`profile_layers`.
+
+    Layer names are the children's names and kinds their class names.
+
+    Raises:
+        ValueError: ``model`` is not an ``nn.Sequential`` or has no children.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(
+            f"profile_model needs an nn.Sequential, got {type(model).__name__}; wrap the "
+            "layers in nn.Sequential or call profile_layers"
+        )
+    children = list(model.named_children())
+    kwargs.setdefault("names", [name for name, _ in children])
+    return profile_layers([child for _, child in children], sample, **kwargs)

@@ -1,0 +1,178 @@
+"""Per-layer measurements of a model as plain data, saved as versioned JSON."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from profiler.fit import fit_linear
+from profiler.jsonfile import read_json, write_json
+
+__all__ = ["PROFILE_VERSION", "LayerProfile", "Profile"]
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class LayerProfile:
+    """What one layer costs, measured at each profiled micro-batch size.
+
+    Lists run parallel to :attr:`Profile.batch_sizes`. Times are seconds (median of the
+    repeats), sizes are bytes.
+
+    Attributes:
+        name: the layer's name in the model (its index in an ``nn.Sequential``).
+        kind: the layer's class name.
+        forward: forward time per batch size.
+        backward: backward time per batch size (gradients of inputs and parameters).
+        saved: bytes the layer saves for backward, de-duplicated by storage, parameters
+            and buffers excluded.
+        output: bytes of the layer's output, what crosses a cut placed after it.
+        param_bytes: bytes of the layer's parameters.
+        buffer_bytes: bytes of the layer's buffers (e.g. BatchNorm running statistics).
+        peak: transient memory above the saved tensors during forward and backward, when
+            the device can report it (CUDA), else ``None``.
+    """
+
+    name: str
+    kind: str
+    forward: list[float]
+    backward: list[float]
+    saved: list[int]
+    output: list[int]
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    peak: list[int] | None = None
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters plus buffers."""
+        return self.param_bytes + self.buffer_bytes
+
+
+@dataclass
+class Profile:
+    """Measurements of every layer of a model on one device.
+
+    Attributes:
+        layers: per-layer figures, in execution order.
+        batch_sizes: the micro-batch sizes every layer was measured at.
+        input: bytes of the model's input at each batch size.
+        batch_size: the mini-batch size the profile was made for.
+        chunks: the micro-batch count the profile was made for.
+        device: the device string, e.g. ``cuda:0``.
+        device_name: a human name of the device (GPU model or CPU).
+        torch_version: the torch version that measured.
+        dtype: the floating dtype of the parameters.
+        version: the JSON schema version.
+    """
+
+    layers: list[LayerProfile]
+    batch_sizes: list[int]
+    input: list[int]
+    batch_size: int
+    chunks: int = 1
+    device: str = "cpu"
+    device_name: str = ""
+    torch_version: str = ""
+    dtype: str = "float32"
+    version: int = PROFILE_VERSION
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a profile needs at least one layer")
+        if sorted(set(self.batch_sizes)) != sorted(self.batch_sizes) or not self.batch_sizes:
+            raise ValueError(f"batch sizes must be distinct and non-empty: {self.batch_sizes}")
+        n = len(self.batch_sizes)
+        if len(self.input) != n:
+            raise ValueError("profile input needs one entry per batch size")
+        for layer in self.layers:
+            lists: list[Sequence[float]] = [
+                layer.forward,
+                layer.backward,
+                layer.saved,
+                layer.output,
+            ]
+            if layer.peak is not None:
+                lists.append(layer.peak)
+            if any(len(values) != n for values in lists):
+                raise ValueError(f"layer {layer.name}: needs one figure per batch size ({n})")
+
+        self._fits: dict[tuple[int, str], tuple[float, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def micro_batch(self, chunks: int | None = None) -> int:
+        """The largest micro-batch size when the mini-batch is cut into ``chunks``."""
+        m = self.chunks if chunks is None else chunks
+        return math.ceil(self.batch_size / m)
+
+    def fit(self, index: int, figure: str) -> tuple[float, float]:
+        """The fitted ``(a, b)`` of one layer's figure: ``value = a + b * batch``.
+
+        Args:
+            index: the layer's position; ``-1`` with ``figure="input"`` is the model input.
+            figure: ``forward``, ``backward``, ``saved``, ``output``, ``peak`` or ``input``.
+        """
+        key = (index, figure)
+        if key not in self._fits:
+            if figure == "input":
+                values: list[float] | list[int] | None = self.input
+            else:
+                values = getattr(self.layers[index], figure)
+            self._fits[key] = (0.0, 0.0) if values is None else fit_linear(self.batch_sizes, values)
+        return self._fits[key]
+
+    def predict(self, index: int, figure: str, batch: float) -> float:
+        """A layer's figure at any micro-batch size, from the fitted line."""
+        a, b = self.fit(index, figure)
+        return a + b * batch
+
+    def fits(self, index: int) -> dict[str, tuple[float, float]]:
+        """The fitted (a, b) of each figure of one layer."""
+        return {key: self.fit(index, key) for key in ("forward", "backward", "saved", "output")}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fits"] = [
+            {key: list(value) for key, value in self.fits(i).items()} for i in range(len(self))
+        ]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            raise ValueError(
+                f"profile format version {version!r} is not supported (expected "
+                f"{PROFILE_VERSION}); re-create it with `autopipe profile`"
+            )
+        fields = {k: v for k, v in data.items() if k not in ("layers", "fits")}
+        layers = [LayerProfile(**layer) for layer in data["layers"]]
+        return cls(layers=layers, **fields)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the profile as JSON, atomically (no half-written file on failure)."""
+        write_json(path, "profile", self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        """Reads a profile written by :meth:`save`.
+
+        Raises:
+            ValueError: the file is not a profile of a supported version.
+        """
+        data = read_json(path, "profile")
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{path} is not a valid autopipe profile: {exc}") from None

@@ -1,0 +1,73 @@
+"""The public ``partition`` API: strategies, validation and infeasibility messages."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopipe
+from autopipe import PlanningError, partition
+from autopipe.minmax import bottleneck
+
+
+def test_exported_and_default_is_optimal():
+    assert autopipe.partition is partition
+    assert bottleneck([5] * 7 + [20], partition([5] * 7 + [20], 2)) == 30
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "uniform", "parameters", "blockpartition"])
+def test_every_strategy_returns_a_valid_balance(strategy):
+    costs = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    balance = partition(costs, 4, memory=costs, strategy=strategy)
+    assert len(balance) == 4 and min(balance) >= 1 and sum(balance) == len(costs)
+
+
+def test_strategies_differ_where_expected():
+    costs = [5] * 7 + [20]
+    assert bottleneck(costs, partition(costs, 2, strategy="blockpartition")) == 35
+    assert bottleneck(costs, partition(costs, 2)) == 30
+    assert partition(costs, 2, strategy="uniform") == [4, 4]
+    assert partition([1] * 10, 3, strategy="uniform") == [4, 3, 3]
+
+
+def test_memory_cap_per_stage_list():
+    assert partition([1, 1, 1, 1], 2, memory=[5, 5, 1, 1], capacity=[5, 100]) == [1, 3]
+
+
+def test_stages_greater_than_layers():
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        partition([1, 2], 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"costs": [], "stages": 1}, "non-empty"),
+        ({"costs": [1, -1], "stages": 1}, "non-negative"),
+        ({"costs": [1, 2], "stages": 0}, "positive integer"),
+        ({"costs": [1, 2], "stages": 1, "memory": [1]}, "memory has 1 entries"),
+        ({"costs": [1, 2], "stages": 2, "capacity": 3}, "capacity needs memory"),
+        ({"costs": [1, 2], "stages": 2, "memory": [1, 1], "capacity": [1]}, "capacity has 1"),
+        ({"costs": [1, 2], "stages": 1, "strategy": "magic"}, "unknown strategy"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        partition(**kwargs)
+
+
+def test_single_layer_too_large_is_named_with_missing_bytes():
+    with pytest.raises(PlanningError, match=r"layer 1 needs 50 bytes .* \(30 bytes missing\)"):
+        partition([1, 1, 1], 2, memory=[1, 50, 1], capacity=20)
+
+
+def test_no_split_fits_names_stage_and_bytes():
+    with pytest.raises(PlanningError) as info:
+        partition([1, 1, 1, 1], 2, memory=[10, 10, 10, 10], capacity=15)
+    message = str(info.value)
+    assert "no split into 2 stages fits" in message
+    assert "5 more bytes on stage" in message
+
+
+def test_baseline_strategy_that_does_not_fit_is_reported():
+    with pytest.raises(PlanningError, match="stage 0 .* needs 10 more bytes"):
+        partition([1, 1, 1, 1], 2, memory=[10, 10, 1, 1], capacity=10, strategy="uniform")

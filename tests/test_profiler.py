@@ -1,0 +1,323 @@
+"""Tests of the layer-by-layer profiler (profiler.measure) on CPU."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from profiler import Profile, profile_layers, profile_model
+from profiler.layer import measure_layer, state_storages
+from profiler.measure import default_batch_sizes
+from profiler.progress import TerminalProgress
+
+FAST: dict[str, Any] = {"warmup": 1, "repeats": 3}
+F32 = 4
+
+
+class Split(nn.Module):
+    """Returns two tensors, passed on as two arguments."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x * 2, x[:, :1] + 1
+
+
+class Join(nn.Module):
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return a * b
+
+
+class Twice(nn.Module):
+    """Returns the same tensor twice; it crosses a cut once."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        y = x + 1
+        return y, y
+
+
+class Shift(nn.Module):
+    """Integer in, integer out: nothing to differentiate."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return ids + 1
+
+
+SEEN: list[Tensor] = []
+
+
+class Record(nn.Module):
+    """Remembers its inputs (in a module-level list, which deepcopy does not copy)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        SEEN.append(x.detach().clone())
+        return x
+
+
+class ReturnsDict(nn.Module):
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"x": x}
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: on a busy machine, idle-waiting worker threads add noise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_more_flops_take_longer_and_time_grows_with_batch() -> None:
+    layers = [nn.Linear(512, 512), nn.Linear(512, 8), nn.Linear(8, 8)]
+    sample = torch.randn(32, 512)
+    profile = profile_layers(layers, sample, batch_sizes=[32, 512], warmup=1, repeats=5)
+    big, small = profile.layers[0], profile.layers[2]
+    for i in range(2):
+        assert big.forward[i] > small.forward[i]
+        assert big.backward[i] > small.backward[i]
+    assert big.forward[1] > big.forward[0]
+    assert big.backward[1] > big.backward[0]
+    assert profile.fit(0, "forward")[1] > 0
+    assert profile.fit(0, "backward")[1] > 0
+
+
+def test_saved_output_and_state_bytes_of_linear_relu_batchnorm() -> None:
+    n_in, n_out = 6, 10
+    model = nn.Sequential(nn.Linear(n_in, n_out), nn.ReLU(), nn.BatchNorm1d(n_out))
+    profile = profile_model(model, torch.randn(5, n_in), batch_sizes=[3, 5], **FAST)
+    assert profile.batch_sizes == [3, 5]
+    assert profile.input == [b * n_in * F32 for b in (3, 5)]
+    linear, relu, norm = profile.layers
+    assert linear.saved == [b * n_in * F32 for b in (3, 5)]  # the input; weight excluded
+    assert relu.saved == [b * n_out * F32 for b in (3, 5)]  # the output
+    assert linear.output == relu.output == [b * n_out * F32 for b in (3, 5)]
+    assert linear.param_bytes == (n_in * n_out + n_out) * F32
+    assert linear.buffer_bytes == relu.param_bytes == relu.buffer_bytes == 0
+    assert norm.param_bytes == 2 * n_out * F32
+    # running mean and variance, plus the int64 num_batches_tracked
+    assert norm.buffer_bytes == 2 * n_out * F32 + 8
+    # at least the input; the affine parameters are not counted
+    assert all(s >= b * n_out * F32 for s, b in zip(norm.saved, (3, 5), strict=True))
+    for layer in profile.layers:
+        assert layer.peak is None
+        assert all(t > 0 for t in layer.forward + layer.backward)
+
+
+def test_profile_metadata() -> None:
+    model = nn.Sequential(OrderedDict(first=nn.Linear(4, 4), act=nn.Tanh()))
+    profile = profile_model(model, torch.randn(8, 4), chunks=2, **FAST)
+    assert profile.names == ["first", "act"]
+    assert [layer.kind for layer in profile.layers] == ["Linear", "Tanh"]
+    assert profile.batch_size == 8
+    assert profile.chunks == 2
+    assert profile.device == "cpu"
+    assert profile.device_name
+    assert profile.torch_version == torch.__version__
+    assert profile.dtype == "float32"
+
+
+def test_dtype_without_parameters_comes_from_the_sample() -> None:
+    floating = profile_layers([nn.ReLU()], torch.randn(2, 3, dtype=torch.float64), **FAST)
+    assert floating.dtype == "float64"
+    integer = profile_layers([Shift()], torch.arange(4).view(2, 2), **FAST)
+    assert integer.dtype == "int64"
+
+
+def test_model_is_left_untouched() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 3)
+    )
+    model[4].eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    sample = torch.randn(6, 4)
+
+    torch.manual_seed(123)
+    expected = torch.rand(1)
+    torch.manual_seed(123)
+    with torch.no_grad():  # the profiler still needs gradients inside
+        profile = profile_model(model, sample, **FAST)
+
+    assert torch.equal(torch.rand(1), expected)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert [m.training for m in model.modules()] == modes
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    assert not sample.requires_grad
+    assert all(b > 0 for layer in profile.layers for b in layer.backward)
+
+
+def test_existing_gradients_are_kept() -> None:
+    layer = nn.Linear(3, 3)
+    layer(torch.randn(2, 3)).sum().backward()
+    assert layer.weight.grad is not None
+    grad = layer.weight.grad.clone()
+    profile_layers([layer], torch.randn(2, 3), **FAST)
+    assert torch.equal(layer.weight.grad, grad)
+
+
+def test_tuple_outputs_pass_on_as_arguments() -> None:
+    profile = profile_layers([Split(), Join(), Twice()], torch.randn(4, 3), batch_sizes=[2, 4])
+    split, join, twice = profile.layers
+    assert split.output == [b * 3 * F32 + b * 1 * F32 for b in (2, 4)]
+    assert join.output == [b * 3 * F32 for b in (2, 4)]
+    assert twice.output == [b * 3 * F32 for b in (2, 4)]  # the same tensor twice, once
+
+
+def test_tuple_sample() -> None:
+    sample = (torch.randn(4, 3), torch.randn(4, 1))
+    profile = profile_layers([Join(), nn.Linear(3, 2)], sample, batch_sizes=[1, 4], **FAST)
+    assert profile.input == [b * 4 * F32 for b in (1, 4)]
+    assert profile.layers[1].output == [b * 2 * F32 for b in (1, 4)]
+
+
+def test_integer_inputs_get_no_gradient() -> None:
+    ids = torch.randint(0, 50, (4, 7))
+    layers = [Shift(), nn.Embedding(60, 16), nn.Linear(16, 2)]
+    profile = profile_layers(layers, ids, batch_sizes=[2, 4], **FAST)
+    shift, embed, _ = profile.layers
+    assert profile.input == [b * 7 * 8 for b in (2, 4)]
+    assert shift.backward == [0.0, 0.0]
+    assert shift.saved == [0, 0]
+    assert all(t > 0 for t in embed.backward)
+    assert embed.saved == [b * 7 * 8 for b in (2, 4)]  # the int64 indices
+    assert embed.output == [b * 7 * 16 * F32 for b in (2, 4)]
+
+
+def test_default_batch_sizes() -> None:
+    assert default_batch_sizes(1) == [1, 2]
+    assert default_batch_sizes(2) == [1, 2]
+    assert default_batch_sizes(7) == [3, 7]
+    cases = {(8, 1): [4, 8], (8, 4): [1, 2], (8, 8): [1, 2], (7, 2): [2, 4], (1, 1): [1, 2]}
+    for (batch, chunks), sizes in cases.items():
+        profile = profile_layers([nn.ReLU()], torch.randn(batch, 2), chunks=chunks, **FAST)
+        assert profile.batch_sizes == sizes, (batch, chunks)
+
+
+def test_batch_sizes_beyond_the_sample_repeat_it() -> None:
+    SEEN.clear()
+    sample = torch.randn(2, 3)
+    profile = profile_layers([Record(), nn.Linear(3, 1)], sample, batch_sizes=[5, 1], repeats=1)
+    assert profile.batch_sizes == [1, 5]
+    assert profile.input == [1 * 3 * F32, 5 * 3 * F32]
+    assert profile.layers[1].saved == [1 * 3 * F32, 5 * 3 * F32]
+    assert profile.batch_size == 2
+    assert any(torch.equal(x, sample[[0, 1, 0, 1, 0]]) for x in SEEN)
+    assert any(torch.equal(x, sample[:1]) for x in SEEN)
+
+
+@pytest.mark.parametrize(
+    ("layers", "sample", "kwargs", "message"),
+    [
+        ([], torch.randn(2, 2), {}, "empty"),
+        ([nn.ReLU()], torch.randn(2, 2), {"chunks": 0}, "chunks"),
+        ([nn.ReLU()], "tensor", {}, "sample"),
+        ([nn.ReLU()], (torch.randn(2, 2), 3), {}, "tuple of tensors"),
+        ([nn.ReLU()], (), {}, "sample"),
+        ([nn.ReLU()], torch.tensor(1.0), {}, "batch dimension"),
+        ([nn.ReLU()], torch.randn(0, 3), {}, "empty batch"),
+        ([Join()], (torch.randn(2, 3), torch.randn(3, 3)), {}, "disagree"),
+        ([nn.ReLU()], torch.randn(2, 2), {"batch_sizes": [0, 2]}, "positive"),
+        ([nn.ReLU()], torch.randn(2, 2), {"batch_sizes": [2, 2]}, "distinct"),
+        ([nn.ReLU()], torch.randn(2, 2), {"names": ["a", "b"]}, "names"),
+        ([nn.ReLU()], torch.randn(2, 2), {"repeats": 0}, "repeats"),
+        ([lambda x: x], torch.randn(2, 2), {}, "nn.Module"),
+        ([ReturnsDict()], torch.randn(2, 2), {}, "output of layer 0"),
+    ],
+)
+def test_bad_input_raises(layers: list, sample: object, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        profile_layers(layers, sample, **kwargs)  # type: ignore[arg-type]
+
+
+def test_profile_model_needs_a_sequential() -> None:
+    with pytest.raises(ValueError, match=r"nn\.Sequential"):
+        profile_model(nn.Linear(2, 2), torch.randn(2, 2))  # type: ignore[arg-type]
+
+
+def test_progress_called_once_per_layer() -> None:
+    calls: list[tuple[int, int, str]] = []
+    model = nn.Sequential(OrderedDict(a=nn.Linear(2, 2), b=nn.ReLU(), c=nn.Linear(2, 1)))
+    profile_model(model, torch.randn(2, 2), progress=lambda *args: calls.append(args), repeats=1)
+    assert calls == [(1, 3, "a"), (2, 3, "b"), (3, 3, "c")]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_terminal_progress_rewrites_one_line_on_a_tty_only() -> None:
+    pipe = io.StringIO()
+    TerminalProgress(pipe)(1, 2, "0")
+    assert pipe.getvalue() == ""
+
+    tty = FakeTerminal()
+    show = TerminalProgress(tty, kinds={"10": "Linear"})
+    show(1, 12, "10")
+    show(12, 12, "x")
+    text = tty.getvalue()
+    assert text.startswith("\rprofiling layer 1/12 (10: Linear)\r")
+    assert "profiling layer 12/12 (x)" in text
+    assert text.endswith("\n") and text.count("\n") == 1
+
+
+def test_measured_profile_survives_json(tmp_path: object) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    profile = profile_model(model, torch.randn(4, 3), **FAST)
+    path = f"{tmp_path}/profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+
+
+def test_in_place_layers() -> None:
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=True), nn.Linear(5, 2))
+    profile = profile_model(model, torch.randn(4, 3), batch_sizes=[2, 4], **FAST)
+    relu = profile.layers[1]
+    assert relu.saved == [b * 5 * F32 for b in (2, 4)]  # its output, which is its input
+    assert all(t > 0 for t in relu.backward)
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event on a machine without CUDA."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.time = 0.0
+
+    def record(self) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.time - self.time) * 1e3
+
+
+def test_cuda_code_path_with_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5000)
+    layer = nn.Linear(4, 4)
+    figures = measure_layer(
+        layer, (torch.randn(3, 4),), torch.device("cuda"), exclude=state_storages(layer), **FAST
+    )
+    assert figures.forward > 0 and figures.backward > 0
+    assert figures.saved == 3 * 4 * F32
+    # the saved input existed before the pass, so only the allocations above it count
+    assert figures.peak == 4000
+    relu = measure_layer(
+        nn.ReLU(), (torch.randn(3, 4),), torch.device("cuda"), exclude=set(), **FAST
+    )
+    assert relu.peak == 4000 - 3 * 4 * F32  # the saved output is not transient

@@ -1,0 +1,136 @@
+"""Tests for the baseline strategies: uniform layer counts and parameter balancing."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopipe.strategies import parameters, uniform
+
+
+def _splits(n: int, k: int) -> list[list[int]]:
+    """Every balance of n layers into k non-empty stages."""
+    out = []
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        out.append([b - a for a, b in itertools.pairwise(bounds)])
+    return out
+
+
+def _stage_sums(weights: list[float], balance: list[int]) -> list[float]:
+    out, start = [], 0
+    for count in balance:
+        out.append(sum(weights[start : start + count]))
+        start += count
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "expected"),
+    [
+        (10, 4, [3, 3, 2, 2]),
+        (8, 4, [2, 2, 2, 2]),
+        (7, 3, [3, 2, 2]),
+        (5, 5, [1, 1, 1, 1, 1]),
+        (5, 1, [5]),
+        (13, 5, [3, 3, 3, 2, 2]),
+    ],
+)
+def test_uniform_places_remainder_first(n: int, k: int, expected: list[int]) -> None:
+    assert uniform(n, k) == expected
+
+
+@given(n=st.integers(min_value=1, max_value=500), data=st.data())
+def test_uniform_is_valid_and_even(n: int, data: st.DataObject) -> None:
+    k = data.draw(st.integers(min_value=1, max_value=n))
+    balance = uniform(n, k)
+    assert len(balance) == k and sum(balance) == n
+    assert max(balance) - min(balance) <= 1
+    assert balance == sorted(balance, reverse=True)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "message"),
+    [
+        (4, 0, "at least 1"),
+        (4, -1, "at least 1"),
+        (4, 5, "cannot split 4 layers into 5"),
+        (0, 1, "cannot split 0 layers"),
+    ],
+)
+def test_uniform_errors(n: int, k: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        uniform(n, k)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    params=st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=9),
+    data=st.data(),
+)
+def test_parameters_matches_brute_force(params: list[int], data: st.DataObject) -> None:
+    k = data.draw(st.integers(min_value=1, max_value=len(params)))
+    weights = [float(p) for p in params]
+    balance = parameters(weights, k)
+    assert len(balance) == k and sum(balance) == len(params) and min(balance) >= 1
+
+    candidates = _splits(len(params), k)
+    optimum = min(max(_stage_sums(weights, s)) for s in candidates)
+    assert max(_stage_sums(weights, balance)) == optimum
+    # Tie-break: the most even layer counts among the optimal splits.
+    optimal = [s for s in candidates if max(_stage_sums(weights, s)) == optimum]
+    assert sum(c * c for c in balance) == min(sum(c * c for c in s) for s in optimal)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    params=st.lists(
+        st.floats(min_value=0, max_value=1e10, allow_nan=False, allow_infinity=False),
+        min_size=1,
+        max_size=40,
+    ),
+    data=st.data(),
+)
+def test_parameters_valid_for_float_inputs(params: list[float], data: st.DataObject) -> None:
+    k = data.draw(st.integers(min_value=1, max_value=len(params)))
+    balance = parameters(params, k)
+    assert len(balance) == k and sum(balance) == len(params) and min(balance) >= 1
+
+
+def test_parameters_ties_go_to_even_counts() -> None:
+    # Parameter-free layers must be spread, not piled onto one stage.
+    assert parameters([0.0] * 10, 4) == uniform(10, 4)
+    assert parameters([0, 0, 0, 100, 0, 0, 0], 2) == [4, 3]
+
+
+def test_parameters_balances_bytes() -> None:
+    # An embedding-heavy first layer: the rest share the other stages.
+    params = [8e8, 1e8, 1e8, 1e8, 1e8, 1e8, 1e8, 1e8, 1e8, 4e8]
+    balance = parameters(params, 3)
+    assert max(_stage_sums(params, balance)) == 8e8
+    assert balance[0] == 1
+
+
+def test_parameters_edge_stage_counts() -> None:
+    assert parameters([5, 1, 2], 1) == [3]
+    assert parameters([5, 1, 2], 3) == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("params", "k", "message"),
+    [
+        ([1.0, 2.0], 0, "at least 1"),
+        ([1.0, 2.0], 3, "cannot split 2 layers into 3"),
+        ([], 1, "cannot split 0 layers"),
+        ([1.0, -1.0], 1, "non-negative"),
+        ([1.0, math.nan], 2, "non-negative and finite"),
+        ([math.inf, 1.0], 2, "non-negative and finite"),
+    ],
+)
+def test_parameters_errors(params: list[float], k: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parameters(params, k)
