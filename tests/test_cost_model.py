@@ -1,0 +1,120 @@
+"""Stage time and memory formulas of the cost model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autopipe.cost_model import CostModel, LayerCosts, optimizer_factor
+from autopipe.devices import DeviceSpec
+
+
+def costs(n=4, **overrides):
+    base = {
+        "names": [f"l{i}" for i in range(n)],
+        "forward": np.arange(1.0, n + 1),  # 1, 2, 3, 4
+        "backward": 2 * np.arange(1.0, n + 1),
+        "saved": np.full(n, 100.0),
+        "output": np.array([10.0, 20.0, 30.0, 40.0])[:n],
+        "params": np.full(n, 1000.0),
+        "buffers": np.full(n, 7.0),
+        "peak": np.zeros(n),
+        "input": 5.0,
+    }
+    base.update(overrides)
+    return LayerCosts(**base)
+
+
+def model(devices=2, **kwargs):
+    specs = [DeviceSpec() for _ in range(devices)] if isinstance(devices, int) else devices
+    return CostModel(costs(), specs, **{"chunks": 4, **kwargs})
+
+
+def at(value):
+    return np.array(value)
+
+
+def test_stage_time_without_checkpointing():
+    m = model(checkpoint="never")
+    # Layers [1, 3): forward 2 + 3, backward 4 + 6.
+    assert m.stage_time(0, at(1), at(3)) == pytest.approx(15.0)
+
+
+def test_recompute_adds_forward_for_checkpointed_micro_batches():
+    assert model(checkpoint="always").stage_time(0, at(1), at(3)) == pytest.approx(20.0)
+    # except_last: 3 of 4 micro-batches recompute.
+    assert model(checkpoint="except_last").stage_time(0, at(1), at(3)) == pytest.approx(18.75)
+
+
+def test_speed_and_bandwidth():
+    devices = [DeviceSpec(speed=2.0, bandwidth=10.0), DeviceSpec(bandwidth=10.0)]
+    m = model(devices, checkpoint="never")
+    # Stage 0 of layers [0, 2): compute (1+2 + 2+4)/2, sends layer 1's output (20 B).
+    assert m.stage_time(0, at(0), at(2)) == pytest.approx(4.5 + 2.0)
+    # The last stage sends nothing.
+    assert m.transfer_time(1, at(4)) == 0.0
+
+
+def test_state_memory_counts_gradients_and_optimizer():
+    m = model(optimizer=optimizer_factor("adam"))
+    # Two layers: params × (1 + grad + 2 Adam states) + buffers.
+    assert m.state_memory(at(0), at(2)) == pytest.approx(2 * (4 * 1000 + 7))
+    sgd = model(optimizer=optimizer_factor("sgd"))
+    assert sgd.state_memory(at(0), at(2)) == pytest.approx(2 * (2 * 1000 + 7))
+
+
+def test_gpipe_never_keeps_all_micro_batches():
+    m = model(checkpoint="never")
+    assert m.activation_memory(0, at(0), at(2)) == pytest.approx(4 * 200)
+
+
+def test_gpipe_checkpoint_keeps_inputs_plus_one_micro_batch():
+    m = model(checkpoint="always")
+    # Stage starting at layer 0 takes the model input (5 B); at layer 2, layer 1's output.
+    assert m.activation_memory(0, at(0), at(2)) == pytest.approx(4 * 5 + 200)
+    assert m.activation_memory(1, at(2), at(4)) == pytest.approx(4 * 20 + 200)
+    last = model(checkpoint="except_last")
+    assert last.activation_memory(1, at(2), at(4)) == pytest.approx(3 * 20 + 200)
+
+
+def test_1f1b_in_flight_depends_on_stage():
+    m = model(devices=4, schedule="1f1b", checkpoint="never", chunks=3)
+    assert [m.in_flight(k) for k in range(4)] == [3, 3, 2, 1]
+    assert m.activation_memory(2, at(2), at(3)) == pytest.approx(2 * 100)
+    gpipe = model(devices=4, schedule="gpipe", chunks=3)
+    assert [gpipe.in_flight(k) for k in range(4)] == [3, 3, 3, 3]
+
+
+def test_transient_peak_is_the_largest_in_the_stage():
+    m = CostModel(
+        costs(peak=np.array([5.0, 50.0, 7.0, 9.0])), [DeviceSpec()], chunks=1, checkpoint="never"
+    )
+    s, e = np.array([0, 2, 2, 0]), np.array([4, 3, 4, 1])
+    base = m.activation_memory(0, s, e) - np.array([400.0, 100.0, 200.0, 100.0])
+    assert base.tolist() == [50.0, 7.0, 9.0, 5.0]
+
+
+def test_sum_invariance():
+    assert model().sum_is_invariant()
+    assert not model([DeviceSpec(speed=2.0), DeviceSpec()]).sum_is_invariant()
+    assert not model([DeviceSpec(bandwidth=1.0), DeviceSpec()]).sum_is_invariant()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"checkpoint": "sometimes"}, "unknown checkpoint mode"),
+        ({"schedule": "zb"}, "unknown schedule"),
+        ({"chunks": 0}, "chunks must be >= 1"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model(**kwargs)
+
+
+def test_optimizer_factor():
+    assert optimizer_factor("Adam") == 2.0
+    assert optimizer_factor(1.5) == 1.5
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        optimizer_factor("lion2")

@@ -1,0 +1,17 @@
+"""The planner core imports no torch, so planning is fast and runs anywhere."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_planner_does_not_import_torch():
+    code = (
+        "import sys, autopipe\n"
+        "from autopipe import partition, plan, Plan\n"
+        "import autopipe.exact, autopipe.cost_model, autopipe.blockpartition\n"
+        "from profiler import Profile\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
