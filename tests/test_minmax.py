@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,7 +18,7 @@ def brute_force(costs, stages, memory=None, caps=None):
     for balance in splits(len(costs), stages):
         if memory is not None:
             bounds = np.cumsum([0, *balance])
-            used = [sum(memory[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+            used = [sum(memory[a:b]) for a, b in itertools.pairwise(bounds)]
             if any(u > c for u, c in zip(used, caps)):
                 continue
         value = bottleneck(costs, balance)
@@ -47,7 +49,7 @@ def check(costs, stages, memory, caps):
     assert bottleneck(costs, found) == pytest.approx(expected, abs=1e-9)
     if memory is not None:
         bounds = np.cumsum([0, *found])
-        for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
             assert sum(memory[a:b]) <= caps[k]
 
 
