@@ -1,0 +1,1 @@
+"""Benchmarks of autopipe: planning speed, balance quality and executor overhead."""
