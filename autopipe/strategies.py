@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from autopipe.minmax import minmax_partition
+
 __all__ = ["parameters", "uniform"]
 
 
@@ -69,19 +71,13 @@ def parameters(params: Sequence[float], stages: int) -> list[int]:
 def _min_max(prefix: np.ndarray, stages: int) -> float:
     """Returns the least possible largest block sum over splits into ``stages`` blocks.
 
-    ``best[i]`` is the optimum for the first ``i`` elements in the current number of blocks;
-    each extra block is tried at every start ``t``: O(stages * n^2), vectorized over ``t``.
+    Measured on the same prefix differences that ``_most_even_within`` compares, so the
+    optimal split itself passes its limit test.
     """
-    n = len(prefix) - 1
-    best = prefix.copy()  # one block: the whole prefix
-    for j in range(2, stages + 1):
-        nxt = np.full(n + 1, np.inf)
-        # j blocks over i elements: the first j - 1 blocks take t >= j - 1 elements.
-        for i in range(j, n - (stages - j) + 1):
-            starts = slice(j - 1, i)
-            nxt[i] = np.maximum(best[starts], prefix[i] - prefix[starts]).min()
-        best = nxt
-    return float(best[n])
+    balance = minmax_partition(np.diff(prefix), stages)
+    assert balance is not None  # no memory caps: every split is feasible
+    bounds = np.cumsum([0, *balance])
+    return float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
 
 
 def _most_even_within(prefix: np.ndarray, stages: int, limit: float) -> list[int]:
