@@ -1,0 +1,5 @@
+"""``python -m autopipe``: runs the command line (see :mod:`autopipe.cli`)."""
+
+from autopipe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,416 @@
+"""The ``autopipe`` command line: ``autopipe plan`` and ``autopipe profile``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autopipe.balance import STRATEGIES
+from autopipe.cost_model import CHECKPOINT_MODES, SCHEDULES, optimizer_factor
+from autopipe.errors import PlanningError
+from autopipe.units import parse_bytes
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autopipe.model_file import Sample
+    from autopipe.plans import Plan
+    from profiler.profile import Profile
+
+__all__ = ["build_parser", "main"]
+
+PROG = "autopipe"
+# GPipe's rule of thumb: M >= 4K micro-batches keeps the bubble under about 20%.
+CHUNKS_PER_STAGE = 4
+
+_MODEL_HELP = (
+    "model.py must define `model`, an nn.Sequential (or a function returning one), and "
+    "`sample`, the mini-batch to plan for: a tensor or tuple of tensors with the batch in "
+    "dim 0 (or a function returning one). See examples/mlp.py."
+)
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+    except ImportError:  # planning from a saved profile needs no torch
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_stages() -> int:
+    """The number of visible GPUs when there are at least two, else 2."""
+    count = _gpu_count()
+    return count if count >= 2 else 2
+
+
+def default_device() -> str:
+    """``cuda:0`` when CUDA is available, else ``cpu``."""
+    return "cuda:0" if _gpu_count() > 0 else "cpu"
+
+
+def default_chunks(stages: int, batch_size: int) -> int:
+    """``4 × stages`` micro-batches, at most one per sample of the mini-batch."""
+    return max(1, min(CHUNKS_PER_STAGE * stages, batch_size))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> None:
+    parser.add_argument(
+        "--device",
+        help="where to profile the layers (default: cuda:0 when CUDA is available, else cpu)",
+    )
+    parser.add_argument("--chunks", type=_positive, metavar="M", help=chunks_help)
+    parser.add_argument(
+        "--repeats",
+        type=_positive,
+        default=5,
+        metavar="N",
+        help="timed runs per layer and batch size; the median is kept (default: 5)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=2,
+        metavar="N",
+        help="untimed runs per layer and batch size before timing (default: 2)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``autopipe`` command."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Automatic pipeline-parallel training for PyTorch: profile a model "
+        "layer by layer and split it into balanced pipeline stages.",
+        epilog=_MODEL_HELP,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    plan_parser = commands.add_parser(
+        "plan",
+        help="profile a model and print the fastest pipeline split that fits",
+        description="Profile the layers of MODEL.py (or load --profile FILE) and print the "
+        "pipeline split with the smallest predicted step time, compared with an equal "
+        "split of the layer count.",
+        epilog=_MODEL_HELP,
+    )
+    plan_parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL.py",
+        help="the model file; optional with --profile, and not loaded then",
+    )
+    plan_parser.add_argument(
+        "--stages",
+        type=_positive,
+        metavar="K",
+        help="pipeline stages (default: the number of visible GPUs when at least 2, else 2)",
+    )
+    _add_measure_options(
+        plan_parser,
+        f"micro-batches per mini-batch (default: {CHUNKS_PER_STAGE} x stages, GPipe's rule "
+        "of thumb for a small bubble, at most the batch size)",
+    )
+    plan_parser.add_argument(
+        "--memory",
+        metavar="SIZE[,SIZE...]",
+        help="memory per device, e.g. 16GiB, or a comma list with one size per stage "
+        "(default: unlimited)",
+    )
+    plan_parser.add_argument(
+        "--checkpoint",
+        choices=CHECKPOINT_MODES,
+        default="except_last",
+        help="activation checkpointing (default: except_last)",
+    )
+    plan_parser.add_argument(
+        "--schedule", choices=SCHEDULES, default="gpipe", help="pipeline schedule (default: gpipe)"
+    )
+    plan_parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="optimal",
+        help="how to split (default: optimal); the others are baselines for comparison",
+    )
+    plan_parser.add_argument(
+        "--optimizer",
+        default="adam",
+        help="optimizer whose state counts toward memory: adam, adamw, sgd, momentum, none, "
+        "or state bytes per parameter byte (default: adam)",
+    )
+    plan_parser.add_argument(
+        "--bandwidth",
+        metavar="BYTES_PER_S",
+        help="link bandwidth between stages, e.g. 10GB or 10GB/s (default: free transfers)",
+    )
+    plan_parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="plan from a profile saved by `autopipe profile` instead of profiling",
+    )
+    plan_parser.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the plan as JSON; its `balance` lists the layers per stage",
+    )
+    plan_parser.set_defaults(func=_plan_command)
+
+    profile_parser = commands.add_parser(
+        "profile",
+        help="profile a model and save the measurements for `autopipe plan --profile`",
+        description="Measure the time and memory of every layer of MODEL.py and save them.",
+        epilog=_MODEL_HELP,
+    )
+    profile_parser.add_argument("model", metavar="MODEL.py", help="the model file")
+    profile_parser.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="where to write the profile (JSON)"
+    )
+    _add_measure_options(
+        profile_parser,
+        f"micro-batches the profile is made for (default: {CHUNKS_PER_STAGE} x the default "
+        "stage count, at most the batch size)",
+    )
+    profile_parser.set_defaults(func=_profile_command)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------
+# Option parsing beyond argparse: errors here are one-line `autopipe: error:` messages.
+
+
+def _memory(text: str | None) -> int | list[int] | None:
+    if text is None:
+        return None
+    if "," in text:
+        return [parse_bytes(part) for part in text.split(",")]
+    return parse_bytes(text)
+
+
+def _bandwidth(text: str | None) -> float | None:
+    if text is None:
+        return None
+    value = text.strip()
+    value = value[:-2] if value.lower().endswith("/s") else value
+    try:
+        rate = float(parse_bytes(value))
+    except ValueError:
+        raise ValueError(
+            f"cannot parse bandwidth {text!r}: use bytes per second such as 10GB, 10GB/s or 1e10"
+        ) from None
+    if rate <= 0:
+        raise ValueError(f"bandwidth must be positive, got {text!r}")
+    return rate
+
+
+def _optimizer(text: str) -> str | float:
+    try:
+        value: str | float = float(text)
+    except ValueError:
+        value = text
+    optimizer_factor(value)  # raises ValueError naming the choices
+    return value
+
+
+def _check_writable(path: str, what: str) -> None:
+    """Fails early, before a long profile, when ``path`` cannot be written."""
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise ValueError(f"cannot write the {what} to {path}: it is a directory")
+    if not parent.is_dir():
+        raise ValueError(f"cannot write the {what} to {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"cannot write the {what} to {path}: directory {parent} is not writable")
+
+
+def _save(obj: Plan | Profile, path: str, what: str) -> None:
+    try:
+        obj.save(path)
+    except OSError as exc:
+        raise ValueError(f"cannot write the {what} to {path}: {exc.strerror or exc}") from None
+
+
+# ----------------------------------------------------------------------------------------
+# Commands.
+
+
+def _load(path: str) -> tuple[nn.Sequential, Sample]:
+    from autopipe.model_file import load_sequential
+
+    return load_sequential(path)
+
+
+def _measure(
+    model: nn.Sequential, sample: Sample, args: argparse.Namespace, chunks: int
+) -> Profile:
+    """Profiles ``model``, reporting progress on stderr and failures as one line."""
+    from profiler.measure import profile_model
+    from profiler.progress import TerminalProgress
+
+    children = list(model.named_children())
+    show = TerminalProgress(kinds={name: type(child).__name__ for name, child in children})
+    done = 0
+
+    def progress(count: int, total: int, name: str) -> None:
+        nonlocal done
+        done = count
+        show(count, total, name)
+
+    try:
+        return profile_model(
+            model,
+            sample,
+            device=args.device or default_device(),
+            chunks=chunks,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            progress=progress,
+        )
+    except ValueError:
+        raise
+    except Exception as exc:
+        if show.enabled() and done:
+            show.stream.write("\n")
+        name, child = children[min(done, len(children) - 1)]
+        message = " ".join(str(exc).split())
+        raise ValueError(
+            f"profiling layer {done} ({name}: {type(child).__name__}) failed: "
+            f"{type(exc).__name__}: {message}"
+        ) from None
+
+
+def _batch_size(sample: Sample) -> int:
+    first = sample[0] if isinstance(sample, tuple) else sample
+    return int(first.shape[0])
+
+
+def _devices(profile: Profile, stages: int) -> int | list[str]:
+    """Stage devices named ``cuda:0``, ``cuda:1``, ... for a CUDA profile, else a count."""
+    if profile.device.startswith("cuda"):
+        return [f"cuda:{k}" for k in range(stages)]
+    return stages
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from autopipe.planner import plan
+    from autopipe.report import render_plan
+    from profiler.profile import Profile
+
+    memory = _memory(args.memory)
+    bandwidth = _bandwidth(args.bandwidth)
+    optimizer = _optimizer(args.optimizer)
+    stages: int = args.stages or default_stages()
+    if isinstance(memory, list) and len(memory) != stages:
+        raise ValueError(
+            f"--memory lists {len(memory)} sizes but there are {stages} stages; give one "
+            "size for all or one per stage"
+        )
+    if args.json:
+        _check_writable(args.json, "plan")
+
+    if args.profile:
+        profile = Profile.load(args.profile)
+        chunks = args.chunks or default_chunks(stages, profile.batch_size)
+    elif args.model:
+        model, sample = _load(args.model)
+        if stages > len(model):
+            raise PlanningError(
+                f"cannot split {len(model)} layers into {stages} non-empty stages; "
+                f"use --stages {len(model)} or fewer"
+            )
+        chunks = args.chunks or default_chunks(stages, _batch_size(sample))
+        profile = _measure(model, sample, args, chunks)
+    else:
+        raise ValueError("give a model file (autopipe plan MODEL.py) or --profile FILE")
+
+    options: dict[str, Any] = {
+        "chunks": chunks,
+        "memory": memory,
+        "checkpoint": args.checkpoint,
+        "schedule": args.schedule,
+        "optimizer": optimizer,
+        "bandwidth": bandwidth,
+    }
+    devices = _devices(profile, stages)
+    result = plan(profile, devices, strategy=args.strategy, **options)
+    other = "optimal" if args.strategy == "uniform" else "uniform"
+    baseline: Plan | str
+    try:
+        baseline = plan(profile, devices, strategy=other, **options)
+    except PlanningError as exc:
+        baseline = str(exc)
+
+    if args.json:
+        _save(result, args.json, "plan")
+    sys.stdout.write(render_plan(result, baseline, other))
+    if args.json:
+        print(f"plan written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _profile_command(args: argparse.Namespace) -> int:
+    _check_writable(args.output, "profile")
+    model, sample = _load(args.model)
+    chunks = args.chunks or default_chunks(default_stages(), _batch_size(sample))
+    profile = _measure(model, sample, args, chunks)
+    _save(profile, args.output, "profile")
+    print(
+        f"profiled {len(profile)} layers on {profile.device} at micro-batch sizes "
+        f"{profile.batch_sizes}; wrote {args.output}"
+    )
+    return 0
+
+
+def _fail(message: str) -> int:
+    line = " ".join(message.split()) or "failed"
+    print(f"{PROG}: error: {line}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``autopipe`` command.
+
+    Args:
+        argv: the arguments after the program name; default: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 on success, 2 for bad input (usage errors included), with a
+        one-line ``autopipe: error:`` message on stderr; 130 when interrupted.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse has reported
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        status: int = args.func(args)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as exc:  # ModelFileError and PlanningError included
+        return _fail(str(exc))
+    return status

@@ -1,0 +1,194 @@
+"""Renders a :class:`Plan` as a plain-text report: a stage table and a summary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autopipe.plans import Plan, StagePlan
+from autopipe.units import format_bytes, format_time
+
+__all__ = [
+    "bar",
+    "layer_range",
+    "render_comparison",
+    "render_header",
+    "render_plan",
+    "render_stages",
+    "render_summary",
+]
+
+BAR_WIDTH = 20
+
+
+def bar(fraction: float, width: int = BAR_WIDTH) -> str:
+    """A text bar of ``width`` characters, ``#`` filled in proportion to ``fraction``.
+
+    Args:
+        fraction: the filled share, clipped to ``[0, 1]``.
+        width: characters in a full bar.
+    """
+    filled = round(min(max(fraction, 0.0), 1.0) * width)
+    return "#" * filled + "." * (width - filled)
+
+
+def _labels(plan: Plan) -> list[str]:
+    """A label per layer: its name, or its class name when the name is just its index."""
+    layers: list[dict[str, Any]] = list(plan.profile.get("layers", []))
+    names = [name for stage in plan.stages for name in stage.layers]
+    positional = all(name == str(i) for i, name in enumerate(names))
+    if positional and len(layers) == len(names):
+        return [str(layer.get("kind", name)) for layer, name in zip(layers, names)]
+    return names
+
+
+def _span(stage: StagePlan) -> str:
+    last = stage.stop - 1
+    return str(stage.start) if last <= stage.start else f"{stage.start}-{last}"
+
+
+def layer_range(stage: StagePlan, labels: Sequence[str] | None = None, width: int = 0) -> str:
+    """A stage's layers as ``0-5  (embed..block4)``, or ``3  (head)`` for one layer.
+
+    Args:
+        stage: the stage.
+        labels: a label for every layer of the model; default: the stage's layer names.
+        width: pads the index range to this width so that the names line up.
+    """
+    span = _span(stage)
+    names = list(stage.layers if labels is None else labels[stage.start : stage.stop])
+    if not names:
+        return span
+    inner = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+    return f"{span.ljust(width)}  ({inner})"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join(line(row) for row in [headers, *rows])
+
+
+def render_header(plan: Plan) -> str:
+    """Two lines on what was planned: layers, stages, batch split and settings."""
+    profile = plan.profile
+    layers = sum(plan.balance)
+    devices = sorted({stage.device for stage in plan.stages})
+    where = ", ".join(devices)
+    device_name = profile.get("device_name")
+    if device_name and device_name not in devices:
+        where += f" ({device_name})"
+    batch = profile.get("batch_size")
+    micro = f"{plan.chunks} micro-batches of {plan.micro_batch}"
+    split = f"batch {batch} as {micro}" if batch else micro
+    first = f"{layers} layers on {plan.num_stages} stages [{where}], {split}"
+    second = (
+        f"strategy {plan.strategy}, schedule {plan.schedule}, checkpoint {plan.checkpoint}, "
+        f"optimizer {plan.optimizer}"
+    )
+    return f"{first}\n{second}"
+
+
+def render_stages(plan: Plan) -> str:
+    """The stage table: index, device, layers, time per micro-batch, memory, share.
+
+    The share is the stage's time as a percentage of the bottleneck's, with a bar. A
+    ``send`` column appears when some stage pays for transfers, and memory shows the
+    device capacity when there is one.
+    """
+    labels = _labels(plan)
+    span_width = max(len(_span(stage)) for stage in plan.stages)
+    sends = any(stage.transfer > 0 for stage in plan.stages)
+    headers = ["stage", "device", "layers", "time/micro-batch"]
+    if sends:
+        headers.append("of which send")
+    headers += ["memory", "share of bottleneck"]
+    rows = []
+    for stage in plan.stages:
+        row = [
+            str(stage.index),
+            stage.device,
+            layer_range(stage, labels, span_width),
+            format_time(stage.time),
+        ]
+        if sends:
+            row.append(format_time(stage.transfer))
+        memory = format_bytes(stage.memory)
+        if stage.capacity is not None:
+            used = stage.memory / stage.capacity if stage.capacity else float("inf")
+            memory += f" / {format_bytes(stage.capacity)} ({used:.0%})"
+        row.append(memory)
+        share = stage.time / plan.bottleneck if plan.bottleneck > 0 else 0.0
+        row.append(f"{share:6.1%}  {bar(share)}")
+        rows.append(row)
+    right = {0, 3, 4} if sends else {0, 3}
+    return _table(headers, rows, right)
+
+
+def render_summary(plan: Plan) -> str:
+    """The balance, bottleneck, predicted step time, bubble and pipeline efficiency."""
+    stage = plan.stages[plan.bottleneck_stage]
+    lines = [
+        ("balance", str(list(plan.balance))),
+        (
+            "bottleneck",
+            f"stage {stage.index}, {format_time(plan.bottleneck)} per micro-batch",
+        ),
+        (
+            "step time",
+            f"{format_time(plan.step_time)} per mini-batch ({plan.chunks} micro-batches)",
+        ),
+        ("bubble", f"{plan.bubble:.1%} of the step idle"),
+        ("efficiency", f"{plan.efficiency:.1%} of the pipeline busy"),
+    ]
+    width = max(len(key) for key, _ in lines)
+    return "\n".join(f"{key.ljust(width)}  {value}" for key, value in lines)
+
+
+def render_comparison(plan: Plan, baseline: Plan | str, name: str = "uniform") -> str:
+    """One line comparing ``plan`` with another split of the same model.
+
+    Args:
+        plan: the chosen plan.
+        baseline: the plan to compare with, or why there is none (e.g. it does not fit).
+        name: the baseline's strategy, used when ``baseline`` is a message.
+
+    Returns:
+        e.g. ``uniform [4, 4]: step 12.3 ms, bottleneck 1.8 ms — optimal is 1.42x faster``.
+    """
+    if isinstance(baseline, str):
+        return f"vs {name}: {baseline}"
+    head = f"{baseline.strategy} {list(baseline.balance)}"
+    if list(baseline.balance) == list(plan.balance):
+        return f"{head}: the same split as {plan.strategy}"
+    figures = (
+        f"{head}: step {format_time(baseline.step_time)}, "
+        f"bottleneck {format_time(baseline.bottleneck)}"
+    )
+    if plan.step_time <= 0 or baseline.step_time <= 0:
+        return figures
+    ratio = baseline.step_time / plan.step_time
+    verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+    return f"{figures} — {plan.strategy} is {verdict}"
+
+
+def render_plan(plan: Plan, baseline: Plan | str | None = None, name: str = "uniform") -> str:
+    """The full report: header, stage table, summary and, given a baseline, a comparison.
+
+    Args:
+        plan: the plan to show.
+        baseline: another plan of the same model to compare with, or a message saying
+            why there is none; ``None`` leaves the comparison out.
+        name: the baseline's strategy, used when ``baseline`` is a message.
+    """
+    parts = [render_header(plan), render_stages(plan), render_summary(plan)]
+    if baseline is not None:
+        parts.append(render_comparison(plan, baseline, name))
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,297 @@
+"""Tests of the ``autopipe`` command line (autopipe.cli)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopipe import cli
+from autopipe.cli import default_chunks, main
+from autopipe.planner import evaluate
+from autopipe.plans import Plan
+from profiler.profile import Profile
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "examples" / "mlp.py")
+FAST = ["--repeats", "1", "--warmup", "0"]
+
+GOOD = """
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+sample = torch.randn(8, 4)
+"""
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_error(code: int, out: str, err: str, expected: str = "") -> None:
+    assert code == 2
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("autopipe: error: ")
+    assert expected in lines[0]
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("profile") / "mlp.json"
+    assert main(["profile", MLP, "-o", str(path), *FAST]) == 0
+    return path
+
+
+def test_plan_example(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", MLP, *FAST, "--json", str(out_file))
+    assert code == 0, err
+    result = Plan.load(out_file)
+    assert sum(result.balance) == 16 and len(result.balance) == 2
+    assert result.chunks == 8 and result.micro_batch == 4  # 4 x stages by default
+    assert f"balance     {result.balance}" in out
+    assert "16 layers on 2 stages" in out
+    assert "(embed.." in out and "..head)" in out
+    assert "uniform [8, 8]" in out
+    profile = Profile.from_dict(result.profile)
+    uniform = evaluate(profile, [8, 8], chunks=result.chunks)
+    assert result.step_time <= uniform.step_time * (1 + 1e-9)
+    assert "plan written to" in err and "Traceback" not in err
+
+
+def test_profile_command(profile_file: Path) -> None:
+    profile = Profile.load(profile_file)
+    assert len(profile) == 16
+    assert profile.names[0] == "embed" and profile.layers[0].kind == "Linear"
+    assert profile.batch_size == 32 and profile.chunks == 8
+    assert profile.batch_sizes == [2, 4]
+
+
+def test_plan_from_profile(capsys: pytest.CaptureFixture[str], profile_file: Path) -> None:
+    code, out, err = run(capsys, "plan", "--profile", str(profile_file), "--stages", "3")
+    assert code == 0, err
+    assert "16 layers on 3 stages" in out
+    assert "12 micro-batches" in out or "11 micro-batches" in out  # 4 x 3, capped by 32
+    assert "uniform [6, 5, 5]" in out
+
+
+def test_plan_options(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--profile",
+        str(profile_file),
+        "--stages",
+        "2",
+        "--chunks",
+        "4",
+        "--memory",
+        "1GiB,2GiB",
+        "--checkpoint",
+        "never",
+        "--schedule",
+        "1f1b",
+        "--optimizer",
+        "sgd",
+        "--bandwidth",
+        "10GB/s",
+        "--json",
+        str(out_file),
+    )
+    assert code == 0, err
+    result = Plan.load(out_file)
+    assert result.chunks == 4 and result.checkpoint == "never" and result.schedule == "1f1b"
+    assert [s.capacity for s in result.stages] == [2**30, 2**31]
+    assert result.devices[0].bandwidth == 1e10
+    assert "of which send" in out and "/ 1.00 GiB" in out
+
+
+def test_uniform_strategy_compares_with_optimal(
+    capsys: pytest.CaptureFixture[str], profile_file: Path
+) -> None:
+    code, out, _ = run(capsys, "plan", "--profile", str(profile_file), "--strategy", "uniform")
+    assert code == 0
+    assert "balance     [8, 8]" in out
+    assert "optimal [" in out
+
+
+def test_cuda_profile_names_stage_devices(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    profile = Profile.load(profile_file)
+    profile.device = "cuda:0"
+    path = tmp_path / "cuda.json"
+    profile.save(path)
+    out_file = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "--profile", str(path), "--json", str(out_file))
+    assert code == 0
+    assert [s.device for s in Plan.load(out_file).stages] == ["cuda:0", "cuda:1"]
+
+
+def test_subprocess() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "autopipe", "plan", "examples/mlp.py", *FAST],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "balance" in proc.stdout and "uniform [8, 8]" in proc.stdout
+    assert proc.stderr == ""
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert default_chunks(2, 32) == 8
+    assert default_chunks(4, 8) == 8
+    assert default_chunks(3, 1) == 1
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 0)
+    assert cli.default_stages() == 2 and cli.default_device() == "cpu"
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
+    assert cli.default_stages() == 2 and cli.default_device() == "cuda:0"
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 8)
+    assert cli.default_stages() == 8
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--help")
+    assert code == 0 and "--stages" in out and "nn.Sequential" in out
+
+
+# ----------------------------------------------------------------------------------------
+# Bad input: exit 2, one line on stderr, no traceback, no file written.
+
+BAD_FILES = {
+    "syntax.py": ("import torch\nmodel = (\n", "line 2"),
+    "raises.py": ("import torch\nraise RuntimeError('boom')\n", "RuntimeError: boom"),
+    "nomodel.py": ("import torch\nsample = torch.randn(4, 4)\n", "defines no `model`"),
+    "nosample.py": (
+        "from torch import nn\nmodel = nn.Sequential(nn.Linear(4, 4))\n",
+        "defines no `sample`",
+    ),
+    "notseq.py": (
+        "import torch\nfrom torch import nn\nmodel = nn.Linear(4, 4)\nsample = torch.randn(4, 4)\n",
+        "needs an nn.Sequential for now",
+    ),
+    "badtype.py": ("import torch\nmodel = 'net'\nsample = torch.randn(4, 4)\n", "nn.Module"),
+    "shapes.py": (
+        "import torch\nfrom torch import nn\n"
+        "model = nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 5))\nsample = torch.randn(4, 4)\n",
+        "profiling layer 1 (1: Linear) failed: RuntimeError",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_model_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str) -> None:
+    text, expected = BAD_FILES[name]
+    path = tmp_path / name
+    path.write_text(text)
+    out_file = tmp_path / "plan.json"
+    assert_error(*run(capsys, "plan", str(path), *FAST, "--json", str(out_file)), expected)
+    assert not out_file.exists()
+    profile_out = tmp_path / "profile.json"
+    assert_error(*run(capsys, "profile", str(path), "-o", str(profile_out), *FAST), expected)
+    assert not profile_out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--memory", "16XB"], "cannot parse memory size '16XB'"),
+        (["--memory", "1GB,2GB,3GB"], "--memory lists 3 sizes but there are 2 stages"),
+        (["--memory", "1KB"], "does not fit"),
+        (["--stages", "20"], "cannot split 16 layers into 20"),
+        (["--bandwidth", "fast"], "cannot parse bandwidth 'fast'"),
+        (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+    ],
+)
+def test_bad_plan_options(
+    capsys: pytest.CaptureFixture[str],
+    profile_file: Path,
+    tmp_path: Path,
+    args: list[str],
+    expected: str,
+) -> None:
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", "--profile", str(profile_file), *args, "--json", str(out_file)]
+    assert_error(*run(capsys, *argv), expected)
+    assert not out_file.exists()
+
+
+def test_too_many_stages_before_profiling(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "good.py"
+    path.write_text(GOOD)
+    assert_error(*run(capsys, "plan", str(path), "--stages", "4"), "use --stages 3 or fewer")
+
+
+def test_missing_model_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert_error(*run(capsys, "plan", str(tmp_path / "missing.py")), "not found")
+    assert_error(*run(capsys, "plan"), "give a model file")
+
+
+def test_bad_profile_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, profile_file: Path
+) -> None:
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    assert_error(*run(capsys, "plan", "--profile", str(garbage)), "not valid JSON")
+    assert_error(*run(capsys, "plan", "--profile", str(tmp_path / "none.json")), "cannot read")
+    plan_file = tmp_path / "plan.json"
+    assert run(capsys, "plan", "--profile", str(profile_file), "--json", str(plan_file))[0] == 0
+    assert_error(*run(capsys, "plan", "--profile", str(plan_file)), "not an autopipe profile")
+
+
+def test_unwritable_outputs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, profile_file: Path
+) -> None:
+    missing_dir = tmp_path / "no" / "such" / "plan.json"
+    argv = ["plan", "--profile", str(profile_file), "--json", str(missing_dir)]
+    assert_error(*run(capsys, *argv), "does not exist")
+    argv = ["plan", "--profile", str(profile_file), "--json", str(tmp_path)]
+    assert_error(*run(capsys, *argv), "is a directory")
+    assert_error(*run(capsys, "profile", MLP, "-o", str(missing_dir), *FAST), "does not exist")
+    assert not missing_dir.parent.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "good.py"
+    path.write_text(GOOD)
+    argv = ["plan", str(path), "--device", "cuda:0", *FAST]
+    assert_error(*run(capsys, *argv), "CUDA is not available")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["plan", "--stages", "0", MLP],
+        ["plan", "--checkpoint", "sometimes", MLP],
+        ["plan", "--chunks", "x", MLP],
+        ["profile", MLP],
+    ],
+)
+def test_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == "" and "Traceback" not in err
+    assert "error:" in err

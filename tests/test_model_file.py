@@ -1,0 +1,197 @@
+"""Tests of loading a user's model file (autopipe.model_file)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autopipe.model_file import (
+    ModelFileError,
+    as_sequential,
+    load_model_file,
+    load_sequential,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+GOOD = """
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+sample = torch.randn(6, 4)
+"""
+
+
+def write(directory: Path, text: str, name: str = "model.py") -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def error_of(path: Path, sequential: bool = False) -> str:
+    with pytest.raises(ModelFileError) as info:
+        if sequential:
+            load_sequential(path)
+        else:
+            load_model_file(path)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_loads_values(tmp_path: Path) -> None:
+    loaded = load_model_file(write(tmp_path, GOOD))
+    assert isinstance(loaded.model, nn.Sequential)
+    assert isinstance(loaded.sample, torch.Tensor)
+    assert loaded.batch_size == 6
+    assert loaded.path == (tmp_path / "model.py").resolve()
+    assert issubclass(ModelFileError, ValueError)
+
+
+def test_calls_zero_argument_functions(tmp_path: Path) -> None:
+    text = """
+import torch
+from torch import nn
+
+class Net(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Linear(3, 3), nn.Tanh())
+
+model = Net
+
+def sample():
+    return [torch.randn(5, 3)]
+"""
+    model, sample = load_sequential(write(tmp_path, text))
+    assert type(model).__name__ == "Net"
+    assert isinstance(sample, tuple) and sample[0].shape == (5, 3)
+
+
+def test_tuple_sample(tmp_path: Path) -> None:
+    text = GOOD + "\nsample = (torch.randn(6, 4), torch.zeros(6, dtype=torch.long))\n"
+    loaded = load_model_file(write(tmp_path, text))
+    assert isinstance(loaded.sample, tuple) and len(loaded.sample) == 2
+    assert loaded.batch_size == 6
+
+
+def test_sibling_import_and_sys_path_restored(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "from torch import nn\n\ndef layers():\n    return [nn.Linear(2, 2)]\n",
+        "blocks.py",
+    )
+    text = "import torch\nfrom torch import nn\nfrom blocks import layers\n"
+    text += "model = nn.Sequential(*layers())\nsample = torch.randn(3, 2)\n"
+    before = list(sys.path)
+    model, _ = load_sequential(write(tmp_path, text))
+    assert len(model) == 1
+    assert sys.path == before
+    sys.modules.pop("blocks", None)
+
+
+def test_same_file_name_in_two_directories(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    first = load_model_file(write(one, GOOD))
+    second = load_model_file(write(two, GOOD.replace("nn.Linear(8, 2)", "nn.Linear(8, 5)")))
+    assert first.module.__name__ != second.module.__name__
+    assert as_sequential(first.model)[2].out_features == 2
+    assert as_sequential(second.model)[2].out_features == 5
+
+
+def test_examples_load() -> None:
+    for name, layers in (("mlp.py", 16), ("convnet.py", 16)):
+        model, sample = load_sequential(EXAMPLES / name)
+        assert len(model) == layers
+        assert isinstance(sample, torch.Tensor) and sample.shape[0] == 32
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert "not found" in error_of(tmp_path / "nope.py")
+
+
+def test_directory(tmp_path: Path) -> None:
+    assert "is a directory" in error_of(tmp_path)
+
+
+def test_syntax_error_names_the_line(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, "import torch\n\nmodel = (\n"))
+    assert message.startswith("syntax error in ")
+    assert "line 3" in message
+
+
+def test_exception_while_importing(tmp_path: Path) -> None:
+    before = {name for name in sys.modules if name.startswith("_autopipe_model_")}
+    message = error_of(write(tmp_path, "import torch\nraise RuntimeError('no\\nGPU here')\n"))
+    assert "line 2" in message
+    assert "RuntimeError: no GPU here" in message
+    after = {name for name in sys.modules if name.startswith("_autopipe_model_")}
+    assert after == before  # a failed import leaves no module behind
+
+
+def test_missing_sibling_module(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, "import not_a_module_anywhere_xyz\n"))
+    assert "ModuleNotFoundError" in message
+
+
+def test_missing_model_and_sample(tmp_path: Path) -> None:
+    no_model = error_of(write(tmp_path, "import torch\nsample = torch.randn(2, 2)\n"))
+    assert "defines no `model`" in no_model and "nn.Sequential" in no_model
+    no_sample = error_of(write(tmp_path, "from torch import nn\nmodel = nn.Linear(2, 2)\n"))
+    assert "defines no `sample`" in no_sample
+
+
+@pytest.mark.parametrize(
+    ("model", "sample", "expected"),
+    [
+        ("3", "torch.randn(2, 2)", "must be an nn.Module"),
+        ("nn.Linear(2, 2)", "[1, 2]", "got a list of int, int"),
+        ("nn.Linear(2, 2)", "'text'", "got str"),
+        ("nn.Linear(2, 2)", "()", "got an empty tuple"),
+        ("nn.Linear(2, 2)", "torch.tensor(1.0)", "0-d tensor"),
+        ("nn.Linear(2, 2)", "(torch.randn(2, 2), torch.randn(3, 2))", "disagree"),
+        ("nn.Linear(2, 2)", "torch.randn(0, 2)", "empty batch"),
+    ],
+)
+def test_wrong_types(tmp_path: Path, model: str, sample: str, expected: str) -> None:
+    text = f"import torch\nfrom torch import nn\nmodel = {model}\nsample = {sample}\n"
+    assert expected in error_of(write(tmp_path, text))
+
+
+def test_failing_or_non_zero_argument_function(tmp_path: Path) -> None:
+    text = "import torch\nfrom torch import nn\ndef model():\n    raise KeyError('x')\n"
+    text += "sample = torch.randn(2, 2)\n"
+    message = error_of(write(tmp_path, text))
+    assert "calling `model()`" in message and "KeyError" in message and "line 4" in message
+    text = "import torch\nfrom torch import nn\ndef model(width):\n    return nn.Linear(2, width)\n"
+    text += "sample = torch.randn(2, 2)\n"
+    message = error_of(write(tmp_path, text))
+    assert "TypeError" in message and "taking no arguments" in message
+
+
+def test_not_sequential(tmp_path: Path) -> None:
+    text = (
+        "import torch\nfrom torch import nn\nmodel = nn.Linear(2, 2)\nsample = torch.randn(2, 2)\n"
+    )
+    path = write(tmp_path, text)
+    assert isinstance(load_model_file(path).model, nn.Linear)  # any module loads
+    message = error_of(path, sequential=True)
+    assert "is a Linear" in message
+    assert (
+        "autopipe plan needs an nn.Sequential for now: wrap your layers in nn.Sequential" in message
+    )
+
+
+def test_as_sequential() -> None:
+    model = nn.Sequential(nn.ReLU())
+    assert as_sequential(model) is model
+    with pytest.raises(ModelFileError, match="empty nn.Sequential"):
+        as_sequential(nn.Sequential())
+    with pytest.raises(ModelFileError, match="is a ReLU"):
+        as_sequential(nn.ReLU(), "m.py")
