@@ -177,6 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also write the plan as JSON; its `balance` lists the layers per stage",
     )
+    plan_parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="also draw the plan's simulated pipeline schedule as a Gantt chart, one row per "
+        "stage (.png or .svg; needs matplotlib)",
+    )
+    plan_parser.add_argument(
+        "--compare",
+        metavar="FILE",
+        help="also draw every strategy's stage times side by side, to see how balanced "
+        "each split is (.png or .svg; needs matplotlib)",
+    )
     plan_parser.set_defaults(func=_plan_command)
 
     profile_parser = commands.add_parser(
@@ -245,6 +257,39 @@ def _check_writable(path: str, what: str) -> None:
         raise ValueError(f"cannot write the {what} to {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"cannot write the {what} to {path}: directory {parent} is not writable")
+
+
+def _check_picture(path: str, what: str) -> None:
+    """Fails early, before a long profile, when a picture cannot be drawn to ``path``."""
+    from autopipe.timeline import check_picture_path, require_matplotlib
+
+    check_picture_path(path, what)
+    _check_writable(path, what)
+    try:
+        require_matplotlib()
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _strategy_plans(
+    profile: Profile,
+    devices: int | list[str],
+    options: dict[str, Any],
+    known: dict[str, Plan],
+) -> dict[str, Plan]:
+    """Plans of every strategy that fits, by name; ``known`` ones are not planned again."""
+    from autopipe.planner import plan
+
+    plans: dict[str, Plan] = {}
+    for name in STRATEGIES:
+        if name in known:
+            plans[name] = known[name]
+            continue
+        try:
+            plans[name] = plan(profile, devices, strategy=name, **options)
+        except PlanningError:  # a baseline that does not fit is left out of the picture
+            continue
+    return plans
 
 
 def _save(obj: Plan | Profile, path: str, what: str) -> None:
@@ -331,6 +376,10 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
     if args.json:
         _check_writable(args.json, "plan")
+    if args.timeline:
+        _check_picture(args.timeline, "timeline")
+    if args.compare:
+        _check_picture(args.compare, "comparison")
 
     if args.profile:
         profile = Profile.load(args.profile)
@@ -364,11 +413,28 @@ def _plan_command(args: argparse.Namespace) -> int:
     except PlanningError as exc:
         baseline = str(exc)
 
+    # Pictures first: a failure to draw leaves no plan file and no report behind.
+    drawn = []
+    if args.timeline:
+        from autopipe.timeline import draw_timeline
+
+        draw_timeline(result, args.timeline)
+        drawn.append(f"timeline written to {args.timeline}")
+    if args.compare:
+        from autopipe.timeline import draw_stage_bars
+
+        known = {result.strategy: result}
+        if not isinstance(baseline, str):
+            known[baseline.strategy] = baseline
+        draw_stage_bars(_strategy_plans(profile, devices, options, known), args.compare)
+        drawn.append(f"comparison written to {args.compare}")
     if args.json:
         _save(result, args.json, "plan")
     sys.stdout.write(render_plan(result, baseline, other))
     if args.json:
         print(f"plan written to {args.json}", file=sys.stderr)
+    for line in drawn:
+        print(line, file=sys.stderr)
     return 0
 
 
