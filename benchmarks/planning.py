@@ -121,13 +121,13 @@ def strategy_quality(quick: bool) -> list[dict[str, Any]]:
 
 def example_quality(repeats: int) -> list[dict[str, Any]]:
     """Bottleneck and step time of each strategy on the bundled examples, profiled on CPU."""
-    from autopipe.model_file import load_model_file
+    from autopipe.model_file import load_sequential
     from profiler import profile_model
 
     rows = []
     for path in sorted(Path("examples").glob("*.py")):
         try:
-            model, sample = load_model_file(path)
+            model, sample = load_sequential(path)
         except ValueError:
             continue  # Not a planning example (e.g. a training script).
         print(f"  profiling {path} ...", file=sys.stderr)
