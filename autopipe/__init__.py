@@ -17,6 +17,8 @@ from profiler.profile import LayerProfile, Profile
 
 if TYPE_CHECKING:
     from autopipe.gpipe import GPipe
+    from autopipe.wrapped import WrappedPipeline
+    from autopipe.wrapping import wrap
 
 __version__ = "0.1.0"
 
@@ -28,12 +30,18 @@ __all__ = [
     "PlanningError",
     "Profile",
     "StagePlan",
+    "WrappedPipeline",
     "make_devices",
     "partition",
     "plan",
+    "wrap",
 ]
 
-_LAZY = {"GPipe": "autopipe.gpipe"}
+_LAZY = {
+    "GPipe": "autopipe.gpipe",
+    "WrappedPipeline": "autopipe.wrapped",
+    "wrap": "autopipe.wrapping",
+}
 
 
 def __getattr__(name: str) -> Any:

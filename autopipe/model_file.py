@@ -201,24 +201,34 @@ def load_model_file(path: str | Path) -> LoadedModel:
     return LoadedModel(path=resolved, model=model, sample=sample, module=module)
 
 
-def as_sequential(model: nn.Module, path: str | Path | None = None) -> nn.Sequential:
-    """The model as an ``nn.Sequential`` of the layers to split.
+def as_sequential(
+    model: nn.Module, sample: Sample, path: str | Path | None = None
+) -> tuple[nn.Sequential, Sample]:
+    """The model as an ``nn.Sequential`` of the layers to split, with its sample.
 
-    Only models that already are an ``nn.Sequential`` are accepted for now; this is the
-    place where other modules will be flattened into one.
+    An ``nn.Sequential`` is used as it is. Any other module is traced (torch.fx, else
+    torch.export) and cut into units along module calls; each unit takes and returns the
+    tensors live across its boundaries, and the sample is flattened to match.
 
     Raises:
-        ModelFileError: the model is not an ``nn.Sequential`` or has no layers.
+        ModelFileError: the model is an empty ``nn.Sequential`` or cannot be traced.
     """
     where = f" in {path}" if path is not None else ""
-    if not isinstance(model, nn.Sequential):
+    if isinstance(model, nn.Sequential):
+        if len(model) == 0:
+            raise ModelFileError(f"`model`{where} is an empty nn.Sequential: it needs layers")
+        return model, sample
+    from autopipe.tracing import TracingError
+    from autopipe.wrapping import unit_sequential
+
+    args = sample if isinstance(sample, tuple) else (sample,)
+    try:
+        return unit_sequential(model, args)
+    except (TracingError, ValueError) as exc:
         raise ModelFileError(
-            f"`model`{where} is a {type(model).__name__}, but autopipe plan needs an "
-            "nn.Sequential for now: wrap your layers in nn.Sequential"
-        )
-    if len(model) == 0:
-        raise ModelFileError(f"`model`{where} is an empty nn.Sequential: it needs layers")
-    return model
+            f"cannot split `model`{where} ({type(model).__name__}) into stages automatically: "
+            f"{_one_line(str(exc))}"
+        ) from None
 
 
 def load_sequential(path: str | Path) -> tuple[nn.Sequential, Sample]:
@@ -228,4 +238,4 @@ def load_sequential(path: str | Path) -> tuple[nn.Sequential, Sample]:
         ModelFileError: see :func:`load_model_file` and :func:`as_sequential`.
     """
     loaded = load_model_file(path)
-    return as_sequential(loaded.model, path), loaded.sample
+    return as_sequential(loaded.model, loaded.sample, path)

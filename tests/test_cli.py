@@ -184,9 +184,16 @@ BAD_FILES = {
         "from torch import nn\nmodel = nn.Sequential(nn.Linear(4, 4))\n",
         "defines no `sample`",
     ),
-    "notseq.py": (
-        "import torch\nfrom torch import nn\nmodel = nn.Linear(4, 4)\nsample = torch.randn(4, 4)\n",
-        "needs an nn.Sequential for now",
+    "untraceable.py": (
+        "import torch\nfrom torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.a(x) if x.sum() > 0 else x\n"
+        "model = Net()\nsample = torch.randn(4, 4)\n",
+        "cannot split `model`",
     ),
     "badtype.py": ("import torch\nmodel = 'net'\nsample = torch.randn(4, 4)\n", "nn.Module"),
     "shapes.py": (
@@ -295,3 +302,38 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str]) -> No
     assert code == 2
     assert out == "" and "Traceback" not in err
     assert "error:" in err
+
+
+RESIDUAL_MODEL = """import torch
+from torch import nn
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.out(h)
+
+
+model = Residual()
+sample = torch.randn(8, 8)
+"""
+
+
+def test_plan_non_sequential_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "residual.py"
+    path.write_text(RESIDUAL_MODEL)
+    out_json = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, "--json", str(out_json))
+    assert code == 0, err
+    plan = Plan.load(out_json)
+    # Units: inp, blocks/0..3, out — cut along module calls.
+    assert sum(plan.balance) == 6 and len(plan.balance) == 2
+    assert "(inp.." in out and "..out)" in out

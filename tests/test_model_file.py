@@ -101,8 +101,8 @@ def test_same_file_name_in_two_directories(tmp_path: Path) -> None:
     first = load_model_file(write(one, GOOD))
     second = load_model_file(write(two, GOOD.replace("nn.Linear(8, 2)", "nn.Linear(8, 5)")))
     assert first.module.__name__ != second.module.__name__
-    assert as_sequential(first.model)[2].out_features == 2
-    assert as_sequential(second.model)[2].out_features == 5
+    assert as_sequential(first.model, first.sample)[0][2].out_features == 2
+    assert as_sequential(second.model, second.sample)[0][2].out_features == 5
 
 
 def test_examples_load() -> None:
@@ -175,23 +175,67 @@ def test_failing_or_non_zero_argument_function(tmp_path: Path) -> None:
     assert "TypeError" in message and "taking no arguments" in message
 
 
-def test_not_sequential(tmp_path: Path) -> None:
-    text = (
-        "import torch\nfrom torch import nn\nmodel = nn.Linear(2, 2)\nsample = torch.randn(2, 2)\n"
-    )
-    path = write(tmp_path, text)
-    assert isinstance(load_model_file(path).model, nn.Linear)  # any module loads
-    message = error_of(path, sequential=True)
-    assert "is a Linear" in message
-    assert (
-        "autopipe plan needs an nn.Sequential for now: wrap your layers in nn.Sequential" in message
-    )
+UNTRACEABLE = """import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent Python control flow
+            return self.a(x)
+        return self.b(x)
+
+
+model = Branchy()
+sample = torch.randn(2, 2)
+"""
+
+RESIDUAL = """import torch
+from torch import nn
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.out(h)
+
+
+model = Residual()
+sample = torch.randn(6, 4)
+"""
+
+
+def test_non_sequential_model_is_split_into_units(tmp_path: Path) -> None:
+    loaded = load_model_file(write(tmp_path, RESIDUAL))
+    layers, sample = as_sequential(loaded.model, loaded.sample)
+    assert isinstance(layers, nn.Sequential) and len(layers) >= 4
+    assert isinstance(sample, tuple)
+    out = layers(*sample)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(out, loaded.model(loaded.sample))
+
+
+def test_untraceable_model_is_a_one_line_error(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, UNTRACEABLE), sequential=True)
+    assert "cannot split `model`" in message and "Branchy" in message
 
 
 def test_as_sequential() -> None:
     model = nn.Sequential(nn.ReLU())
-    assert as_sequential(model) is model
+    sample = torch.randn(2, 2)
+    assert as_sequential(model, sample) == (model, sample)
     with pytest.raises(ModelFileError, match="empty nn.Sequential"):
-        as_sequential(nn.Sequential())
-    with pytest.raises(ModelFileError, match="is a ReLU"):
-        as_sequential(nn.ReLU(), "m.py")
+        as_sequential(nn.Sequential(), sample)

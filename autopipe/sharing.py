@@ -1,0 +1,155 @@
+"""Parameters and written buffers used by several units: kept on one device, or refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+__all__ = ["SharedState", "adjacent_boundaries", "check_placement", "find_shared", "unit_state"]
+
+
+@dataclass(frozen=True)
+class SharedState:
+    """A parameter or written buffer of the model that more than one unit uses.
+
+    Attributes:
+        name: its (first) qualified name in the model.
+        units: the indices of the units that read it.
+    """
+
+    name: str
+    units: tuple[int, ...]
+
+
+def unit_state(root: nn.Module, nodes: Iterable[fx.Node]) -> list[Tensor]:
+    """The state a unit must share with every other unit using it.
+
+    Args:
+        root: the module the graph's targets resolve in.
+        nodes: the unit's ``get_attr`` and ``call_module`` nodes.
+
+    Returns:
+        The parameters it uses, and the buffers it uses that some node of the graph may
+        write (every buffer of a called module, which may update it). A buffer that is only
+        read (a causal mask, position ids) may be copied to every device that needs it.
+    """
+    found: list[Tensor] = []
+    for node in nodes:
+        target = str(node.target)
+        obj = root.get_submodule(target) if _is_module(root, target) else _attr(root, target)
+        if isinstance(obj, nn.Module):
+            found.extend(chain(obj.parameters(), obj.buffers()))
+        elif isinstance(obj, nn.Parameter) or (isinstance(obj, Tensor) and _written(node)):
+            found.append(obj)
+    return found
+
+
+def _written(attr: fx.Node) -> bool:
+    """Whether some node of the graph may write the tensor that ``attr`` reads."""
+    same = [n for n in attr.graph.find_nodes(op="get_attr") if n.target == attr.target]
+    return any(_writes(user, node) for node in same for user in node.users)
+
+
+def _writes(user: fx.Node, value: fx.Node) -> bool:
+    if user.op == "call_module":
+        return True
+    target = user.target
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        for i, argument in enumerate(schema.arguments):
+            given = user.args[i] if i < len(user.args) else user.kwargs.get(argument.name)
+            alias = argument.alias_info
+            written = alias is not None and alias.is_write
+            # aten.batch_norm updates its running statistics without saying so.
+            if given is value and (written or argument.name.startswith("running_")):
+                return True
+        return False
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")
+    return in_place and bool(user.args) and user.args[0] is value
+
+
+def _attr(root: nn.Module, target: str) -> object:
+    path, _, name = target.rpartition(".")
+    return getattr(root.get_submodule(path) if path else root, name)
+
+
+def _is_module(root: nn.Module, target: str) -> bool:
+    try:
+        root.get_submodule(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def find_shared(model: nn.Module, state: Sequence[Iterable[Tensor]]) -> list[SharedState]:
+    """The model's tensors that several units use.
+
+    Args:
+        model: the model, which names the tensors.
+        state: for each unit, its state (see :func:`unit_state`).
+    """
+    names: dict[int, str] = {}
+    named = chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    for name, tensor in named:
+        names.setdefault(id(tensor), name)
+    users: dict[int, set[int]] = {}
+    for k, tensors in enumerate(state):
+        for tensor in tensors:
+            if id(tensor) in names:
+                users.setdefault(id(tensor), set()).add(k)
+    return [
+        SharedState(names[key], tuple(sorted(units)))
+        for key, units in users.items()
+        if len(units) > 1
+    ]
+
+
+def adjacent_boundaries(shared: Iterable[SharedState]) -> set[int]:
+    """Boundaries between consecutive units that share a tensor: merge them."""
+    return {a for s in shared for a, b in zip(s.units, s.units[1:]) if b == a + 1}
+
+
+def _device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return torch.device("cuda", index)
+    return device
+
+
+def check_placement(
+    shared: Iterable[SharedState],
+    stage_of_unit: Sequence[int],
+    devices: Sequence[str],
+    unit_names: Sequence[str],
+) -> None:
+    """Refuses a placement that puts the users of one tensor on different devices.
+
+    Stages on the same device may share a tensor: its gradient accumulates in one place.
+
+    Raises:
+        ValueError: a shared parameter or buffer would be needed on two devices; the message
+            names it and its units.
+    """
+    for item in shared:
+        placed = {_device(devices[stage_of_unit[u]]) for u in item.units}
+        if len(placed) > 1:
+            where = ", ".join(
+                f"{unit_names[u]} (stage {stage_of_unit[u]}, {devices[stage_of_unit[u]]})"
+                for u in item.units
+            )
+            raise ValueError(
+                f"{item.name} is shared by units on different devices: {where}; a tied "
+                "parameter must stay on one device: give those stages the same device, use "
+                "fewer stages, or untie it"
+            )

@@ -1,0 +1,198 @@
+"""``wrap``: any ``nn.Module`` to a balanced GPipe pipeline, through torch.fx or torch.export."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from autopipe.gpipe import GPipe
+from autopipe.planner import MemorySpec
+from autopipe.planner import plan as make_plan
+from autopipe.sharing import check_placement
+from autopipe.unit_layout import Layout, layout_model, stage_of_units, trace_modes
+from autopipe.wrapped import WrappedPipeline
+from profiler.measure import profile_layers
+from profiler.profile import Profile
+
+__all__ = ["WrappedPipeline", "prepare", "unit_sequential", "wrap"]
+
+Device = torch.device | str | int
+
+
+def _device_names(stages: int | None, devices: Sequence[Device] | None) -> list[str]:
+    if devices is not None:
+        names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+        if not names:
+            raise ValueError("devices must name at least one device")
+        if stages is not None and stages != len(names):
+            raise ValueError(f"stages={stages} but {len(names)} devices were given")
+        return names
+    count = 2 if stages is None else stages
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"stages must be a positive integer, got {stages!r}")
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        return [f"cuda:{k % gpus}" for k in range(count)]
+    return ["cpu"] * count
+
+
+def _normalize(
+    sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional inputs as a tuple and the keyword inputs in a fixed (sorted) order."""
+    args = sample if isinstance(sample, tuple) else (sample,)
+    return args, dict(sorted((kwargs or {}).items()))
+
+
+def prepare(
+    model: nn.Module,
+    sample: tuple[Any, ...] | Tensor,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    granularity: str = "blocks",
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    method: str = "auto",
+) -> Layout:
+    """Traces the model (in both modes) and splits it into units that can be cut between.
+
+    Takes the arguments of :func:`wrap`; this is its first half, to inspect the units
+    (``layout.names``, ``layout.liveness``, ``layout.merged``) without planning.
+    """
+    args, inputs = _normalize(sample, kwargs)
+    traced = trace_modes(model, args, inputs, leaf_modules=list(leaf_modules), method=method)
+    return layout_model(model, traced, granularity)
+
+
+def unit_sequential(
+    model: nn.Module,
+    sample: tuple[Any, ...] | Tensor,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    granularity: str = "blocks",
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    method: str = "auto",
+) -> tuple[nn.Sequential, tuple[Tensor, ...]]:
+    """The model as an ``nn.Sequential`` of its units, with the sample flattened to match.
+
+    Each unit takes the tensors live across its input boundary and returns those live
+    after it, so the Sequential can be profiled and planned like any other; its children
+    are named after the units. Takes the arguments of :func:`prepare`.
+    """
+    layout = prepare(
+        model,
+        sample,
+        kwargs=kwargs,
+        granularity=granularity,
+        leaf_modules=leaf_modules,
+        method=method,
+    )
+    traced = layout.traced[layout.primary]
+    tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")
+    # Unit names are module paths; a child name of nn.Sequential cannot hold a dot.
+    names = [name.replace(".", "/") for name in layout.names]
+    return nn.Sequential(OrderedDict(zip(names, layout.modules()))), tuple(tensors)
+
+
+def wrap(
+    model: nn.Module,
+    sample: tuple[Any, ...] | Tensor,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    stages: int | None = None,
+    devices: Sequence[Device] | None = None,
+    chunks: int = 1,
+    checkpoint: str = "except_last",
+    memory: MemorySpec = None,
+    strategy: str = "optimal",
+    profile: Profile | None = None,
+    granularity: str = "blocks",
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    method: str = "auto",
+) -> WrappedPipeline:
+    """Splits any model into balanced pipeline stages and returns it ready to train.
+
+    The model is traced with ``sample`` (torch.fx, or torch.export when fx fails), cut into
+    units at module-call boundaries, each unit profiled on the first device, and the units
+    balanced over the stages by :func:`autopipe.plan`. A cut sends every tensor live
+    across it (skip connections included), and the plan charges exactly those bytes.
+
+    The model's inputs and outputs must be batch-major: every tensor has the batch along
+    dim 0 (return per-sample outputs, compute the loss outside). Non-tensor inputs (ints,
+    bools, ``None``) are baked into the graph as constants. The model is traced in both
+    training and evaluation mode when they differ (dropout, batch norm), so ``train()``
+    and ``eval()`` work as usual.
+
+    Args:
+        model: the model; its parameters are moved to their stages' devices in place and
+            shared with the returned module.
+        sample: the positional inputs of one mini-batch (a tuple, or a single tensor).
+        kwargs: keyword inputs of the sample.
+        stages: the number of stages (default: ``len(devices)``, or 2).
+        devices: one device per stage (default: the GPUs, or the CPU for every stage).
+        chunks: micro-batches per mini-batch.
+        checkpoint: ``always``, ``except_last`` or ``never``.
+        memory: device capacity for the planner (bytes, ``"16GiB"``, or one per device).
+        strategy: the planner's strategy (``optimal``, ``uniform``, ...).
+        profile: a profile of the units to plan with instead of measuring them.
+        granularity: ``children``, ``blocks`` (default) or ``leaves``; see
+            :func:`autopipe.graph_units.unit_paths`.
+        leaf_modules: submodule names or classes torch.fx treats as opaque calls.
+        method: ``auto``, ``fx`` or ``export``.
+
+    Returns:
+        A :class:`WrappedPipeline`: call it like the model; ``.plan`` and ``.pipeline``
+        are the plan and the GPipe.
+
+    Raises:
+        autopipe.tracing.TracingError: the model cannot be traced; the message says why and
+            what to do.
+        ValueError: bad arguments, inputs or outputs that are not batch-major, too few
+            units for the stages, or a shared parameter that the plan puts on two devices.
+        autopipe.PlanningError: no split fits the memory.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    names = _device_names(stages, devices)
+    layout = prepare(
+        model,
+        sample,
+        kwargs=kwargs,
+        granularity=granularity,
+        leaf_modules=leaf_modules,
+        method=method,
+    )
+    units = layout.modules()
+    if len(units) < len(names):
+        raise ValueError(
+            f"the model has {len(units)} units at granularity {granularity!r} "
+            f"({', '.join(layout.names)}), too few for {len(names)} stages; use fewer stages "
+            "or a finer granularity"
+        )
+    traced = layout.traced[layout.primary]
+    if profile is None:
+        tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")
+        # Measure at the micro-batch and twice it: a batch of one breaks batch norm.
+        micro = -(-traced.batch // chunks)
+        profile = profile_layers(
+            units,
+            tensors,
+            device=names[0],
+            chunks=chunks,
+            names=layout.names,
+            batch_sizes=[micro, 2 * micro],
+        )
+    elif profile.names != layout.names:
+        raise ValueError(
+            f"the profile's layers {profile.names} are not the model's units {layout.names}"
+        )
+    plan = make_plan(
+        profile, names, chunks=chunks, memory=memory, checkpoint=checkpoint, strategy=strategy
+    )
+    check_placement(layout.shared, stage_of_units(plan.balance), names, layout.names)
+    pipeline = GPipe.from_plan(nn.Sequential(*units), plan)
+    outputs = {mode: t.outputs for mode, t in layout.traced.items()}
+    return WrappedPipeline(model, pipeline, plan, traced.inputs, outputs, traced.method)

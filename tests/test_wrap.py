@@ -1,0 +1,333 @@
+"""wrap(): traced models pipelined with GPipe give the original outputs and gradients."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from autopipe.gpipe import GPipe
+from autopipe.plans import Plan
+from autopipe.tracing import TracingError
+from autopipe.wrapping import WrappedPipeline, wrap
+from profiler.profile import Profile
+from tests.wrap_models import (
+    DataDependent,
+    DropoutBatchNorm,
+    KeywordModel,
+    ResidualMLP,
+    ShapeLoop,
+    TiedEnds,
+    TinyGPT,
+    UNet,
+)
+
+
+@pytest.fixture(autouse=True)
+def _float64() -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _loss(output: Any) -> Tensor:
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+    return sum((t.square().sum() for t in leaves if t.is_floating_point()), torch.zeros(()))
+
+
+def _assert_close(actual: Any, expected: Any) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10)
+
+
+def _compare(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    **options: Any,
+) -> tuple[WrappedPipeline, nn.Module]:
+    """Wraps ``model`` and checks one forward and backward against a copy of it."""
+    reference = copy.deepcopy(model)
+    wrapped = wrap(model, args, kwargs=kwargs, **options)
+    output = wrapped(*args, **(kwargs or {}))
+    expected = reference(*args, **(kwargs or {}))
+    assert pytree.tree_structure(output) == pytree.tree_structure(expected)
+    _assert_close(pytree.tree_leaves(output), pytree.tree_leaves(expected))
+    _loss(output).backward()
+    _loss(expected).backward()
+    _check_grads(wrapped, reference)
+    return wrapped, reference
+
+
+def _check_grads(wrapped: nn.Module, reference: nn.Module) -> None:
+    ours = dict(wrapped.named_parameters())
+    theirs = dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in theirs.items():
+        if param.grad is None:
+            assert ours[name].grad is None, name
+        else:
+            _assert_close(ours[name].grad, param.grad)
+
+
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 1), (3, 2), (4, 3)])
+def test_residual_mlp(stages: int, chunks: int) -> None:
+    torch.manual_seed(0)
+    wrapped, _ = _compare(ResidualMLP(), (torch.randn(6, 5),), stages=stages, chunks=chunks)
+    assert wrapped.method == "fx"
+    assert isinstance(wrapped.pipeline, GPipe) and isinstance(wrapped.plan, Plan)
+    assert len(wrapped.plan.balance) == stages and sum(wrapped.plan.balance) == 6
+    assert wrapped.units == ["inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out"]
+    assert wrapped.plan.chunks == chunks and wrapped.pipeline.chunks == chunks
+    wrapped.close()
+
+
+def test_training_steps_stay_in_step_with_the_original() -> None:
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    wrapped = wrap(model, (x,), stages=3, chunks=4)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        for net, optimizer in ((wrapped, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            (net(x) - y).square().mean().backward()
+            optimizer.step()
+    for ours, theirs in zip(wrapped.parameters(), reference.parameters()):
+        _assert_close(ours, theirs)
+    wrapped.close()
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_gpt_with_tied_embedding_and_head(method: str) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(depth=2)
+    idx = torch.randint(0, 32, (6, 8))
+    wrapped, _ = _compare(model, (idx,), stages=3, chunks=3, method=method)
+    assert wrapped.method == method
+    assert wrapped.units == ["wte", "wpe", "drop", "blocks.0", "blocks.1", "ln_f", "lm_head"]
+    # The tied weight is one parameter, shared by the first and the last stage.
+    assert wrapped.get_parameter("lm_head.weight") is wrapped.get_parameter("wte.weight")
+    assert "blocks.0.attn.qkv.weight" in dict(wrapped.named_parameters())
+    state = wrapped.state_dict()
+    assert list(state) == list(TinyGPT(depth=2).state_dict())
+    fresh = TinyGPT(depth=2)
+    fresh.load_state_dict(state)
+    _assert_close(fresh(idx), wrapped(idx))
+    other = TinyGPT(depth=2)
+    wrapped.load_state_dict(other.state_dict())
+    _assert_close(wrapped(idx), other(idx))
+    wrapped.close()
+
+
+def test_unet_with_long_skips() -> None:
+    torch.manual_seed(0)
+    wrapped, _ = _compare(UNet(), (torch.randn(4, 3, 16, 16),), stages=3, chunks=2)
+    assert wrapped.method == "fx"
+    wrapped.close()
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_batch_norm_in_eval_mode(method: str) -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNorm(p=0.3)
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    wrapped = wrap(model, (x,), stages=2, chunks=1, method=method)
+    # One training step moves the running statistics, as in the original model; with one
+    # micro-batch the dropout masks are drawn in the same order.
+    for net in (wrapped, reference):
+        torch.manual_seed(1)
+        net(x).sum().backward()
+    for ours, theirs in zip(wrapped.buffers(), reference.buffers()):
+        _assert_close(ours, theirs)
+    wrapped.eval()
+    reference.eval()
+    assert not any(m.training for m in wrapped.pipeline.modules())
+    _assert_close(wrapped(x), reference(x))
+    with torch.no_grad():
+        _assert_close(wrapped(x[:5]), reference(x[:5]))
+    wrapped.close()
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_batch_norm_in_train_mode(method: str, checkpoint: str) -> None:
+    # One micro-batch sees the whole batch, so batch statistics equal the original's.
+    torch.manual_seed(0)
+    model = DropoutBatchNorm(p=0.0)
+    wrapped, reference = _compare(
+        model, (torch.randn(6, 8),), stages=3, chunks=1, checkpoint=checkpoint, method=method
+    )
+    # Recomputation in backward must not update the running statistics twice.
+    for (name, ours), theirs in zip(wrapped.named_buffers(), reference.buffers()):
+        assert name in dict(reference.named_buffers())
+        _assert_close(ours, theirs)
+    wrapped.close()
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_dropout_is_replayed_by_checkpointing(method: str) -> None:
+    x = torch.randn(6, 8)
+    results = []
+    for checkpoint in ("always", "never"):
+        torch.manual_seed(0)
+        model = DropoutBatchNorm(p=0.5)
+        wrapped = wrap(model, (x,), stages=2, chunks=2, checkpoint=checkpoint, method=method)
+        torch.manual_seed(1)
+        output = wrapped(x)
+        output.square().sum().backward()
+        results.append((output.detach(), [p.grad for p in wrapped.parameters()]))
+        wrapped.close()
+    (out_a, grads_a), (out_b, grads_b) = results
+    _assert_close(out_a, out_b)
+    _assert_close(grads_a, grads_b)
+    torch.manual_seed(0)
+    model = DropoutBatchNorm(p=0.5)
+    with torch.no_grad():
+        plain = model.eval()(x)
+    assert not torch.allclose(out_a, plain)
+
+
+def test_keyword_inputs_and_structured_outputs() -> None:
+    torch.manual_seed(0)
+    x, mask = torch.randn(6, 4), torch.rand(6)
+    kwargs = {"mask": mask, "scale": 2.0}
+    wrapped, _ = _compare(KeywordModel(), (x,), kwargs, stages=2, chunks=3)
+    output = wrapped(x, scale=2.0, mask=mask)  # keyword order does not matter
+    assert set(output) == {"logits", "hidden", "scale"}
+    assert isinstance(output["hidden"], tuple) and output["scale"] == 2.0
+    with pytest.raises(ValueError, match="baked into the graph"):
+        wrapped(x, mask=mask, scale=3.0)
+    with pytest.raises(ValueError, match="structure"):
+        wrapped(x, mask=mask, scale=2.0, extra=torch.zeros(6, 6))
+    wrapped.close()
+
+
+def test_model_fx_cannot_trace_goes_through_export() -> None:
+    torch.manual_seed(0)
+    wrapped, _ = _compare(ShapeLoop(), (torch.randn(6, 3, 4),), stages=2, chunks=3)
+    assert wrapped.method == "export"
+    wrapped.close()
+
+
+def test_untraceable_model_and_the_leaf_fix() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    with pytest.raises(TracingError, match="leaf_modules"):
+        wrap(DataDependent(), (x,))
+    wrapped, _ = _compare(DataDependent(), (x,), stages=2, chunks=2, leaf_modules=["gate"])
+    assert wrapped.units == ["a", "gate", "b"]
+    wrapped.close()
+
+
+def test_shared_parameter_on_one_device_is_allowed() -> None:
+    torch.manual_seed(0)
+    wrapped, _ = _compare(TiedEnds(), (torch.randn(4, 4),), stages=2, chunks=2)
+    assert wrapped.plan.balance[0] < 4  # first and last are on different stages
+    wrapped.close()
+
+
+def test_shared_parameter_across_devices_is_refused() -> None:
+    x = torch.randn(4, 4)
+    profile = wrap(TiedEnds(), (x,), stages=2).plan.profile
+    with pytest.raises(ValueError, match=r"first\.weight is shared by units on different devices"):
+        wrap(TiedEnds(), (x,), devices=["cpu", "meta"], profile=Profile.from_dict(profile))
+
+
+def test_profile_reuse_and_mismatch() -> None:
+    x = torch.randn(6, 5)
+    first = wrap(ResidualMLP(), (x,), stages=3, chunks=2)
+    profile = Profile.from_dict(first.plan.profile)
+    again = wrap(ResidualMLP(), (x,), stages=3, chunks=2, profile=profile)
+    assert again.plan.balance == first.plan.balance
+    with pytest.raises(ValueError, match="not the model's units"):
+        wrap(ResidualMLP(depth=2), (x,), stages=2, profile=profile)
+
+
+@pytest.mark.parametrize(
+    ("build", "options", "match"),
+    [
+        (lambda: ResidualMLP(depth=1), {"stages": 4}, "too few for 4 stages"),
+        (lambda: ResidualMLP(), {"stages": 2, "devices": ["cpu"]}, "stages=2"),
+        (lambda: ResidualMLP(), {"granularity": "rows"}, "granularity"),
+    ],
+)
+def test_bad_arguments(build: Callable[[], nn.Module], options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        wrap(build(), (torch.randn(4, 5),), **options)
+
+
+def test_outputs_must_be_batch_major() -> None:
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x)).mean()
+
+    with pytest.raises(ValueError, match="batch-major"):
+        wrap(WithLoss(), (torch.randn(4, 4),))
+
+
+def test_moving_and_converting() -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNorm()
+    reference = copy.deepcopy(model).float().eval()
+    x = torch.randn(6, 8)
+    wrapped = wrap(model, (x,), stages=2)
+    with pytest.raises(TypeError, match="cannot be moved"):
+        wrapped.to("cpu")
+    with pytest.raises(TypeError, match="cannot be moved"):
+        wrapped.cpu()
+    wrapped.to(torch.float32).eval()
+    # The model's buffers follow the converted tensors the units run with.
+    assert wrapped.scale.dtype == torch.float32 and model.scale.dtype == torch.float32
+    assert wrapped.state_dict()["layers.0.1.running_mean"].dtype == torch.float32
+    _assert_close(wrapped(x.float()), reference(x.float()))
+    wrapped.close()
+
+
+def test_eval_mode_at_wrap_time() -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNorm(p=0.5).eval()
+    x = torch.randn(6, 8)
+    wrapped, _ = _compare(model, (x,), stages=2, chunks=2)
+    assert not wrapped.training
+    wrapped.train()
+    assert wrapped(x).shape == (6, 2)
+    wrapped.close()
+
+
+def test_hugging_face_gpt2() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        vocab_size=40,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 40, (4, 8))
+    wrapped, _ = _compare(model, (ids,), {"use_cache": False}, stages=2, chunks=2)
+    assert "transformer.h.0" in wrapped.units and "lm_head" in wrapped.units
+    assert list(wrapped.state_dict()) == list(model.state_dict())
+    wrapped.close()
