@@ -15,6 +15,11 @@ from autopipe.worker import ThreadContext, WorkerPool
 CPU = torch.device("cpu")
 
 
+def worker_threads() -> int:
+    """Live autopipe worker threads; other libraries may start threads of their own."""
+    return sum(t.name.startswith("autopipe-worker") for t in threading.enumerate())
+
+
 def _run(pool: WorkerPool, worker: int, fn: Callable[[], object]) -> object:
     out: queue.SimpleQueue[object] = queue.SimpleQueue()
     pool.submit(worker, lambda: out.put(fn()))
@@ -22,14 +27,14 @@ def _run(pool: WorkerPool, worker: int, fn: Callable[[], object]) -> object:
 
 
 def test_one_worker_per_device_and_reuse() -> None:
-    baseline = threading.active_count()
+    baseline = worker_threads()
     pool = WorkerPool([CPU, CPU, CPU])
     assert len(pool) == 1 and pool.owners == [0, 0, 0]
     first = _run(pool, 0, threading.get_ident)
     assert first == _run(pool, 0, threading.get_ident) != threading.get_ident()
-    assert threading.active_count() == baseline + 1
+    assert worker_threads() == baseline + 1
     pool.close()
-    assert pool.closed and threading.active_count() == baseline
+    assert pool.closed and worker_threads() == baseline
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(0, lambda: None)
 
@@ -46,13 +51,13 @@ def test_explicit_owners() -> None:
 
 
 def test_garbage_collection_stops_threads() -> None:
-    baseline = threading.active_count()
+    baseline = worker_threads()
     pool = WorkerPool([CPU], owners=[0])
     threads = pool.threads()
     del pool
     gc.collect()
     assert not any(t.is_alive() for t in threads)
-    assert threading.active_count() == baseline
+    assert worker_threads() == baseline
 
 
 def test_failing_job_keeps_worker_alive() -> None:
