@@ -180,7 +180,17 @@ def test_dropout_is_replayed_by_checkpointing(method: str) -> None:
     for checkpoint in ("always", "never"):
         torch.manual_seed(0)
         model = DropoutBatchNorm(p=0.5)
-        wrapped = wrap(model, (x,), stages=2, chunks=2, checkpoint=checkpoint, method=method)
+        # A fixed split: a profile-driven one may differ between the runs, and with it the
+        # order in which micro-batches draw their dropout masks.
+        wrapped = wrap(
+            model,
+            (x,),
+            stages=2,
+            chunks=2,
+            checkpoint=checkpoint,
+            method=method,
+            strategy="uniform",
+        )
         torch.manual_seed(1)
         output = wrapped(x)
         output.square().sum().backward()
