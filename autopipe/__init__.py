@@ -13,6 +13,7 @@ from autopipe.devices import DeviceSpec, make_devices
 from autopipe.errors import PlanningError
 from autopipe.planner import plan
 from autopipe.plans import Plan, StagePlan
+from autopipe.search import search
 from profiler.profile import LayerProfile, Profile
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ __all__ = [
     "make_devices",
     "partition",
     "plan",
+    "search",
     "wrap",
 ]
 

@@ -1,4 +1,4 @@
-"""The ``autopipe`` command line: ``autopipe plan`` and ``autopipe profile``."""
+"""The ``autopipe`` command line: ``autopipe plan``, ``profile`` and ``calibrate``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autopipe.balance import STRATEGIES
+from autopipe.cli_search import add_calibrate_parser, add_search_options
 from autopipe.cost_model import CHECKPOINT_MODES, SCHEDULES, optimizer_factor
 from autopipe.errors import PlanningError
 from autopipe.units import parse_bytes
@@ -144,11 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument(
         "--checkpoint",
         choices=CHECKPOINT_MODES,
-        default="except_last",
-        help="activation checkpointing (default: except_last)",
+        help="activation checkpointing; auto checkpoints only the stages that do not fit "
+        "otherwise (default: except_last; with --search: all modes)",
     )
     plan_parser.add_argument(
-        "--schedule", choices=SCHEDULES, default="gpipe", help="pipeline schedule (default: gpipe)"
+        "--schedule",
+        choices=SCHEDULES,
+        help="pipeline schedule (default: gpipe; with --search: both)",
     )
     plan_parser.add_argument(
         "--strategy",
@@ -189,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw every strategy's stage times side by side, to see how balanced "
         "each split is (.png or .svg; needs matplotlib)",
     )
+    add_search_options(plan_parser)
     plan_parser.set_defaults(func=_plan_command)
+
+    add_calibrate_parser(commands)
 
     profile_parser = commands.add_parser(
         "profile",
@@ -365,6 +371,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     from autopipe.report import render_plan
     from profiler.profile import Profile
 
+    if args.search:
+        from autopipe.cli_search import search_command
+
+        return search_command(args)
+    if args.devices or args.allreduce_bandwidth:
+        raise ValueError("--devices and --allreduce-bandwidth go with --search; use --stages")
     memory = _memory(args.memory)
     bandwidth = _bandwidth(args.bandwidth)
     optimizer = _optimizer(args.optimizer)
@@ -383,7 +395,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     if args.profile:
         profile = Profile.load(args.profile)
-        chunks = args.chunks or default_chunks(stages, profile.batch_size)
+        chunks = args.chunks or default_chunks(stages, args.batch or profile.batch_size)
     elif args.model:
         model, sample = _load(args.model)
         if stages > len(model):
@@ -391,16 +403,17 @@ def _plan_command(args: argparse.Namespace) -> int:
                 f"cannot split {len(model)} layers into {stages} non-empty stages; "
                 f"use --stages {len(model)} or fewer"
             )
-        chunks = args.chunks or default_chunks(stages, _batch_size(sample))
+        chunks = args.chunks or default_chunks(stages, args.batch or _batch_size(sample))
         profile = _measure(model, sample, args, chunks)
     else:
         raise ValueError("give a model file (autopipe plan MODEL.py) or --profile FILE")
 
     options: dict[str, Any] = {
+        "batch": args.batch,
         "chunks": chunks,
         "memory": memory,
-        "checkpoint": args.checkpoint,
-        "schedule": args.schedule,
+        "checkpoint": args.checkpoint or "except_last",
+        "schedule": args.schedule or "gpipe",
         "optimizer": optimizer,
         "bandwidth": bandwidth,
     }

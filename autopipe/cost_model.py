@@ -2,11 +2,12 @@
 
 A stage holding layers ``[s, e)`` on device ``k`` costs, per micro-batch::
 
-    c_k(s, e) = (F(s,e) · (1 + r) + B(s,e)) / speed_k + out(e) / bandwidth_k
+    c_k(s, e) = (F(s,e) · (1 + r) + B(s,e)) / speed_k + o + out(e) / bandwidth_k
 
 where F and B sum the layers' forward and backward times, ``r`` is the fraction of
-micro-batches that are re-computed (checkpointed), and ``out(e)`` is the size of the
-boundary sent to the next stage (zero after the last). Its peak memory is::
+micro-batches that are re-computed (checkpointed), ``o`` is the executor's fixed overhead
+per stage and micro-batch (calibrated, else 0) and ``out(e)`` is the size of the boundary
+sent to the next stage (zero after the last). Its peak memory is::
 
     m_k(s, e) = P(s,e) · (2 + opt) + Buf(s,e) + ck_k · in(s) + keep_k · S(s,e) + peak(s,e)
 
@@ -16,117 +17,75 @@ micro-batch and the largest transient peak of a layer. Of the ``n_k`` micro-batc
 flight on stage k (GPipe: M; 1F1B: min(M, K−k)), ``ck_k`` are checkpointed and keep only
 their input; the others keep all saved tensors, and a re-computation holds one
 micro-batch's saved tensors at a time (``keep_k = n_k − ck_k``, at least 1).
+
+Checkpoint mode ``auto`` decides per stage: a stage runs ``never`` if its memory fits, else
+``except_last``, so it checkpoints only when it must. (``always`` never does better than
+``except_last``: it re-computes more and keeps at least as many boundary inputs.) Since the
+step time grows with every c_k and each stage's choice only affects its own memory,
+choosing per candidate stage inside the split search stays exact.
+
+With D data-parallel replicas of the pipeline, each stage all-reduces its gradients among
+its D copies once per step (ring all-reduce, after the pipeline drains, no overlap)::
+
+    a_k(s, e) = 2 · (D − 1) / D · P(s,e) / allreduce_bandwidth
+
+The stages' rings use disjoint devices and run at once, so a step costs ``max_k a_k``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.devices import DeviceSpec
-from profiler.profile import Profile
+from autopipe.layer_costs import OPTIMIZER_STATES, LayerCosts, ProfileLines, optimizer_factor
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "FIXED_CHECKPOINT_MODES",
     "OPTIMIZER_STATES",
     "SCHEDULES",
     "CostModel",
     "LayerCosts",
+    "ProfileLines",
     "optimizer_factor",
 ]
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+CHECKPOINT_MODES = ("always", "except_last", "never", "auto")
+# The fixed modes, fastest first; ``auto`` chooses from the first two.
+FIXED_CHECKPOINT_MODES = ("never", "except_last", "always")
 SCHEDULES = ("gpipe", "1f1b")
-# Optimizer state bytes per parameter byte.
-OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 
 Array = NDArray[np.float64]
-
-
-def optimizer_factor(optimizer: str | float) -> float:
-    """Optimizer state bytes per parameter byte, from a name or a number."""
-    if isinstance(optimizer, (int, float)):
-        if optimizer < 0:
-            raise ValueError(f"optimizer state factor must be >= 0, got {optimizer}")
-        return float(optimizer)
-    try:
-        return OPTIMIZER_STATES[optimizer.lower()]
-    except KeyError:
-        raise ValueError(
-            f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)} "
-            "or give the state bytes per parameter byte as a number"
-        ) from None
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Per-layer figures at one micro-batch size (seconds and bytes)."""
-
-    names: list[str]
-    forward: Array
-    backward: Array
-    saved: Array
-    output: Array
-    params: Array
-    buffers: Array
-    peak: Array
-    input: float
-
-    @classmethod
-    def from_profile(cls, profile: Profile, micro_batch: int) -> LayerCosts:
-        """Predicts every figure at ``micro_batch`` samples from the profile's fits."""
-        n = len(profile)
-
-        def figure(name: str) -> Array:
-            return np.array([profile.predict(i, name, micro_batch) for i in range(n)])
-
-        return cls(
-            names=profile.names,
-            forward=figure("forward"),
-            backward=figure("backward"),
-            saved=figure("saved"),
-            output=figure("output"),
-            params=np.array([float(layer.param_bytes) for layer in profile.layers]),
-            buffers=np.array([float(layer.buffer_bytes) for layer in profile.layers]),
-            peak=figure("peak"),
-            input=profile.predict(-1, "input", micro_batch),
-        )
-
-    def __len__(self) -> int:
-        return len(self.names)
+Index = NDArray[np.int64]
 
 
 def _prefix(values: Array) -> Array:
     return np.concatenate([[0.0], np.cumsum(values)])
 
 
-class _RangeMax:
-    """Sparse table for vectorized range-maximum queries over ``[s, e)``."""
+class RangeMax:
+    """Sparse table for vectorized range-maximum queries over ``[s, e)``, ``s < e``."""
 
     def __init__(self, values: Array) -> None:
-        self.table = [values]
+        n = len(values)
+        self.table = np.zeros((max(n.bit_length(), 1), max(n, 1)))
+        self.table[0, :n] = values
         width = 1
-        while 2 * width <= len(values):
-            prev = self.table[-1]
-            self.table.append(np.maximum(prev[:-width], prev[width:]))
+        for level in range(1, len(self.table)):
+            prev = self.table[level - 1]
+            self.table[level, : n - 2 * width + 1] = np.maximum(
+                prev[: n - 2 * width + 1], prev[width : n - width + 1]
+            )
             width *= 2
 
-    def query(self, s: NDArray[np.int64], e: NDArray[np.int64]) -> Array:
-        length = np.maximum(e - s, 1)
-        level = np.floor(np.log2(length)).astype(np.int64)
-        out = np.zeros(np.broadcast(s, e).shape)
-        for lv in np.unique(level):
-            row = self.table[int(lv)]
-            mask = level == lv
-            ss = np.broadcast_to(s, out.shape)[mask]
-            ee = np.broadcast_to(e, out.shape)[mask]
-            hi = np.clip(ee - (1 << int(lv)), 0, len(row) - 1)
-            out[mask] = np.maximum(row[np.clip(ss, 0, len(row) - 1)], row[hi])
-        return out
+    def query(self, s: Index, e: Index) -> Array:
+        # floor(log2(length)), exactly, from the binary exponent.
+        level = np.frexp(e - s)[1] - 1
+        return np.asarray(np.maximum(self.table[level, s], self.table[level, e - (1 << level)]))
 
 
 class CostModel:
@@ -136,9 +95,12 @@ class CostModel:
         layers: per-layer figures at the micro-batch size.
         devices: one entry per stage.
         chunks: micro-batches per mini-batch (M).
-        checkpoint: ``always``, ``except_last`` or ``never``.
+        checkpoint: ``always``, ``except_last``, ``never`` or ``auto`` (per stage).
         schedule: ``gpipe`` or ``1f1b``.
         optimizer: optimizer state bytes per parameter byte (see :func:`optimizer_factor`).
+        overhead: the executor's fixed seconds per stage and micro-batch.
+        data_parallel: replicas of the pipeline (D) whose gradients are all-reduced.
+        allreduce_bandwidth: bytes/s of the all-reduce; ``None`` treats it as free.
     """
 
     def __init__(
@@ -149,6 +111,10 @@ class CostModel:
         checkpoint: str = "except_last",
         schedule: str = "gpipe",
         optimizer: float = 2.0,
+        *,
+        overhead: float = 0.0,
+        data_parallel: int = 1,
+        allreduce_bandwidth: float | None = None,
     ) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(
@@ -158,20 +124,31 @@ class CostModel:
             raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(SCHEDULES)}")
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if not overhead >= 0:
+            raise ValueError(f"overhead must be >= 0, got {overhead}")
+        if data_parallel < 1:
+            raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+        if allreduce_bandwidth is not None and not allreduce_bandwidth > 0:
+            raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
         self.layers = layers
         self.devices = list(devices)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.schedule = schedule
         self.optimizer = optimizer
+        self.overhead = float(overhead)
+        self.data_parallel = data_parallel
+        self.allreduce_bandwidth = allreduce_bandwidth
+        self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = _prefix(layers.forward)
         self._bwd = _prefix(layers.backward)
         self._saved = _prefix(layers.saved)
+        self._params = _prefix(layers.params)
         self._state = _prefix(layers.params * (2.0 + optimizer) + layers.buffers)
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output])
         self._sends = np.concatenate([[0.0], layers.output[:-1], [0.0]])
-        self._peak = _RangeMax(layers.peak) if np.any(layers.peak > 0) else None
+        self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
 
     @property
     def num_stages(self) -> int:
@@ -181,11 +158,15 @@ class CostModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def fraction(self, mode: str) -> float:
+        """Share of micro-batches whose forward runs again in backward under ``mode``."""
+        m = self.chunks
+        return {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[mode]
+
     @property
     def recompute_fraction(self) -> float:
-        """Share of micro-batches whose forward runs again in backward."""
-        m = self.chunks
-        return {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[self.checkpoint]
+        """Re-computed share of micro-batches (``auto``: of its fastest mode, ``never``)."""
+        return self.fraction(self.modes[0])
 
     def in_flight(self, k: int) -> int:
         """Micro-batches whose activations stage ``k`` holds at its peak."""
@@ -193,58 +174,122 @@ class CostModel:
             return min(self.chunks, self.num_stages - k)
         return self.chunks
 
-    def checkpointed(self, k: int) -> tuple[int, int]:
-        """``(ck, keep)``: in-flight micro-batches stored as inputs only, and as saved sets."""
+    def checkpointed(self, k: int, mode: str | None = None) -> tuple[int, int]:
+        """``(ck, keep)``: in-flight micro-batches stored as inputs only, and as saved sets.
+
+        Args:
+            k: the stage.
+            mode: a fixed mode; default the model's (required when it is ``auto``).
+        """
+        mode = mode or self.checkpoint
+        if mode == "auto":
+            raise ValueError("checkpoint mode auto decides per stage: pass the mode")
         n = self.in_flight(k)
-        ck = {"always": n, "except_last": min(n, self.chunks - 1), "never": 0}[self.checkpoint]
+        ck = {"always": n, "except_last": min(n, self.chunks - 1), "never": 0}[mode]
         return ck, max(n - ck, 1)
 
     def layer_time(self) -> Array:
         """Per-layer cost per micro-batch on a speed-1 device, transfers excluded."""
         return self.layers.forward * (1.0 + self.recompute_fraction) + self.layers.backward
 
-    def compute_time(self, k: int, s: NDArray[np.int64], e: NDArray[np.int64]) -> Array:
-        fwd = self._fwd[e] - self._fwd[s]
-        bwd = self._bwd[e] - self._bwd[s]
-        return (fwd * (1.0 + self.recompute_fraction) + bwd) / self.devices[k].speed
-
-    def transfer_time(self, k: int, e: NDArray[np.int64]) -> Array:
+    def transfer_time(self, k: int, e: Index) -> Array:
         bandwidth = self.devices[k].bandwidth
         if bandwidth is None:
             return np.zeros(np.shape(e))
         # A stage ending at e sends layer e−1's output, unless it is the last stage.
         return self._sends[e] / bandwidth
 
-    def stage_time(self, k: int, s: NDArray[np.int64], e: NDArray[np.int64]) -> Array:
-        """Cost per micro-batch of stage ``k`` holding layers ``[s, e)``."""
-        return self.compute_time(k, s, e) + self.transfer_time(k, e)
-
-    def state_memory(self, s: NDArray[np.int64], e: NDArray[np.int64]) -> Array:
+    def state_memory(self, s: Index, e: Index) -> Array:
         """Parameters, gradients, optimizer state and buffers of layers ``[s, e)``."""
         return self._state[e] - self._state[s]
 
-    def activation_memory(self, k: int, s: NDArray[np.int64], e: NDArray[np.int64]) -> Array:
-        """Activations stage ``k`` holds at its peak with layers ``[s, e)``."""
-        ck, keep = self.checkpointed(k)
-        out = ck * self._inputs[s] + keep * (self._saved[e] - self._saved[s])
-        if self._peak is not None:
-            out = out + self._peak.query(s, e)
-        return out
+    def _work(self, k: int, s: Index, e: Index, mode: str) -> Array:
+        fwd = self._fwd[e] - self._fwd[s]
+        bwd = self._bwd[e] - self._bwd[s]
+        return (fwd * (1.0 + self.fraction(mode)) + bwd) / self.devices[k].speed
 
-    def stage_memory(self, k: int, s: NDArray[np.int64], e: NDArray[np.int64]) -> Array:
+    def _saved_sets(self, k: int, s: Index, e: Index, mode: str) -> Array:
+        ck, keep = self.checkpointed(k, mode)
+        return ck * self._inputs[s] + keep * (self._saved[e] - self._saved[s])
+
+    def stage_costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index]:
+        """``(time, memory, mode)`` of stage ``k`` holding layers ``[s, e)``.
+
+        ``mode`` indexes :attr:`modes`: the fastest whose memory fits, else the one that
+        needs the least memory.
+        """
+        state = self.state_memory(s, e)
+        if self._peak is not None:
+            state = state + self._peak.query(s, e)
+        fixed = self.overhead + self.transfer_time(k, e)
+        cap = self.capacity(k)
+        time = self._work(k, s, e, self.modes[0]) + fixed
+        memory = state + self._saved_sets(k, s, e, self.modes[0])
+        choice = np.zeros(np.shape(memory), dtype=np.int64)
+        for i, mode in enumerate(self.modes[1:], start=1):
+            other = state + self._saved_sets(k, s, e, mode)
+            take = (memory > cap) & ((other <= cap) | (other < memory))
+            time = np.where(take, self._work(k, s, e, mode) + fixed, time)
+            memory = np.where(take, other, memory)
+            choice = np.where(take, i, choice)
+        return time, memory, choice
+
+    def stage_checkpoint(self, k: int, s: int, e: int) -> str:
+        """The checkpoint mode stage ``k`` runs with when it holds layers ``[s, e)``."""
+        if len(self.modes) == 1:
+            return self.modes[0]
+        return self.modes[int(self.stage_costs(k, np.array(s), np.array(e))[2])]
+
+    def stage_time(self, k: int, s: Index, e: Index) -> Array:
+        """Cost per micro-batch of stage ``k`` holding layers ``[s, e)``."""
+        return self.stage_costs(k, s, e)[0]
+
+    def compute_time(self, k: int, s: Index, e: Index) -> Array:
+        """Compute (re-computation and executor overhead included) per micro-batch."""
+        return self.stage_time(k, s, e) - self.transfer_time(k, e)
+
+    def recompute_time(self, k: int, s: Index, e: Index) -> Array:
+        """Forward re-computation per micro-batch, averaged over the micro-batches."""
+        choice = self.stage_costs(k, s, e)[2]
+        fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
+        return fractions * (self._fwd[e] - self._fwd[s]) / self.devices[k].speed
+
+    def activation_memory(self, k: int, s: Index, e: Index) -> Array:
+        """Activations stage ``k`` holds at its peak with layers ``[s, e)``."""
+        return self.stage_memory(k, s, e) - self.state_memory(s, e)
+
+    def stage_memory(self, k: int, s: Index, e: Index) -> Array:
         """Peak bytes of stage ``k`` holding layers ``[s, e)``."""
-        return self.state_memory(s, e) + self.activation_memory(k, s, e)
+        return self.stage_costs(k, s, e)[1]
 
     def capacity(self, k: int) -> float:
         memory = self.devices[k].memory
         return math.inf if memory is None else float(memory)
 
+    @property
+    def allreduce_factor(self) -> float:
+        """All-reduce seconds per parameter byte of a stage: ``2·(D−1)/D / bandwidth``."""
+        d = self.data_parallel
+        if d == 1 or self.allreduce_bandwidth is None:
+            return 0.0
+        return 2.0 * (d - 1) / d / self.allreduce_bandwidth
+
+    def param_bytes(self, s: Index, e: Index) -> Array:
+        """Parameter (and so gradient) bytes of layers ``[s, e)``."""
+        return self._params[e] - self._params[s]
+
+    def allreduce_time(self, s: Index, e: Index) -> Array:
+        """Seconds per step to all-reduce the gradients of a stage holding ``[s, e)``."""
+        return self.allreduce_factor * self.param_bytes(s, e)
+
     def signature(self, k: int) -> tuple[object, ...]:
         """Stages with equal signatures have identical cost and memory functions."""
         device = self.devices[k]
-        return (device.speed, device.bandwidth, self.checkpointed(k), self.capacity(k))
+        modes = tuple(self.checkpointed(k, mode) for mode in self.modes)
+        return (device.speed, device.bandwidth, modes, self.capacity(k))
 
     def sum_is_invariant(self) -> bool:
         """Whether ``Σ_k c_k`` is the same for every split (equal speeds, free transfers)."""
         speeds = {d.speed for d in self.devices}
-        return len(speeds) == 1 and all(d.bandwidth is None for d in self.devices)
+        fixed = len(self.modes) == 1 or all(d.memory is None for d in self.devices)
+        return len(speeds) == 1 and fixed and all(d.bandwidth is None for d in self.devices)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,9 +17,40 @@ from autopipe.plans import Plan, StagePlan
 from autopipe.units import format_bytes
 from profiler.profile import Profile
 
-__all__ = ["build_model", "evaluate", "plan"]
+__all__ = ["build_model", "calibration", "describe", "evaluate", "plan"]
 
 MemorySpec = int | str | Sequence[int | str | None] | None
+
+
+def calibration(profile: Profile) -> dict[str, float]:
+    """The executor overhead and link bandwidth measured for the profile, if any.
+
+    ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
+    ``overhead_s`` (seconds per stage and micro-batch) and ``bandwidth`` (bytes/s).
+    """
+    found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
+    if not isinstance(found, dict):
+        return {}
+    out = {}
+    for key in ("overhead_s", "bandwidth"):
+        value = found.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            out[key] = float(value)
+    return out
+
+
+def _batch(profile: Profile, batch: int | None, data_parallel: int) -> int:
+    """Samples per replica: ``ceil(batch / D)``."""
+    total = profile.batch_size if batch is None else batch
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"batch must be a positive integer, got {total!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int):
+        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    if not 1 <= data_parallel <= total:
+        raise ValueError(
+            f"data_parallel must be between 1 and the batch ({total}), got {data_parallel}"
+        )
+    return math.ceil(total / data_parallel)
 
 
 def build_model(
@@ -31,17 +63,37 @@ def build_model(
     schedule: str = "gpipe",
     optimizer: str | float = "adam",
     bandwidth: float | None = None,
+    data_parallel: int = 1,
+    batch: int | None = None,
+    allreduce_bandwidth: float | None = None,
+    overhead: float | None = None,
 ) -> CostModel:
     """The cost model :func:`plan` optimizes, for the same arguments."""
+    measured = calibration(profile)
+    if bandwidth is None:
+        bandwidth = measured.get("bandwidth")
+    if allreduce_bandwidth is None:
+        allreduce_bandwidth = bandwidth
     specs = make_devices(devices, memory=memory, bandwidth=bandwidth, name=profile.device)
     m = profile.chunks if chunks is None else chunks
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"chunks must be a positive integer, got {m!r}")
-    micro = math.ceil(profile.batch_size / m)
+    replica = _batch(profile, batch, data_parallel)
+    micro = math.ceil(replica / m)
     # A mini-batch smaller than M yields fewer, single-sample micro-batches.
-    effective = math.ceil(profile.batch_size / micro)
+    effective = math.ceil(replica / micro)
     costs = LayerCosts.from_profile(profile, micro)
-    return CostModel(costs, specs, effective, checkpoint, schedule, optimizer_factor(optimizer))
+    return CostModel(
+        costs,
+        specs,
+        effective,
+        checkpoint,
+        schedule,
+        optimizer_factor(optimizer),
+        overhead=measured.get("overhead_s", 0.0) if overhead is None else overhead,
+        data_parallel=data_parallel,
+        allreduce_bandwidth=allreduce_bandwidth,
+    )
 
 
 def plan(
@@ -55,6 +107,10 @@ def plan(
     strategy: str = "optimal",
     optimizer: str | float = "adam",
     bandwidth: float | None = None,
+    data_parallel: int = 1,
+    batch: int | None = None,
+    allreduce_bandwidth: float | None = None,
+    overhead: float | None = None,
 ) -> Plan:
     """Plans the pipeline with the smallest predicted step time that fits every device.
 
@@ -62,16 +118,24 @@ def plan(
         profile: per-layer measurements (see :func:`profiler.profile_model`).
         devices: the number of stages (identical devices named like the profile's), or one
             :class:`DeviceSpec` or device name per stage.
-        chunks: micro-batches per mini-batch (default: the profile's).
+        chunks: micro-batches per mini-batch of one replica (default: the profile's).
         memory: capacity for every device, or one per device (bytes or ``16GiB``-style).
-        checkpoint: ``always``, ``except_last`` (default) or ``never``.
+        checkpoint: ``always``, ``except_last`` (default), ``never``, or ``auto``: each
+            stage checkpoints only if it does not fit otherwise.
         schedule: ``gpipe`` (default) or ``1f1b``; sets how many micro-batches each stage
             holds.
         strategy: ``optimal`` (exact, default), or a comparison strategy: ``uniform``,
             ``parameters``, ``blockpartition``.
         optimizer: optimizer whose state is counted (``adam``, ``sgd``, ...) or state bytes
             per parameter byte.
-        bandwidth: link bandwidth in bytes/s for devices without one (default: free).
+        bandwidth: link bandwidth in bytes/s for devices without one (default: the
+            profile's calibrated bandwidth, else free).
+        data_parallel: replicas of the pipeline (D); each runs ``ceil(batch / D)`` samples
+            and all-reduces its stages' gradients with the others once per step.
+        batch: samples per step across all replicas (default: the profile's batch size).
+        allreduce_bandwidth: bytes/s of the gradient all-reduce (default: ``bandwidth``;
+            free when neither is known).
+        overhead: executor seconds per stage and micro-batch (default: calibrated, else 0).
 
     Raises:
         PlanningError: no split fits, or the chosen strategy's split does not fit; the
@@ -80,6 +144,7 @@ def plan(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    options: dict[str, Any] = {"data_parallel": data_parallel, "batch": batch}
     model = build_model(
         profile,
         devices,
@@ -89,6 +154,9 @@ def plan(
         schedule=schedule,
         optimizer=optimizer,
         bandwidth=bandwidth,
+        allreduce_bandwidth=allreduce_bandwidth,
+        overhead=overhead,
+        **options,
     )
     if model.num_stages > model.num_layers:
         raise PlanningError(
@@ -100,7 +168,7 @@ def plan(
     else:
         params = model.layers.params + model.layers.buffers
         balance = baseline_balance(strategy, model.layer_time(), model.num_stages, params)
-    result = describe(model, balance, profile, strategy, optimizer)
+    result = describe(model, balance, profile, strategy, optimizer, batch=batch)
     over = [s for s in result.stages if s.capacity is not None and s.memory > s.capacity]
     if over:
         worst = max(over, key=lambda s: s.memory - (s.capacity or 0))
@@ -120,7 +188,7 @@ def evaluate(
     *,
     strategy: str = "given",
     optimizer: str | float = "adam",
-    **kwargs: object,
+    **kwargs: Any,
 ) -> Plan:
     """Predicts the costs of a given balance without checking that it fits.
 
@@ -128,10 +196,7 @@ def evaluate(
     ``len(balance)`` stages.
     """
     model = build_model(
-        profile,
-        len(balance) if devices is None else devices,
-        optimizer=optimizer,
-        **kwargs,  # type: ignore[arg-type]
+        profile, len(balance) if devices is None else devices, optimizer=optimizer, **kwargs
     )
     if len(balance) != model.num_stages:
         raise ValueError(f"balance has {len(balance)} stages but there are {model.num_stages}")
@@ -139,7 +204,7 @@ def evaluate(
         raise ValueError(
             f"balance {list(balance)} must have entries >= 1 summing to {model.num_layers}"
         )
-    return describe(model, list(balance), profile, strategy, optimizer)
+    return describe(model, list(balance), profile, strategy, optimizer, batch=kwargs.get("batch"))
 
 
 def describe(
@@ -148,17 +213,30 @@ def describe(
     profile: Profile,
     strategy: str,
     optimizer: str | float,
+    *,
+    batch: int | None = None,
+    record: dict[str, Any] | None = None,
 ) -> Plan:
-    """Builds the :class:`Plan` record of ``balance`` under ``model``."""
+    """Builds the :class:`Plan` record of ``balance`` under ``model``.
+
+    Args:
+        model: the cost model the balance was planned with.
+        balance: layers per stage.
+        profile: the profile behind the model.
+        strategy: the name of the strategy that chose the balance.
+        optimizer: the optimizer whose state the model counts.
+        batch: samples per step across all replicas (default: the profile's batch size).
+        record: ``profile.to_dict()`` when already at hand (it is costly for big models).
+    """
+    total_batch = profile.batch_size if batch is None else batch
+    replica = math.ceil(total_batch / model.data_parallel)
     bounds = np.cumsum([0, *balance])
     stages = []
     for k in range(model.num_stages):
         s, e = np.array(bounds[k]), np.array(bounds[k + 1])
-        compute = float(model.compute_time(k, s, e))
+        time, memory, _ = model.stage_costs(k, s, e)
         transfer = float(model.transfer_time(k, e))
         state = float(model.state_memory(s, e))
-        activations = float(model.activation_memory(k, s, e))
-        capacity = model.devices[k].memory
         stages.append(
             StagePlan(
                 index=k,
@@ -166,26 +244,32 @@ def describe(
                 start=int(s),
                 stop=int(e),
                 layers=model.layers.names[int(s) : int(e)],
-                compute=compute,
+                compute=float(time) - transfer,
                 transfer=transfer,
-                time=compute + transfer,
-                memory=state + activations,
+                time=float(time),
+                memory=float(memory),
                 param_memory=state,
-                activation_memory=activations,
-                capacity=capacity,
+                activation_memory=float(memory) - state,
+                capacity=model.devices[k].memory,
                 in_flight=model.in_flight(k),
+                checkpoint=model.stage_checkpoint(k, int(s), int(e)),
+                recompute=float(model.recompute_time(k, s, e)),
+                overhead=model.overhead,
+                allreduce=float(model.allreduce_time(s, e)),
             )
         )
     times = np.array([stage.time for stage in stages])
     m = model.chunks
-    total = step_time(times, m)
-    # Idle share of K devices over the step; (K−1)/(M+K−1) when stages are balanced.
-    bubble = 1.0 - m * float(times.sum()) / (len(stages) * total) if total > 0 else 0.0
+    pipeline = step_time(times, m)
+    allreduce = max(stage.allreduce for stage in stages)
+    total = pipeline + allreduce
+    # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.
+    bubble = 1.0 - m * float(times.sum()) / (len(stages) * pipeline) if pipeline > 0 else 0.0
     return Plan(
         balance=list(balance),
         stages=stages,
         chunks=m,
-        micro_batch=math.ceil(profile.batch_size / m),
+        micro_batch=math.ceil(replica / m),
         checkpoint=model.checkpoint,
         schedule=model.schedule,
         strategy=strategy,
@@ -195,5 +279,9 @@ def describe(
         step_time=total,
         bubble=bubble,
         devices=list(model.devices),
-        profile=profile.to_dict(),
+        profile=profile.to_dict() if record is None else record,
+        data_parallel=model.data_parallel,
+        batch_size=total_batch,
+        allreduce=allreduce,
+        throughput=total_batch / total if total > 0 else 0.0,
     )

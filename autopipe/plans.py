@@ -11,7 +11,9 @@ from profiler.jsonfile import read_json, write_json
 
 __all__ = ["PLAN_VERSION", "Plan", "StagePlan"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+# Version 1 plans load too: they lack the fields added in 2, whose defaults hold for them.
+_READABLE = (1, 2)
 
 
 @dataclass
@@ -32,6 +34,10 @@ class StagePlan:
         activation_memory: bytes of saved activations and boundary inputs at the peak.
         capacity: the device's capacity in bytes, or ``None`` for unlimited.
         in_flight: micro-batches whose activations the stage holds at its peak.
+        checkpoint: the stage's checkpoint mode (``auto`` plans decide per stage).
+        recompute: seconds of forward re-computation per micro-batch, part of ``compute``.
+        overhead: the executor's fixed seconds per micro-batch, part of ``compute``.
+        allreduce: seconds per step to all-reduce the stage's gradients among replicas.
     """
 
     index: int
@@ -47,6 +53,10 @@ class StagePlan:
     activation_memory: float
     capacity: int | None
     in_flight: int
+    checkpoint: str = ""
+    recompute: float = 0.0
+    overhead: float = 0.0
+    allreduce: float = 0.0
 
     @property
     def size(self) -> int:
@@ -62,17 +72,23 @@ class Plan:
         stages: per-stage detail.
         chunks: micro-batches per mini-batch (M).
         micro_batch: samples per micro-batch.
-        checkpoint: ``always``, ``except_last`` or ``never``.
+        checkpoint: ``always``, ``except_last``, ``never`` or ``auto`` (see the stages).
         schedule: ``gpipe`` or ``1f1b``.
         strategy: the balancing strategy that chose the split.
         optimizer: name of the optimizer whose state is counted.
         bottleneck: the largest stage cost per micro-batch, seconds.
         bottleneck_stage: index of that stage.
-        step_time: predicted seconds per mini-batch, ``Σ c_k + (M−1)·max c_k``.
+        step_time: predicted seconds per mini-batch, ``Σ c_k + (M−1)·max c_k`` plus the
+            all-reduce.
         bubble: predicted idle fraction of the pipeline over a step.
-        devices: the devices the plan was made for.
+        devices: the devices of one pipeline (one replica) the plan was made for.
         profile: the profile the plan was made from, as a dict.
         version: the JSON schema version.
+        data_parallel: replicas of the pipeline (D), each taking ``batch_size / D`` samples.
+        batch_size: samples per step across all replicas (0: unknown).
+        allreduce: seconds per step of the gradient all-reduce, part of ``step_time``.
+        throughput: predicted samples per second, ``batch_size / step_time``.
+        notes: why the plan was chosen or how it compares with the best of a search.
     """
 
     balance: list[int]
@@ -90,6 +106,26 @@ class Plan:
     devices: list[DeviceSpec]
     profile: dict[str, Any] = field(default_factory=dict, repr=False)
     version: int = PLAN_VERSION
+    data_parallel: int = 1
+    batch_size: int = 0
+    allreduce: float = 0.0
+    throughput: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pipeline_time(self) -> float:
+        """Seconds per step of the pipeline alone: ``step_time`` less the all-reduce."""
+        return self.step_time - self.allreduce
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the plan occupies: stages times data-parallel replicas."""
+        return self.num_stages * self.data_parallel
+
+    @property
+    def stage_checkpoints(self) -> list[str]:
+        """Each stage's checkpoint mode."""
+        return [stage.checkpoint or self.checkpoint for stage in self.stages]
 
     @property
     def efficiency(self) -> float:
@@ -108,14 +144,17 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         version = data.get("version")
-        if version != PLAN_VERSION:
+        if version not in _READABLE:
             raise ValueError(
                 f"plan format version {version!r} is not supported (expected {PLAN_VERSION}); "
                 "re-create it with `autopipe plan`"
             )
         fields = {k: v for k, v in data.items() if k not in ("stages", "devices", "efficiency")}
+        # Version 1 had one checkpoint mode for all stages.
+        stages = [{"checkpoint": data["checkpoint"], **s} for s in data["stages"]]
+        fields["version"] = PLAN_VERSION
         return cls(
-            stages=[StagePlan(**s) for s in data["stages"]],
+            stages=[StagePlan(**s) for s in stages],
             devices=[DeviceSpec.from_dict(d) for d in data["devices"]],
             **fields,
         )

@@ -10,10 +10,13 @@ from autopipe.units import format_bytes, format_time
 
 __all__ = [
     "bar",
+    "checkpoint_label",
+    "format_rate",
     "layer_range",
     "render_comparison",
     "render_header",
     "render_plan",
+    "render_search",
     "render_stages",
     "render_summary",
 ]
@@ -85,23 +88,36 @@ def render_header(plan: Plan) -> str:
     device_name = profile.get("device_name")
     if device_name and device_name not in devices:
         where += f" ({device_name})"
-    batch = profile.get("batch_size")
+    batch = (plan.batch_size or profile.get("batch_size")) if profile else None
     micro = f"{plan.chunks} micro-batches of {plan.micro_batch}"
+    if plan.data_parallel > 1:
+        micro += " per replica"
     split = f"batch {batch} as {micro}" if batch else micro
-    first = f"{layers} layers on {plan.num_stages} stages [{where}], {split}"
+    stages = f"{plan.num_stages} stages [{where}]"
+    if plan.data_parallel > 1:
+        stages += f" x {plan.data_parallel} data-parallel replicas"
+    first = f"{layers} layers on {stages}, {split}"
     second = (
-        f"strategy {plan.strategy}, schedule {plan.schedule}, checkpoint {plan.checkpoint}, "
-        f"optimizer {plan.optimizer}"
+        f"strategy {plan.strategy}, schedule {plan.schedule}, "
+        f"checkpoint {checkpoint_label(plan)}, optimizer {plan.optimizer}"
     )
     return f"{first}\n{second}"
+
+
+def checkpoint_label(plan: Plan) -> str:
+    """The checkpoint mode; for ``auto``, which stages checkpoint, e.g. ``auto (1 of 4)``."""
+    if plan.checkpoint != "auto":
+        return plan.checkpoint
+    chosen = sum(mode != "never" for mode in plan.stage_checkpoints)
+    return f"auto ({chosen} of {plan.num_stages} stages checkpoint)"
 
 
 def render_stages(plan: Plan) -> str:
     """The stage table: index, device, layers, time per micro-batch, memory, share.
 
     The share is the stage's time as a percentage of the bottleneck's, with a bar. A
-    ``send`` column appears when some stage pays for transfers, and memory shows the
-    device capacity when there is one.
+    ``send`` column appears when some stage pays for transfers, memory shows the device
+    capacity when there is one, and ``auto`` plans show each stage's checkpoint mode.
     """
     labels = _labels(plan)
     span_width = max(len(_span(stage)) for stage in plan.stages)
@@ -110,6 +126,9 @@ def render_stages(plan: Plan) -> str:
     if sends:
         headers.append("of which send")
     headers += ["memory", "share of bottleneck"]
+    modes = plan.checkpoint == "auto"
+    if modes:
+        headers.append("checkpoint")
     rows = []
     for stage in plan.stages:
         row = [
@@ -127,6 +146,8 @@ def render_stages(plan: Plan) -> str:
         row.append(memory)
         share = stage.time / plan.bottleneck if plan.bottleneck > 0 else 0.0
         row.append(f"{share:6.1%}  {bar(share)}")
+        if modes:
+            row.append(stage.checkpoint or plan.checkpoint)
         rows.append(row)
     right = {0, 3, 4} if sends else {0, 3}
     return _table(headers, rows, right)
@@ -148,6 +169,10 @@ def render_summary(plan: Plan) -> str:
         ("bubble", f"{plan.bubble:.1%} of the step idle"),
         ("efficiency", f"{plan.efficiency:.1%} of the pipeline busy"),
     ]
+    if plan.allreduce > 0:
+        lines.insert(3, ("all-reduce", f"{format_time(plan.allreduce)} per step, in the step time"))
+    if plan.throughput > 0 and plan.data_parallel > 1:
+        lines.append(("throughput", format_rate(plan.throughput)))
     width = max(len(key) for key, _ in lines)
     return "\n".join(f"{key.ljust(width)}  {value}" for key, value in lines)
 
@@ -192,3 +217,44 @@ def render_plan(plan: Plan, baseline: Plan | str | None = None, name: str = "uni
     if baseline is not None:
         parts.append(render_comparison(plan, baseline, name))
     return "\n\n".join(parts) + "\n"
+
+
+def format_rate(samples_per_second: float) -> str:
+    """Samples per second with three significant digits, e.g. ``1.23k samples/s``."""
+    value, unit = samples_per_second, ""
+    for prefix in ("k", "M", "G"):
+        if value < 1000:
+            break
+        value, unit = value / 1000, prefix
+    return f"{value:.3g}{unit} samples/s"
+
+
+def render_search(plans: Sequence[Plan]) -> str:
+    """The ranked table of a :func:`autopipe.search`, then the best plan's notes.
+
+    One row per configuration: K stages, D replicas, M micro-batches (of b samples),
+    checkpointing, schedule, predicted step time, throughput, peak memory per device and
+    why it is slower than the best.
+    """
+    headers = ["#", "K", "D", "M", "checkpoint", "schedule", "step", "throughput", "memory"]
+    headers.append("vs the best")
+    rows = []
+    for rank, plan in enumerate(plans, start=1):
+        peak = max(stage.memory for stage in plan.stages)
+        rows.append(
+            [
+                str(rank),
+                str(plan.num_stages),
+                str(plan.data_parallel),
+                f"{plan.chunks} x {plan.micro_batch}",
+                checkpoint_label(plan).replace(" stages checkpoint", ""),
+                plan.schedule,
+                format_time(plan.step_time),
+                format_rate(plan.throughput),
+                format_bytes(peak),
+                "best" if rank == 1 else "; ".join(plan.notes),
+            ]
+        )
+    table = _table(headers, rows, {0, 1, 2, 3, 6, 7, 8})
+    notes = [f"- {note}" for note in plans[0].notes] if plans else []
+    return "\n".join([table, *notes])

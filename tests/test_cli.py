@@ -337,3 +337,79 @@ def test_plan_non_sequential_model(capsys: pytest.CaptureFixture[str], tmp_path:
     # Units: inp, blocks/0..3, out — cut along module calls.
     assert sum(plan.balance) == 6 and len(plan.balance) == 2
     assert "(inp.." in out and "..out)" in out
+
+
+# ----------------------------------------------------------------------------------------
+# plan --search and calibrate.
+
+
+def test_search(capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path) -> None:
+    out_file = tmp_path / "best.json"
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "4", "--top", "3"]
+    code, out, err = run(capsys, *argv, "--allreduce-bandwidth", "1GB", "--json", str(out_file))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:6] == ["#", "K", "D", "M", "checkpoint", "schedule"]
+    assert lines[1].startswith("1 ") and lines[1].endswith("best")
+    assert "the best plan:" in out and "balance" in out
+    best = Plan.load(out_file)
+    assert best.num_devices <= 4 and best.throughput > 0
+    assert f"{best.num_stages} stages" in out
+    assert "plan written to" in err
+
+
+def test_search_restricted_to_a_mode(
+    capsys: pytest.CaptureFixture[str], profile_file: Path
+) -> None:
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2"]
+    code, out, err = run(capsys, *argv, "--checkpoint", "never", "--schedule", "1f1b")
+    assert code == 0, err
+    rows = out.split("\n\n")[0].splitlines()[1:]
+    assert rows and all(" never " in row and " 1f1b " in row for row in rows if row[0].isdigit())
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--stages", "2"], "--search chooses the stages itself"),
+        (["--memory", "1GB,2GB"], "--search needs one --memory size"),
+        (["--memory", "1KB"], "no configuration of up to 2 devices fits"),
+        (["--strategy", "uniform"], "--search plans with the optimal strategy"),
+    ],
+)
+def test_bad_search_options(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, args: list[str], expected: str
+) -> None:
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2", *args]
+    assert_error(*run(capsys, *argv), expected)
+
+
+def test_calibrate(capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path) -> None:
+    out_file = tmp_path / "calibrated.json"
+    argv = ["calibrate", str(profile_file), "-o", str(out_file), "--repeats", "2"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "executor overhead" in out and "copies at" in out
+    calibration = Profile.load(out_file).meta["calibration"]
+    assert calibration["overhead_s"] >= 0 and calibration["bandwidth"] > 0
+    plan_file = tmp_path / "plan.json"
+    code, _, err = run(capsys, "plan", "--profile", str(out_file), "--json", str(plan_file))
+    assert code == 0, err
+    result = Plan.load(plan_file)
+    assert result.devices[0].bandwidth == pytest.approx(calibration["bandwidth"])
+    assert result.stages[0].overhead == pytest.approx(calibration["overhead_s"])
+
+
+def test_calibrate_bad_device(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    argv = ["calibrate", str(profile_file), "-o", str(tmp_path / "x.json"), "--devices", "nope"]
+    assert_error(*run(capsys, *argv), "calibration failed")
+
+
+def test_plan_batch_and_auto(capsys: pytest.CaptureFixture[str], profile_file: Path) -> None:
+    argv = ["plan", "--profile", str(profile_file), "--batch", "16", "--checkpoint", "auto"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "batch 16 as 8 micro-batches of 2" in out and "checkpoint auto (" in out
+    assert_error(*run(capsys, "plan", "--profile", str(profile_file), "--devices", "4"), "--search")

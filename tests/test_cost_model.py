@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autopipe.cost_model import CostModel, LayerCosts, optimizer_factor
+from autopipe.cost_model import CostModel, LayerCosts, ProfileLines, RangeMax, optimizer_factor
 from autopipe.devices import DeviceSpec
+from tests.planning_cases import random_profile
 
 
 def costs(n=4, **overrides):
@@ -118,3 +119,79 @@ def test_optimizer_factor():
     assert optimizer_factor(1.5) == 1.5
     with pytest.raises(ValueError, match="unknown optimizer"):
         optimizer_factor("lion2")
+
+
+def test_auto_takes_the_fastest_mode_that_fits():
+    # Stage [0, 2): never keeps 4 × 200 B of activations, except_last 3 × 5 + 200.
+    state = 2 * (4 * 1000 + 7)
+    cap = state + 500
+    m = model([DeviceSpec(memory=cap), DeviceSpec(memory=cap)], checkpoint="auto")
+    s, e = np.array([0, 0, 3]), np.array([1, 2, 4])
+    time, memory, choice = m.stage_costs(0, s, e)
+    # One layer: never fits (4 × 100 B); two: except_last; ...
+    assert [m.modes[i] for i in choice[:2]] == ["never", "except_last"]
+    never = model(checkpoint="never")
+    last = model(checkpoint="except_last")
+    assert time[0] == never.stage_time(0, s[:1], e[:1])[0]
+    assert time[1] == last.stage_time(0, s[1:2], e[1:2])[0]
+    assert memory[1] == pytest.approx(last.stage_memory(0, at(0), at(2)))
+    assert m.stage_checkpoint(0, 0, 2) == "except_last"
+    assert m.recompute_time(0, at(0), at(2)) == pytest.approx(0.75 * (1 + 2))
+
+
+def test_auto_without_room_takes_the_least_memory():
+    m = model([DeviceSpec(memory=1), DeviceSpec(memory=1)], checkpoint="auto")
+    _, memory, choice = m.stage_costs(1, at(2), at(4))
+    least = min(float(model(checkpoint=c).stage_memory(1, at(2), at(4))) for c in m.modes)
+    assert float(memory) == pytest.approx(least)
+    assert m.modes[int(choice)] != "never"
+
+
+def test_auto_breaks_sum_invariance_only_with_memory_limits():
+    assert model(checkpoint="auto").sum_is_invariant()
+    capped = [DeviceSpec(memory=10**6), DeviceSpec(memory=10**6)]
+    assert not model(capped, checkpoint="auto").sum_is_invariant()
+    with pytest.raises(ValueError, match="pass the mode"):
+        model(checkpoint="auto").checkpointed(0)
+
+
+def test_overhead_is_added_per_stage_and_micro_batch():
+    plain = model(checkpoint="never")
+    slow = model(checkpoint="never", overhead=0.25)
+    assert slow.stage_time(1, at(2), at(4)) == pytest.approx(
+        plain.stage_time(1, at(2), at(4)) + 0.25
+    )
+    assert slow.compute_time(1, at(2), at(4)) == pytest.approx(
+        plain.compute_time(1, at(2), at(4)) + 0.25
+    )
+
+
+def test_allreduce_is_a_ring_over_the_replicas():
+    m = model(data_parallel=4, allreduce_bandwidth=100.0)
+    # 2 · (4 − 1) / 4 · 2000 parameter bytes / 100 B/s.
+    assert m.allreduce_time(at(0), at(2)) == pytest.approx(1.5 * 2000 / 100)
+    assert model(data_parallel=4).allreduce_time(at(0), at(2)) == 0.0
+    assert model(allreduce_bandwidth=100.0).allreduce_factor == 0.0
+    with pytest.raises(ValueError, match="data_parallel must be >= 1"):
+        model(data_parallel=0)
+
+
+def test_range_max_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 16, 33):
+        values = rng.random(n)
+        table = RangeMax(values)
+        s, e = np.triu_indices(n + 1, 1)
+        expected = [values[a:b].max() for a, b in zip(s, e)]
+        assert table.query(s, e).tolist() == expected
+
+
+def test_profile_lines_predict_like_the_profile():
+    profile = random_profile(np.random.default_rng(1), 6, peaks=True)
+    lines = ProfileLines.from_profile(profile)
+    for micro in (1, 3, 4, 7):
+        costs = lines.at(micro)
+        for i in range(6):
+            assert costs.forward[i] == profile.predict(i, "forward", micro)
+            assert costs.peak[i] == profile.predict(i, "peak", micro)
+        assert costs.input == profile.predict(-1, "input", micro)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe import DeviceSpec, PlanningError, plan
-from autopipe.planner import evaluate
+from autopipe.planner import build_model, calibration, evaluate
+from autopipe.plans import PLAN_VERSION, Plan
 from tests.planning_cases import linear_profile, random_profile, splits
 
 
@@ -152,3 +155,152 @@ def test_evaluate_checks_the_balance():
         evaluate(profile, [3, 2])
     with pytest.raises(ValueError, match="unknown strategy"):
         plan(profile, 2, strategy="best")
+
+
+# ----------------------------------------------------------------------------------------
+# Per-stage checkpointing (auto), data parallelism and calibration.
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 7),
+    devices=st.lists(device_specs, min_size=1, max_size=4),
+    chunks=st.integers(1, 6),
+    checkpoint=st.sampled_from(["always", "except_last", "never", "auto"]),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    data_parallel=st.integers(1, 3),
+    allreduce=st.sampled_from([None, 100.0, 1000.0]),
+    peaks=st.booleans(),
+)
+def test_auto_and_data_parallel_match_brute_force(
+    seed, n, devices, chunks, checkpoint, schedule, data_parallel, allreduce, peaks
+):
+    devices = devices[:n]
+    profile = random_profile(np.random.default_rng(seed), n, peaks=peaks)
+    kwargs = {
+        "chunks": chunks,
+        "checkpoint": checkpoint,
+        "schedule": schedule,
+        "data_parallel": data_parallel,
+        "batch": 16,
+        "allreduce_bandwidth": allreduce,
+    }
+    expected = brute_force(profile, devices, **kwargs)
+    if expected is None:
+        with pytest.raises(PlanningError):
+            plan(profile, devices, **kwargs)
+        return
+    found = plan(profile, devices, **kwargs)
+    assert found.step_time == pytest.approx(expected.step_time, rel=1e-9)
+    assert all(s.memory <= s.capacity for s in found.stages if s.capacity is not None)
+
+
+def _per_stage_brute_force(profile, devices, **kwargs):
+    """The best split and per-stage fixed modes, from models with one fixed mode each."""
+    modes = ("never", "except_last", "always")
+    models = {mode: build_model(profile, devices, checkpoint=mode, **kwargs) for mode in modes}
+    best = None
+    for balance in splits(len(profile), len(devices)):
+        bounds = np.cumsum([0, *balance])
+        options = []
+        for k in range(len(devices)):
+            s, e = np.array(bounds[k]), np.array(bounds[k + 1])
+            options.append(
+                [
+                    (float(models[m].stage_time(k, s, e)), m)
+                    for m in modes
+                    if models[m].stage_memory(k, s, e) <= models[m].capacity(k)
+                ]
+            )
+        for choice in itertools.product(*options):
+            times = [t for t, _ in choice]
+            value = sum(times) + (models["never"].chunks - 1) * max(times)
+            if best is None or value < best[0]:
+                best = (value, [m for _, m in choice])
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_auto_is_the_best_choice_per_stage(seed):
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(2, 7)), int(rng.integers(1, 4))
+    devices = [DeviceSpec(memory=int(rng.integers(3_000, 30_000))) for _ in range(min(k, n))]
+    profile = random_profile(rng, n, peaks=bool(seed % 2))
+    kwargs = {"chunks": int(rng.integers(1, 6)), "schedule": ("gpipe", "1f1b")[seed % 3 == 0]}
+    expected = _per_stage_brute_force(profile, devices, **kwargs)
+    if expected is None:
+        with pytest.raises(PlanningError):
+            plan(profile, devices, checkpoint="auto", **kwargs)
+        return
+    found = plan(profile, devices, checkpoint="auto", **kwargs)
+    assert found.step_time == pytest.approx(expected[0], rel=1e-9)
+    # Each stage runs the fastest mode that fits it.
+    for stage in found.stages:
+        faster = {"never": (), "except_last": ("never",), "always": ("never", "except_last")}
+        for mode in faster[stage.checkpoint]:
+            alone = evaluate(profile, found.balance, devices, checkpoint=mode, **kwargs)
+            assert alone.stages[stage.index].memory > (stage.capacity or 0)
+
+
+def test_auto_checkpoints_only_where_needed():
+    # 1F1B with M = 4 on 2 stages: stage 0 holds 2 micro-batches, stage 1 holds 1. Each
+    # layer saves 1000 B per micro-batch; 2500 B fit 2 layers only if stage 0 checkpoints.
+    profile = linear_profile([1.0] * 4, saved=[1000] * 4, batch=8, chunks=4)
+    options = {"schedule": "1f1b", "optimizer": "sgd"}
+    result = plan(profile, 2, checkpoint="auto", memory=2500, **options)
+    assert result.balance == [2, 2]
+    assert result.stage_checkpoints == ["except_last", "never"]
+    assert result.stages[0].recompute > 0 and result.stages[1].recompute == 0
+    never = evaluate(profile, [2, 2], checkpoint="never", **options)
+    assert never.stages[0].memory > 2500 >= never.stages[1].memory
+    every = plan(profile, 2, checkpoint="except_last", memory=2500, **options)
+    assert result.step_time < every.step_time
+
+
+def test_data_parallel_all_reduce():
+    profile = linear_profile([1.0] * 4, params=[100, 200, 300, 400], batch=8, chunks=2)
+    single = plan(profile, 2, checkpoint="never")
+    double = plan(profile, 2, checkpoint="never", data_parallel=2, allreduce_bandwidth=10.0)
+    assert double.data_parallel == 2 and double.micro_batch == 2  # 4 samples per replica
+    # Ring all-reduce of the larger stage: 2·(D−1)/D · bytes / bandwidth.
+    largest = max(
+        sum(profile.layers[i].param_bytes for i in range(s.start, s.stop)) for s in double.stages
+    )
+    assert double.allreduce == pytest.approx(largest / 10.0)
+    assert double.step_time == pytest.approx(double.pipeline_time + double.allreduce)
+    assert double.throughput == pytest.approx(8 / double.step_time)
+    assert double.pipeline_time < single.step_time
+    free = plan(profile, 2, checkpoint="never", data_parallel=2)
+    assert free.allreduce == 0.0
+    with pytest.raises(ValueError, match="data_parallel must be between 1 and the batch"):
+        plan(profile, 2, data_parallel=9)
+
+
+def test_calibration_is_used():
+    profile = linear_profile([1.0] * 4, output=[10] * 4, batch=8, chunks=2)
+    plain = plan(profile, 2, checkpoint="never")
+    profile.meta["calibration"] = {"overhead_s": 0.5, "bandwidth": 5.0}
+    calibrated = plan(profile, 2, checkpoint="never")
+    assert calibration(profile) == {"overhead_s": 0.5, "bandwidth": 5.0}
+    assert all(d.bandwidth == 5.0 for d in calibrated.devices)
+    assert calibrated.stages[0].overhead == 0.5
+    # Overhead 0.5 per stage and micro-batch; stage 0 also sends 10 B at 5 B/s.
+    assert calibrated.stages[0].time == pytest.approx(plain.stages[0].time + 0.5 + 2.0)
+    explicit = plan(profile, 2, checkpoint="never", bandwidth=1e9, overhead=0.0)
+    assert explicit.step_time == pytest.approx(plain.step_time, rel=1e-6)
+
+
+def test_version_1_plans_still_load(tmp_path):
+    result = plan(linear_profile([1.0] * 4), 2, checkpoint="always")
+    data = result.to_dict()
+    data["version"] = 1
+    for key in ("data_parallel", "batch_size", "allreduce", "throughput", "notes"):
+        del data[key]
+    for stage in data["stages"]:
+        for key in ("checkpoint", "recompute", "overhead", "allreduce"):
+            del stage[key]
+    loaded = Plan.from_dict(data)
+    assert loaded.version == PLAN_VERSION and loaded.data_parallel == 1
+    assert loaded.stage_checkpoints == ["always", "always"]
+    assert loaded.balance == result.balance

@@ -1,0 +1,133 @@
+"""Measures the executor's fixed overhead per stage and micro-batch, and stores calibrations.
+
+Needs torch: import it only to calibrate (``autopipe calibrate``); planning reads the
+stored figures from ``Profile.meta`` without it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopipe.gpipe import GPipe
+from profiler.calibrate import measure_bandwidth, store_calibration
+from profiler.profile import Profile
+
+__all__ = ["calibrate", "measure_overhead"]
+
+
+def _tiny_model(stages: int, width: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(stages)])
+
+
+def _synchronize(devices: Sequence[torch.device]) -> None:
+    for device in set(devices):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def _stage_times(pipe: GPipe, batch: torch.Tensor, chunks: int, repeats: int) -> list[float]:
+    """Per partition, forward + backward seconds of one micro-batch run by hand."""
+    out = []
+    inputs = batch.tensor_split(chunks)
+    for partition, device in zip(pipe.partitions, pipe.devices):
+        samples = []
+        for _ in range(repeats + 1):
+            _synchronize(pipe.devices)
+            start = time.perf_counter()
+            for micro in inputs:
+                x = micro.to(device).requires_grad_()
+                partition(x).sum().backward()
+            _synchronize(pipe.devices)
+            samples.append((time.perf_counter() - start) / chunks)
+        out.append(statistics.median(samples[1:]))
+    return out
+
+
+def measure_overhead(
+    devices: Sequence[str] = ("cpu", "cpu"),
+    *,
+    chunks: int = 8,
+    width: int = 16,
+    repeats: int = 10,
+    warmup: int = 2,
+) -> dict[str, Any]:
+    """The GPipe executor's fixed seconds per stage and micro-batch.
+
+    A tiny model (one ``Linear(width, width)`` per stage, one sample per micro-batch)
+    runs a training step through :class:`GPipe` and, partition by partition, by hand. The
+    planner predicts a step of ``Σ c_k + (M−1)·max c_k`` with ``c_k = w_k + o`` where
+    ``w_k`` is the by-hand time; solving for ``o`` gives the overhead (at least 0).
+
+    Args:
+        devices: one device per stage (at least one).
+        chunks: micro-batches M per step.
+        width: features of the tiny model.
+        repeats: timed steps; medians are kept.
+        warmup: untimed steps first.
+
+    Returns:
+        ``{"overhead_s": o, "step_s": GPipe's step, "stage_s": [w_k], "chunks": M}``.
+    """
+    if not devices or chunks < 1 or repeats < 1:
+        raise ValueError("need at least one device, one micro-batch and one repeat")
+    torch.manual_seed(0)
+    k = len(devices)
+    batch = torch.randn(chunks, width)
+    with GPipe(
+        _tiny_model(k, width), [1] * k, devices=list(devices), chunks=chunks, checkpoint="never"
+    ) as pipe:
+        samples = []
+        for i in range(warmup + repeats):
+            _synchronize(pipe.devices)
+            start = time.perf_counter()
+            pipe(batch).sum().backward()
+            _synchronize(pipe.devices)
+            if i >= warmup:
+                samples.append(time.perf_counter() - start)
+        step = statistics.median(samples)
+        stages = _stage_times(pipe, batch, chunks, repeats)
+    predicted = sum(stages) + (chunks - 1) * max(stages)
+    overhead = max(0.0, (step - predicted) / (k + chunks - 1))
+    return {"overhead_s": overhead, "step_s": step, "stage_s": stages, "chunks": chunks}
+
+
+def calibrate(
+    profile: Profile,
+    devices: Sequence[str] | None = None,
+    *,
+    repeats: int = 10,
+) -> dict[str, Any]:
+    """Measures overhead and bandwidth on ``devices`` and stores them in the profile.
+
+    Args:
+        profile: the profile to calibrate; ``profile.meta["calibration"]`` is updated.
+        devices: the stage devices (default: two of the profile's device, or all visible
+            GPUs for a CUDA profile). The bandwidth is measured from the first to the
+            second (to itself with one device).
+        repeats: timed repeats of each measurement.
+
+    Returns:
+        The stored calibration.
+    """
+    if devices is None:
+        if profile.device.startswith("cuda") and torch.cuda.is_available():
+            count = max(torch.cuda.device_count(), 1)
+            devices = [f"cuda:{i}" for i in range(count)]
+        else:
+            devices = [profile.device, profile.device]
+    devices = list(devices)
+    overhead = measure_overhead(devices, repeats=repeats)
+    link = measure_bandwidth(devices[0], devices[min(1, len(devices) - 1)], repeats=repeats)
+    return store_calibration(
+        profile,
+        overhead_s=overhead["overhead_s"],
+        bandwidth=link["bandwidth"],
+        latency_s=link["latency_s"],
+        devices=devices,
+    )

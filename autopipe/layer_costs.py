@@ -1,0 +1,112 @@
+"""Per-layer figures at a micro-batch size, predicted from a profile's fitted lines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from profiler.profile import Profile
+
+__all__ = ["FIGURES", "OPTIMIZER_STATES", "LayerCosts", "ProfileLines", "optimizer_factor"]
+
+# Optimizer state bytes per parameter byte.
+OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+# The figures of a layer that scale with the micro-batch size.
+FIGURES = ("forward", "backward", "saved", "output", "peak")
+
+Array = NDArray[np.float64]
+
+
+def optimizer_factor(optimizer: str | float) -> float:
+    """Optimizer state bytes per parameter byte, from a name or a number."""
+    if isinstance(optimizer, (int, float)):
+        if optimizer < 0:
+            raise ValueError(f"optimizer state factor must be >= 0, got {optimizer}")
+        return float(optimizer)
+    try:
+        return OPTIMIZER_STATES[optimizer.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)} "
+            "or give the state bytes per parameter byte as a number"
+        ) from None
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer figures at one micro-batch size (seconds and bytes)."""
+
+    names: list[str]
+    forward: Array
+    backward: Array
+    saved: Array
+    output: Array
+    params: Array
+    buffers: Array
+    peak: Array
+    input: float
+
+    @classmethod
+    def from_profile(cls, profile: Profile, micro_batch: int) -> LayerCosts:
+        """Predicts every figure at ``micro_batch`` samples from the profile's fits."""
+        return ProfileLines.from_profile(profile).at(micro_batch)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass(frozen=True)
+class ProfileLines:
+    """Every layer's fitted ``a + b·batch`` as arrays, for fast predictions at many sizes.
+
+    Attributes:
+        names: the layers' names.
+        lines: per figure, the intercepts and slopes of all layers.
+        input: the intercept and slope of the model input's bytes.
+        params: parameter bytes per layer.
+        buffers: buffer bytes per layer.
+    """
+
+    names: list[str]
+    lines: dict[str, tuple[Array, Array]]
+    input: tuple[float, float]
+    params: Array
+    buffers: Array
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> ProfileLines:
+        """Collects the profile's fits (fitting each figure once, then cached)."""
+        n = len(profile)
+        lines = {}
+        for figure in FIGURES:
+            fits = np.array([profile.fit(i, figure) for i in range(n)], dtype=float)
+            lines[figure] = (fits[:, 0].copy(), fits[:, 1].copy())
+        return cls(
+            names=profile.names,
+            lines=lines,
+            input=profile.fit(-1, "input"),
+            params=np.array([float(layer.param_bytes) for layer in profile.layers]),
+            buffers=np.array([float(layer.buffer_bytes) for layer in profile.layers]),
+        )
+
+    def figure(self, name: str, micro_batch: float) -> Array:
+        """One figure of every layer at ``micro_batch`` samples."""
+        a, b = self.lines[name]
+        return a + b * micro_batch
+
+    def at(self, micro_batch: float) -> LayerCosts:
+        """Every figure at ``micro_batch`` samples."""
+        a, b = self.input
+        return LayerCosts(
+            names=self.names,
+            forward=self.figure("forward", micro_batch),
+            backward=self.figure("backward", micro_batch),
+            saved=self.figure("saved", micro_batch),
+            output=self.figure("output", micro_batch),
+            params=self.params,
+            buffers=self.buffers,
+            peak=self.figure("peak", micro_batch),
+            input=a + b * micro_batch,
+        )

@@ -1,0 +1,185 @@
+"""The search space of :func:`autopipe.search`: configurations and their cheap bounds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopipe.cost_model import CostModel, LayerCosts, ProfileLines, optimizer_factor
+from autopipe.devices import DeviceSpec
+from autopipe.planner import calibration
+from autopipe.screening import MemoryCache
+from profiler.profile import Profile
+
+__all__ = ["Config", "Space", "chunk_options", "configurations"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the search space."""
+
+    stages: int
+    replicas: int
+    chunks: int
+    micro_batch: int
+    checkpoint: str
+    schedule: str
+
+    def label(self) -> str:
+        return (
+            f"K={self.stages} D={self.replicas} M={self.chunks} {self.checkpoint} {self.schedule}"
+        )
+
+
+def chunk_options(batch: int, limit: int) -> list[tuple[int, int]]:
+    """``(M, micro-batch size)`` for every distinct size ``ceil(batch/M)``, ``M <= limit``.
+
+    M is the number of micro-batches that size really yields, e.g. ``batch=10`` gives
+    ``(1, 10), (2, 5), (3, 4), (4, 3), (5, 2), (10, 1)``.
+    """
+    out, m = [], 1
+    while m <= min(limit, batch):
+        micro = -(-batch // m)
+        chunks = -(-batch // micro)
+        if chunks <= limit:
+            out.append((chunks, micro))
+        if micro == 1:
+            break
+        m = -(-batch // (micro - 1))
+    return out
+
+
+class Space:
+    """Shared figures for building and bounding configurations."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        capacity: int | None,
+        bandwidth: float | None,
+        allreduce_bandwidth: float | None,
+        optimizer: str | float,
+    ) -> None:
+        self.profile = profile
+        self.lines = ProfileLines.from_profile(profile)
+        measured = calibration(profile)
+        self.overhead = measured.get("overhead_s", 0.0)
+        self.bandwidth = bandwidth or measured.get("bandwidth")
+        self.allreduce = allreduce_bandwidth or self.bandwidth
+        self.capacity = capacity
+        self.optimizer = optimizer_factor(optimizer)
+        self.params = self.lines.params
+        state = self.params * (2.0 + self.optimizer) + self.lines.buffers
+        self.state, self.state_max = float(state.sum()), state
+        self._at: dict[int, tuple[LayerCosts, float, float, float]] = {}
+        self._compute: dict[tuple[int, float], tuple[float, float]] = {}
+        self.memory_ends: MemoryCache = {}
+
+    def devices(self, stages: int) -> list[DeviceSpec]:
+        cuda = self.profile.device.startswith("cuda")
+        names = [f"cuda:{k}" if cuda else self.profile.device for k in range(stages)]
+        return [DeviceSpec(name, self.capacity, 1.0, self.bandwidth) for name in names]
+
+    def model(self, config: Config) -> CostModel:
+        return CostModel(
+            self.figures(config.micro_batch)[0],
+            self.devices(config.stages),
+            config.chunks,
+            config.checkpoint,
+            config.schedule,
+            self.optimizer,
+            overhead=self.overhead,
+            data_parallel=config.replicas,
+            allreduce_bandwidth=self.allreduce,
+        )
+
+    def figures(self, micro: int) -> tuple[LayerCosts, float, float, float]:
+        """Per micro-batch size: the layer costs, smallest boundary, largest single layer's
+        memory and the total saved activations."""
+        if micro not in self._at:
+            costs = self.lines.at(micro)
+            boundary = float(costs.output[:-1].min()) if len(costs) > 1 else 0.0
+            single = float(np.max(self.state_max + costs.saved + costs.peak))
+            self._at[micro] = (costs, boundary, single, float(costs.saved.sum()))
+        return self._at[micro]
+
+    def compute(self, micro: int, r: float) -> tuple[float, float]:
+        """Total and largest per-layer compute with a re-computed share ``r``."""
+        key = (micro, r)
+        if key not in self._compute:
+            costs = self.figures(micro)[0]
+            layer = costs.forward * (1 + r) + costs.backward
+            self._compute[key] = (float(layer.sum()), float(layer.max()))
+        return self._compute[key]
+
+    def bound(self, config: Config) -> tuple[float, bool]:
+        """Tier 1: a lower bound on the configuration's value, and whether it may fit."""
+        costs, boundary, single, saved = self.figures(config.micro_batch)
+        k, m = config.stages, config.chunks
+        fastest = "never" if config.checkpoint == "auto" else config.checkpoint
+        r = {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[fastest]
+        work, largest = self.compute(config.micro_batch, r)
+        send = boundary / self.bandwidth if self.bandwidth and k > 1 else 0.0
+        total = work + k * self.overhead + (k - 1) * send
+        bottleneck = max(total / k, largest + self.overhead)
+        alpha = 0.0
+        if config.replicas > 1 and self.allreduce:
+            alpha = 2.0 * (config.replicas - 1) / config.replicas / self.allreduce
+        params = max(float(self.params.sum()) / k, float(self.params.max()))
+        value = total + (m - 1) * bottleneck + alpha * params
+        if self.capacity is None:
+            return value, True
+        # Summed over stages: state, kept activations, kept boundary inputs, one peak.
+        keep = m if config.checkpoint == "never" and config.schedule == "gpipe" else 1
+        ck = {"always": m, "except_last": m - 1}.get(config.checkpoint, 0)
+        if config.schedule == "1f1b":
+            ck = min(ck, 1)
+        inputs = ck * (costs.input + (k - 1) * boundary)
+        need = self.state + keep * saved + inputs + float(costs.peak.max())
+        return value, single <= self.capacity and need <= k * self.capacity
+
+
+def configurations(
+    n_devices: int,
+    layers: int,
+    batch: int,
+    checkpoints: Sequence[str],
+    schedules: Sequence[str],
+    max_chunks: int | None,
+) -> list[Config]:
+    """Every configuration of at most ``n_devices`` devices (see :func:`autopipe.search`).
+
+    Replica counts that leave each replica as many samples as one replica fewer does are
+    left out: they only add all-reduce work.
+    """
+    out = []
+    for k in range(1, min(n_devices, layers) + 1):
+        for d in range(1, min(n_devices // k, batch) + 1):
+            replica = -(-batch // d)
+            if d > 1 and replica == -(-batch // (d - 1)):
+                continue
+            limit = max_chunks or max(32, 16 * k)
+            for m, micro in chunk_options(replica, limit):
+                for schedule in schedules:
+                    if schedule == "1f1b" and m == 1 and "gpipe" in schedules:
+                        continue  # one micro-batch: 1F1B is GPipe
+                    for mode in checkpoints:
+                        if _redundant(mode, m, checkpoints):
+                            continue
+                        out.append(Config(k, d, m, micro, mode, schedule))
+    return out
+
+
+def _redundant(mode: str, chunks: int, checkpoints: Sequence[str]) -> bool:
+    """Whether a mode cannot beat another mode that is searched too.
+
+    With one micro-batch ``except_last`` and ``auto`` are ``never``; ``always`` never beats
+    ``except_last``, which re-computes less and keeps no more (``keep`` is 1 for both and
+    ``except_last`` keeps at most as many boundary inputs).
+    """
+    if chunks == 1 and mode in ("except_last", "auto"):
+        return "never" in checkpoints
+    return mode == "always" and "except_last" in checkpoints
