@@ -30,7 +30,9 @@ def _moving_denied() -> TypeError:
     )
 
 
-def _validate(module: nn.Module, balance: Iterable[int], chunks: int, checkpoint: str) -> list[int]:
+def _validate(
+    module: nn.Module, balance: Iterable[int], chunks: int, checkpoint: str | Sequence[str]
+) -> list[int]:
     if not isinstance(module, nn.Sequential):
         kind = type(module).__name__
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {kind}")
@@ -50,8 +52,13 @@ def _validate(module: nn.Module, balance: Iterable[int], chunks: int, checkpoint
         raise ValueError("the module holds the same layer more than once; that is not supported")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    if checkpoint not in CHECKPOINT_MODES:
+    modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
+    if any(mode not in CHECKPOINT_MODES for mode in modes):
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    if not isinstance(checkpoint, str) and len(modes) != len(balance):
+        raise ValueError(
+            f"checkpoint has {len(modes)} modes but there are {len(balance)} partitions"
+        )
     return balance
 
 
@@ -96,7 +103,8 @@ class GPipe(nn.Module):
             GPUs, or to the CPU for every partition when there is none.
         chunks: micro-batches per mini-batch.
         checkpoint: which micro-batches recompute activations in backward: ``always``,
-            ``except_last`` (all but the last) or ``never``.
+            ``except_last`` (all but the last) or ``never``; one mode for every partition or
+            one per partition (as a plan with ``checkpoint="auto"`` chooses them).
         deferred_batch_norm: update batch-norm running statistics once per mini-batch, from
             all of its samples, instead of once per micro-batch.
 
@@ -108,7 +116,7 @@ class GPipe(nn.Module):
     balance: list[int]
     devices: list[torch.device]
     chunks: int
-    checkpoint: str
+    checkpoint: str | list[str]
 
     def __init__(
         self,
@@ -117,7 +125,7 @@ class GPipe(nn.Module):
         *,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
-        checkpoint: str = "except_last",
+        checkpoint: str | Sequence[str] = "except_last",
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
@@ -130,7 +138,7 @@ class GPipe(nn.Module):
         self.devices = _resolve_devices(devices, len(balance))
         self.balance = balance
         self.chunks = chunks
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
         layers = list(module._modules.items())
@@ -165,7 +173,7 @@ class GPipe(nn.Module):
             plan.balance,
             devices=[d.name for d in plan.devices],
             chunks=plan.chunks,
-            checkpoint=plan.checkpoint,
+            checkpoint=plan.checkpoint if plan.checkpoint != "auto" else plan.stage_checkpoints,
             **kwargs,
         )
 
@@ -204,9 +212,13 @@ class GPipe(nn.Module):
         batches = scatter(input, self.chunks)
         training = self.training and torch.is_grad_enabled()
         m = len(batches)
-        stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if training else 0
+        modes = [self.checkpoint] if isinstance(self.checkpoint, str) else self.checkpoint
+        stops = [{"always": m, "except_last": m - 1, "never": 0}[mode] for mode in modes]
+        stop = [s if training else 0 for s in stops]
         try:
-            outputs = self._runtime().run(batches, stop, commit=self.training)
+            outputs = self._runtime().run(
+                batches, stop[0] if len(stop) == 1 else stop, commit=self.training
+            )
         except BaseException:
             # Statistics of a failed mini-batch must not leak into the next one.
             for module in self.modules():

@@ -49,7 +49,7 @@ _STOP = object()  # sent instead of a micro-batch when the producer gave up
 class _Request:
     """The state of one forward call, shared by the caller and the workers."""
 
-    def __init__(self, batches: list[Batch], checkpoint_stop: int, commit: bool) -> None:
+    def __init__(self, batches: list[Batch], checkpoint_stop: list[int], commit: bool) -> None:
         self.batches = batches
         self.checkpoint_stop = checkpoint_stop
         self.commit = commit
@@ -106,12 +106,15 @@ class Pipeline:
         """Stops the worker threads."""
         self.pool.close()
 
-    def run(self, batches: list[Batch], checkpoint_stop: int, commit: bool = False) -> list[Batch]:
+    def run(
+        self, batches: list[Batch], checkpoint_stop: int | Sequence[int], commit: bool = False
+    ) -> list[Batch]:
         """Runs all micro-batches through all partitions.
 
         Args:
             batches: the input micro-batches, on the first device.
-            checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
+            checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed;
+                one number for every partition or one per partition.
             commit: whether to commit deferred batch-norm statistics after the last one.
 
         Returns:
@@ -120,7 +123,12 @@ class Pipeline:
         Raises:
             BaseException: the first error (in schedule order) raised by any partition.
         """
-        request = _Request(batches, checkpoint_stop, commit)
+        stops = (
+            [checkpoint_stop] * len(self.partitions)
+            if isinstance(checkpoint_stop, int)
+            else list(checkpoint_stop)
+        )
+        request = _Request(batches, stops, commit)
         n, owners = len(self.partitions), self.pool.owners
         for j in range(1, n):
             if owners[j] != owners[j - 1]:
@@ -232,7 +240,7 @@ class Pipeline:
                     # Micro-batch i must finish backward here before micro-batch i - 1 starts.
                     batch = join(batch, phonies.pop(j, None))
             partition = self.partitions[j]
-            if i < request.checkpoint_stop:
+            if i < request.checkpoint_stop[j]:
                 output = checkpoint(partition, batch, self.devices[j])
             else:
                 output = batch.call(partition)

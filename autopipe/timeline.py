@@ -129,18 +129,23 @@ class StageTimes:
         return self.forward + self.recompute + self.backward + self.transfer
 
 
-def checkpointed(plan: Plan, micro_batch: int) -> bool:
-    """Whether ``micro_batch`` is checkpointed, i.e. recomputes its forward in backward."""
-    if plan.checkpoint == "always":
+def checkpointed(plan: Plan, micro_batch: int, stage: int = 0) -> bool:
+    """Whether ``micro_batch`` recomputes its forward in backward on ``stage``.
+
+    A plan with ``checkpoint="auto"`` chooses the mode per stage.
+    """
+    modes = plan.stage_checkpoints if plan.stages else [plan.checkpoint]
+    mode = modes[min(stage, len(modes) - 1)]
+    if mode == "always":
         return True
-    if plan.checkpoint == "except_last":
+    if mode == "except_last":
         return micro_batch < plan.chunks - 1
     return False
 
 
-def _recompute_fraction(plan: Plan) -> float:
+def _recompute_fraction(plan: Plan, stage: int) -> float:
     m = plan.chunks
-    return sum(checkpointed(plan, i) for i in range(m)) / m
+    return sum(checkpointed(plan, i, stage) for i in range(m)) / m
 
 
 def _layer_times(plan: Plan) -> tuple[list[float], list[float]] | None:
@@ -175,10 +180,10 @@ def stage_times(plan: Plan) -> list[StageTimes]:
     Returns:
         One entry per stage.
     """
-    r = _recompute_fraction(plan)
     layers = _layer_times(plan)
     out = []
     for stage in plan.stages:
+        r = _recompute_fraction(plan, stage.index)
         f, b = 1.0, _DEFAULT_BACKWARD_RATIO
         if layers is not None:
             # A fitted line can dip below zero for a tiny layer; a stage's sum rarely does.
@@ -264,7 +269,7 @@ def simulate(plan: Plan) -> list[Event]:
                         end += t.transfer
                     sent[(k, i)] = end
                 else:
-                    if checkpointed(plan, i):
+                    if checkpointed(plan, i, k):
                         events.append(Event(k, i, "recompute", start, start + t.forward))
                         start += t.forward
                     end = start + t.backward

@@ -517,3 +517,49 @@ def test_cuda_exception_and_recovery() -> None:
             pipe(torch.randn(7, 5, dtype=torch.float64))
         boom.armed = False
         assert pipe(torch.randn(7, 5, dtype=torch.float64)).shape == (7, 2)
+
+
+def test_per_partition_checkpoint_modes_match_sequential() -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    x = torch.randn(7, 5, dtype=torch.float64)
+    modes = ["always", "never", "except_last"]
+    with GPipe(model, [2, 2, 2], devices=["cpu"] * 3, chunks=3, checkpoint=modes) as pipe:
+        assert pipe.checkpoint == modes
+        out = pipe(x)
+        out.square().sum().backward()
+    expected = torch.cat([reference(p) for p in x.tensor_split(3)])
+    expected.square().sum().backward()
+    _assert_same([out.detach()], [expected.detach()])
+    _assert_same(_grads(pipe), _grads(reference))
+    with pytest.raises(ValueError, match="2 modes but there are 3 partitions"):
+        GPipe(_model(), [2, 2, 2], devices=["cpu"] * 3, checkpoint=["never", "always"])
+
+
+def test_from_auto_plan_uses_each_stage_mode() -> None:
+    from autopipe.plans import StagePlan
+
+    plan = _plan()
+    plan.checkpoint = "auto"
+
+    def stage(index: int, mode: str) -> StagePlan:
+        return StagePlan(
+            index=index,
+            device="cpu",
+            start=0,
+            stop=1,
+            layers=[],
+            compute=0.0,
+            transfer=0.0,
+            time=0.0,
+            memory=0.0,
+            param_memory=0.0,
+            activation_memory=0.0,
+            capacity=None,
+            in_flight=3,
+            checkpoint=mode,
+        )
+
+    plan.stages = [stage(0, "except_last"), stage(1, "never")]
+    pipe = GPipe.from_plan(_model(), plan)
+    assert pipe.checkpoint == ["except_last", "never"]

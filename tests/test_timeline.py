@@ -499,3 +499,17 @@ def test_cli_missing_matplotlib(
     code, out, err = run(capsys, "plan", MLP, "--timeline", str(tmp_path / "t.png"))
     assert_error(code, out, err, "needs matplotlib")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_plan_recomputes_only_on_checkpointed_stages() -> None:
+    import numpy as np
+
+    from autopipe import plan
+    from tests.planning_cases import random_profile
+
+    profile = random_profile(np.random.default_rng(0), 8)
+    mixed = plan(profile, 2, checkpoint="auto", memory=8000)
+    assert mixed.stage_checkpoints == ["never", "except_last"]
+    recomputes = [e for e in simulate(mixed) if e.kind == "recompute"]
+    assert {e.stage for e in recomputes} == {1}
+    assert len(recomputes) == mixed.chunks - 1
