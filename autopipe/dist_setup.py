@@ -1,0 +1,263 @@
+"""What a distributed pipeline does before its stages exist: checks, planning, loss averaging."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autopipe.dist_stage import layer_output_specs
+from autopipe.dist_wrap import shared_state
+from autopipe.planner import plan as make_plan
+from autopipe.plans import Plan
+from profiler.measure import profile_model
+from profiler.profile import Profile
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "SCHEDULE_NAMES",
+    "LossRecorder",
+    "batch_tensors",
+    "check_arguments",
+    "check_sizes",
+    "collective",
+    "default_device",
+    "fingerprint_settings",
+    "init_distributed",
+    "setup_on_rank0",
+]
+
+SCHEDULE_NAMES = ("gpipe", "1f1b")
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+def init_distributed(
+    backend: str | None = None, *, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs: Any
+) -> torch.device:
+    """Initialises the default process group from torchrun's environment; returns the device.
+
+    Picks ``nccl`` with ``cuda:LOCAL_RANK`` when CUDA is available, else ``gloo`` on the CPU.
+    ``timeout`` bounds every wait on another rank: when a rank fails or hangs, the others
+    raise after at most this long instead of waiting forever (a rank whose process exits is
+    noticed at once). Does nothing but return the device if a group already exists.
+
+    Args:
+        backend: ``gloo``, ``nccl``, ... (default: by device, as above).
+        timeout: the process group's timeout.
+        **kwargs: passed on to ``torch.distributed.init_process_group`` (``init_method``,
+            ``rank``, ``world_size``, ...).
+    """
+    cuda = torch.cuda.is_available() if backend is None else "nccl" in backend
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=timeout, **kwargs)
+    return device
+
+
+def default_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The current CUDA device for an ``nccl`` group, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def collective(rank: int, what: str, function: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """Runs a collective; a failure names the likely cause (another rank) in the error."""
+    try:
+        return function(*args, **kw)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"rank {rank}: could not {what}: another rank failed, exited or is not "
+            "constructing the same DistributedPipeline (see its log); waits end after the "
+            "process group's timeout"
+        ) from exc
+
+
+def batch_tensors(value: Any, batch: int, device: torch.device, what: str) -> tuple[Tensor, ...]:
+    """``value`` as a tuple of tensors on ``device``, checked to have ``batch`` rows.
+
+    Raises:
+        ValueError: not tensors, or another batch size.
+    """
+    tensors = (value,) if isinstance(value, Tensor) else tuple(value or ())
+    if not tensors or not all(isinstance(t, Tensor) for t in tensors):
+        raise ValueError(f"this stage needs {what}: a tensor or a tuple of tensors")
+    if any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
+        sizes = [tuple(t.shape) for t in tensors]
+        raise ValueError(f"{what} must have batch size {batch} (as the sample); got {sizes}")
+    return tuple(t.to(device) for t in tensors)
+
+
+class LossRecorder:
+    """Wraps a per-micro-batch loss for a schedule: returns ``loss / M`` to backpropagate
+    (so the gradients are those of the mean over micro-batches) and records ``loss``.
+
+    Args:
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch.
+        chunks: micro-batches per mini-batch (M).
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Tensor], chunks: int) -> None:
+        self.loss_fn = loss_fn
+        self.chunks = chunks
+        self.values: list[Tensor] = []
+
+    def __call__(self, output: Any, target: Any) -> Tensor:
+        loss = self.loss_fn(output, target)
+        self.values.append(loss.detach())
+        return loss / self.chunks
+
+    def mean(self) -> Tensor:
+        """The mean of the last M recorded losses: the mini-batch loss."""
+        return torch.stack(self.values[-self.chunks :]).mean()
+
+
+def _batch_problem(sample: Any, chunks: int) -> str | None:
+    tensors = (sample,) if isinstance(sample, Tensor) else sample
+    if not isinstance(tensors, (tuple, list)) or not tensors:
+        return (
+            f"sample must be a tensor or a non-empty tuple of tensors, got {type(sample).__name__}"
+        )
+    if not all(isinstance(t, Tensor) and t.dim() > 0 for t in tensors):
+        return "sample must hold tensors with a batch dimension (dim 0)"
+    sizes = {t.shape[0] for t in tensors}
+    if len(sizes) > 1:
+        return f"sample tensors disagree on the batch size (dim 0): {sorted(sizes)}"
+    batch = sizes.pop()
+    if batch < chunks or batch % chunks:
+        # Equal micro-batches let every stage allocate its receive buffers once.
+        return f"the batch size {batch} must be a positive multiple of chunks={chunks}"
+    return None
+
+
+def check_arguments(
+    layers: Mapping[str, nn.Module],
+    sample: Any,
+    chunks: Any,
+    schedule: Any,
+    loss_fn: Any,
+    plan: Any,
+) -> str | None:
+    """What is wrong with one rank's arguments, or ``None``."""
+    if schedule not in SCHEDULE_NAMES:
+        return f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}"
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        return f"chunks must be a positive integer, got {chunks!r}"
+    if not callable(loss_fn):
+        return "loss_fn must be callable as loss_fn(output, target)"
+    if plan is not None and not isinstance(plan, Plan):
+        return f"plan must be an autopipe Plan, got {type(plan).__name__}"
+    if not layers:
+        return "the model has no layers"
+    if len({id(layer) for layer in layers.values()}) != len(layers):
+        return "the model holds the same layer more than once; that is not supported"
+    return _batch_problem(sample, chunks)
+
+
+def fingerprint_settings(
+    sample: Any, chunks: int, schedule: str, plan: Plan | None, profile: Any
+) -> dict[str, Any]:
+    """The arguments besides the model that every rank must agree on."""
+    tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
+    return {
+        "chunks": chunks,
+        "schedule": schedule,
+        "sample": [(tuple(t.shape), str(t.dtype)) for t in tensors],
+        "plan": None if plan is None else list(plan.balance),
+        "profile given": profile is not None,
+    }
+
+
+def check_sizes(
+    num_stages: int, layers: int, plan: Plan | None, schedule: str, chunks: int
+) -> None:
+    """Checks that the ranks, the layers, the plan and the schedule fit together.
+
+    Raises:
+        ValueError: they do not (the same on every rank, as the arguments agree).
+    """
+    k = num_stages
+    if plan is not None and plan.num_stages != k:
+        raise ValueError(
+            f"the plan has {plan.num_stages} stages but the process group has {k} ranks; "
+            f"launch {plan.num_stages} processes (one stage per rank) or re-plan for {k}"
+        )
+    if plan is not None and sum(plan.balance) != layers:
+        raise ValueError(f"the plan splits {sum(plan.balance)} layers; the model has {layers}")
+    if layers < k:
+        raise ValueError(f"cannot split {layers} layers into {k} stages (one per rank)")
+    if schedule == "1f1b" and chunks < k:
+        raise ValueError(
+            f"1f1b needs chunks >= the number of stages; got chunks={chunks} for {k} ranks "
+            "(use more chunks or schedule='gpipe')"
+        )
+
+
+def setup_on_rank0(
+    sequential: nn.Sequential,
+    sample: Tensor | tuple[Tensor, ...],
+    num_stages: int,
+    device: torch.device,
+    plan: Plan | None,
+    profile: Profile | Mapping[str, Any] | None,
+    options: dict[str, Any],
+) -> tuple[Any, BaseException | None]:
+    """Profiles (if needed), plans (if needed) and measures the boundary tensors.
+
+    Args:
+        sequential: the model.
+        sample: one mini-batch.
+        num_stages: the number of ranks.
+        device: where to profile.
+        plan: the given plan, or ``None`` to plan.
+        profile: the given profile, or ``None`` to profile the model on ``device``.
+        options: keyword arguments for :func:`autopipe.plan`; ``chunks`` and ``schedule``
+            are required.
+
+    Returns:
+        What to broadcast, ``(error, plan_dict, specs)`` with ``error`` ``None`` or
+        ``(kind, message)``, and the exception to re-raise on rank 0, if any.
+    """
+    chunks, schedule = options["chunks"], options["schedule"]
+    try:
+        if plan is None:
+            if profile is None:
+                profile = profile_model(sequential, sample, device=device, chunks=chunks)
+            elif not isinstance(profile, Profile):
+                profile = Profile.from_dict(dict(profile))
+            if len(profile.layers) != len(sequential):
+                raise ValueError(
+                    f"the profile has {len(profile.layers)} layers but the model has "
+                    f"{len(sequential)}"
+                )
+            # The stages keep every activation (no re-computation), hence checkpoint=never.
+            options = {"checkpoint": "never", **options}
+            plan = make_plan(profile, num_stages, **options)
+        else:
+            if plan.chunks != chunks or plan.schedule != schedule:
+                warnings.warn(
+                    f"the plan was made for chunks={plan.chunks}, schedule={plan.schedule!r} "
+                    f"but runs with chunks={chunks}, schedule={schedule!r}; its predicted "
+                    "costs do not apply",
+                    stacklevel=3,
+                )
+        shared = shared_state(list(sequential), plan.balance)
+        if shared:
+            raise ValueError(shared)
+        tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
+        micro = tuple(t.tensor_split(chunks)[0] for t in tensors)
+        first = micro[0] if isinstance(sample, Tensor) else micro
+        specs = layer_output_specs(list(sequential), first)
+        return (None, plan.to_dict(), specs), None
+    except Exception as exc:
+        kind = "value" if isinstance(exc, ValueError) else "runtime"
+        return ((kind, f"{type(exc).__name__}: {exc}"), None, None), exc

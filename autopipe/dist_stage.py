@@ -1,0 +1,167 @@
+"""Per-rank pieces of a distributed pipeline: stage modules, boundary shapes, fingerprints."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "StageModule",
+    "TensorSpec",
+    "compare_fingerprints",
+    "example_tensors",
+    "fingerprint",
+    "layer_output_specs",
+    "merge_state_dicts",
+]
+
+# (shape, dtype, requires_grad) of one tensor crossing a stage boundary; picklable, so it
+# can be broadcast from the rank that measured it.
+TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
+
+
+class StageModule(nn.Module):
+    """Consecutive layers of an ``nn.Sequential``, registered under their original names.
+
+    Runs them exactly as ``nn.Sequential`` does (each layer gets the previous layer's output
+    as its single argument), so a stage computes the same values as the slice of the
+    original model, and ``state_dict()`` keys (``"3.weight"``, ...) match the original's.
+
+    Args:
+        layers: ``(name, layer)`` pairs in execution order.
+        tuple_input: the stage's input is a tuple (the previous layer returned one); the
+            pipeline delivers its tensors as separate arguments, which are packed back.
+    """
+
+    def __init__(self, layers: Iterable[tuple[str, nn.Module]], *, tuple_input: bool = False):
+        super().__init__()
+        for name, layer in layers:
+            self.add_module(name, layer)
+        self.tuple_input = tuple_input
+
+    def forward(self, *args: Any) -> Any:
+        value: Any = args if self.tuple_input else args[0]
+        for layer in self.children():
+            value = layer(value)
+        return value
+
+
+def _as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
+    if isinstance(value, Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
+        return tuple(value)
+    raise TypeError(f"{what} must be a tensor or a non-empty tuple of tensors, got {value!r:.80}")
+
+
+def _spec(tensor: Tensor) -> TensorSpec:
+    return (tuple(tensor.shape), tensor.dtype, bool(tensor.requires_grad))
+
+
+def _leaf(tensor: Tensor, device: torch.device) -> Tensor:
+    # A fresh leaf keeps each layer's graph separate, so only one layer's graph is alive.
+    return tensor.detach().to(device).requires_grad_(tensor.requires_grad)
+
+
+def layer_output_specs(
+    layers: Sequence[nn.Module], micro_batch: Tensor | tuple[Tensor, ...]
+) -> list[tuple[tuple[TensorSpec, ...], bool]]:
+    """The shape, dtype and ``requires_grad`` of every layer's output on one micro-batch.
+
+    Runs the layers one by one with gradients enabled (``requires_grad`` of a boundary
+    decides whether the pipeline sends a gradient back across it), each where its
+    parameters live. Layers with buffers run as copies so that, e.g., batch-norm running
+    statistics are not updated, and the RNG state is restored afterwards.
+
+    Returns:
+        Per layer: the specs of its output tensors, and whether the output is a tuple.
+    """
+    cuda = sorted(
+        {p.device.index or 0 for layer in layers for p in layer.parameters() if p.is_cuda}
+    )
+    value: Any = micro_batch
+    specs: list[tuple[tuple[TensorSpec, ...], bool]] = []
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+        for index, layer in enumerate(layers):
+            state = [*layer.parameters(), *layer.buffers()]
+            device = state[0].device if state else _as_tensors(value, "input")[0].device
+            runner = copy.deepcopy(layer) if any(True for _ in layer.buffers()) else layer
+            if isinstance(value, Tensor):
+                value = _leaf(value, device)
+            else:
+                value = tuple(_leaf(t, device) for t in value)
+            output = runner(value)
+            tensors = _as_tensors(output, f"the output of layer {index} ({type(layer).__name__})")
+            specs.append((tuple(_spec(t) for t in tensors), not isinstance(output, Tensor)))
+            value = output
+    return specs
+
+
+def example_tensors(specs: Sequence[TensorSpec], device: torch.device) -> tuple[Tensor, ...]:
+    """Uninitialised tensors matching ``specs``, for ``PipelineStage``'s shape metadata."""
+    return tuple(
+        torch.empty(shape, dtype=dtype, device=device).requires_grad_(grad)
+        for shape, dtype, grad in specs
+    )
+
+
+def fingerprint(layers: Mapping[str, nn.Module], **settings: Any) -> dict[str, Any]:
+    """What every rank must agree on: the layer names, their state's names and shapes, and
+    the given ``settings`` (chunks, schedule, sample shapes, ...)."""
+    state = [
+        (f"{name}.{key}", tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, layer in layers.items()
+        for key, t in [*layer.named_parameters(), *layer.named_buffers()]
+    ]
+    return {"layers": list(layers), "state": state, **settings}
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"entry {i}: {x!r} vs {y!r}"
+    return f"{len(a)} vs {len(b)} entries"
+
+
+def compare_fingerprints(prints: Sequence[Mapping[str, Any]]) -> str | None:
+    """Describes how the ranks' fingerprints disagree, or ``None`` when they all match.
+
+    Every field is compared with rank 0's; the message names the field, the ranks and the
+    first differing entry of list fields.
+    """
+    problems = []
+    for key in prints[0]:
+        for rank, other in enumerate(prints[1:], start=1):
+            mine, theirs = prints[0][key], other.get(key)
+            if mine == theirs:
+                continue
+            if isinstance(mine, list) and isinstance(theirs, list):
+                detail = _first_difference(mine, theirs)
+            else:
+                detail = f"{mine!r} vs {theirs!r}"
+            problems.append(f"{key} differs between rank 0 and rank {rank} ({detail})")
+            break
+    return "; ".join(problems) or None
+
+
+def merge_state_dicts(parts: Iterable[Mapping[str, Any]]) -> OrderedDict[str, Any]:
+    """Joins the ``state_dict()`` of every stage into the original model's ``state_dict``.
+
+    Stage modules keep the original parameter names, so the stages' keys are disjoint and
+    their union loads into the unsplit model (``model.load_state_dict(merged)``).
+
+    Raises:
+        ValueError: two parts hold the same key (they were not stages of one pipeline).
+    """
+    merged: OrderedDict[str, Any] = OrderedDict()
+    for index, part in enumerate(parts):
+        for key, value in part.items():
+            if key in merged:
+                raise ValueError(f"key {key!r} of part {index} is already in an earlier part")
+            merged[key] = value
+    return merged

@@ -1,0 +1,108 @@
+"""Trains a small MLP with one pipeline stage per process: ``torchrun --nproc-per-node 2 ...``.
+
+One host, two processes (CPU, gloo)::
+
+    torchrun --nproc-per-node 2 examples/train_distributed.py
+
+Several hosts (run on each; GPUs use nccl with ``cuda:LOCAL_RANK``)::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29500 examples/train_distributed.py --chunks 8
+
+Rank 0 profiles the model and plans the split (or ``--plan plan.json`` is used); the last
+rank prints the loss of every step. ``--timeout`` bounds how long a rank waits for a
+failed or stuck peer before it exits with an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import OrderedDict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from autopipe.distributed import DistributedPipeline, init_distributed
+from autopipe.plans import Plan
+
+
+def build_model(width: int = 256, depth: int = 6, classes: int = 10) -> nn.Sequential:
+    """An MLP classifier; every rank builds the same one from the same seed."""
+    torch.manual_seed(0)
+    layers: list[tuple[str, nn.Module]] = [("embed", nn.Linear(32, width)), ("act0", nn.GELU())]
+    for i in range(1, depth + 1):
+        layers += [(f"fc{i}", nn.Linear(width, width)), (f"act{i}", nn.GELU())]
+    layers += [("norm", nn.LayerNorm(width)), ("head", nn.Linear(width, classes))]
+    return nn.Sequential(OrderedDict(layers))
+
+
+def batches(steps: int, batch: int, classes: int = 10) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A learnable synthetic task, identical on every rank (same generator seed)."""
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.randn(32, classes, generator=generator)
+    data = []
+    for _ in range(steps):
+        x = torch.randn(batch, 32, generator=generator)
+        data.append((x, (x @ teacher).argmax(dim=1)))
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--plan", type=Path, help="a plan JSON to use instead of planning")
+    parser.add_argument("--save", type=Path, help="write the trained model's state_dict here")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # processes share the host's cores
+    device = init_distributed(timeout=timedelta(seconds=args.timeout))
+    model = build_model()
+    data = batches(args.steps, args.batch)
+    pipe = DistributedPipeline(
+        model,
+        data[0][0],
+        loss_fn=nn.functional.cross_entropy,
+        chunks=args.chunks,
+        schedule=args.schedule,
+        plan=Plan.load(args.plan) if args.plan else None,
+        device=device,
+    )
+    rank = dist.get_rank()
+    if rank == 0:
+        times = [f"{s.time * 1e3:.2f}" for s in pipe.plan.stages]
+        print(f"plan: balance {pipe.plan.balance}, stage ms per micro-batch {times}", flush=True)
+    print(f"rank {rank}: {pipe}", flush=True)
+
+    optimizer: torch.optim.Optimizer
+    if args.optimizer == "adam":
+        optimizer = torch.optim.Adam(pipe.module.parameters(), lr=args.lr)
+    else:
+        optimizer = torch.optim.SGD(pipe.module.parameters(), lr=args.lr * 10, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        loss = pipe.step(x, y)
+        optimizer.step()
+        if loss is not None:
+            print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+
+    state = pipe.gather_state_dict()
+    if state is not None and args.save:
+        torch.save(state, args.save)  # loads into build_model() as is
+        print(f"saved {len(state)} tensors to {args.save}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Worker processes for tests/test_distributed.py: one rank each, results saved to files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNKS = 4
+BATCH = 16
+STUCK_TIMEOUT = 5.0  # seconds: the process group's timeout in the "stuck" scenario
+
+
+def make_model(seed: int = 0, width: int = 16) -> nn.Sequential:
+    """A small model with a buffer-carrying layer, identical for equal seeds."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.BatchNorm1d(width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.GELU(),
+        nn.Linear(width, 3),
+    )
+
+
+def make_residual() -> nn.Module:
+    """A non-Sequential model with skip connections, auto-wrapped into units."""
+    from tests.wrap_models import ResidualMLP
+
+    torch.manual_seed(0)
+    return ResidualMLP()
+
+
+def make_batch(seed: int = 1) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 3, generator=generator)
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def reference_step(model: nn.Module, x: Tensor, y: Tensor, chunks: int = CHUNKS) -> Tensor:
+    """Single-process reference: the mean of per-micro-batch losses, back-propagated."""
+    pairs = zip(x.tensor_split(chunks), y.tensor_split(chunks))
+    loss = torch.stack([loss_fn(model(xb), yb) for xb, yb in pairs]).mean()
+    loss.backward()
+    return loss.detach()
+
+
+@dataclass
+class Run:
+    """How one rank's process ended."""
+
+    returncode: int | None
+    output: str
+    seconds: float
+
+
+def launch(
+    scenario: str, world: int, workdir: Path, limit: float = 60.0, wait_for: int | None = None
+) -> list[Run]:
+    """Starts ``world`` ranks of ``scenario``; waits for all (or rank ``wait_for``) to end,
+    at most ``limit`` seconds, then kills what is left (their return code is ``None``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    logs = [open(workdir / f"log{r}.txt", "w+") for r in range(world)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.dist_workers",
+                scenario,
+                str(workdir),
+                str(r),
+                str(world),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    ended = [0.0] * world
+    watched = procs if wait_for is None else [procs[wait_for]]
+    while time.monotonic() - start < limit and any(p.poll() is None for p in watched):
+        time.sleep(0.05)
+        for r, p in enumerate(procs):
+            if p.poll() is not None and not ended[r]:
+                ended[r] = time.monotonic() - start
+    runs = []
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            ended[r] = float("inf")
+        logs[r].seek(0)
+        runs.append(
+            Run(p.returncode if ended[r] != float("inf") else None, logs[r].read(), ended[r])
+        )
+        logs[r].close()
+    return runs
+
+
+def _init(workdir: Path, rank: int, world: int, timeout: float) -> None:
+    from autopipe.distributed import init_distributed
+
+    init_distributed(
+        "gloo",
+        timeout=timedelta(seconds=timeout),
+        init_method=f"file://{workdir / 'store'}",
+        rank=rank,
+        world_size=world,
+    )
+
+
+def _grads(pipe: Any) -> dict[str, Tensor]:
+    return {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _train(pipe: Any, x: Tensor, y: Tensor) -> dict[str, Any]:
+    first = pipe.step(x, y)
+    grads = _grads(pipe)
+    pipe.step(x, y)  # no zero_grad: gradients must add up, not be rescaled
+    twice = _grads(pipe)
+    return {"loss": first, "grads": grads, "twice": twice, "balance": pipe.plan.balance}
+
+
+def _wrapped(schedule: str) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    x = x[:, :5]
+    pipe = DistributedPipeline(
+        make_residual(), x, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule
+    )
+    first = pipe.step(x, y)
+    grads = _grads(pipe)
+    state = pipe.gather_state_dict()
+    return {"loss": first, "grads": grads, "balance": pipe.plan.balance, "state": state}
+
+
+def _equal(rank: int, world: int) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planner import evaluate
+    from profiler.profile import Profile
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    model = make_model()
+    pipe = DistributedPipeline(model, x, loss_fn=loss_fn, chunks=CHUNKS, schedule="gpipe")
+    results["gpipe"] = _train(pipe, x, y)
+    results["state"] = pipe.gather_state_dict()
+    # 1F1B on a given, deliberately uneven split (last stage gets one layer).
+    profile = Profile.from_dict(pipe.plan.profile)
+    balance = [1] * (world - 1) + [8 - (world - 1)]
+    balance[0], balance[-1] = balance[-1], balance[0]
+    given = evaluate(profile, balance, chunks=CHUNKS, schedule="1f1b")
+    pipe = DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, plan=given)
+    results["1f1b"] = _train(pipe, x, y)
+    # Mismatches, reported on every rank before the first step.
+    errors = {}
+    other = make_model(width=16 if rank == 0 else 12)
+    try:
+        DistributedPipeline(other, x, loss_fn=loss_fn, chunks=CHUNKS, profile=profile)
+    except ValueError as exc:
+        errors["model"] = str(exc)
+    wrong = evaluate(profile, [4, 4] if world != 2 else [3, 3, 2], chunks=CHUNKS, schedule="1f1b")
+    try:
+        DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, plan=wrong)
+    except ValueError as exc:
+        errors["stages"] = str(exc)
+    try:
+        DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS if rank else 3)
+    except ValueError as exc:
+        errors["argument"] = str(exc)
+    results["errors"] = errors
+    for schedule in ("gpipe", "1f1b"):
+        results[f"wrapped {schedule}"] = _wrapped(schedule)
+    return results
+
+
+def _failing(rank: int, world: int, stay: bool) -> None:
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+
+    calls = []
+
+    def broken(output: Tensor, target: Tensor) -> Tensor:
+        calls.append(1)
+        if len(calls) > CHUNKS:  # fails in the second step
+            raise RuntimeError("deliberate failure in the loss")
+        return loss_fn(output, target)
+
+    options: dict[str, Any] = {"loss_fn": broken, "chunks": CHUNKS, "schedule": "1f1b"}
+    if stay:
+        # A group with a short timeout, made once every rank is up (a slow start must not
+        # time out), and a profile measured here: no rank waits long during setup.
+        import torch.distributed as dist
+
+        from profiler.measure import profile_model
+
+        options["group"] = dist.new_group([0, 1], timeout=timedelta(seconds=STUCK_TIMEOUT))
+        options["profile"] = profile_model(make_model(), x, chunks=CHUNKS, repeats=1)
+    pipe = DistributedPipeline(make_model(), x, **options)
+    pipe.step(x, y)
+    try:
+        pipe.step(x, y)
+    except RuntimeError:
+        if stay and pipe.is_last:
+            time.sleep(120)  # alive but stuck: only the group's timeout frees the others
+        raise
+
+
+def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    _init(workdir, rank, world, timeout=60.0)
+    if scenario == "equal":
+        torch.save(_equal(rank, world), workdir / f"rank{rank}.pt")
+    elif scenario in ("raise", "stuck"):
+        _failing(rank, world, stay=scenario == "stuck")
+    print(f"rank {rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

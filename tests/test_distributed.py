@@ -1,0 +1,245 @@
+"""DistributedPipeline: equal to one process, mismatches reported, failures end every rank."""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from autopipe.dist_setup import LossRecorder, check_arguments, check_sizes
+from autopipe.dist_stage import (
+    StageModule,
+    compare_fingerprints,
+    fingerprint,
+    layer_output_specs,
+    merge_state_dicts,
+)
+from autopipe.dist_wrap import prepare_model, shared_state
+from autopipe.distributed import DistributedPipeline
+from tests.dist_workers import (
+    STUCK_TIMEOUT,
+    launch,
+    loss_fn,
+    make_batch,
+    make_model,
+    make_residual,
+    reference_step,
+)
+from tests.wrap_models import ResidualMLP
+
+# ---------------------------------------------------------------- in one process
+
+
+def test_stage_module_keeps_names_and_computes_the_slice() -> None:
+    model = make_model()
+    model.eval()
+    layers = list(model.named_children())
+    stage = StageModule(layers[2:5])
+    assert list(stage.state_dict()) == [
+        k for k in model.state_dict() if k.split(".")[0] in {"2", "3", "4"}
+    ]
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(stage(x), model[2:5](x))
+
+
+def test_stage_module_packs_tuple_inputs() -> None:
+    class Add(nn.Module):
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return pair[0] + pair[1]
+
+    stage = StageModule([("add", Add())], tuple_input=True)
+    a, b = torch.ones(2), torch.full((2,), 2.0)
+    torch.testing.assert_close(stage(a, b), torch.full((2,), 3.0))
+
+
+def test_output_specs_leave_model_and_rng_untouched() -> None:
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    specs = layer_output_specs(list(model), x)
+    assert [s[0][0][0] for s in specs] == [(4, 16)] * 7 + [(4, 3)]
+    assert all(s[0][0][1] == torch.float32 and s[0][0][2] for s in specs)
+    assert not any(is_tuple for _, is_tuple in specs)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_merge_state_dicts_rejects_overlap() -> None:
+    merged = merge_state_dicts([{"0.weight": 1}, {"2.weight": 2}])
+    assert list(merged) == ["0.weight", "2.weight"]
+    with pytest.raises(ValueError, match=r"0\.weight"):
+        merge_state_dicts([{"0.weight": 1}, {"0.weight": 2}])
+
+
+def test_fingerprints_name_the_difference() -> None:
+    a = fingerprint(OrderedDict(make_model().named_children()), chunks=4)
+    b = fingerprint(OrderedDict(make_model(width=12).named_children()), chunks=4)
+    assert compare_fingerprints([a, a]) is None
+    message = compare_fingerprints([a, a, b])
+    assert message is not None and "rank 2" in message and "0.weight" in message
+    assert "chunks" in (compare_fingerprints([a, {**a, "chunks": 2}]) or "")
+
+
+def test_loss_recorder_scales_and_averages() -> None:
+    recorder = LossRecorder(lambda out, tgt: (out - tgt).abs().sum(), chunks=2)
+    assert recorder(torch.tensor(3.0), torch.tensor(1.0)).item() == 1.0
+    recorder(torch.tensor(5.0), torch.tensor(1.0))
+    assert recorder.mean().item() == 3.0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"schedule": "zb"}, "unknown schedule"),
+        ({"chunks": 0}, "positive integer"),
+        ({"chunks": 5}, "multiple of chunks=5"),
+        ({"loss_fn": 3}, "callable"),
+        ({"sample": [torch.zeros(16, 2), torch.zeros(8, 2)]}, "disagree"),
+    ],
+)
+def test_argument_checks(change: dict[str, Any], message: str) -> None:
+    layers = OrderedDict(make_model().named_children())
+    args = {"sample": torch.zeros(16, 8), "chunks": 4, "schedule": "1f1b", "loss_fn": loss_fn}
+    args.update(change)
+    problem = check_arguments(layers, plan=None, **args)
+    assert problem is not None and message in problem
+
+
+def test_size_checks() -> None:
+    with pytest.raises(ValueError, match="chunks >= the number of stages"):
+        check_sizes(4, 8, None, "1f1b", 2)
+    check_sizes(4, 8, None, "gpipe", 2)
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4 stages"):
+        check_sizes(4, 3, None, "gpipe", 4)
+
+
+def test_non_sequential_models_are_wrapped_or_rejected() -> None:
+    model = ResidualMLP()
+    x = torch.randn(4, 5)
+    prepared = prepare_model(model, x)
+    assert prepared.wrapped and len(prepared.sequential) == 6
+    value: Any = prepared.flatten(x)
+    for unit in prepared.sequential:
+        value = unit(value)
+    torch.testing.assert_close(prepared.rebuild(value, True), model(x))
+    with pytest.raises(ValueError, match="pass an nn.Sequential"):
+        prepare_model(nn.Linear(2, 2), [x])
+
+
+def test_shared_parameters_across_stages_are_refused() -> None:
+    shared = nn.Linear(4, 4)
+    layers = [shared, nn.ReLU(), nn.Linear(4, 4)]
+    layers[2].weight = shared.weight
+    assert shared_state(layers, [1, 2]) is not None
+    assert shared_state(layers, [3]) is None
+
+
+def test_needs_process_group() -> None:
+    with pytest.raises(RuntimeError, match="process group"):
+        DistributedPipeline(make_model(), torch.zeros(16, 8), loss_fn=loss_fn, chunks=4)
+
+
+# ---------------------------------------------------------------- over processes (gloo)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def equal_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    world = request.param
+    workdir = tmp_path_factory.mktemp(f"equal{world}")
+    runs = launch("equal", world, workdir, limit=80)
+    for rank, run in enumerate(runs):
+        assert run.returncode == 0, f"rank {rank} failed:\n{run.output[-3000:]}"
+    return world, [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@functools.cache
+def _reference() -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+    """Loss and gradients after one reference step, gradients and state after two."""
+    model = make_model()
+    x, y = make_batch()
+    loss = reference_step(model, x, y)
+    once = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    reference_step(model, x, y)
+    twice = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss, once, twice, model.state_dict()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_loss_and_gradients_equal_one_process(equal_run: Any, schedule: str) -> None:
+    world, results = equal_run
+    loss, once, twice, _ = _reference()
+    assert results[-1][schedule]["loss"] is not None
+    torch.testing.assert_close(results[-1][schedule]["loss"], loss, rtol=1e-5, atol=1e-6)
+    assert all(r[schedule]["loss"] is None for r in results[:-1])
+    seen: dict[str, Tensor] = {}
+    for rank in results:
+        assert len(rank[schedule]["balance"]) == world
+        for name, grad in rank[schedule]["grads"].items():
+            torch.testing.assert_close(grad, once[name], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                rank[schedule]["twice"][name], twice[name], rtol=1e-5, atol=1e-6, msg=name
+            )
+            seen[name] = grad
+    assert sorted(seen) == sorted(once)  # every parameter lives on exactly one rank
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_wrapped_residual_model_equals_one_process(equal_run: Any, schedule: str) -> None:
+    world, results = equal_run
+    model = make_residual()
+    x, y = make_batch()
+    loss = reference_step(model, x[:, :5], y)
+    key = f"wrapped {schedule}"
+    torch.testing.assert_close(results[-1][key]["loss"], loss, rtol=1e-5, atol=1e-6)
+    seen = set()
+    for rank in results:
+        assert len(rank[key]["balance"]) == world
+        for name, grad in rank[key]["grads"].items():
+            reference = model.get_parameter(name).grad
+            torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6, msg=name)
+            seen.add(name)
+    assert seen == {name for name, _ in model.named_parameters()}
+    assert list(results[0][key]["state"]) == list(model.state_dict())
+
+
+def test_gathered_state_dict_is_the_original(equal_run: Any) -> None:
+    _, results = equal_run
+    *_, state = _reference()
+    gathered = results[0]["state"]
+    assert list(gathered) == list(state)
+    for key, value in state.items():
+        torch.testing.assert_close(gathered[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert all(r["state"] is None for r in results[1:])
+
+
+def test_mismatches_are_reported_on_every_rank(equal_run: Any) -> None:
+    world, results = equal_run
+    for rank, result in enumerate(results):
+        errors = result["errors"]
+        assert "different configurations" in errors["model"] and "0.weight" in errors["model"]
+        assert f"process group has {world} ranks" in errors["stages"]
+        assert "multiple of chunks=3" in errors["argument"]
+        assert errors["argument"].startswith("rank 0: ") == (rank != 0)
+
+
+def test_a_raising_rank_ends_every_rank(tmp_path: Path) -> None:
+    runs = launch("raise", 2, tmp_path, limit=60)
+    assert all(run.returncode not in (0, None) for run in runs), [r.output for r in runs]
+    assert "deliberate failure in the loss" in runs[1].output
+    assert "autopipe: step 1 failed on rank 0" in runs[0].output
+    assert max(run.seconds for run in runs) < 45
+
+
+def test_a_stuck_rank_times_out_the_others(tmp_path: Path) -> None:
+    runs = launch("stuck", 2, tmp_path, limit=60, wait_for=0)
+    assert runs[0].returncode not in (0, None), runs[0].output
+    assert "Timed out" in runs[0].output or "timed out" in runs[0].output
+    assert runs[1].returncode is None  # still sleeping when rank 0 gave up; killed
+    assert runs[0].seconds < 30 + STUCK_TIMEOUT
