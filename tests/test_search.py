@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import time
@@ -186,7 +187,8 @@ def test_auto_mixes_modes_under_gpipe():
 
 def test_dynamic_program_fallback(monkeypatch):
     # Tier 3 only bounds when memory limits are not monotone; force that path everywhere.
-    import autopipe.search as module
+    # ``autopipe.search`` is the function; the module is reached through importlib.
+    module = importlib.import_module("autopipe.search")
 
     class Bounding:
         def __init__(self, relaxation, envelope=False):
