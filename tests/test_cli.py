@@ -11,14 +11,19 @@ import pytest
 import torch
 
 from autopipe import cli
-from autopipe.cli import default_chunks, main
+from autopipe.cli import default_chunks
 from autopipe.planner import evaluate
 from autopipe.plans import Plan
 from profiler.profile import Profile
-
-ROOT = Path(__file__).resolve().parents[1]
-MLP = str(ROOT / "examples" / "mlp.py")
-FAST = ["--repeats", "1", "--warmup", "0"]
+from tests.cli_support import (
+    FAST,
+    MLP,
+    RESIDUAL_MODEL,
+    ROOT,
+    assert_error,
+    make_profile_file,
+    run,
+)
 
 GOOD = """
 import torch
@@ -29,27 +34,9 @@ sample = torch.randn(8, 4)
 """
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_error(code: int, out: str, err: str, expected: str = "") -> None:
-    assert code == 2
-    assert out == ""
-    assert "Traceback" not in err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("autopipe: error: ")
-    assert expected in lines[0]
-
-
 @pytest.fixture(scope="module")
 def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("profile") / "mlp.json"
-    assert main(["profile", MLP, "-o", str(path), *FAST]) == 0
-    return path
+    return make_profile_file(tmp_path_factory)
 
 
 def test_plan_example(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -302,29 +289,6 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str]) -> No
     assert code == 2
     assert out == "" and "Traceback" not in err
     assert "error:" in err
-
-
-RESIDUAL_MODEL = """import torch
-from torch import nn
-
-
-class Residual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
-        self.out = nn.Linear(16, 2)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + torch.relu(block(h))
-        return self.out(h)
-
-
-model = Residual()
-sample = torch.randn(8, 8)
-"""
 
 
 def test_plan_non_sequential_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

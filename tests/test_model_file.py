@@ -15,6 +15,7 @@ from autopipe.model_file import (
     load_model_file,
     load_sequential,
 )
+from tests.cli_support import RESIDUAL_MODEL
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -195,33 +196,11 @@ model = Branchy()
 sample = torch.randn(2, 2)
 """
 
-RESIDUAL = """import torch
-from torch import nn
-
-
-class Residual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.out = nn.Linear(8, 2)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + torch.relu(block(h))
-        return self.out(h)
-
-
-model = Residual()
-sample = torch.randn(6, 4)
-"""
-
 
 def test_non_sequential_model_is_split_into_units(tmp_path: Path) -> None:
-    loaded = load_model_file(write(tmp_path, RESIDUAL))
+    loaded = load_model_file(write(tmp_path, RESIDUAL_MODEL))
     layers, sample = as_sequential(loaded.model, loaded.sample)
-    assert isinstance(layers, nn.Sequential) and len(layers) >= 4
+    assert isinstance(layers, nn.Sequential) and len(layers) == 6
     assert isinstance(sample, tuple)
     out = layers(*sample)
     out = out[0] if isinstance(out, tuple) else out

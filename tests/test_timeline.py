@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from planning_cases import linear_profile, splits
 
 from autopipe import cli
-from autopipe.cli import main
 from autopipe.planner import evaluate
 from autopipe.plans import Plan
 from autopipe.timeline import (
@@ -28,10 +27,8 @@ from autopipe.timeline import (
     simulate,
     stage_times,
 )
+from tests.cli_support import MLP, assert_error, make_profile_file, run
 
-ROOT = Path(__file__).resolve().parents[1]
-MLP = str(ROOT / "examples" / "mlp.py")
-FAST = ["--repeats", "1", "--warmup", "0"]
 CHECKPOINTS = ("always", "except_last", "never")
 SCHEDULES = ("gpipe", "1f1b")
 # Integer-valued layer times keep the simulated sums exact enough for tight comparisons.
@@ -389,25 +386,7 @@ def test_missing_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
 @pytest.fixture(scope="module")
 def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("profile") / "mlp.json"
-    assert main(["profile", MLP, "-o", str(path), *FAST]) == 0
-    return path
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_error(code: int, out: str, err: str, expected: str = "") -> None:
-    assert code == 2
-    assert out == ""
-    assert "Traceback" not in err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("autopipe: error: ")
-    assert expected in lines[0]
+    return make_profile_file(tmp_path_factory)
 
 
 def test_cli_timeline(
