@@ -17,6 +17,7 @@ from autopipe.search import search
 from profiler.profile import LayerProfile, Profile
 
 if TYPE_CHECKING:
+    from autopipe.distributed import DistributedPipeline
     from autopipe.gpipe import GPipe
     from autopipe.wrapped import WrappedPipeline
     from autopipe.wrapping import wrap
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DeviceSpec",
+    "DistributedPipeline",
     "GPipe",
     "LayerProfile",
     "Plan",
@@ -40,6 +42,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "DistributedPipeline": "autopipe.distributed",
     "GPipe": "autopipe.gpipe",
     "WrappedPipeline": "autopipe.wrapped",
     "wrap": "autopipe.wrapping",
