@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +28,18 @@ def _moving_denied() -> TypeError:
         "a GPipe model is spread over its devices; it cannot be moved to a single device "
         "(dtype conversions with .to(dtype) are allowed)"
     )
+
+
+def refuse_device_move(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    error: Callable[[], TypeError] = _moving_denied,
+) -> None:
+    """Raises ``error()`` if ``.to(*args, **kwargs)`` would move a module to a device."""
+    if "device" in kwargs or "tensor" in kwargs:
+        raise error()
+    if args and isinstance(args[0], (torch.device, str, int, torch.Tensor)):
+        raise error()
 
 
 def _validate(
@@ -267,8 +279,5 @@ class GPipe(nn.Module):
         raise _moving_denied()
 
     def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        if "device" in kwargs or "tensor" in kwargs:
-            raise _moving_denied()
-        if args and (isinstance(args[0], (torch.device, str, int, torch.Tensor))):
-            raise _moving_denied()
+        refuse_device_move(args, kwargs)
         return super().to(*args, **kwargs)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 
 from autopipe.flat_io import FlatSpec
+from autopipe.gpipe import refuse_device_move
 from autopipe.stage_modules import UnitModule
 from autopipe.tracing import PREFIX
 
@@ -153,10 +153,7 @@ class WrappedPipeline(nn.Module):
         raise _moving_denied()
 
     def to(self, *args: Any, **kwargs: Any) -> WrappedPipeline:
-        if "device" in kwargs or "tensor" in kwargs:
-            raise _moving_denied()
-        if args and isinstance(args[0], (torch.device, str, int, Tensor)):
-            raise _moving_denied()
+        refuse_device_move(args, kwargs, _moving_denied)
         self.pipeline.to(*args, **kwargs)
         super().to(*args, **kwargs)
         self._sync_buffers()
