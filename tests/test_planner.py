@@ -25,6 +25,18 @@ def brute_force(profile, devices, **kwargs):
     return best
 
 
+def check_against_brute_force(profile, devices, **kwargs):
+    """``plan`` finds the brute-force best step time, or fails exactly when nothing fits."""
+    expected = brute_force(profile, devices, **kwargs)
+    if expected is None:
+        with pytest.raises(PlanningError):
+            plan(profile, devices, **kwargs)
+        return
+    found = plan(profile, devices, **kwargs)
+    assert found.step_time == pytest.approx(expected.step_time, rel=1e-9)
+    assert all(s.memory <= s.capacity for s in found.stages if s.capacity is not None)
+
+
 device_specs = st.builds(
     DeviceSpec,
     memory=st.one_of(st.none(), st.integers(2_000, 40_000)),
@@ -47,14 +59,7 @@ def test_optimal_matches_brute_force(seed, n, devices, chunks, checkpoint, sched
     devices = devices[:n]
     profile = random_profile(np.random.default_rng(seed), n, peaks=peaks)
     kwargs = {"chunks": chunks, "checkpoint": checkpoint, "schedule": schedule}
-    expected = brute_force(profile, devices, **kwargs)
-    if expected is None:
-        with pytest.raises(PlanningError):
-            plan(profile, devices, **kwargs)
-        return
-    found = plan(profile, devices, **kwargs)
-    assert found.step_time == pytest.approx(expected.step_time, rel=1e-9)
-    assert all(s.memory <= s.capacity for s in found.stages if s.capacity is not None)
+    check_against_brute_force(profile, devices, **kwargs)
 
 
 def test_plan_fields_for_a_balanced_pipeline():
@@ -186,14 +191,7 @@ def test_auto_and_data_parallel_match_brute_force(
         "batch": 16,
         "allreduce_bandwidth": allreduce,
     }
-    expected = brute_force(profile, devices, **kwargs)
-    if expected is None:
-        with pytest.raises(PlanningError):
-            plan(profile, devices, **kwargs)
-        return
-    found = plan(profile, devices, **kwargs)
-    assert found.step_time == pytest.approx(expected.step_time, rel=1e-9)
-    assert all(s.memory <= s.capacity for s in found.stages if s.capacity is not None)
+    check_against_brute_force(profile, devices, **kwargs)
 
 
 def _per_stage_brute_force(profile, devices, **kwargs):
