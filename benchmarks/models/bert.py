@@ -8,8 +8,9 @@ hidden from attention by an additive mask.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from benchmarks.models.attention import SelfAttention
 
 VOCAB = 4096
 WIDTH = 128
@@ -18,22 +19,6 @@ HEADS = 4
 LENGTH = 64
 BATCH = 8
 CLASSES = 2
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, width)
-
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        shape = (batch, length, self.heads, width // self.heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        return self.out(out.transpose(1, 2).reshape(batch, length, width))
 
 
 class EncoderBlock(nn.Module):

@@ -8,8 +8,9 @@ head and embeddings are the heaviest layers.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from benchmarks.models.attention import SelfAttention
 
 VOCAB = 8192
 WIDTH = 128
@@ -19,27 +20,11 @@ CONTEXT = 64
 BATCH = 8
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        shape = (batch, length, self.heads, width // self.heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, length, width))
-
-
 class Block(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads)
+        self.attn = SelfAttention(width, heads, causal=True)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(
             nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width)
