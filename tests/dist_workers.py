@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,7 +212,6 @@ def _failing(rank: int, world: int, stay: bool) -> None:
     if stay:
         # A group with a short timeout, made once every rank is up (a slow start must not
         # time out), and a profile measured here: no rank waits long during setup.
-        import torch.distributed as dist
 
         from profiler.measure import profile_model
 
@@ -234,6 +234,10 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         torch.save(_equal(rank, world), workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):
         _failing(rank, world, stay=scenario == "stuck")
+    # Every rank leaves together and closes the group: a gloo group torn down by interpreter
+    # exit while a peer still talks to it can abort the process.
+    dist.barrier()
+    dist.destroy_process_group()
     print(f"rank {rank} done", flush=True)
 
 
