@@ -212,7 +212,6 @@ def _failing(rank: int, world: int, stay: bool) -> None:
     if stay:
         # A group with a short timeout, made once every rank is up (a slow start must not
         # time out), and a profile measured here: no rank waits long during setup.
-
         from profiler.measure import profile_model
 
         options["group"] = dist.new_group([0, 1], timeout=timedelta(seconds=STUCK_TIMEOUT))
