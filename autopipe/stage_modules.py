@@ -125,3 +125,7 @@ class UnitModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}"
+
+    def cost_repr(self) -> str:
+        """What of :meth:`extra_repr` changes the cost (the profiler pools by it): nothing."""
+        return ""

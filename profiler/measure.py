@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from profiler.layer import as_tensors, measure_layer, state_storages, tensor_bytes
+from profiler.pooling import layer_signature, pool_identical
 from profiler.profile import LayerProfile, Profile
 
 __all__ = ["default_batch_sizes", "profile_layers", "profile_model"]
@@ -154,6 +155,7 @@ def profile_layers(
     warmup: int = 2,
     repeats: int = 5,
     progress: Callable[[int, int, str], None] | None = None,
+    pool: bool = True,
 ) -> Profile:
     """Measures the time and memory of each layer of a sequential model.
 
@@ -173,6 +175,9 @@ def profile_layers(
         warmup: untimed runs before timing, per layer and batch size.
         repeats: timed runs, per layer and batch size; the median is kept.
         progress: called as ``progress(done, total, name)`` after each layer.
+        pool: give identical layers (same modules, modes, parameter shapes and input
+            shapes) the median of their timings, which removes most of the measurement
+            noise between repeated blocks; the groups are listed in ``meta["pooled"]``.
 
     Returns:
         The profile: per-layer forward/backward seconds and saved/output bytes at each
@@ -201,6 +206,7 @@ def profile_layers(
     cuda = [dev.index] if dev.type == "cuda" else []
     on_device: AbstractContextManager[Any] = torch.cuda.device(dev) if cuda else nullcontext()
     results: list[LayerProfile] = []
+    signatures: list[str] = []
     with (
         torch.random.fork_rng(devices=cuda),
         on_device,
@@ -210,12 +216,18 @@ def profile_layers(
         inputs = [_resize(tensors, size, dev) for size in sizes]
         input_bytes = [tensor_bytes(x) for x in inputs]
         for i, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
+            signatures.append(layer_signature(layer, inputs))
             result, inputs = _profile_layer(layer, name, inputs, dev, warmup, repeats)
             results.append(result)
             if progress is not None:
                 progress(i + 1, len(layers), name)
         del inputs
 
+    meta: dict[str, Any] = {}
+    if pool:
+        results, groups = pool_identical(results, signatures)
+        if groups:
+            meta["pooled"] = groups
     return Profile(
         layers=results,
         batch_sizes=sizes,
@@ -226,6 +238,7 @@ def profile_layers(
         device_name=_device_name(dev),
         torch_version=str(torch.__version__),
         dtype=_dtype(layers, tensors),
+        meta=meta,
     )
 
 
