@@ -1,43 +1,53 @@
 """Balance quality on the model zoo: predicted vs measured stage times of every strategy.
 
-Run: ``python -m benchmarks.balance [--quick] [--models a,b]``. Each zoo model is cut into
-units, profiled once on this machine's CPU (one thread), and planned with every strategy
-for K = 2, 4, 8 stages. Every planned stage is then run alone on its micro-batch inputs
-(forward + backward, plus the share of re-computation forwards the stage checkpoints), so the
-real bottleneck of each plan is measured, not only predicted. A last table puts GPipe's
-Table 2 (normalized throughput against K and M) in our terms, as predictions from the CPU
-profiles. Saves ``benchmarks/results/balance.{json,md}`` and ``balance_<model>.png``.
+Run: ``python -m benchmarks.balance [--quick] [--models a,b] [--stages 2,4] [--repeats N]
+[--out DIR]``. Each zoo model is cut into units, profiled once on this machine's CPU (one
+thread), and planned with every strategy for K = 2, 4, 8 stages, plus the optimal plan under
+a per-device memory limit chosen to bind but fit (``benchmarks.memory_limit``). Every
+planned stage is then run alone on its micro-batch inputs (forward + backward, plus the
+share of re-computation forwards the stage checkpoints), all stages of a model interleaved
+round-robin (``benchmarks.stage_timing``), so the real bottleneck of each plan is measured,
+not only predicted. A last table puts GPipe's Table 2 (normalized throughput against K and
+M) in our terms, as predictions from the CPU profiles. Writes ``balance.{json,md}``,
+``balance_<model>.png`` (stage bars) and ``timeline_<model>.png`` (pipeline timeline of the
+optimal plan) to ``benchmarks/results/`` or ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
 from autopipe import Plan, PlanningError, plan
 from autopipe.model_file import as_sequential
 from autopipe.timeline import checkpointed
+from benchmarks.balance_report import MEMORY_LABEL, noise_summary, render
+from benchmarks.memory_limit import MARGIN, MemoryLimit, choose_limit, peak_memory
 from benchmarks.models import ZOO
+from benchmarks.stage_timing import Job, StageTimer, Timing, as_tuple
 from profiler import profile_model
 from profiler.profile import Profile
 
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = ("uniform", "parameters", "blockpartition", "optimal")
-MEMORY_LABEL = "optimal (memory)"
 LABELS = (*STRATEGIES, MEMORY_LABEL)
-MEMORY_FRACTION = 0.6
 STAGES = (2, 4, 8)
+PICTURE_STAGES = 4
 CHUNKS = 4
 TABLE2_CHUNKS = (1, 4, 32)
+# Rounds of stage timing. A round of all five zoo models at K = 2, 4, 8 takes about 2-4 s
+# on the 2-core machine, so 30 rounds keep the full run near 2-3 minutes while the
+# median of 30 moves little when a few rounds are disturbed.
+REPEATS = 30
+QUICK_REPEATS = 3
 # GPipe (Huang et al., 2019), Table 2: normalized throughput on TPUs, M = 1 / 4 / 32.
 GPIPE_TABLE2 = {
     "AmoebaNet-D": {2: (1.0, 1.07, 1.21), 4: (1.13, 1.26, 1.84), 8: (1.38, 1.72, 3.48)},
@@ -45,81 +55,14 @@ GPIPE_TABLE2 = {
 }
 
 
-def _as_tuple(value: Any) -> tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
-
-
-def _run(units: list[nn.Module], args: tuple[Any, ...]) -> tuple[Any, ...]:
-    for unit in units:
-        args = _as_tuple(unit(*args))
-    return args
-
-
-class StageTimer:
-    """Measures stages (slices of the unit Sequential) alone on one micro-batch."""
-
-    def __init__(self, seq: nn.Sequential, sample: tuple[Tensor, ...], repeats: int) -> None:
-        self.units = list(seq)
-        self.sample = sample
-        self.repeats = repeats
-        self._inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
-        self._times: dict[tuple[int, int, int, bool], float] = {}
-
-    def _input(self, start: int, micro: int) -> tuple[Any, ...]:
-        key = (start, micro)
-        if key not in self._inputs:
-            with torch.no_grad():
-                self._inputs[key] = _run(self.units[:start], tuple(t[:micro] for t in self.sample))
-        return self._inputs[key]
-
-    def stage(self, start: int, stop: int, micro: int, recompute: float) -> float:
-        """Median seconds of forward + backward, plus ``recompute`` x a no-grad forward."""
-        train = self._median(start, stop, micro, grad=True)
-        if recompute <= 0:
-            return train
-        return train + recompute * self._median(start, stop, micro, grad=False)
-
-    def _median(self, start: int, stop: int, micro: int, grad: bool) -> float:
-        key = (start, stop, micro, grad)
-        if key in self._times:
-            return self._times[key]
-        units = self.units[start:stop]
-        inputs = self._input(start, micro)
-        params = [p for u in units for p in u.parameters()]
-
-        def once() -> float:
-            args = tuple(
-                t.detach().clone().requires_grad_(grad and t.is_floating_point())
-                if isinstance(t, Tensor)
-                else t
-                for t in inputs
-            )
-            for p in params:
-                p.grad = None
-            begin = time.perf_counter()
-            if not grad:
-                with torch.no_grad():
-                    _run(units, args)
-                return time.perf_counter() - begin
-            outputs = [o for o in _run(units, args) if isinstance(o, Tensor) and o.requires_grad]
-            if outputs:
-                torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
-            return time.perf_counter() - begin
-
-        once()  # warm-up
-        seconds = statistics.median(once() for _ in range(self.repeats))
-        for p in params:
-            p.grad = None
-        self._times[key] = seconds
-        return seconds
-
-
 def _recomputed(p: Plan, stage: int) -> float:
     """Share of micro-batches whose forward ``stage`` re-computes in backward."""
     return sum(checkpointed(p, i, stage) for i in range(p.chunks)) / p.chunks
 
 
-def _plans(profile: Profile, stages: int) -> tuple[dict[str, Plan | None], dict[str, float]]:
+def _plans(
+    profile: Profile, stages: int
+) -> tuple[dict[str, Plan | None], dict[str, float], MemoryLimit]:
     """Plans of every strategy at ``stages``; ``None`` where it does not fit."""
     plans: dict[str, Plan | None] = {}
     seconds: dict[str, float] = {}
@@ -127,92 +70,152 @@ def _plans(profile: Profile, stages: int) -> tuple[dict[str, Plan | None], dict[
         begin = time.perf_counter()
         plans[strategy] = plan(profile, stages, chunks=CHUNKS, strategy=strategy)
         seconds[strategy] = time.perf_counter() - begin
-    best = plans["optimal"]
-    assert best is not None
-    cap = int(MEMORY_FRACTION * max(s.memory for s in best.stages))
+    limit = choose_limit(profile, stages, chunks=CHUNKS)
     begin = time.perf_counter()
     try:
-        plans[MEMORY_LABEL] = plan(profile, stages, chunks=CHUNKS, memory=cap)
-    except PlanningError:
+        plans[MEMORY_LABEL] = plan(profile, stages, chunks=CHUNKS, memory=limit.limit)
+    except PlanningError:  # not expected: the limit is at least the least feasible capacity
         plans[MEMORY_LABEL] = None
     seconds[MEMORY_LABEL] = time.perf_counter() - begin
-    return plans, seconds
+    return plans, seconds, limit
 
 
-def bench_model(name: str, quick: bool) -> dict[str, Any]:
-    """Profiles, plans and measures one zoo model."""
+def _jobs(p: Plan) -> set[Job]:
+    """The timing jobs a plan's stages need: train always, a forward if it re-computes."""
+    jobs: set[Job] = set()
+    for s in p.stages:
+        jobs.add((s.start, s.stop, p.micro_batch, True))
+        if _recomputed(p, s.index) > 0:
+            jobs.add((s.start, s.stop, p.micro_batch, False))
+    return jobs
+
+
+def _row(
+    p: Plan | None,
+    label: str,
+    stages: int,
+    best: Plan,
+    capacity: int | None,
+    timings: list[Timing] | None,
+    best_measured: float,
+) -> dict[str, Any]:
+    """One plan's JSON row: predictions, per-stage memory, measurements, ratios to optimal."""
+    row: dict[str, Any] = {"stages": stages, "strategy": label, "fits": p is not None}
+    if p is None or timings is None:
+        row["capacity"] = capacity
+        return row
+    measured = [t.median for t in timings]
+    worst = max(range(len(measured)), key=measured.__getitem__)
+    row.update(
+        balance=list(p.balance),
+        capacity=p.stages[0].capacity,
+        predicted_bottleneck=p.bottleneck,
+        predicted_bottleneck_stage=p.bottleneck_stage,
+        predicted_step=p.step_time,
+        predicted_ratio=p.bottleneck / best.bottleneck,
+        max_stage_memory=peak_memory(p),
+        stage_memory=[s.memory for s in p.stages],
+        stage_param_memory=[s.param_memory for s in p.stages],
+        predicted_stage_times=[s.time for s in p.stages],
+        measured_stage_times=measured,
+        measured_stage_timings=[t.to_dict() for t in timings],
+        measured_bottleneck=measured[worst],
+        measured_bottleneck_stage=worst,
+        measured_bottleneck_spread=timings[worst].spread,
+        measured_ratio=measured[worst] / best_measured,
+    )
+    return row
+
+
+def _draw(name: str, out: Path, bars: dict[str, Plan]) -> dict[str, str]:
+    """Stage bars of every plan and the optimal plan's timeline; none without matplotlib."""
+    from autopipe.timeline import draw_stage_bars, draw_timeline
+
+    pictures: dict[str, str] = {}
+    try:
+        draw_stage_bars(bars, out / f"balance_{name}.png")
+        pictures["bars"] = f"balance_{name}.png"
+        draw_timeline(bars["optimal"], out / f"timeline_{name}.png")
+        pictures["timeline"] = f"timeline_{name}.png"
+    except ImportError:
+        print("    matplotlib missing: no pictures", file=sys.stderr)
+    return pictures
+
+
+def bench_model(
+    name: str, stage_counts: list[int], repeats: int, profile_repeats: int, out: Path
+) -> dict[str, Any]:
+    """Profiles, plans and measures one zoo model, and draws its pictures into ``out``.
+
+    Args:
+        name: a key of :data:`benchmarks.models.ZOO`.
+        stage_counts: the K to plan for (those above the unit count are skipped).
+        repeats: round-robin timing rounds of every stage.
+        profile_repeats: timed runs per layer when profiling.
+        out: folder for the pictures.
+
+    Returns:
+        The model's JSON record: plans, measurements, limits, Table 2, picture names.
+    """
     module = ZOO[name]
     begin = time.perf_counter()
     seq, sample = as_sequential(module.model(), module.sample())
-    flat = _as_tuple(sample)
-    profile = profile_model(seq, sample, chunks=CHUNKS, repeats=2 if quick else 3, warmup=1)
+    profile = profile_model(seq, sample, chunks=CHUNKS, repeats=profile_repeats, warmup=1)
     profile_seconds = time.perf_counter() - begin
     print(
         f"  {name}: {len(seq)} units, batch {profile.batch_size}, profiled in "
         f"{profile_seconds:.1f} s",
         file=sys.stderr,
     )
-    timer = StageTimer(seq, flat, repeats=3 if quick else 5)
+    planned: dict[int, dict[str, Plan | None]] = {}
+    planning: dict[str, dict[str, float]] = {}
+    limits: dict[str, MemoryLimit] = {}
+    for stages in stage_counts:
+        if stages <= len(seq):
+            planned[stages], planning[str(stages)], limits[str(stages)] = _plans(profile, stages)
+    # Every distinct stage of every plan is timed in the same rounds, so ratios between
+    # strategies and between K compare measurements taken under the same machine load.
+    timer = StageTimer(seq, as_tuple(sample))
+    jobs = {job for plans in planned.values() for p in plans.values() if p for job in _jobs(p)}
+    begin = time.perf_counter()
+    timer.run(jobs, repeats)
+    measure_seconds = time.perf_counter() - begin
+    print(
+        f"    {len(jobs)} stage jobs x {repeats} rounds in {measure_seconds:.1f} s",
+        file=sys.stderr,
+    )
     rows: list[dict[str, Any]] = []
-    planning: dict[int, dict[str, float]] = {}
-    bars: dict[str, Plan] = {}
-    for stages in STAGES:
-        if stages > len(seq):
-            continue
-        plans, planning[stages] = _plans(profile, stages)
-        measured: dict[str, list[float]] = {}
-        for label, p in plans.items():
-            if p is None:
-                continue
-            measured[label] = [
+    for stages, plans in planned.items():
+        timings = {
+            label: [
                 timer.stage(s.start, s.stop, p.micro_batch, _recomputed(p, s.index))
                 for s in p.stages
             ]
-        best_measured = max(measured["optimal"])
+            for label, p in plans.items()
+            if p is not None
+        }
         best = plans["optimal"]
         assert best is not None
+        best_measured = max(t.median for t in timings["optimal"])
+        capacity = limits[str(stages)].limit
         for label in LABELS:
-            p = plans[label]
-            row: dict[str, Any] = {"stages": stages, "strategy": label, "fits": p is not None}
-            if p is not None:
-                row.update(
-                    balance=list(p.balance),
-                    capacity=p.stages[0].capacity,
-                    predicted_bottleneck=p.bottleneck,
-                    predicted_step=p.step_time,
-                    predicted_ratio=p.bottleneck / best.bottleneck,
-                    max_stage_memory=max(s.memory for s in p.stages),
-                    stage_memory=[s.memory for s in p.stages],
-                    predicted_stage_times=[s.time for s in p.stages],
-                    measured_stage_times=measured[label],
-                    measured_bottleneck=max(measured[label]),
-                    measured_ratio=max(measured[label]) / best_measured,
-                )
-            else:
-                row["capacity"] = int(MEMORY_FRACTION * max(s.memory for s in best.stages))
-            rows.append(row)
-        if stages == 4:
-            bars = {label: p for label, p in plans.items() if p is not None}
-        print(f"    K={stages}: planned and measured", file=sys.stderr)
-    picture = None
-    if bars:
-        from autopipe.timeline import draw_stage_bars
-
-        path = RESULTS / f"balance_{name}.png"
-        try:
-            draw_stage_bars(bars, path)
-            picture = path.name
-        except ImportError:
-            pass
+            rows.append(
+                _row(plans[label], label, stages, best, capacity, timings.get(label), best_measured)
+            )
+    shown = PICTURE_STAGES if PICTURE_STAGES in planned else max(planned)
+    bars = {label: p for label, p in planned[shown].items() if p is not None}
     return {
         "model": name,
         "units": len(seq),
         "batch": profile.batch_size,
         "profile_seconds": profile_seconds,
+        "measure_seconds": measure_seconds,
+        "stage_jobs": len(jobs),
         "planning_seconds": planning,
+        "memory_limits": {k: v.to_dict() for k, v in limits.items()},
         "rows": rows,
         "table2": table2(profile, len(seq)),
-        "picture": picture,
+        "pictures": _draw(name, out, bars),
     }
 
 
@@ -241,124 +244,110 @@ def table2(profile: Profile, units: int) -> dict[str, dict[str, list[float | Non
     return out
 
 
-def _fmt_time(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms"
+def _cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _markdown(results: dict[str, Any]) -> str:
-    lines = ["# Balance on the model zoo: predicted and measured", ""]
-    lines += [
-        f"Machine: {results['machine']}; {results['mode']} run, one CPU thread. Each model is "
-        f"profiled once (M={CHUNKS} micro-batches of its sample batch) and planned with "
-        f"checkpointing `except_last`. *Measured* stage times run each planned stage alone "
-        "on its micro-batch inputs: forward + backward from ones-like output gradients, plus "
-        "a no-grad re-computation forward weighted by the share of micro-batches the stage "
-        "checkpoints ((M-1)/M under `except_last`); medians of "
-        f"{results['stage_repeats']} runs. Transfers are free on one CPU and not measured. "
-        f"`{MEMORY_LABEL}` is the optimal plan under a per-device cap of "
-        f"{MEMORY_FRACTION} x the largest stage memory of the unconstrained optimal plan.",
-        "",
-    ]
-    lines += ["## Measured bottleneck / optimal's measured bottleneck, K=4", ""]
-    lines += ["| model | " + " | ".join(LABELS) + " |", "|---" + "|---:" * len(LABELS) + "|"]
-    for m in results["models"]:
-        cells = []
-        for label in LABELS:
-            row = next((r for r in m["rows"] if r["stages"] == 4 and r["strategy"] == label), None)
-            if row is None:
-                cells.append("-")
-            elif not row["fits"]:
-                cells.append("does not fit")
-            else:
-                cells.append(f"{row['measured_ratio']:.3f}")
-        lines.append(f"| {m['model']} | " + " | ".join(cells) + " |")
-    lines += ["", "## Planning time per strategy (ms, per K)", ""]
-    lines += [
-        "| model | K | " + " | ".join(LABELS) + " |",
-        "|---|---:" + "|---:" * len(LABELS) + "|",
-    ]
-    for m in results["models"]:
-        for k, seconds in m["planning_seconds"].items():
-            cells = [f"{seconds[label] * 1e3:.1f}" for label in LABELS]
-            lines.append(f"| {m['model']} | {k} | " + " | ".join(cells) + " |")
-    lines += ["", "## Every plan", ""]
-    lines += [
-        "| model | K | strategy | balance | predicted bottleneck | predicted step | "
-        "max stage memory | measured bottleneck | predicted / optimal | measured / optimal |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for m in results["models"]:
-        for r in m["rows"]:
-            head = f"| {m['model']} | {r['stages']} | {r['strategy']} |"
-            if not r["fits"]:
-                lines.append(f"{head} does not fit in {_fmt_bytes(r['capacity'])} | | | | | | |")
-                continue
-            lines.append(
-                f"{head} {r['balance']} | {_fmt_time(r['predicted_bottleneck'])} | "
-                f"{_fmt_time(r['predicted_step'])} | {_fmt_bytes(r['max_stage_memory'])} | "
-                f"{_fmt_time(r['measured_bottleneck'])} | {r['predicted_ratio']:.3f} | "
-                f"{r['measured_ratio']:.3f} |"
-            )
-    lines += ["", "## GPipe Table 2 in our terms: normalized throughput", ""]
-    lines += [
-        "**These are predictions from CPU profiles of tiny models, not TPU measurements.** "
-        "Throughput(K, M) = M x micro-batch / predicted step time, with the micro-batch fixed "
-        f"at the profiled one (batch / {CHUNKS}), normalized by the same split's K=2, M=1 "
-        "value. GPipe's numbers are the paper's TPU measurements (Huang et al., 2019, "
-        "Table 2).",
-        "",
-    ]
-    header = "| model | split | " + " | ".join(
-        f"K={k} M={m}" for k in STAGES for m in TABLE2_CHUNKS
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK_REPEATS} timing rounds, fewer profiling runs",
     )
-    lines += [header + " |", "|---|---" + "|---:" * (len(STAGES) * len(TABLE2_CHUNKS)) + "|"]
-    for paper, table in GPIPE_TABLE2.items():
-        cells = [f"{v:.2f}" for k in STAGES for v in table[k]]
-        lines.append(f"| {paper} (GPipe, TPU) | paper | " + " | ".join(cells) + " |")
-    for m in results["models"]:
-        for split, table in m["table2"].items():
-            cells = ["-" if v is None else f"{v:.2f}" for k in STAGES for v in table[str(k)]]
-            lines.append(f"| {m['model']} | {split} | " + " | ".join(cells) + " |")
-    pictures = [m["picture"] for m in results["models"] if m["picture"]]
-    if pictures:
-        lines += ["", "## Stage bars, K=4", ""]
-        lines += [f"![{p}]({p})" for p in pictures]
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer profiling and timing runs")
     parser.add_argument(
         "--models", default=",".join(ZOO), help=f"comma-separated subset of {', '.join(ZOO)}"
     )
+    parser.add_argument(
+        "--stages",
+        type=_ints,
+        default=list(STAGES),
+        help="comma-separated stage counts K (default 2,4,8)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"round-robin timing rounds per stage (default {REPEATS}, --quick {QUICK_REPEATS})",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"output folder ({RESULTS})")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ZOO]
-    if unknown or not names:
+    args.names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in args.names if n not in ZOO]
+    if unknown or not args.names:
         parser.error(f"unknown models {unknown}; choose from {', '.join(ZOO)}")
+    if not args.stages or min(args.stages) < 2:
+        parser.error("--stages needs stage counts of at least 2")
+    if args.repeats is None:
+        args.repeats = QUICK_REPEATS if args.quick else REPEATS
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the suite and writes the JSON, the Markdown report and the pictures.
+
+    Args:
+        argv: command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status, 0.
+    """
+    args = _parse(argv)
+    begin = time.perf_counter()
+    load_start = os.getloadavg()[0]
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    print("balance on the model zoo ...", file=sys.stderr)
-    models = [bench_model(name, args.quick) for name in names]
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"balance on the model zoo -> {args.out} ...", file=sys.stderr)
+    profile_repeats = 2 if args.quick else 3
+    stage_counts = sorted(set(args.stages))
+    models = [
+        bench_model(name, stage_counts, args.repeats, profile_repeats, args.out)
+        for name in args.names
+    ]
+    # "full" only for the default suite, so a reduced run is never taken for the real one.
+    default = args.names == list(ZOO) and stage_counts == list(STAGES) and args.repeats == REPEATS
+    mode = "quick" if args.quick else "full" if default else "reduced"
     results = {
-        "machine": f"{platform.machine()} {platform.processor() or ''}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}",
-        "mode": "quick" if args.quick else "full",
-        "stage_repeats": 3 if args.quick else 5,
-        "memory_fraction": MEMORY_FRACTION,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": f"{platform.system()} {platform.machine()}",
+            "cpu": _cpu_name(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+        },
+        "mode": mode,
+        "repeats": args.repeats,
+        "profile_repeats": profile_repeats,
         "chunks": CHUNKS,
+        "stages": stage_counts,
+        "picture_stages": PICTURE_STAGES if PICTURE_STAGES in stage_counts else max(stage_counts),
+        "margin": MARGIN,
+        "labels": list(LABELS),
+        "table2_chunks": list(TABLE2_CHUNKS),
         "gpipe_table2": {k: {str(s): v for s, v in t.items()} for k, t in GPIPE_TABLE2.items()},
+        "noise": noise_summary(models),
+        "wall_seconds": time.perf_counter() - begin,
         "models": models,
     }
-    (RESULTS / "balance.json").write_text(json.dumps(results, indent=1))
-    report = _markdown(results)
-    (RESULTS / "balance.md").write_text(report)
+    (args.out / "balance.json").write_text(json.dumps(results, indent=1))
+    report = render(results)
+    (args.out / "balance.md").write_text(report)
     print(report)
     return 0
 
