@@ -16,6 +16,7 @@ from torch import nn
 
 from autopipe.gpipe import GPipe
 from profiler.calibrate import measure_bandwidth, store_calibration
+from profiler.in_context import measure_compute_scale
 from profiler.profile import Profile
 
 __all__ = ["calibrate", "measure_overhead"]
@@ -102,8 +103,14 @@ def calibrate(
     devices: Sequence[str] | None = None,
     *,
     repeats: int = 10,
+    model: nn.Sequential | None = None,
+    sample: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
 ) -> dict[str, Any]:
     """Measures overhead and bandwidth on ``devices`` and stores them in the profile.
+
+    Given the profiled model and sample, also times its whole training step against the
+    profile and stores the ratio as ``compute_scale`` (see
+    :func:`profiler.in_context.measure_compute_scale`).
 
     Args:
         profile: the profile to calibrate; ``profile.meta["calibration"]`` is updated.
@@ -111,6 +118,8 @@ def calibrate(
             GPUs for a CUDA profile). The bandwidth is measured from the first to the
             second (to itself with one device).
         repeats: timed repeats of each measurement.
+        model: the profiled model (an ``nn.Sequential`` of the profile's layers), or ``None``.
+        sample: the profiled mini-batch, with ``model``.
 
     Returns:
         The stored calibration.
@@ -124,8 +133,16 @@ def calibrate(
     devices = list(devices)
     overhead = measure_overhead(devices, repeats=repeats)
     link = measure_bandwidth(devices[0], devices[min(1, len(devices) - 1)], repeats=repeats)
+    extra: dict[str, Any] = {}
+    if model is not None:
+        if sample is None:
+            raise ValueError("calibrating the compute scale needs the sample with the model")
+        extra["compute_scale"] = measure_compute_scale(model, sample, profile, repeats=repeats)[
+            "compute_scale"
+        ]
     return store_calibration(
         profile,
+        **extra,
         overhead_s=overhead["overhead_s"],
         bandwidth=link["bandwidth"],
         latency_s=link["latency_s"],

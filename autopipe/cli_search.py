@@ -70,6 +70,12 @@ def add_calibrate_parser(commands: Any) -> None:
     parser.add_argument(
         "--repeats", type=_positive, default=10, metavar="N", help="timed runs (default: 10)"
     )
+    parser.add_argument(
+        "--model",
+        metavar="MODEL.py",
+        help="the profiled model file: also time its whole training step and store how much "
+        "longer its layers run there than alone (compute_scale)",
+    )
     parser.set_defaults(func=calibrate_command)
 
 
@@ -148,15 +154,30 @@ def calibrate_command(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
     from autopipe.calibration import calibrate
 
+    model = sample = None
+    if args.model:
+        from autopipe.model_file import load_sequential
+
+        model, sample = load_sequential(args.model)
+        if len(model) != len(profile):
+            raise ValueError(
+                f"{args.model} has {len(model)} layers but the profile has {len(profile)}: "
+                "pass the model file the profile was made from"
+            )
     try:
-        values = calibrate(profile, devices, repeats=args.repeats)
+        values = calibrate(profile, devices, repeats=args.repeats, model=model, sample=sample)
     except (RuntimeError, AssertionError) as exc:  # e.g. a device torch cannot use
         message = " ".join(str(exc).split())
         raise ValueError(f"calibration failed: {type(exc).__name__}: {message}") from None
     cli._save(profile, output, "profile")
     where = " -> ".join(dict.fromkeys(values["devices"]))
+    scale = (
+        f"; layers run {values['compute_scale']:.2f}x their profiled time in a whole step"
+        if "compute_scale" in values
+        else ""
+    )
     print(
         f"executor overhead {format_time(values['overhead_s'])} per stage and micro-batch; "
-        f"{where} copies at {format_bytes(values['bandwidth'])}/s; wrote {output}"
+        f"{where} copies at {format_bytes(values['bandwidth'])}/s{scale}; wrote {output}"
     )
     return 0

@@ -2,12 +2,13 @@
 
 A stage holding layers ``[s, e)`` on device ``k`` costs, per micro-batch::
 
-    c_k(s, e) = (F(s,e) · (1 + r) + B(s,e)) / speed_k + o + out(e) / bandwidth_k
+    c_k(s, e) = (F(s,e) · (1 + r) + B(s,e)) / speed_k + o + λ_k + out(e) / bandwidth_k
 
 where F and B sum the layers' forward and backward times, ``r`` is the fraction of
 micro-batches that are re-computed (checkpointed), ``o`` is the executor's fixed overhead
-per stage and micro-batch (calibrated, else 0) and ``out(e)`` is the size of the boundary
-sent to the next stage (zero after the last). Its peak memory is::
+per stage and micro-batch (calibrated, else 0), ``out(e)`` is the size of the boundary
+sent to the next stage and ``λ_k`` the link's fixed latency per message (both zero after
+the last stage). Its peak memory is::
 
     m_k(s, e) = P(s,e) · (2 + opt) + Buf(s,e) + ck_k · in(s) + keep_k · S(s,e) + peak(s,e)
 
@@ -193,11 +194,13 @@ class CostModel:
         return self.layers.forward * (1.0 + self.recompute_fraction) + self.layers.backward
 
     def transfer_time(self, k: int, e: Index) -> Array:
-        bandwidth = self.devices[k].bandwidth
-        if bandwidth is None:
+        device = self.devices[k]
+        if device.bandwidth is None and not device.latency:
             return np.zeros(np.shape(e))
         # A stage ending at e sends layer e−1's output, unless it is the last stage.
-        return self._sends[e] / bandwidth
+        sends = self._sends[e]
+        volume = sends / device.bandwidth if device.bandwidth is not None else 0.0 * sends
+        return np.where(np.asarray(e) < self.num_layers, volume + device.latency, 0.0)
 
     def state_memory(self, s: Index, e: Index) -> Array:
         """Parameters, gradients, optimizer state and buffers of layers ``[s, e)``."""
@@ -286,10 +289,11 @@ class CostModel:
         """Stages with equal signatures have identical cost and memory functions."""
         device = self.devices[k]
         modes = tuple(self.checkpointed(k, mode) for mode in self.modes)
-        return (device.speed, device.bandwidth, modes, self.capacity(k))
+        return (device.speed, device.bandwidth, device.latency, modes, self.capacity(k))
 
     def sum_is_invariant(self) -> bool:
         """Whether ``Σ_k c_k`` is the same for every split (equal speeds, free transfers)."""
         speeds = {d.speed for d in self.devices}
         fixed = len(self.modes) == 1 or all(d.memory is None for d in self.devices)
-        return len(speeds) == 1 and fixed and all(d.bandwidth is None for d in self.devices)
+        free = all(d.bandwidth is None and not d.latency for d in self.devices)
+        return len(speeds) == 1 and fixed and free

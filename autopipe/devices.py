@@ -21,12 +21,15 @@ class DeviceSpec:
         speed: relative speed; a stage's compute time is divided by it.
         bandwidth: bytes per second of the link to the next stage's device, or ``None`` to
             treat transfers as free.
+        latency: fixed seconds of each message to the next stage's device (per micro-batch
+            and direction), on top of ``bytes / bandwidth``.
     """
 
     name: str = "cpu"
     memory: int | None = None
     speed: float = 1.0
     bandwidth: float | None = None
+    latency: float = 0.0
 
     def __post_init__(self) -> None:
         if self.memory is not None and self.memory < 0:
@@ -35,6 +38,8 @@ class DeviceSpec:
             raise ValueError(f"device {self.name}: speed must be > 0, got {self.speed}")
         if self.bandwidth is not None and not self.bandwidth > 0:
             raise ValueError(f"device {self.name}: bandwidth must be > 0, got {self.bandwidth}")
+        if not self.latency >= 0:
+            raise ValueError(f"device {self.name}: latency must be >= 0, got {self.latency}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +64,7 @@ def make_devices(
     speed: float | Sequence[float] | None = None,
     bandwidth: float | None = None,
     name: str = "cpu",
+    latency: float | None = None,
 ) -> list[DeviceSpec]:
     """Builds the device list the planner works on.
 
@@ -70,6 +76,7 @@ def make_devices(
         speed: relative speed for all devices or one per device.
         bandwidth: link bandwidth in bytes/s for devices that have none.
         name: device name used when ``devices`` is a count.
+        latency: seconds per message to the next stage for devices that have none.
     """
     if isinstance(devices, int):
         if devices < 1:
@@ -90,6 +97,7 @@ def make_devices(
                 memory=spec.memory if mem is None else parse_bytes(mem),
                 speed=spec.speed if spd is None else float(spd),
                 bandwidth=spec.bandwidth if spec.bandwidth is not None else bandwidth,
+                latency=spec.latency or (latency or 0.0),
             )
         )
     return out

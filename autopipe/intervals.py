@@ -75,8 +75,10 @@ class IntervalSolver:
         n = r.n
         self.ends = np.arange(n + 1)
         # Stages with the same speed and link share their cost caps' starts.
-        groups: dict[tuple[float, float | None], int] = {}
-        self.group = [groups.setdefault((d.speed, d.bandwidth), len(groups)) for d in m.devices]
+        groups: dict[tuple[float, float | None, float], int] = {}
+        self.group = [
+            groups.setdefault((d.speed, d.bandwidth, d.latency), len(groups)) for d in m.devices
+        ]
         self.fixed = [m.overhead + m.transfer_time(k, self.ends) for k in range(r.stages)]
         self._cap_starts: tuple[float, Ints] = (math.inf, np.zeros(n + 1, dtype=np.int64))
         # First start whose memory fits a stage ending at e, per stage and mode.

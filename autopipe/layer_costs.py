@@ -9,7 +9,14 @@ from numpy.typing import NDArray
 
 from profiler.profile import Profile
 
-__all__ = ["FIGURES", "OPTIMIZER_STATES", "LayerCosts", "ProfileLines", "optimizer_factor"]
+__all__ = [
+    "FIGURES",
+    "OPTIMIZER_STATES",
+    "LayerCosts",
+    "ProfileLines",
+    "compute_scale",
+    "optimizer_factor",
+]
 
 # Optimizer state bytes per parameter byte.
 OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
@@ -17,6 +24,20 @@ OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adam
 FIGURES = ("forward", "backward", "saved", "output", "peak")
 
 Array = NDArray[np.float64]
+
+
+def compute_scale(profile: Profile) -> float:
+    """How much longer layers run inside a training step than alone (calibrated, else 1).
+
+    Timed alone, a layer finds its weights and inputs in cache; in a step they were
+    evicted by the layers before it. ``autopipe calibrate`` measures the ratio on the
+    whole model and stores it as ``meta["calibration"]["compute_scale"]``.
+    """
+    found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
+    value = found.get("compute_scale") if isinstance(found, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e3:
+        return float(value)
+    return 1.0
 
 
 def optimizer_factor(optimizer: str | float) -> float:
@@ -79,9 +100,12 @@ class ProfileLines:
     def from_profile(cls, profile: Profile) -> ProfileLines:
         """Collects the profile's fits (fitting each figure once, then cached)."""
         n = len(profile)
+        scale = compute_scale(profile)
         lines = {}
         for figure in FIGURES:
             fits = np.array([profile.fit(i, figure) for i in range(n)], dtype=float)
+            if figure in ("forward", "backward"):
+                fits *= scale
             lines[figure] = (fits[:, 0].copy(), fits[:, 1].copy())
         return cls(
             names=profile.names,

@@ -22,17 +22,22 @@ __all__ = ["build_model", "calibration", "describe", "evaluate", "plan"]
 MemorySpec = int | str | Sequence[int | str | None] | None
 
 
+CALIBRATED = ("overhead_s", "bandwidth", "latency_s", "compute_scale")
+
+
 def calibration(profile: Profile) -> dict[str, float]:
-    """The executor overhead and link bandwidth measured for the profile, if any.
+    """The executor overhead, link figures and compute scale measured for the profile.
 
     ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
-    ``overhead_s`` (seconds per stage and micro-batch) and ``bandwidth`` (bytes/s).
+    ``overhead_s`` (seconds per stage and micro-batch), ``bandwidth`` (bytes/s),
+    ``latency_s`` (seconds per message between stages) and ``compute_scale`` (how much
+    longer the layers take in a whole training step than each alone in the profile).
     """
     found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
     if not isinstance(found, dict):
         return {}
     out = {}
-    for key in ("overhead_s", "bandwidth"):
+    for key in CALIBRATED:
         value = found.get(key)
         if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
             out[key] = float(value)
@@ -74,7 +79,13 @@ def build_model(
         bandwidth = measured.get("bandwidth")
     if allreduce_bandwidth is None:
         allreduce_bandwidth = bandwidth
-    specs = make_devices(devices, memory=memory, bandwidth=bandwidth, name=profile.device)
+    specs = make_devices(
+        devices,
+        memory=memory,
+        bandwidth=bandwidth,
+        name=profile.device,
+        latency=measured.get("latency_s"),
+    )
     m = profile.chunks if chunks is None else chunks
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"chunks must be a positive integer, got {m!r}")

@@ -62,7 +62,9 @@ class Relaxation:
         self.speed = [d.speed for d in m.devices]
         boundary = float(layers.output[:-1].min()) if n > 1 else 0.0
         self.fixed = [
-            m.overhead + (boundary / d.bandwidth if d.bandwidth and k < stages - 1 else 0.0)
+            m.overhead
+            + (boundary / d.bandwidth if d.bandwidth and k < stages - 1 else 0.0)
+            + (d.latency if k < stages - 1 else 0.0)
             for k, d in enumerate(m.devices)
         ]
         self.total = float(self.work[0][-1]) / max(self.speed) + sum(self.fixed)

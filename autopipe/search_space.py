@@ -68,6 +68,7 @@ class Space:
         measured = calibration(profile)
         self.overhead = measured.get("overhead_s", 0.0)
         self.bandwidth = bandwidth or measured.get("bandwidth")
+        self.latency = measured.get("latency_s", 0.0)
         self.allreduce = allreduce_bandwidth or self.bandwidth
         self.capacity = capacity
         self.optimizer = optimizer_factor(optimizer)
@@ -81,7 +82,9 @@ class Space:
     def devices(self, stages: int) -> list[DeviceSpec]:
         cuda = self.profile.device.startswith("cuda")
         names = [f"cuda:{k}" if cuda else self.profile.device for k in range(stages)]
-        return [DeviceSpec(name, self.capacity, 1.0, self.bandwidth) for name in names]
+        return [
+            DeviceSpec(name, self.capacity, 1.0, self.bandwidth, self.latency) for name in names
+        ]
 
     def model(self, config: Config) -> CostModel:
         return CostModel(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import autopipe
 from autopipe import cli
 from autopipe.cli import default_chunks
 from autopipe.planner import evaluate
@@ -362,6 +363,28 @@ def test_calibrate(capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_p
     result = Plan.load(plan_file)
     assert result.devices[0].bandwidth == pytest.approx(calibration["bandwidth"])
     assert result.stages[0].overhead == pytest.approx(calibration["overhead_s"])
+
+
+def test_calibrate_with_the_model_scales_compute(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    out_file = tmp_path / "calibrated.json"
+    argv = ["calibrate", str(profile_file), "-o", str(out_file), "--repeats", "2", "--model", MLP]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "their profiled time in a whole step" in out
+    scale = Profile.load(out_file).meta["calibration"]["compute_scale"]
+    assert scale > 0
+    plain = autopipe.plan(Profile.load(profile_file), 2)
+    scaled = autopipe.plan(Profile.load(out_file), 2, overhead=0.0, bandwidth=1e30)
+    assert sum(s.compute for s in scaled.stages) == pytest.approx(
+        scale * sum(s.compute for s in plain.stages), rel=1e-3
+    )
+    other = tmp_path / "other.py"
+    other.write_text(GOOD)
+    argv = ["calibrate", str(profile_file), "-o", str(tmp_path / "x.json"), "--model", str(other)]
+    assert_error(*run(capsys, *argv), "pass the model file the profile was made from")
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_calibrate_bad_device(

@@ -54,6 +54,12 @@ def test_speed_and_bandwidth():
     assert m.stage_time(0, at(0), at(2)) == pytest.approx(4.5 + 2.0)
     # The last stage sends nothing.
     assert m.transfer_time(1, at(4)) == 0.0
+    slow = model([DeviceSpec(bandwidth=10.0, latency=0.5), DeviceSpec(latency=0.5)])
+    assert slow.transfer_time(0, at(2)) == pytest.approx(0.5 + 2.0)
+    assert slow.transfer_time(0, at(4)) == 0.0
+    assert not slow.sum_is_invariant()
+    latency_only = model([DeviceSpec(latency=0.5), DeviceSpec(latency=0.5)])
+    assert latency_only.transfer_time(0, np.array([1, 2, 4])) == pytest.approx([0.5, 0.5, 0.0])
 
 
 def test_state_memory_counts_gradients_and_optimizer():

@@ -18,6 +18,13 @@ def test_names_and_shared_settings():
     assert [d.name for d in devices] == ["cuda:0", "cuda:1"]
     assert [d.speed for d in devices] == [1.0, 2.0]
     assert all(d.memory == 1000 and d.bandwidth == 5 for d in devices)
+    assert all(d.latency == 0.0 for d in devices)
+
+
+def test_latency_fills_in_devices_without_one():
+    devices = make_devices([DeviceSpec(latency=2.0), "cpu"], latency=1e-4)
+    assert [d.latency for d in devices] == [2.0, 1e-4]
+    assert DeviceSpec.from_dict(devices[1].to_dict()) == devices[1]
 
 
 @pytest.mark.parametrize(
@@ -26,6 +33,7 @@ def test_names_and_shared_settings():
         (lambda: make_devices(0), "at least one stage"),
         (lambda: make_devices(2, memory=[1, 2, 3]), "memory has 3 entries"),
         (lambda: DeviceSpec(speed=0), "speed must be > 0"),
+        (lambda: DeviceSpec(latency=-1.0), "latency must be >= 0"),
         (lambda: make_devices(2, memory="plenty"), "cannot parse memory size"),
     ],
 )

@@ -42,6 +42,7 @@ device_specs = st.builds(
     memory=st.one_of(st.none(), st.integers(2_000, 40_000)),
     speed=st.sampled_from([0.5, 1.0, 2.0]),
     bandwidth=st.one_of(st.none(), st.sampled_from([50.0, 500.0])),
+    latency=st.sampled_from([0.0, 0.0, 0.5]),
 )
 
 
@@ -287,6 +288,22 @@ def test_calibration_is_used():
     assert calibrated.stages[0].time == pytest.approx(plain.stages[0].time + 0.5 + 2.0)
     explicit = plan(profile, 2, checkpoint="never", bandwidth=1e9, overhead=0.0)
     assert explicit.step_time == pytest.approx(plain.step_time, rel=1e-6)
+
+
+def test_latency_and_compute_scale_calibrations():
+    profile = linear_profile([1.0] * 4, output=[10] * 4, batch=8, chunks=2)
+    plain = plan(profile, 2, checkpoint="never")
+    profile.meta["calibration"] = {"latency_s": 0.25, "compute_scale": 1.5}
+    calibrated = plan(profile, 2, checkpoint="never")
+    assert calibration(profile) == {"latency_s": 0.25, "compute_scale": 1.5}
+    # Every layer 1.5× longer; stage 0 pays one message latency per micro-batch, the last none.
+    first, last = calibrated.stages
+    assert first.compute == pytest.approx(1.5 * plain.stages[0].compute)
+    assert first.transfer == pytest.approx(0.25)
+    assert last.transfer == 0.0
+    assert last.time == pytest.approx(1.5 * plain.stages[1].time)
+    profile.meta["calibration"] = {"compute_scale": -1.0, "latency_s": float("nan")}
+    assert plan(profile, 2, checkpoint="never").step_time == pytest.approx(plain.step_time)
 
 
 def test_version_1_plans_still_load(tmp_path):
