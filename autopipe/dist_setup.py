@@ -1,4 +1,4 @@
-"""What a distributed pipeline does before its stages exist: checks, planning, loss averaging."""
+"""What a distributed pipeline does before its stages exist: checks, agreement, planning."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.dist_stage import layer_output_specs
+from autopipe.dist_stage import LossRecorder, compare_fingerprints, layer_output_specs
 from autopipe.dist_wrap import shared_state
 from autopipe.planner import plan as make_plan
 from autopipe.plans import Plan
@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "SCHEDULE_NAMES",
     "LossRecorder",
+    "agree",
     "batch_tensors",
     "check_arguments",
     "check_sizes",
@@ -31,6 +32,7 @@ __all__ = [
     "fingerprint_settings",
     "init_distributed",
     "setup_on_rank0",
+    "share_setup",
 ]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
@@ -82,6 +84,23 @@ def collective(rank: int, what: str, function: Callable[..., Any], *args: Any, *
         ) from exc
 
 
+def agree(rank: int, world: int, problem: str | None, fingerprint: Mapping[str, Any]) -> None:
+    """Exchanges every rank's argument problem and fingerprint; a collective.
+
+    Raises:
+        ValueError: some rank has a problem, or the fingerprints differ (on every rank).
+    """
+    everyone: list[Any] = [None] * world
+    mine = (problem, fingerprint)
+    collective(rank, "compare the ranks' arguments", dist.all_gather_object, everyone, mine)
+    for other, (error, _) in enumerate(everyone):
+        if error:
+            raise ValueError(error if other == rank else f"rank {other}: {error}")
+    difference = compare_fingerprints([print_ for _, print_ in everyone])
+    if difference:
+        raise ValueError(f"the ranks were given different configurations: {difference}")
+
+
 def batch_tensors(value: Any, batch: int, device: torch.device, what: str) -> tuple[Tensor, ...]:
     """``value`` as a tuple of tensors on ``device``, checked to have ``batch`` rows.
 
@@ -95,30 +114,6 @@ def batch_tensors(value: Any, batch: int, device: torch.device, what: str) -> tu
         sizes = [tuple(t.shape) for t in tensors]
         raise ValueError(f"{what} must have batch size {batch} (as the sample); got {sizes}")
     return tuple(t.to(device) for t in tensors)
-
-
-class LossRecorder:
-    """Wraps a per-micro-batch loss for a schedule: returns ``loss / M`` to backpropagate
-    (so the gradients are those of the mean over micro-batches) and records ``loss``.
-
-    Args:
-        loss_fn: ``loss_fn(output, target)`` of one micro-batch.
-        chunks: micro-batches per mini-batch (M).
-    """
-
-    def __init__(self, loss_fn: Callable[[Any, Any], Tensor], chunks: int) -> None:
-        self.loss_fn = loss_fn
-        self.chunks = chunks
-        self.values: list[Tensor] = []
-
-    def __call__(self, output: Any, target: Any) -> Tensor:
-        loss = self.loss_fn(output, target)
-        self.values.append(loss.detach())
-        return loss / self.chunks
-
-    def mean(self) -> Tensor:
-        """The mean of the last M recorded losses: the mini-batch loss."""
-        return torch.stack(self.values[-self.chunks :]).mean()
 
 
 def _batch_problem(sample: Any, chunks: int) -> str | None:
@@ -178,26 +173,39 @@ def fingerprint_settings(
 
 
 def check_sizes(
-    num_stages: int, layers: int, plan: Plan | None, schedule: str, chunks: int
+    num_stages: int,
+    layers: int,
+    plan: Plan | None,
+    schedule: str,
+    chunks: int,
+    *,
+    data_parallel: int = 1,
 ) -> None:
-    """Checks that the ranks, the layers, the plan and the schedule fit together.
+    """Checks that the stages (K), replicas (D), layers, plan and schedule fit together.
 
     Raises:
         ValueError: they do not (the same on every rank, as the arguments agree).
     """
-    k = num_stages
+    k, d = num_stages, data_parallel
     if plan is not None and plan.num_stages != k:
+        if d == 1:
+            raise ValueError(
+                f"the plan has {plan.num_stages} stages but the process group has {k} ranks; "
+                f"launch {plan.num_stages} processes (one stage per rank) or re-plan for {k}"
+            )
         raise ValueError(
-            f"the plan has {plan.num_stages} stages but the process group has {k} ranks; "
-            f"launch {plan.num_stages} processes (one stage per rank) or re-plan for {k}"
+            f"the plan has {plan.num_stages} stages but the process group has {k * d} ranks "
+            f"= {d} replicas of {k} stages; launch {plan.num_stages * d} processes or re-plan "
+            f"for {k}"
         )
     if plan is not None and sum(plan.balance) != layers:
         raise ValueError(f"the plan splits {sum(plan.balance)} layers; the model has {layers}")
     if layers < k:
         raise ValueError(f"cannot split {layers} layers into {k} stages (one per rank)")
     if schedule == "1f1b" and chunks < k:
+        per = "ranks" if d == 1 else "stages"
         raise ValueError(
-            f"1f1b needs chunks >= the number of stages; got chunks={chunks} for {k} ranks "
+            f"1f1b needs chunks >= the number of stages; got chunks={chunks} for {k} {per} "
             "(use more chunks or schedule='gpipe')"
         )
 
@@ -215,13 +223,13 @@ def setup_on_rank0(
 
     Args:
         sequential: the model.
-        sample: one mini-batch.
-        num_stages: the number of ranks.
+        sample: one mini-batch of one pipeline (a replica's shard when there are several).
+        num_stages: the number of stages (K).
         device: where to profile.
         plan: the given plan, or ``None`` to plan.
         profile: the given profile, or ``None`` to profile the model on ``device``.
         options: keyword arguments for :func:`autopipe.plan`; ``chunks`` and ``schedule``
-            are required.
+            are required (``data_parallel`` and ``batch``, the global batch, for replicas).
 
     Returns:
         What to broadcast, ``(error, plan_dict, specs)`` with ``error`` ``None`` or
@@ -261,3 +269,36 @@ def setup_on_rank0(
     except Exception as exc:
         kind = "value" if isinstance(exc, ValueError) else "runtime"
         return ((kind, f"{type(exc).__name__}: {exc}"), None, None), exc
+
+
+def share_setup(
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    make: Callable[[], tuple[Any, BaseException | None]],
+) -> tuple[Plan, list[Any]]:
+    """Runs ``make`` (:func:`setup_on_rank0`) on rank 0 and broadcasts its result; a collective.
+
+    Returns:
+        The plan and the boundary specs, on every rank.
+
+    Raises:
+        ValueError: rank 0 could not plan (on every rank; RuntimeError for other errors).
+    """
+    setup: list[Any] = [None]
+    failure: BaseException | None = None
+    if rank == 0:
+        setup[0], failure = make()
+    source = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
+    on = device if device.type == "cuda" else None
+    what, broadcast = "receive the plan from rank 0", dist.broadcast_object_list
+    collective(rank, what, broadcast, setup, src=source, group=group, device=on)
+    error, plan_dict, specs = setup[0]
+    if failure is not None:
+        raise failure
+    if error is not None:
+        kind, message = error
+        raise (ValueError if kind == "value" else RuntimeError)(
+            f"rank 0 could not plan the pipeline: {message}"
+        )
+    return Plan.from_dict(plan_dict), specs

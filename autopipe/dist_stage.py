@@ -1,16 +1,17 @@
-"""Per-rank pieces of a distributed pipeline: stage modules, boundary shapes, fingerprints."""
+"""Per-rank pieces of a distributed pipeline: stage modules, shapes, fingerprints, losses."""
 
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "LossRecorder",
     "StageModule",
     "TensorSpec",
     "compare_fingerprints",
@@ -165,3 +166,27 @@ def merge_state_dicts(parts: Iterable[Mapping[str, Any]]) -> OrderedDict[str, An
                 raise ValueError(f"key {key!r} of part {index} is already in an earlier part")
             merged[key] = value
     return merged
+
+
+class LossRecorder:
+    """Wraps a per-micro-batch loss for a schedule: returns ``loss / M`` to backpropagate
+    (so the gradients are those of the mean over micro-batches) and records ``loss``.
+
+    Args:
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch.
+        chunks: micro-batches per mini-batch (M).
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Tensor], chunks: int) -> None:
+        self.loss_fn = loss_fn
+        self.chunks = chunks
+        self.values: list[Tensor] = []
+
+    def __call__(self, output: Any, target: Any) -> Tensor:
+        loss = self.loss_fn(output, target)
+        self.values.append(loss.detach())
+        return loss / self.chunks
+
+    def mean(self) -> Tensor:
+        """The mean of the last M recorded losses: the mini-batch loss."""
+        return torch.stack(self.values[-self.chunks :]).mean()

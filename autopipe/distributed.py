@@ -1,4 +1,4 @@
-"""Runs an autopipe plan over processes, one stage per rank, on torch.distributed.pipelining."""
+"""Runs an autopipe plan over processes, K stages times D replicas, on torch pipelining."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from autopipe.dist_setup import (
     LossRecorder,
+    agree,
     batch_tensors,
     check_arguments,
     check_sizes,
@@ -23,16 +24,25 @@ from autopipe.dist_setup import (
     fingerprint_settings,
     init_distributed,
     setup_on_rank0,
+    share_setup,
 )
 from autopipe.dist_stage import (
     StageModule,
-    compare_fingerprints,
     example_tensors,
     fingerprint,
     merge_state_dicts,
 )
 from autopipe.dist_wrap import original_names, prepare_model
 from autopipe.plans import Plan
+from autopipe.replicas import (
+    ReplicaSync,
+    check_layout,
+    data_parallel_problem,
+    make_layout,
+    replica_sample,
+    resolve_data_parallel,
+    take_shard,
+)
 
 __all__ = ["SCHEDULES", "DistributedPipeline", "init_distributed", "merge_state_dicts"]
 
@@ -46,36 +56,49 @@ def _supported(function: Callable[..., Any], name: str) -> bool:
 class DistributedPipeline:
     """This rank's stage of a planned pipeline, trained with a torch pipelining schedule.
 
-    Construct it on every rank of an initialised process group (one stage per rank) with
-    the same arguments. Rank 0 profiles the model (unless ``plan`` or ``profile`` is given),
-    plans the split for the schedule's memory model, measures the tensors crossing every
-    stage boundary on one micro-batch, and broadcasts plan and shapes; every rank then
-    keeps its slice of the model as :attr:`module`, on :attr:`device`, under the original
-    parameter names, so an ordinary optimizer over ``module.parameters()`` trains it.
+    Construct it on every rank of an initialised process group with the same arguments.
+    The group's K·D ranks run D replicas of a K-stage pipeline: ranks ``r*K .. r*K+K-1``
+    are replica r's stages (:attr:`stage_index` = rank % K, :attr:`replica_index` =
+    rank // K); with D = 1 (the default) every rank is one stage. Rank 0 profiles the
+    model (unless ``plan`` or ``profile`` is given), plans the split for the schedule's
+    memory model, measures the tensors crossing every stage boundary on one micro-batch,
+    and broadcasts plan and shapes; every rank then keeps its slice of the model as
+    :attr:`module`, on :attr:`device`, under the original parameter names, so an ordinary
+    optimizer over ``module.parameters()`` trains it.
 
     Before anything else the ranks exchange a fingerprint of their arguments (layer and
-    parameter names and shapes, chunks, schedule, sample shapes, the given plan): any
-    difference, an invalid argument on any rank, or a plan whose stage count is not the
-    group's size is raised as ``ValueError`` on every rank. Waits on other ranks are bounded
-    by the process group's timeout (see :func:`init_distributed`).
+    parameter names and shapes, chunks, schedule, sample shapes, D, the given plan): any
+    difference, an invalid argument on any rank, a group size that is not a multiple of D,
+    or a plan made for another stage count or D is raised as ``ValueError`` on every rank.
+    Waits on other ranks are bounded by the process group's timeout (see
+    :func:`init_distributed`).
 
     Any other model is traced and cut into units by :mod:`autopipe.wrapping` (a unit sends
     every tensor live across its cut); its stage keeps the units' own names, while
     :meth:`named_parameters`, :meth:`state_dict` and :meth:`gather_state_dict` use the
     original model's.
 
+    Replicas (D > 1, see :class:`autopipe.replicas.ReplicaSync`) start from replica 0's
+    state; each step's gradients and floating-point buffers (BatchNorm statistics) are
+    averaged over a stage's replicas, so they stay identical. With D > 1 the group must
+    span the job (``new_group`` makes the sub-groups).
+
     Args:
         model: an ``nn.Sequential`` (or a model to auto-wrap); its layers are shared with
             the stages, and this rank's layers are moved to ``device``.
         sample: one mini-batch of inputs (a tensor or a tuple of tensors, the positional
             inputs), as later passed to :meth:`step`; its batch size must be a multiple of
-            ``chunks``.
+            ``chunks``. With D > 1 it is the global mini-batch (D·b rows, b per replica)
+            when its batch size is a multiple of ``D·chunks``, else one replica's shard
+            (b rows); a given plan whose ``batch_size`` is D times the sample's marks it
+            as a shard in any case.
         loss_fn: ``loss_fn(output, target)`` for one micro-batch, ``output`` as the model
             returns it; the mini-batch loss and gradients are those of the mean over the
             micro-batches.
         chunks: micro-batches per mini-batch (M).
-        schedule: ``1f1b`` (default; needs ``chunks >= world size``) or ``gpipe``.
-        plan: a plan to use instead of planning; its stage count must be the group's size.
+        schedule: ``1f1b`` (default; needs ``chunks >= K``) or ``gpipe``.
+        plan: a plan to use instead of planning; its stage count must be K (the group's
+            size divided by D).
         group: the process group (default: the world).
         device: this rank's device (default: the current CUDA device under ``nccl``, else
             the CPU).
@@ -83,6 +106,8 @@ class DistributedPipeline:
         memory: device capacity for planning (bytes or ``"16GiB"``; one or per stage).
         plan_options: more keyword arguments for :func:`autopipe.plan` (``strategy``,
             ``optimizer``, ``bandwidth``).
+        data_parallel: pipeline replicas (D; default: the plan's ``data_parallel`` when a
+            plan is given, else 1). Rank 0 plans for D replicas and the global batch.
 
     Raises:
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
@@ -103,6 +128,7 @@ class DistributedPipeline:
         profile: Any = None,
         memory: Any = None,
         plan_options: Mapping[str, Any] | None = None,
+        data_parallel: int | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -110,8 +136,11 @@ class DistributedPipeline:
                 "autopipe.distributed.init_distributed() (or init_process_group) first"
             )
         self.group = group
-        self.stage_index = dist.get_rank(group)
-        self.num_stages = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        # Before K is known (it needs D agreed) the rank stands for the stage in messages.
+        self.stage_index, self.num_stages, self.replica_index = self.rank, world, 0
+        self.data_parallel: int = resolve_data_parallel(data_parallel, plan, world)
         self.device = torch.device(device) if device is not None else default_device(group)
         self.chunks = chunks
         self.schedule_name = schedule
@@ -125,48 +154,28 @@ class DistributedPipeline:
             layers = OrderedDict(self._model.sequential.named_children())
             sample = self._model.sample
             problem = check_arguments(layers, sample, chunks, schedule, loss_fn, plan)
+            problem = problem or data_parallel_problem(self.data_parallel)
         except ValueError as exc:
             layers, problem = OrderedDict(), str(exc)
         settings = {} if problem else fingerprint_settings(sample, chunks, schedule, plan, profile)
-        mine = (problem, fingerprint(layers, **settings) if not problem else {})
-        everyone: list[Any] = [None] * self.num_stages
-        collective(
-            self.stage_index, "compare the ranks' arguments", dist.all_gather_object, everyone, mine
-        )
-        for rank, (error, _) in enumerate(everyone):
-            if error:
-                raise ValueError(error if rank == self.stage_index else f"rank {rank}: {error}")
-        difference = compare_fingerprints([print_ for _, print_ in everyone])
-        if difference:
-            raise ValueError(f"the ranks were given different configurations: {difference}")
-        check_sizes(self.num_stages, len(layers), plan, schedule, chunks)
+        settings["data_parallel"] = self.data_parallel
+        agree(self.rank, world, problem, fingerprint(layers, **settings) if not problem else {})
+        d = self.data_parallel
+        k = check_layout(world, d, data_parallel, plan)
+        check_sizes(k, len(layers), plan, schedule, chunks, data_parallel=d)
+        # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
+        self.batch_size, sample = replica_sample(sample, d, chunks, plan)
+        self.layout = layout = make_layout(group, d, self.device)
+        self.stage_index, self.num_stages, self.replica_index = layout.stage, k, layout.replica
+        replicas = {"data_parallel": d, "batch": d * self.batch_size} if d > 1 else {}
+        options = {"chunks": chunks, "schedule": schedule, "memory": memory, **replicas}
+        options.update(plan_options or {})
+        sequential = self._model.sequential
 
-        setup: list[Any] = [None]
-        failure: BaseException | None = None
-        if self.stage_index == 0:
-            options = {
-                "chunks": chunks,
-                "schedule": schedule,
-                "memory": memory,
-                **(plan_options or {}),
-            }
-            setup[0], failure = setup_on_rank0(
-                self._model.sequential, sample, self.num_stages, self.device, plan, profile, options
-            )
-        source = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
-        on = self.device if self.device.type == "cuda" else None
-        what = "receive the plan from rank 0"
-        broadcast = dist.broadcast_object_list
-        collective(self.stage_index, what, broadcast, setup, src=source, group=group, device=on)
-        error, plan_dict, specs = setup[0]
-        if failure is not None:
-            raise failure
-        if error is not None:
-            kind, message = error
-            raise (ValueError if kind == "value" else RuntimeError)(
-                f"rank 0 could not plan the pipeline: {message}"
-            )
-        self.plan: Plan = Plan.from_dict(plan_dict)
+        def make() -> tuple[Any, BaseException | None]:
+            return setup_on_rank0(sequential, sample, k, self.device, plan, profile, options)
+
+        self.plan, specs = share_setup(self.rank, group, self.device, make)
         self._build(layers, sample, specs, loss_fn, model)
 
     def _build(
@@ -180,7 +189,6 @@ class DistributedPipeline:
         stage = self.plan.stages[self.stage_index]
         names = list(layers)[stage.start : stage.stop]
         tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
-        self.batch_size = tensors[0].shape[0]
         if stage.start == 0:
             micro = self.batch_size // self.chunks
             inputs = [((micro, *t.shape[1:]), t.dtype, t.requires_grad) for t in tensors]
@@ -190,6 +198,8 @@ class DistributedPipeline:
         self.module = StageModule(((n, layers[n]) for n in names), tuple_input=tuple_input)
         self._original = original_names(self.module, model)  # before moving replaces buffers
         self.module.to(self.device)
+        self._sync = ReplicaSync(self.module, self.layout)
+        collective(self.rank, "receive replica 0's state", self._sync.broadcast_state)
         self.stage = PipelineStage(
             self.module,
             self.stage_index,
@@ -197,7 +207,7 @@ class DistributedPipeline:
             self.device,
             input_args=example_tensors(inputs, self.device),
             output_args=example_tensors(specs[stage.stop - 1][0], self.device),
-            group=self.group,
+            group=self.layout.pipeline,
         )
         if self._model.wrapped:  # the loss sees the model's outputs, not the flat tensors
             rebuild, inner = self._model.rebuild, loss_fn
@@ -226,42 +236,51 @@ class DistributedPipeline:
         Call it on every rank with the same mini-batch; only the first stage reads
         ``inputs`` and only the last reads ``target`` (others may pass ``None``). Gradients
         are added to the ``.grad`` of :attr:`module`'s parameters, as ``backward`` would.
+        With D replicas, each argument is either the global mini-batch (D·b rows, of which
+        replica r takes rows ``[r*b, (r+1)*b)``) or this replica's shard (b rows, as a
+        ``DistributedSampler`` gives); the gradients then are those of the mean loss over
+        all D·M micro-batches.
 
         Returns:
-            On the last rank, the mean of ``loss_fn`` over the micro-batches (detached);
-            ``None`` on the other ranks.
+            On the last stage's ranks, the mean of ``loss_fn`` over the micro-batches of
+            all replicas (detached); ``None`` on the other ranks.
 
         Raises:
-            ValueError: a mini-batch of another size than the sample's.
+            ValueError: a mini-batch of another size than the sample's (or, with replicas,
+                than the global and the per-replica batch).
             RuntimeError: a step failed on this or another rank before (the pipeline's
                 ranks are out of step then), or the process group timed out.
         """
         if self._broken:
             raise RuntimeError("an earlier step failed; this pipeline cannot run again")
-        args = (
-            batch_tensors(self._model.flatten(inputs), self.batch_size, self.device, "inputs")
-            if self.is_first
-            else ()
-        )
+        layout, batch = self.layout, self.batch_size
+        args: tuple[Tensor, ...] = ()
+        if self.is_first:
+            flat = take_shard(self._model.flatten(inputs), layout, batch, "inputs")
+            args = batch_tensors(flat, batch, self.device, "inputs")
         kwargs: dict[str, Any] = dict(self._step_extra)
         if self.is_last:
             if isinstance(target, (tuple, list)):
                 raise ValueError("target must be a single tensor")
-            kwargs["target"] = batch_tensors(target, self.batch_size, self.device, "a target")[0]
+            target = take_shard(target, layout, batch, "a target")
+            kwargs["target"] = batch_tensors(target, batch, self.device, "a target")[0]
         self._loss.values.clear()
         try:
-            self.schedule.step(*args, **kwargs)
+            with self._sync.step():
+                self.schedule.step(*args, **kwargs)
+            loss = self._sync.mean_loss(self._loss.mean()) if self.is_last else None
         except BaseException as exc:
             self._broken = True
             if hasattr(exc, "add_note"):
+                replica = f", replica {layout.replica}" if layout.data_parallel > 1 else ""
                 exc.add_note(
-                    f"autopipe: step {self._steps} failed on rank {self.stage_index} (stage "
-                    f"{self.stage_index} of {self.num_stages}); if another rank failed first, "
-                    "its log has the cause"
+                    f"autopipe: step {self._steps} failed on rank {self.rank} (stage "
+                    f"{self.stage_index} of {self.num_stages}{replica}); if another rank "
+                    "failed first, its log has the cause"
                 )
             raise
         self._steps += 1
-        return self._loss.mean() if self.is_last else None
+        return loss
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their names in the original model."""
@@ -277,18 +296,22 @@ class DistributedPipeline:
     def gather_state_dict(self, dst: int = 0) -> OrderedDict[str, Tensor] | None:
         """The whole model's ``state_dict`` (on the CPU) on rank ``dst``; ``None`` elsewhere.
 
-        A collective: call it on every rank. The keys are the original model's.
+        A collective: call it on every rank. The keys are the original model's; the
+        values are replica 0's stages' (the replicas are kept identical).
         """
-        state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        parts: list[Any] | None = [None] * self.num_stages if self.stage_index == dst else None
+        first = self.replica_index == 0
+        state = {k: v.detach().cpu() for k, v in self.state_dict().items()} if first else {}
+        world = self.num_stages * self.data_parallel
+        parts: list[Any] | None = [None] * world if self.rank == dst else None
         target = dist.get_global_rank(self.group or dist.group.WORLD, dst)  # type: ignore[arg-type]
         what, gather = "gather the state", dist.gather_object
-        collective(self.stage_index, what, gather, state, parts, dst=target, group=self.group)
-        return merge_state_dicts(parts) if parts is not None else None
+        collective(self.rank, what, gather, state, parts, dst=target, group=self.group)
+        return merge_state_dicts(parts[: self.num_stages]) if parts is not None else None
 
     def __repr__(self) -> str:
         layers = ", ".join(self.module._modules)
         return (
-            f"DistributedPipeline(stage {self.stage_index}/{self.num_stages}, layers [{layers}], "
+            f"DistributedPipeline(stage {self.stage_index}/{self.num_stages}, replica "
+            f"{self.replica_index}/{self.data_parallel}, layers [{layers}], "
             f"{self.schedule_name}, chunks={self.chunks}, device={self.device})"
         )

@@ -4,14 +4,20 @@ One host, two processes (CPU, gloo)::
 
     torchrun --nproc-per-node 2 examples/train_distributed.py
 
+Two replicas of a two-stage pipeline on four processes (K·D ranks; ranks 0-1 are replica
+0's stages, ranks 2-3 replica 1's; each replica takes half of every mini-batch)::
+
+    torchrun --nproc-per-node 4 examples/train_distributed.py --data-parallel 2
+
 Several hosts (run on each; GPUs use nccl with ``cuda:LOCAL_RANK``)::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
         --rdzv-endpoint HOST0:29500 examples/train_distributed.py --chunks 8
 
 Rank 0 profiles the model and plans the split (or ``--plan plan.json`` is used); the last
-rank prints the loss of every step. ``--timeout`` bounds how long a rank waits for a
-failed or stuck peer before it exits with an error.
+stage of replica 0 prints the loss of every step (the mean over all replicas).
+``--timeout`` bounds how long a rank waits for a failed or stuck peer before it exits with
+an error.
 """
 
 from __future__ import annotations
@@ -56,11 +62,14 @@ def batches(steps: int, batch: int, classes: int = 10) -> list[tuple[torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="global, across replicas")
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--data-parallel", type=int, default=None, help="replicas D (default: the plan's, or 1)"
+    )
     parser.add_argument("--plan", type=Path, help="a plan JSON to use instead of planning")
     parser.add_argument("--save", type=Path, help="write the trained model's state_dict here")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
@@ -78,11 +87,15 @@ def main() -> None:
         schedule=args.schedule,
         plan=Plan.load(args.plan) if args.plan else None,
         device=device,
+        data_parallel=args.data_parallel,
     )
     rank = dist.get_rank()
     if rank == 0:
-        times = [f"{s.time * 1e3:.2f}" for s in pipe.plan.stages]
-        print(f"plan: balance {pipe.plan.balance}, stage ms per micro-batch {times}", flush=True)
+        plan = pipe.plan
+        times = [f"{s.time * 1e3:.2f}" for s in plan.stages]
+        replicas = f" x {plan.data_parallel} replicas" if plan.data_parallel > 1 else ""
+        line = f"plan: balance {plan.balance}{replicas}, stage ms per micro-batch {times}"
+        print(line, flush=True)
     print(f"rank {rank}: {pipe}", flush=True)
 
     optimizer: torch.optim.Optimizer
@@ -94,13 +107,14 @@ def main() -> None:
         optimizer.zero_grad()
         loss = pipe.step(x, y)
         optimizer.step()
-        if loss is not None:
+        if loss is not None and pipe.replica_index == 0:  # every replica has the same loss
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
 
     state = pipe.gather_state_dict()
     if state is not None and args.save:
         torch.save(state, args.save)  # loads into build_model() as is
         print(f"saved {len(state)} tensors to {args.save}", flush=True)
+    dist.barrier()  # leave together: a gloo group torn down while a peer still talks aborts
     dist.destroy_process_group()
 
 

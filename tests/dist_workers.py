@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 4
 BATCH = 16
 STUCK_TIMEOUT = 5.0  # seconds: the process group's timeout in the "stuck" scenario
+# Micro-batches per replica with D=2: 4 rows each, as profiling BatchNorm needs 2 or more.
+REPLICA_CHUNKS = 2
 
 
 def make_model(seed: int = 0, width: int = 16) -> nn.Sequential:
@@ -195,6 +197,66 @@ def _equal(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+def _replica_train(pipe: Any, x: Tensor, y: Tensor, rows: slice) -> dict[str, Any]:
+    """Two global steps, the state, a step on this replica's shard, one on unequal grads."""
+    result = _train(pipe, x, y)
+    result["state"] = pipe.gather_state_dict()
+    result["own state"] = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+    pipe.module.zero_grad()
+    result["shard loss"] = pipe.step(x[rows], y[rows])
+    result["shard"] = _grads(pipe)
+    # Earlier gradients that differ between replicas stay; only the step's are averaged.
+    for p in pipe.module.parameters():
+        p.grad = torch.full_like(p, float(pipe.replica_index + 1))
+    pipe.step(x, y)
+    result["unequal"] = _grads(pipe)
+    return result
+
+
+def _replicas(rank: int, world: int) -> dict[str, Any]:
+    """D=2 replicas of a K=world/2 stage pipeline."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planner import evaluate
+    from profiler.profile import Profile
+
+    d, k = 2, world // 2
+    x, y = make_batch()
+    b = BATCH // d
+    rows = slice(rank // k * b, (rank // k + 1) * b)
+    results: dict[str, Any] = {}
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": REPLICA_CHUNKS}
+    pipe = DistributedPipeline(make_model(), x, schedule="gpipe", data_parallel=d, **options)
+    plan = pipe.plan
+    results["layout"] = (plan.data_parallel, plan.batch_size, pipe.batch_size, repr(pipe))
+    results["gpipe"] = _replica_train(pipe, x, y, rows)
+    # 1F1B on a given uneven split; the plan brings D, and its batch size marks the sample
+    # (8 rows, a multiple of D·chunks, so global by size alone) as this replica's shard.
+    profile = Profile.from_dict(plan.profile)
+    balance = [8 - (k - 1)] + [1] * (k - 1)
+    given = evaluate(
+        profile, balance, chunks=REPLICA_CHUNKS, schedule="1f1b", data_parallel=d, batch=BATCH
+    )
+    pipe = DistributedPipeline(make_model(), x[rows], plan=given, **options)
+    results["1f1b"] = _replica_train(pipe, x, y, rows)
+    errors = {}
+    try:
+        pipe.step(x[:4], y[:4])
+    except ValueError as exc:
+        errors["step"] = str(exc)
+    cases = {
+        "world": {"data_parallel": 3},
+        "plan": {"data_parallel": d, "plan": evaluate(profile, balance, chunks=REPLICA_CHUNKS)},
+        "ranks": {"data_parallel": d if rank else 1},
+    }
+    for name, case in cases.items():
+        try:
+            DistributedPipeline(make_model(), x, **options, **case)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    results["errors"] = errors
+    return results
+
+
 def _failing(rank: int, world: int, stay: bool) -> None:
     from autopipe.distributed import DistributedPipeline
 
@@ -231,6 +293,8 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     _init(workdir, rank, world, timeout=60.0)
     if scenario == "equal":
         torch.save(_equal(rank, world), workdir / f"rank{rank}.pt")
+    elif scenario == "replicas":
+        torch.save(_replicas(rank, world), workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):
         _failing(rank, world, stay=scenario == "stuck")
     # Every rank leaves together and closes the group: a gloo group torn down by interpreter

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections import OrderedDict
 from pathlib import Path
@@ -21,7 +22,11 @@ from autopipe.dist_stage import (
 )
 from autopipe.dist_wrap import prepare_model, shared_state
 from autopipe.distributed import DistributedPipeline
+from autopipe.planner import evaluate
+from autopipe.replicas import ReplicaLayout, _buckets, check_layout, replica_batch, take_shard
 from tests.dist_workers import (
+    BATCH,
+    REPLICA_CHUNKS,
     STUCK_TIMEOUT,
     launch,
     loss_fn,
@@ -30,6 +35,7 @@ from tests.dist_workers import (
     make_residual,
     reference_step,
 )
+from tests.planning_cases import linear_profile
 from tests.wrap_models import ResidualMLP
 
 # ---------------------------------------------------------------- in one process
@@ -118,6 +124,44 @@ def test_size_checks() -> None:
     check_sizes(4, 8, None, "gpipe", 2)
     with pytest.raises(ValueError, match="cannot split 3 layers into 4 stages"):
         check_sizes(4, 3, None, "gpipe", 4)
+
+
+def test_replica_checks() -> None:
+    check_sizes(2, 8, None, "1f1b", 2, data_parallel=2)  # 1f1b needs chunks >= K, not K·D
+    with pytest.raises(ValueError, match="4 ranks = 2 replicas of 2 stages"):
+        check_sizes(2, 8, _tiny_plan(data_parallel=2, stages=4), "gpipe", 4, data_parallel=2)
+    assert check_layout(6, 3, None, None) == 2
+    with pytest.raises(ValueError, match="not a multiple of data_parallel=4"):
+        check_layout(6, 4, 4, None)
+    with pytest.raises(ValueError, match="plan was made for data_parallel=1"):
+        check_layout(4, 2, 2, _tiny_plan())
+    assert check_layout(4, 2, None, _tiny_plan(data_parallel=2)) == 2  # D from the plan
+
+
+def _tiny_plan(data_parallel: int = 1, stages: int = 2) -> Any:
+    profile = linear_profile([1.0] * 8)
+    return evaluate(profile, [8 // stages] * stages, data_parallel=data_parallel)
+
+
+def test_replica_batch_and_shards() -> None:
+    assert replica_batch(16, 2, 4, None) == 8  # a multiple of D·chunks: the global batch
+    assert replica_batch(12, 2, 4, None) == 12  # else one replica's shard
+    assert replica_batch(16, 1, 4, None) == 16
+    layout = ReplicaLayout(2, 2, 1, 1, None, None)
+    x = torch.arange(16.0).unsqueeze(1)
+    torch.testing.assert_close(take_shard(x, layout, 8, "inputs"), x[8:])
+    pair = take_shard((x, x), layout, 8, "inputs")
+    assert isinstance(pair, tuple) and torch.equal(pair[1], x[8:])
+    assert take_shard(x[:8], layout, 8, "inputs") is not None
+    with pytest.raises(ValueError, match=r"batch size 16 .* or 8 "):
+        take_shard(x[:4], layout, 8, "inputs")
+
+
+def test_buckets_split_by_size_and_dtype() -> None:
+    tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(1)]
+    sizes = [[t.numel() for t in bucket] for bucket in _buckets(tensors, limit=32)]
+    assert sizes == [[4, 4], [4], [1]]
+    assert [len(b) for b in _buckets(tensors, limit=16)] == [1, 1, 1, 1]
 
 
 def test_non_sequential_models_are_wrapped_or_rejected() -> None:
@@ -243,3 +287,99 @@ def test_a_stuck_rank_times_out_the_others(tmp_path: Path) -> None:
     assert "Timed out" in runs[0].output or "timed out" in runs[0].output
     assert runs[1].returncode is None  # still sleeping when rank 0 gave up; killed
     assert runs[0].seconds < 30 + STUCK_TIMEOUT
+
+
+# ---------------------------------------------------------------- replicas: K·D ranks
+
+
+@pytest.fixture(scope="module")
+def replica_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    workdir = tmp_path_factory.mktemp("replicas")
+    runs = launch("replicas", 4, workdir, limit=90)
+    for rank, run in enumerate(runs):
+        assert run.returncode == 0, f"rank {rank} failed:\n{run.output[-3000:]}"
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@functools.cache
+def _replica_reference(d: int = 2) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], Any]:
+    """One process: loss and gradients after one step, gradients and state after two.
+
+    Gradients: the mean over all D·M micro-batch losses, replica r's micro-batches being
+    ``x[r*b:(r+1)*b].tensor_split(M)``, back-propagated once per step. Buffers: each
+    replica's own updates from the step's start, then their mean (floats) or replica 0's.
+    """
+    model = make_model()
+    x, y = make_batch()
+    b = BATCH // d
+    shards = [(x[r * b : (r + 1) * b], y[r * b : (r + 1) * b]) for r in range(d)]
+
+    def step() -> Tensor:
+        start = copy.deepcopy(model)
+        m = REPLICA_CHUNKS
+        split = [(xs.tensor_split(m), ys.tensor_split(m)) for xs, ys in shards]
+        pairs = [pair for xs, ys in split for pair in zip(xs, ys)]
+        loss = torch.stack([loss_fn(model(xb), yb) for xb, yb in pairs]).mean()
+        loss.backward()
+        replicas = [copy.deepcopy(start) for _ in range(d)]
+        with torch.no_grad():
+            for replica, (xs, _) in zip(replicas, shards):
+                for xb in xs.tensor_split(m):
+                    replica(xb)
+            for name, buffer in model.named_buffers():
+                values = torch.stack([r.get_buffer(name) for r in replicas])
+                buffer.copy_(values.mean(0) if buffer.is_floating_point() else values[0])
+        return loss.detach()
+
+    loss = step()
+    once = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    step()
+    twice = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss, once, twice, model.state_dict()
+
+
+def _close(actual: Tensor, expected: Tensor, name: str = "") -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_replicas_equal_one_process(replica_run: list[dict[str, Any]], schedule: str) -> None:
+    loss, once, twice, state = _replica_reference()
+    seen: dict[int, set[str]] = {0: set(), 1: set()}
+    for rank, result in enumerate(replica_run):
+        run, replica = result[schedule], rank // 2
+        if rank % 2:  # the last stage of each replica: the loss of all replicas
+            _close(run["loss"], loss)
+            _close(run["shard loss"], loss)  # each replica's shard instead of the global batch
+        else:
+            assert run["loss"] is None and run["shard loss"] is None
+        for name, grad in run["grads"].items():
+            _close(grad, once[name], name)
+            _close(run["twice"][name], twice[name], name)  # added up, not averaged again
+            _close(run["shard"][name], once[name], name)
+            _close(run["unequal"][name], once[name] + replica + 1, name)
+            seen[replica].add(name)
+        for key, value in run["own state"].items():  # every replica holds the same state
+            _close(value, state[key], key)
+    assert seen[0] == seen[1] == set(once)
+    gathered = replica_run[0][schedule]["state"]
+    assert list(gathered) == list(state)
+    for key, value in state.items():
+        _close(gathered[key], value, key)
+    assert all(r[schedule]["state"] is None for r in replica_run[1:])
+
+
+def test_replica_layout_and_plan(replica_run: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(replica_run):
+        data_parallel, global_batch, batch, text = result["layout"]
+        assert (data_parallel, global_batch, batch) == (2, BATCH, BATCH // 2)
+        assert f"stage {rank % 2}/2, replica {rank // 2}/2" in text
+
+
+def test_replica_mismatches_are_reported_on_every_rank(replica_run: list[dict[str, Any]]) -> None:
+    for result in replica_run:
+        errors = result["errors"]
+        assert "batch size 16" in errors["step"] and "or 8" in errors["step"]
+        assert "4 ranks, not a multiple of data_parallel=3" in errors["world"]
+        assert "plan was made for data_parallel=1 but data_parallel=2" in errors["plan"]
+        assert "data_parallel differs between rank 0 and rank 1" in errors["ranks"]
