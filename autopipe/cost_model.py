@@ -143,7 +143,10 @@ class CostModel:
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = _prefix(layers.forward)
         self._bwd = _prefix(layers.backward)
-        self._saved = _prefix(layers.saved)
+        # Saved bytes less what the previous layer also saves; a stage's first layer adds
+        # its shared part back (its predecessor is not in the stage).
+        self._shared = layers.shared_bytes
+        self._saved = _prefix(layers.saved - self._shared)
         self._params = _prefix(layers.params)
         self._state = _prefix(layers.params * (2.0 + optimizer) + layers.buffers)
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
@@ -213,7 +216,8 @@ class CostModel:
 
     def _saved_sets(self, k: int, s: Index, e: Index, mode: str) -> Array:
         ck, keep = self.checkpointed(k, mode)
-        return ck * self._inputs[s] + keep * (self._saved[e] - self._saved[s])
+        saved = self._saved[e] - self._saved[s] + self._shared[s]
+        return ck * self._inputs[s] + keep * saved
 
     def stage_costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index]:
         """``(time, memory, mode)`` of stage ``k`` holding layers ``[s, e)``.

@@ -21,7 +21,7 @@ __all__ = [
 # Optimizer state bytes per parameter byte.
 OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 # The figures of a layer that scale with the micro-batch size.
-FIGURES = ("forward", "backward", "saved", "output", "peak")
+FIGURES = ("forward", "backward", "saved", "shared", "output", "peak")
 
 Array = NDArray[np.float64]
 
@@ -57,7 +57,11 @@ def optimizer_factor(optimizer: str | float) -> float:
 
 @dataclass(frozen=True)
 class LayerCosts:
-    """Per-layer figures at one micro-batch size (seconds and bytes)."""
+    """Per-layer figures at one micro-batch size (seconds and bytes).
+
+    ``shared[i]`` is the part of ``saved[i]`` that layer ``i − 1`` saves too (one storage,
+    held once when both layers are in one stage); ``shared[0]`` is 0.
+    """
 
     names: list[str]
     forward: Array
@@ -68,6 +72,17 @@ class LayerCosts:
     buffers: Array
     peak: Array
     input: float
+    shared: Array | None = None
+
+    def __post_init__(self) -> None:
+        if self.shared is None:  # frozen: set once, at construction
+            object.__setattr__(self, "shared", np.zeros(len(self.names)))
+
+    @property
+    def shared_bytes(self) -> Array:
+        """``shared`` as an array (zeros when not measured)."""
+        assert self.shared is not None
+        return self.shared
 
     @classmethod
     def from_profile(cls, profile: Profile, micro_batch: int) -> LayerCosts:
@@ -133,4 +148,8 @@ class ProfileLines:
             buffers=self.buffers,
             peak=self.figure("peak", micro_batch),
             input=a + b * micro_batch,
+            # Never more than the layer saves, whatever the two fits do between sizes.
+            shared=np.minimum(
+                self.figure("shared", micro_batch), self.figure("saved", micro_batch)
+            ),
         )

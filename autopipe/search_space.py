@@ -106,7 +106,9 @@ class Space:
             costs = self.lines.at(micro)
             boundary = float(costs.output[:-1].min()) if len(costs) > 1 else 0.0
             single = float(np.max(self.state_max + costs.saved + costs.peak))
-            self._at[micro] = (costs, boundary, single, float(costs.saved.sum()))
+            # Shared bytes count once (more when a cut separates them: a lower bound).
+            saved = float((costs.saved - costs.shared_bytes).sum())
+            self._at[micro] = (costs, boundary, single, saved)
         return self._at[micro]
 
     def compute(self, micro: int, r: float) -> tuple[float, float]:
@@ -126,7 +128,7 @@ class Space:
         r = {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[fastest]
         work, largest = self.compute(config.micro_batch, r)
         send = boundary / self.bandwidth if self.bandwidth and k > 1 else 0.0
-        total = work + k * self.overhead + (k - 1) * send
+        total = work + k * self.overhead + (k - 1) * (send + self.latency)
         bottleneck = max(total / k, largest + self.overhead)
         alpha = 0.0
         if config.replicas > 1 and self.allreduce:

@@ -48,7 +48,9 @@ class MemoryLimits:
         layers = m.layers
         self.n = m.num_layers
         self._state = _prefix(layers.params * (2.0 + m.optimizer) + layers.buffers)
-        self._saved = _prefix(layers.saved)
+        # As in the cost model: shared bytes count once, added back at a stage's start.
+        self._shared = layers.shared_bytes
+        self._saved = _prefix(layers.saved - self._shared)
         self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output[:-1]])
@@ -65,7 +67,8 @@ class MemoryLimits:
                 cap = m.capacity(k) + extra
                 key = (id(layers), m.optimizer, float(keep), float(ck), cap)
                 if key not in cache:
-                    found = self._ends(self._state + keep * self._saved, ck * self._inputs, cap)
+                    const = ck * self._inputs + keep * self._shared
+                    found = self._ends(self._state + keep * self._saved, const, cap)
                     rise = np.maximum.accumulate(found)
                     same = bool((found == rise).all())
                     cache[key] = (found, found.tolist(), rise.tolist(), same)

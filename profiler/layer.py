@@ -29,6 +29,8 @@ class LayerFigures:
     backward: float
     saved: int
     peak: int | None
+    input_saved: int = 0  # of ``saved``: the input's storages
+    output_saved: int = 0  # of ``saved``: the output's storages
 
 
 def as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
@@ -162,11 +164,12 @@ class _Pass:
         _synchronize(self.device)
         return t1 - t0, time.perf_counter() - t1
 
-    def saved(self, exclude: AbstractSet[int]) -> tuple[int, int]:
+    def saved(self, exclude: AbstractSet[int]) -> tuple[int, int, int]:
         """Bytes autograd saves for backward during one forward (then runs the backward).
 
         Returns:
-            All saved bytes, and those of them newly allocated (not the input's).
+            All saved bytes, those of them newly allocated (not the input's), and those of
+            them that are the output's.
         """
         packed: list[Tensor] = []
         args = self.arguments()
@@ -179,9 +182,12 @@ class _Pass:
             targets = self.forward(args)
         nbytes = storage_bytes(packed, exclude)
         fresh = storage_bytes(packed, {*exclude, *(_storage_key(a)[0] for a in args)})
+        outputs = {_storage_key(t)[0] for t in targets}
+        others = {_storage_key(t)[0] for t in packed} - outputs
+        of_output = storage_bytes(packed, {*exclude, *others})
         packed.clear()
         self.backward(targets)
-        return nbytes, fresh
+        return nbytes, fresh, of_output
 
     def peak(self, fresh: int) -> int:
         """CUDA memory above the baseline and the saved tensors during forward + backward.
@@ -226,7 +232,7 @@ def measure_layer(
     runs = _Pass(layer, inputs, device, label)
     # The first pass counts saved tensors and allocates parameter gradients, so the
     # later passes (and the peak) see gradients as existing state, not as transients.
-    saved, fresh = runs.saved(exclude)
+    saved, fresh, of_output = runs.saved(exclude)
     for _ in range(warmup):
         runs.run()
     times = [runs.timed() for _ in range(repeats)]
@@ -236,4 +242,6 @@ def measure_layer(
         backward=statistics.median(t[1] for t in times),
         saved=saved,
         peak=peak,
+        input_saved=saved - fresh,
+        output_saved=of_output,
     )

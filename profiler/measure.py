@@ -109,8 +109,17 @@ def _profile_layer(
     device: torch.device,
     warmup: int,
     repeats: int,
-) -> tuple[LayerProfile, list[Inputs]]:
-    """Measures a copy of ``layer`` at every batch size; returns its outputs too."""
+    previous: list[int] | None,
+) -> tuple[LayerProfile, list[Inputs], list[int]]:
+    """Measures a copy of ``layer`` at every batch size.
+
+    Args:
+        previous: per batch size, the bytes of its output that the layer before saves
+            (``None`` for the first layer).
+
+    Returns:
+        The layer's profile, its outputs, and the bytes of them that it saves itself.
+    """
     replica = copy.deepcopy(layer).to(device)
     label = f"layer {name} ({type(layer).__name__})"
     try:
@@ -132,6 +141,10 @@ def _profile_layer(
     peaks = [f.peak for f in figures if f.peak is not None]
     profile = LayerProfile(
         name=name,
+        # The input storages this layer saves that the previous layer saved as its output.
+        shared=[0] * len(figures)
+        if previous is None
+        else [min(f.input_saved, p) for f, p in zip(figures, previous, strict=True)],
         kind=type(layer).__name__,
         forward=[f.forward for f in figures],
         backward=[f.backward for f in figures],
@@ -141,7 +154,7 @@ def _profile_layer(
         buffer_bytes=buffers,
         peak=peaks if len(peaks) == len(figures) else None,
     )
-    return profile, outputs
+    return profile, outputs, [f.output_saved for f in figures]
 
 
 def profile_layers(
@@ -207,6 +220,7 @@ def profile_layers(
     on_device: AbstractContextManager[Any] = torch.cuda.device(dev) if cuda else nullcontext()
     results: list[LayerProfile] = []
     signatures: list[str] = []
+    previous: list[int] | None = None
     with (
         torch.random.fork_rng(devices=cuda),
         on_device,
@@ -217,7 +231,9 @@ def profile_layers(
         input_bytes = [tensor_bytes(x) for x in inputs]
         for i, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
             signatures.append(layer_signature(layer, inputs))
-            result, inputs = _profile_layer(layer, name, inputs, dev, warmup, repeats)
+            result, inputs, previous = _profile_layer(
+                layer, name, inputs, dev, warmup, repeats, previous
+            )
             results.append(result)
             if progress is not None:
                 progress(i + 1, len(layers), name)

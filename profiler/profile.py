@@ -35,6 +35,9 @@ class LayerProfile:
         buffer_bytes: bytes of the layer's buffers (e.g. BatchNorm running statistics).
         peak: transient memory above the saved tensors during forward and backward, when
             the device can report it (CUDA), else ``None``.
+        shared: of ``saved``, the bytes of the layer's input that the layer before it also
+            saves (as its output): one storage, held once by a stage that keeps both
+            layers. ``None`` (older profiles) counts as zero.
     """
 
     name: str
@@ -46,6 +49,7 @@ class LayerProfile:
     param_bytes: int = 0
     buffer_bytes: int = 0
     peak: list[int] | None = None
+    shared: list[int] | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -121,7 +125,8 @@ class Profile:
 
         Args:
             index: the layer's position; ``-1`` with ``figure="input"`` is the model input.
-            figure: ``forward``, ``backward``, ``saved``, ``output``, ``peak`` or ``input``.
+            figure: ``forward``, ``backward``, ``saved``, ``shared``, ``output``, ``peak`` or
+                ``input``.
         """
         key = (index, figure)
         if key not in self._fits:

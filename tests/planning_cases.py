@@ -27,6 +27,7 @@ def linear_profile(
     chunks: int = 1,
     input_bytes: int = 0,
     peak: list[int] | None = None,
+    shared: list[int] | None = None,
 ) -> Profile:
     """A profile whose figures are exactly proportional to the micro-batch size.
 
@@ -53,6 +54,7 @@ def linear_profile(
             output=[round(at(output[i], s)) for s in sizes],
             param_bytes=params[i],
             peak=None if peak is None else [round(at(peak[i], s)) for s in sizes],
+            shared=None if shared is None else [round(at(shared[i], s)) for s in sizes],
         )
         for i in range(n)
     ]
@@ -66,15 +68,29 @@ def linear_profile(
 
 
 def random_profile(rng: np.random.Generator, n: int, *, peaks: bool = False) -> Profile:
-    """A random profile with integer-valued figures (exact sums in float64)."""
+    """A random profile with integer-valued figures (exact sums in float64).
+
+    About half the layers share part of their saved bytes with the layer before (drawn
+    last, so each seed gives the other figures it gave before shared bytes existed).
+    """
+    forward = [float(x) for x in rng.integers(1, 10, n)]
+    backward = [float(x) for x in rng.integers(1, 10, n)]
+    saved = [int(x) * 8 for x in rng.integers(0, 100, n)]
+    output = [int(x) * 8 for x in rng.integers(1, 50, n)]
+    params = [int(x) for x in rng.integers(0, 500, n)]
+    peak = [int(x) * 8 for x in rng.integers(0, 40, n)] if peaks else None
+    shared = [0] + [
+        int(rng.integers(0, s // 8 + 1)) * 8 * int(rng.integers(0, 2)) for s in saved[1:]
+    ]
     return linear_profile(
-        forward=[float(x) for x in rng.integers(1, 10, n)],
-        backward=[float(x) for x in rng.integers(1, 10, n)],
-        saved=[int(x) * 8 for x in rng.integers(0, 100, n)],
-        output=[int(x) * 8 for x in rng.integers(1, 50, n)],
-        params=[int(x) for x in rng.integers(0, 500, n)],
+        forward=forward,
+        backward=backward,
+        saved=saved,
+        output=output,
+        params=params,
         batch=16,
         chunks=4,
         input_bytes=160,
-        peak=[int(x) * 8 for x in rng.integers(0, 40, n)] if peaks else None,
+        peak=peak,
+        shared=shared,
     )

@@ -58,3 +58,31 @@ def test_parameters_are_excluded_and_reset_peak() -> None:
         assert saved.peak == saved.live
         del y
     assert saved.live == 0
+
+
+def test_one_stage_plan_predicts_the_measured_activations() -> None:
+    from autopipe.planner import evaluate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)
+    )
+    x = torch.randn(8, 16)
+    profile = profile_model(model, x, batch_sizes=[4, 8], warmup=0, repeats=1)
+    # Tanh and ReLU save their outputs, which the next Linear saves as its input.
+    assert [layer.shared for layer in profile.layers] == [
+        [0, 0],
+        [0, 0],
+        [4 * 32 * 4, 8 * 32 * 4],
+        [0, 0],
+        [4 * 32 * 4, 8 * 32 * 4],
+    ]
+    plan = evaluate(profile, [5], chunks=1, checkpoint="never")
+    with SavedMemory.of_modules(model) as saved:
+        model(x).sum().backward()
+    assert plan.stages[0].activation_memory == saved.peak
+    # Cut between Tanh and the Linear after it: the two stages hold a copy each (the
+    # second one receives the boundary tensor), so that storage counts twice.
+    two = evaluate(profile, [2, 3], chunks=1, checkpoint="never")
+    total = sum(s.activation_memory for s in two.stages)
+    assert total == saved.peak + 8 * 32 * 4
