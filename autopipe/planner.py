@@ -22,7 +22,7 @@ __all__ = ["build_model", "calibration", "describe", "evaluate", "plan"]
 MemorySpec = int | str | Sequence[int | str | None] | None
 
 
-CALIBRATED = ("overhead_s", "bandwidth", "latency_s", "compute_scale")
+CALIBRATED = ("overhead_s", "bandwidth", "latency_s", "compute_scale", "allreduce_bandwidth")
 
 
 def calibration(profile: Profile) -> dict[str, float]:
@@ -30,8 +30,9 @@ def calibration(profile: Profile) -> dict[str, float]:
 
     ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
     ``overhead_s`` (seconds per stage and micro-batch), ``bandwidth`` (bytes/s),
-    ``latency_s`` (seconds per message between stages) and ``compute_scale`` (how much
-    longer the layers take in a whole training step than each alone in the profile).
+    ``latency_s`` (seconds per message between stages), ``allreduce_bandwidth`` (of the
+    data-parallel gradient sync) and ``compute_scale`` (how much longer the layers take
+    in a whole training step than each alone in the profile).
     """
     found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
     if not isinstance(found, dict):
@@ -78,7 +79,7 @@ def build_model(
     if bandwidth is None:
         bandwidth = measured.get("bandwidth")
     if allreduce_bandwidth is None:
-        allreduce_bandwidth = bandwidth
+        allreduce_bandwidth = measured.get("allreduce_bandwidth", bandwidth)
     specs = make_devices(
         devices,
         memory=memory,
@@ -144,8 +145,8 @@ def plan(
         data_parallel: replicas of the pipeline (D); each runs ``ceil(batch / D)`` samples
             and all-reduces its stages' gradients with the others once per step.
         batch: samples per step across all replicas (default: the profile's batch size).
-        allreduce_bandwidth: bytes/s of the gradient all-reduce (default: ``bandwidth``;
-            free when neither is known).
+        allreduce_bandwidth: bytes/s of the gradient all-reduce (default: the profile's
+            calibrated one, else ``bandwidth``; free when none is known).
         overhead: executor seconds per stage and micro-batch (default: calibrated, else 0).
 
     Raises:

@@ -104,7 +104,8 @@ def search(
         optimizer: optimizer whose state is counted, or state bytes per parameter byte.
         bandwidth: link bandwidth between stages in bytes/s (default: the profile's
             calibrated bandwidth, else free).
-        allreduce_bandwidth: bytes/s of the gradient all-reduce (default: ``bandwidth``).
+        allreduce_bandwidth: bytes/s of the gradient all-reduce (default: the profile's
+            calibrated one, else ``bandwidth``).
         top: how many configurations to return.
         max_chunks: the most micro-batches per replica (default ``max(32, 16·K)``).
 

@@ -69,7 +69,9 @@ class Space:
         self.overhead = measured.get("overhead_s", 0.0)
         self.bandwidth = bandwidth or measured.get("bandwidth")
         self.latency = measured.get("latency_s", 0.0)
-        self.allreduce = allreduce_bandwidth or self.bandwidth
+        self.allreduce = (
+            allreduce_bandwidth or measured.get("allreduce_bandwidth") or self.bandwidth
+        )
         self.capacity = capacity
         self.optimizer = optimizer_factor(optimizer)
         self.params = self.lines.params

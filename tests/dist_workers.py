@@ -194,7 +194,19 @@ def _equal(rank: int, world: int) -> dict[str, Any]:
     results["errors"] = errors
     for schedule in ("gpipe", "1f1b"):
         results[f"wrapped {schedule}"] = _wrapped(schedule)
+    results["calibration"] = _calibration()
     return results
+
+
+def _calibration() -> dict[str, Any]:
+    from autopipe.dist_calibration import calibrate_ranks
+    from autopipe.planner import plan
+    from tests.planning_cases import linear_profile
+
+    profile = linear_profile([1e-3] * 4, output=[4096] * 4, params=[1 << 16] * 4, batch=8)
+    values = calibrate_ranks(profile, repeats=3)
+    replicated = plan(profile, 1, data_parallel=2, checkpoint="never")
+    return {"values": values, "allreduce": replicated.allreduce, "params": 1 << 18}
 
 
 def _replica_train(pipe: Any, x: Tensor, y: Tensor, rows: slice) -> dict[str, Any]:

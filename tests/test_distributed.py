@@ -234,6 +234,18 @@ def test_loss_and_gradients_equal_one_process(equal_run: Any, schedule: str) -> 
     assert sorted(seen) == sorted(once)  # every parameter lives on exactly one rank
 
 
+def test_ranks_calibrate_links_and_runner_alike(equal_run: Any) -> None:
+    _, results = equal_run
+    found = [r["calibration"] for r in results]
+    values = found[0]["values"]
+    assert all(f["values"] == values for f in found)  # every rank plans with the same figures
+    assert values["latency_s"] >= 0 and values["bandwidth"] > 0
+    assert values["allreduce_bandwidth"] > 0 and values["overhead_s"] >= 0
+    # The planner charges the measured all-reduce: 2·(D−1)/D · params / bandwidth.
+    expected = found[0]["params"] / values["allreduce_bandwidth"]
+    assert found[0]["allreduce"] == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_wrapped_residual_model_equals_one_process(equal_run: Any, schedule: str) -> None:
     world, results = equal_run

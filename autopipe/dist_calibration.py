@@ -1,0 +1,180 @@
+"""Measures the links between ranks and the runner's fixed cost, for the planner.
+
+Run on every rank of an initialised process group (e.g. under ``torchrun``), once, before
+planning: :func:`calibrate_ranks` times point-to-point messages between neighbouring
+ranks (latency and bandwidth of a pipeline cut), an all-reduce (the data-parallel
+gradient sync) and a tiny pipeline step (the schedule's fixed cost per stage and
+micro-batch), and stores them in the profile the plan is made from.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from profiler.calibrate import store_calibration
+from profiler.fit import fit_linear
+from profiler.profile import Profile
+
+__all__ = ["calibrate_ranks", "measure_allreduce", "measure_p2p", "measure_runner_overhead"]
+
+P2P_SIZES = (4 << 10, 64 << 10, 1 << 20)
+ALLREDUCE_SIZES = (1 << 20, 8 << 20)
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_p2p(
+    group: dist.ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] = P2P_SIZES,
+    repeats: int = 20,
+    warmup: int = 3,
+) -> dict[str, Any]:
+    """One-way message time between group ranks 0 and 1, fitted as latency + bytes / bw.
+
+    Ranks 0 and 1 bounce a tensor back and forth (half a round trip is one message);
+    other ranks only join the final agreement. A collective: call it on every rank.
+
+    Returns:
+        ``{"latency_s": s, "bandwidth": bytes/s, "sizes": [...], "times": [...]}``, the
+        same on every rank.
+    """
+    rank, device = dist.get_rank(group), _device(group)
+    peer = 1 - rank
+    times = []
+    for size in sizes:
+        data = torch.zeros(max(size // 4, 1), device=device)
+        samples = []
+        for i in range(warmup + repeats):
+            if rank > 1:
+                break
+            _sync(device)
+            start = time.perf_counter()
+            target = dist.get_global_rank(group or dist.group.WORLD, peer)  # type: ignore[arg-type]
+            if rank == 0:
+                dist.send(data, target, group=group)
+                dist.recv(data, target, group=group)
+            else:
+                dist.recv(data, target, group=group)
+                dist.send(data, target, group=group)
+            _sync(device)
+            if i >= warmup:
+                samples.append((time.perf_counter() - start) / 2)
+        times.append(statistics.median(samples) if samples else 0.0)
+    result: list[Any] = [None]
+    if rank == 0:
+        nbytes = [max(s // 4, 1) * 4 for s in sizes]
+        latency, per_byte = fit_linear(nbytes, times)
+        bandwidth = 1.0 / per_byte if per_byte > 0 else nbytes[-1] / times[-1]
+        result[0] = {"latency_s": latency, "bandwidth": bandwidth, "sizes": nbytes, "times": times}
+    source = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
+    dist.broadcast_object_list(result, src=source, group=group)
+    return dict(result[0])
+
+
+def measure_allreduce(
+    group: dist.ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] = ALLREDUCE_SIZES,
+    repeats: int = 10,
+    warmup: int = 2,
+) -> dict[str, Any]:
+    """The all-reduce bandwidth of the group, in the planner's ring terms.
+
+    The planner charges ``2·(D−1)/D · bytes / bandwidth``; the bandwidth reported is the
+    one that makes this match the slowest rank's median all-reduce of the largest size.
+    """
+    device, world = _device(group), dist.get_world_size(group)
+    size = max(sizes)
+    data = torch.ones(size // 4, device=device)
+    samples = []
+    for i in range(warmup + repeats):
+        dist.barrier(group=group)
+        _sync(device)
+        start = time.perf_counter()
+        dist.all_reduce(data, group=group)
+        _sync(device)
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+        if i >= warmup:
+            samples.append(took.item())
+    seconds = statistics.median(samples)
+    factor = 2.0 * (world - 1) / world if world > 1 else 1.0
+    return {"allreduce_bandwidth": factor * size / seconds, "allreduce_s": seconds, "bytes": size}
+
+
+def measure_runner_overhead(
+    group: dist.ProcessGroup | None = None,
+    *,
+    chunks: int = 8,
+    width: int = 8,
+    repeats: int = 10,
+    warmup: int = 2,
+    schedule: str = "1f1b",
+    latency: float = 0.0,
+) -> dict[str, Any]:
+    """The distributed runner's fixed seconds per stage and micro-batch.
+
+    A tiny model (one ``Linear(width, width)`` per rank, one sample per micro-batch) runs
+    steps of :class:`autopipe.distributed.DistributedPipeline`; the planner predicts
+    ``(M + K − 1) · (o + λ)`` for it (its compute is negligible), which gives ``o``.
+    """
+    from autopipe.distributed import DistributedPipeline
+
+    stages = dist.get_world_size(group)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(stages)])
+    x, y = torch.randn(chunks, width), torch.zeros(chunks, width)
+    pipe = DistributedPipeline(
+        model, x, loss_fn=lambda out, _: out.sum(), chunks=chunks, schedule=schedule, group=group
+    )
+    samples = []
+    for i in range(warmup + repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        pipe.step(x, y)
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+        if i >= warmup:
+            samples.append(took.item())
+    step = statistics.median(samples)
+    clocks = chunks + stages - 1
+    hops = latency if stages > 1 else 0.0
+    return {"overhead_s": max(0.0, step / clocks - hops), "step_s": step, "chunks": chunks}
+
+
+def calibrate_ranks(
+    profile: Profile, group: dist.ProcessGroup | None = None, *, repeats: int = 20
+) -> dict[str, Any]:
+    """Measures links, all-reduce and runner overhead; stores them in ``profile`` (every rank).
+
+    Returns:
+        The stored calibration (``latency_s``, ``bandwidth``, ``overhead_s``,
+        ``allreduce_bandwidth``, ...).
+    """
+    link = measure_p2p(group, repeats=repeats)
+    reduce = measure_allreduce(group, repeats=max(repeats // 2, 3))
+    overhead = measure_runner_overhead(group, latency=link["latency_s"])
+    return store_calibration(
+        profile,
+        latency_s=link["latency_s"],
+        bandwidth=link["bandwidth"],
+        allreduce_bandwidth=reduce["allreduce_bandwidth"],
+        overhead_s=overhead["overhead_s"],
+    )
