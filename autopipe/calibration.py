@@ -137,9 +137,8 @@ def calibrate(
     if model is not None:
         if sample is None:
             raise ValueError("calibrating the compute scale needs the sample with the model")
-        extra["compute_scale"] = measure_compute_scale(model, sample, profile, repeats=repeats)[
-            "compute_scale"
-        ]
+        scales = measure_compute_scale(model, sample, profile, repeats=repeats)
+        extra = {key: scales[key] for key in ("compute_scale", "fixed_scale")}
     return store_calibration(
         profile,
         **extra,

@@ -375,8 +375,10 @@ def _plan_command(args: argparse.Namespace) -> int:
         from autopipe.cli_search import search_command
 
         return search_command(args)
-    if args.devices or args.allreduce_bandwidth:
-        raise ValueError("--devices and --allreduce-bandwidth go with --search; use --stages")
+    if args.devices or args.allreduce_bandwidth or args.even:
+        raise ValueError(
+            "--devices, --allreduce-bandwidth and --even go with --search; use --stages"
+        )
     memory = _memory(args.memory)
     bandwidth = _bandwidth(args.bandwidth)
     optimizer = _optimizer(args.optimizer)

@@ -46,6 +46,12 @@ def add_search_options(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES_PER_S",
         help="bandwidth of the gradient all-reduce between replicas (default: --bandwidth)",
     )
+    search.add_argument(
+        "--even",
+        action="store_true",
+        help="only replica and micro-batch counts that split the batch into equal parts "
+        "(what the distributed runner needs)",
+    )
 
 
 def add_calibrate_parser(commands: Any) -> None:
@@ -127,6 +133,7 @@ def search_command(args: argparse.Namespace) -> int:
         bandwidth=bandwidth,
         allreduce_bandwidth=allreduce,
         top=args.top,
+        even=args.even,
     )
     best = plans[0]
     if args.timeline:
@@ -172,8 +179,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
     cli._save(profile, output, "profile")
     where = " -> ".join(dict.fromkeys(values["devices"]))
     scale = (
-        f"; layers run {values['compute_scale']:.2f}x their profiled time in a whole step"
-        if "compute_scale" in values
+        f"; in a whole step layers run {values['fixed_scale']:.2f}x their profiled time per "
+        f"micro-batch and {values['compute_scale']:.2f}x per sample"
+        if "compute_scale" in values and "fixed_scale" in values
         else ""
     )
     print(

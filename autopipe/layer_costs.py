@@ -26,18 +26,30 @@ FIGURES = ("forward", "backward", "saved", "shared", "output", "peak")
 Array = NDArray[np.float64]
 
 
-def compute_scale(profile: Profile) -> float:
+def _factor(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e3:
+        return float(value)
+    return None
+
+
+def compute_scale(profile: Profile) -> tuple[float, float]:
     """How much longer layers run inside a training step than alone (calibrated, else 1).
 
     Timed alone, a layer finds its weights and inputs in cache; in a step they were
-    evicted by the layers before it. ``autopipe calibrate`` measures the ratio on the
-    whole model and stores it as ``meta["calibration"]["compute_scale"]``.
+    evicted by the layers before it. ``autopipe calibrate --model`` measures it on the
+    whole model and stores ``meta["calibration"]["fixed_scale"]`` (the factor of each
+    layer's per-micro-batch time, the fit's ``a``) and ``compute_scale`` (of its per-sample
+    time, ``b``); with only ``compute_scale`` both parts get it.
+
+    Returns:
+        ``(fixed_scale, compute_scale)``.
     """
     found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
-    value = found.get("compute_scale") if isinstance(found, dict) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e3:
-        return float(value)
-    return 1.0
+    if not isinstance(found, dict):
+        return 1.0, 1.0
+    per_sample = _factor(found.get("compute_scale")) or 1.0
+    fixed = _factor(found.get("fixed_scale")) or per_sample
+    return fixed, per_sample
 
 
 def optimizer_factor(optimizer: str | float) -> float:
@@ -120,7 +132,7 @@ class ProfileLines:
         for figure in FIGURES:
             fits = np.array([profile.fit(i, figure) for i in range(n)], dtype=float)
             if figure in ("forward", "backward"):
-                fits *= scale
+                fits *= np.array(scale)  # (fixed, per-sample) factors of (a, b)
             lines[figure] = (fits[:, 0].copy(), fits[:, 1].copy())
         return cls(
             names=profile.names,

@@ -22,7 +22,14 @@ __all__ = ["build_model", "calibration", "describe", "evaluate", "plan"]
 MemorySpec = int | str | Sequence[int | str | None] | None
 
 
-CALIBRATED = ("overhead_s", "bandwidth", "latency_s", "compute_scale", "allreduce_bandwidth")
+CALIBRATED = (
+    "overhead_s",
+    "bandwidth",
+    "latency_s",
+    "compute_scale",
+    "fixed_scale",
+    "allreduce_bandwidth",
+)
 
 
 def calibration(profile: Profile) -> dict[str, float]:
@@ -31,8 +38,9 @@ def calibration(profile: Profile) -> dict[str, float]:
     ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
     ``overhead_s`` (seconds per stage and micro-batch), ``bandwidth`` (bytes/s),
     ``latency_s`` (seconds per message between stages), ``allreduce_bandwidth`` (of the
-    data-parallel gradient sync) and ``compute_scale`` (how much longer the layers take
-    in a whole training step than each alone in the profile).
+    data-parallel gradient sync), and ``compute_scale`` and ``fixed_scale`` (how much
+    longer the layers' per-sample and per-micro-batch times are in a whole training
+    step than each layer's alone in the profile).
     """
     found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
     if not isinstance(found, dict):

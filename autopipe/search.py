@@ -90,6 +90,7 @@ def search(
     allreduce_bandwidth: float | None = None,
     top: int = 10,
     max_chunks: int | None = None,
+    even: bool = False,
 ) -> list[Plan]:
     """Ranks the pipeline × data-parallel configurations of ``devices`` identical devices.
 
@@ -108,6 +109,8 @@ def search(
             calibrated one, else ``bandwidth``).
         top: how many configurations to return.
         max_chunks: the most micro-batches per replica (default ``max(32, 16·K)``).
+        even: only configurations whose replicas and micro-batches split the batch into
+            equal parts, as :class:`autopipe.distributed.DistributedPipeline` needs.
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its
@@ -131,7 +134,9 @@ def search(
         allreduce_bandwidth=allreduce_bandwidth,
         optimizer=optimizer,
     )
-    configs = configurations(devices, len(profile), total_batch, checkpoints, schedules, max_chunks)
+    configs = configurations(
+        devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even
+    )
     ranking = _Ranking(space, top, checkpoints)
     ranking.run(configs)
     ranked = _rank(ranking.found, checkpoints, schedules)[:top]

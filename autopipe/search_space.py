@@ -156,11 +156,13 @@ def configurations(
     checkpoints: Sequence[str],
     schedules: Sequence[str],
     max_chunks: int | None,
+    even: bool = False,
 ) -> list[Config]:
     """Every configuration of at most ``n_devices`` devices (see :func:`autopipe.search`).
 
     Replica counts that leave each replica as many samples as one replica fewer does are
-    left out: they only add all-reduce work.
+    left out: they only add all-reduce work. With ``even``, only replica and micro-batch
+    counts that divide the batch exactly.
     """
     out = []
     for k in range(1, min(n_devices, layers) + 1):
@@ -168,8 +170,12 @@ def configurations(
             replica = -(-batch // d)
             if d > 1 and replica == -(-batch // (d - 1)):
                 continue
+            if even and batch % d:
+                continue
             limit = max_chunks or max(32, 16 * k)
             for m, micro in chunk_options(replica, limit):
+                if even and m * micro != replica:
+                    continue
                 for schedule in schedules:
                     if schedule == "1f1b" and m == 1 and "gpipe" in schedules:
                         continue  # one micro-batch: 1F1B is GPipe

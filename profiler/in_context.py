@@ -8,13 +8,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
+from scipy.optimize import nnls
 from torch import Tensor, nn
 
 from profiler.layer import as_tensors
 from profiler.profile import Profile
 
-__all__ = ["measure_compute_scale", "predicted_compute"]
+__all__ = ["chunk_counts", "measure_compute_scale", "predicted_compute"]
+
+FIGURES = ("forward", "backward")
 
 
 def predicted_compute(profile: Profile, sizes: Sequence[int]) -> float:
@@ -44,31 +48,55 @@ def _step(layers: Sequence[nn.Module], micro_batches: list[tuple[Tensor, ...]]) 
             torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
 
 
+def _micro_batches(
+    tensors: tuple[Tensor, ...], chunks: int, device: torch.device
+) -> list[tuple[Tensor, ...]]:
+    parts = zip(*(t.tensor_split(chunks) for t in tensors), strict=True)
+    return [tuple(t.to(device) for t in part) for part in parts if part[0].shape[0] > 0]
+
+
+def chunk_counts(batch: int, profiled: int) -> list[int]:
+    """Micro-batch counts to time: the profile's, and powers of two up to 16 within the batch."""
+    counts = {min(profiled, batch)}
+    m = 1
+    while m <= min(batch, 16):
+        counts.add(m)
+        m *= 2
+    return sorted(counts)
+
+
 def measure_compute_scale(
     model: nn.Sequential,
     sample: Tensor | tuple[Tensor, ...],
     profile: Profile,
     *,
+    chunks: Sequence[int] | None = None,
     repeats: int = 10,
     warmup: int = 2,
 ) -> dict[str, Any]:
     """How much longer the model's layers take in a training step than the profile says.
 
     A profile times each layer alone, repeatedly, so its weights and inputs stay in
-    cache; in a real step each layer finds them evicted by the layers before it. A copy
-    of the model runs whole steps on the profile's device (``profile.chunks``
-    micro-batches, forward then backward each), and the ratio of their median to the
-    profile's sum is the scale the planner applies to every layer's times.
+    cache; in a real step each layer finds them evicted by the layers before it. That
+    mostly slows the part of a layer's time that does not grow with the batch (reading
+    the weights, writing their gradients), so the two parts get their own factors: a copy
+    of the model runs whole steps (forward then backward of each micro-batch, gradients
+    reset between steps as an optimizer does) at several micro-batch counts M, and
+    ``step(M) ≈ fixed_scale · Σ a · M + compute_scale · Σ b · batch`` is fitted over
+    them, where every layer's profiled time is ``a + b · size``.
 
     Args:
         model: the profiled model (left untouched: a copy runs).
         sample: the profiled mini-batch.
         profile: its profile.
-        repeats: timed steps; the median is kept.
+        chunks: the micro-batch counts to time (default: :func:`chunk_counts`).
+        repeats: timed steps per count; the median is kept.
         warmup: untimed steps first.
 
     Returns:
-        ``{"compute_scale": ratio, "step_s": measured, "predicted_s": the profile's sum}``.
+        ``{"compute_scale": factor of per-sample time, "fixed_scale": factor of
+        per-micro-batch time, "chunks": [...], "step_s": [...], "predicted_s": [...]}``
+        (predicted: the profile's sums, unscaled).
 
     Raises:
         ValueError: the model does not match the profile, or bad counts.
@@ -79,25 +107,44 @@ def measure_compute_scale(
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     device = torch.device(profile.device)
     tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
-    micro = [
-        tuple(t.to(device) for t in chunk)
-        for chunk in zip(*(t.tensor_split(profile.chunks) for t in tensors), strict=True)
-        if chunk[0].shape[0] > 0
-    ]
+    batch = tensors[0].shape[0]
+    counts = chunk_counts(batch, profile.chunks) if chunks is None else sorted(set(chunks))
+    runs = {m: _micro_batches(tensors, m, device) for m in counts}
     replica = copy.deepcopy(model).to(device)
     layers = list(replica)
-    samples = []
+    samples: dict[int, list[float]] = {m: [] for m in counts}
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         for i in range(warmup + repeats):
-            _synchronize(device)
-            start = time.perf_counter()
-            _step(layers, micro)
-            _synchronize(device)
-            if i >= warmup:
-                samples.append(time.perf_counter() - start)
-            replica.zero_grad(set_to_none=True)
+            for m in counts:  # round-robin: load changes hit every count alike
+                replica.zero_grad(set_to_none=True)
+                _synchronize(device)
+                start = time.perf_counter()
+                _step(layers, runs[m])
+                _synchronize(device)
+                if i >= warmup:
+                    samples[m].append(time.perf_counter() - start)
     del replica
-    measured = statistics.median(samples)
-    predicted = predicted_compute(profile, [m[0].shape[0] for m in micro])
-    scale = measured / predicted if predicted > 0 else 1.0
-    return {"compute_scale": scale, "step_s": measured, "predicted_s": predicted}
+    measured = [statistics.median(samples[m]) for m in counts]
+    fixed = sum(profile.fit(i, f)[0] for i in range(len(profile)) for f in FIGURES)
+    slope = sum(profile.fit(i, f)[1] for i in range(len(profile)) for f in FIGURES)
+    parts = [(fixed * len(runs[m]), slope * batch) for m in counts]
+    fixed_scale, compute_scale = _fit_scales(parts, measured)
+    return {
+        "compute_scale": compute_scale,
+        "fixed_scale": fixed_scale,
+        "chunks": counts,
+        "step_s": measured,
+        "predicted_s": [a + b for a, b in parts],
+    }
+
+
+def _fit_scales(parts: list[tuple[float, float]], measured: list[float]) -> tuple[float, float]:
+    """Non-negative least squares, relative errors, of ``measured ≈ x·a + y·b``."""
+    one = sum(measured) / max(sum(a + b for a, b in parts), 1e-30)
+    if len(parts) < 2 or not all(a > 0 for a, _ in parts) or not all(b > 0 for _, b in parts):
+        return one, one
+    design = np.array(parts) / np.array(measured)[:, None]
+    coef, _ = nnls(design, np.ones(len(parts)))
+    if not (coef > 0).all():  # one part explains nothing: scale both alike
+        return one, one
+    return float(coef[0]), float(coef[1])

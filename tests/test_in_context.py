@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from profiler import profile_model
-from profiler.in_context import measure_compute_scale, predicted_compute
+from profiler.in_context import (
+    _fit_scales,
+    chunk_counts,
+    measure_compute_scale,
+    predicted_compute,
+)
+from profiler.profile import LayerProfile, Profile
 from tests.planning_cases import linear_profile
 
 
@@ -17,7 +23,7 @@ def test_predicted_compute_sums_layers_and_micro_batches() -> None:
     assert predicted_compute(profile, [4, 4, 3]) == pytest.approx((3.0 + 6.0) * 11 / 8)
 
 
-def test_scale_is_the_ratio_of_a_measured_step_to_the_profile() -> None:
+def test_scales_fit_the_measured_steps() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
     sample = torch.randn(16, 32)
@@ -25,12 +31,36 @@ def test_scale_is_the_ratio_of_a_measured_step_to_the_profile() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     result = measure_compute_scale(model, sample, profile, repeats=3, warmup=1)
-    assert result["step_s"] > 0 and result["predicted_s"] > 0
-    assert result["compute_scale"] == pytest.approx(result["step_s"] / result["predicted_s"])
+    assert result["chunks"] == chunk_counts(16, 4) == [1, 2, 4, 8, 16]
+    assert len(result["step_s"]) == len(result["predicted_s"]) == 5
+    assert result["compute_scale"] > 0 and result["fixed_scale"] > 0
     # The model is left as it was: no gradients, same weights, same RNG.
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_fit_recovers_known_scales() -> None:
+    parts = [(1.0 * m, 4.0) for m in (1, 2, 4, 8)]
+    measured = [2.0 * a + 0.5 * b for a, b in parts]
+    assert _fit_scales(parts, measured) == pytest.approx((2.0, 0.5))
+    # One count cannot tell the parts apart: both get the overall ratio.
+    assert _fit_scales(parts[:1], [10.0]) == pytest.approx((2.0, 2.0))
+
+
+def test_planner_scales_intercepts_and_slopes_apart() -> None:
+    from autopipe.planner import evaluate
+
+    profile = linear_profile([1.0, 2.0], batch=8)
+    base = evaluate(profile, [2], chunks=1, checkpoint="never").step_time
+    profile.meta["calibration"] = {"compute_scale": 3.0}
+    assert evaluate(profile, [2], chunks=1, checkpoint="never").step_time == pytest.approx(3 * base)
+    # A layer of 1 s per micro-batch plus 0.25 s per sample, forward; backward free.
+    layer = LayerProfile("l", "Linear", [1.5, 2.0], [0.0, 0.0], [0, 0], [0, 0])
+    fixed = Profile(layers=[layer], batch_sizes=[2, 4], input=[0, 0], batch_size=4, chunks=1)
+    fixed.meta["calibration"] = {"compute_scale": 3.0, "fixed_scale": 10.0}
+    plan = evaluate(fixed, [1], chunks=2, checkpoint="never")
+    assert plan.step_time == pytest.approx(2 * (10.0 * 1.0 + 3.0 * 0.25 * 2))
 
 
 def test_tuple_sample_and_mismatched_model() -> None:

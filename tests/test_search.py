@@ -45,6 +45,16 @@ def exhaustive(profile, devices, *, batch, checkpoints, schedules, **options):
     return sorted(found)
 
 
+def test_even_search_splits_the_batch_exactly():
+    profile = random_profile(np.random.default_rng(3), 6)
+    everything = search(profile, 4, batch=12, top=200)
+    even = search(profile, 4, batch=12, top=200, even=True)
+    assert even and all(12 % p.data_parallel == 0 for p in even)
+    assert all((12 // p.data_parallel) % p.chunks == 0 for p in even)
+    assert any(12 % p.data_parallel or (12 // p.data_parallel) % p.chunks for p in everything)
+    assert len(even) < len(everything)
+
+
 def test_chunk_options():
     assert chunk_options(10, 100) == [(1, 10), (2, 5), (3, 4), (4, 3), (5, 2), (10, 1)]
     assert chunk_options(10, 4) == [(1, 10), (2, 5), (3, 4), (4, 3)]
