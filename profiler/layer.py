@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "CacheFlush",
     "LayerFigures",
     "as_tensors",
     "measure_layer",
@@ -102,17 +103,45 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+# Bytes written between timed passes to evict the caches: more than a CPU's last-level
+# cache slice or a GPU's L2.
+FLUSH_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
+
+
+class CacheFlush:
+    """Evicts the device's caches by overwriting a scratch buffer larger than them.
+
+    Inside a model, a layer's weights (and their gradients) were evicted by the layers
+    that ran since it last touched them; timed alone, over and over, they stay in cache.
+    Flushing before the forward and before the backward times each as in a real step.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        size = FLUSH_BYTES.get(device.type, 0)
+        self.buffer = torch.empty(size // 4, dtype=torch.float32, device=device) if size else None
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.fill_(1.0)
+
+
 class _Pass:
     """Forward and backward passes of one layer on a fixed input, with fixed gradients."""
 
     def __init__(
-        self, layer: nn.Module, inputs: tuple[Tensor, ...], device: torch.device, label: str
+        self,
+        layer: nn.Module,
+        inputs: tuple[Tensor, ...],
+        device: torch.device,
+        label: str,
+        flush: CacheFlush | None = None,
     ):
         self.layer = layer
         self.label = label
         self.leaves = tuple(_leaf(t) for t in inputs)
         self.device = device
         self.grads: list[Tensor] | None = None
+        self.flush = flush or (lambda: None)
 
     def arguments(self) -> tuple[Tensor, ...]:
         """Fresh copies of the inputs for one pass.
@@ -143,16 +172,20 @@ class _Pass:
         """Seconds of one forward and one backward."""
         args = self.arguments()
         if self.device.type == "cuda":
-            start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            start.record()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            self.flush()
+            events[0].record()
             targets = self.forward(args)
-            middle.record()
+            events[1].record()
+            self.flush()
+            events[2].record()
             self.backward(targets)
-            end.record()
+            events[3].record()
             # Events time the GPU stream; wait until it has reached the last one.
-            end.synchronize()
-            backward = middle.elapsed_time(end) / 1e3 if targets else 0.0
-            return start.elapsed_time(middle) / 1e3, backward
+            events[3].synchronize()
+            backward = events[2].elapsed_time(events[3]) / 1e3 if targets else 0.0
+            return events[0].elapsed_time(events[1]) / 1e3, backward
+        self.flush()
         _synchronize(self.device)
         t0 = time.perf_counter()
         targets = self.forward(args)
@@ -160,9 +193,12 @@ class _Pass:
         t1 = time.perf_counter()
         if not targets:
             return t1 - t0, 0.0
+        self.flush()
+        _synchronize(self.device)
+        t2 = time.perf_counter()
         self.backward(targets)
         _synchronize(self.device)
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, time.perf_counter() - t2
 
     def saved(self, exclude: AbstractSet[int]) -> tuple[int, int, int]:
         """Bytes autograd saves for backward during one forward (then runs the backward).
@@ -214,6 +250,7 @@ def measure_layer(
     warmup: int,
     repeats: int,
     label: str = "the layer",
+    flush: CacheFlush | None = None,
 ) -> LayerFigures:
     """Measures one layer, already on ``device``, on ``inputs`` (also on ``device``).
 
@@ -225,11 +262,13 @@ def measure_layer(
         warmup: untimed runs before the timed ones.
         repeats: timed runs; the median is reported.
         label: how error messages name the layer.
+        flush: evicts the caches before each timed forward and backward, so weights are
+            read as cold as in a whole step (``None``: warm caches).
 
     Returns:
         Median forward and backward seconds, saved bytes and, on CUDA, the peak.
     """
-    runs = _Pass(layer, inputs, device, label)
+    runs = _Pass(layer, inputs, device, label, flush)
     # The first pass counts saved tensors and allocates parameter gradients, so the
     # later passes (and the peak) see gradients as existing state, not as transients.
     saved, fresh, of_output = runs.saved(exclude)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from profiler.layer import as_tensors, measure_layer, state_storages, tensor_bytes
+from profiler.layer import CacheFlush, as_tensors, measure_layer, state_storages, tensor_bytes
 from profiler.pooling import layer_signature, pool_identical
 from profiler.profile import LayerProfile, Profile
 
@@ -110,6 +110,7 @@ def _profile_layer(
     warmup: int,
     repeats: int,
     previous: list[int] | None,
+    flush: CacheFlush | None,
 ) -> tuple[LayerProfile, list[Inputs], list[int]]:
     """Measures a copy of ``layer`` at every batch size.
 
@@ -126,7 +127,14 @@ def _profile_layer(
         exclude = state_storages(replica)
         figures = [
             measure_layer(
-                replica, x, device, exclude=exclude, warmup=warmup, repeats=repeats, label=label
+                replica,
+                x,
+                device,
+                exclude=exclude,
+                warmup=warmup,
+                repeats=repeats,
+                label=label,
+                flush=flush,
             )
             for x in inputs
         ]
@@ -169,6 +177,7 @@ def profile_layers(
     repeats: int = 5,
     progress: Callable[[int, int, str], None] | None = None,
     pool: bool = True,
+    cold_cache: bool = True,
 ) -> Profile:
     """Measures the time and memory of each layer of a sequential model.
 
@@ -191,6 +200,9 @@ def profile_layers(
         pool: give identical layers (same modules, modes, parameter shapes and input
             shapes) the median of their timings, which removes most of the measurement
             noise between repeated blocks; the groups are listed in ``meta["pooled"]``.
+        cold_cache: overwrite a scratch buffer larger than the device's caches before
+            each timed forward and backward, so a layer reads its weights from memory as
+            it does inside a whole step, not from the cache its last repeat left warm.
 
     Returns:
         The profile: per-layer forward/backward seconds and saved/output bytes at each
@@ -221,6 +233,7 @@ def profile_layers(
     results: list[LayerProfile] = []
     signatures: list[str] = []
     previous: list[int] | None = None
+    flush = CacheFlush(dev) if cold_cache else None
     with (
         torch.random.fork_rng(devices=cuda),
         on_device,
@@ -232,7 +245,7 @@ def profile_layers(
         for i, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
             signatures.append(layer_signature(layer, inputs))
             result, inputs, previous = _profile_layer(
-                layer, name, inputs, dev, warmup, repeats, previous
+                layer, name, inputs, dev, warmup, repeats, previous, flush
             )
             results.append(result)
             if progress is not None:

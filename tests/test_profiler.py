@@ -321,3 +321,20 @@ def test_cuda_code_path_with_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         nn.ReLU(), (torch.randn(3, 4),), torch.device("cuda"), exclude=set(), **FAST
     )
     assert relu.peak == 4000 - 3 * 4 * F32  # the saved output is not transient
+
+
+def test_cache_flush_overwrites_a_large_buffer_and_can_be_turned_off() -> None:
+    from profiler.layer import FLUSH_BYTES, CacheFlush
+
+    flush = CacheFlush(torch.device("cpu"))
+    assert flush.buffer is not None
+    assert flush.buffer.numel() * 4 == FLUSH_BYTES["cpu"]
+    flush.buffer.zero_()
+    flush()
+    assert bool((flush.buffer == 1.0).all())
+    assert CacheFlush(torch.device("meta")).buffer is None
+    layers = [nn.Linear(8, 8), nn.ReLU()]
+    warm = profile_layers(layers, torch.randn(4, 8), cold_cache=False, **FAST)
+    cold = profile_layers(layers, torch.randn(4, 8), **FAST)
+    assert [p.saved for p in warm.layers] == [p.saved for p in cold.layers]
+    assert all(t > 0 for p in cold.layers for t in p.forward)
