@@ -22,7 +22,13 @@ from profiler.calibrate import store_calibration
 from profiler.fit import fit_linear
 from profiler.profile import Profile
 
-__all__ = ["calibrate_ranks", "measure_allreduce", "measure_p2p", "measure_runner_overhead"]
+__all__ = [
+    "calibrate_ranks",
+    "measure_allreduce",
+    "measure_compute_together",
+    "measure_p2p",
+    "measure_runner_overhead",
+]
 
 P2P_SIZES = (4 << 10, 64 << 10, 1 << 20)
 ALLREDUCE_SIZES = (1 << 20, 8 << 20)
@@ -159,22 +165,65 @@ def measure_runner_overhead(
     return {"overhead_s": max(0.0, step / clocks - hops), "step_s": step, "chunks": chunks}
 
 
+def measure_compute_together(
+    model: nn.Sequential,
+    sample: torch.Tensor | tuple[torch.Tensor, ...],
+    profile: Profile,
+    group: dist.ProcessGroup | None = None,
+    *,
+    repeats: int = 5,
+) -> dict[str, float]:
+    """The compute scales of :func:`profiler.in_context.measure_compute_scale`, measured
+    on every rank at once and averaged.
+
+    Ranks that share a host (CPU sockets, memory bandwidth, a GPU's host) slow each other
+    down; timing them together puts that in the scale, as it will be in training.
+    """
+    from profiler.in_context import measure_compute_scale
+
+    dist.barrier(group=group)
+    found = measure_compute_scale(model, sample, profile, repeats=repeats, device=_device(group))
+    scales = torch.tensor([found["fixed_scale"], found["compute_scale"]], dtype=torch.float64)
+    dist.all_reduce(scales, group=group)
+    scales /= dist.get_world_size(group)
+    return {"fixed_scale": scales[0].item(), "compute_scale": scales[1].item()}
+
+
 def calibrate_ranks(
-    profile: Profile, group: dist.ProcessGroup | None = None, *, repeats: int = 20
+    profile: Profile,
+    group: dist.ProcessGroup | None = None,
+    *,
+    repeats: int = 20,
+    model: nn.Sequential | None = None,
+    sample: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
 ) -> dict[str, Any]:
     """Measures links, all-reduce and runner overhead; stores them in ``profile`` (every rank).
 
+    Args:
+        profile: the profile to plan from; the same calibration is stored on every rank.
+        group: the ranks (default: the world).
+        repeats: timed repeats of each measurement.
+        model: the profiled model (its layers as an ``nn.Sequential``): also measure the
+            compute scales with every rank computing at once.
+        sample: the profiled mini-batch, with ``model``.
+
     Returns:
         The stored calibration (``latency_s``, ``bandwidth``, ``overhead_s``,
-        ``allreduce_bandwidth``, ...).
+        ``allreduce_bandwidth``, with a model ``compute_scale`` and ``fixed_scale``).
     """
     link = measure_p2p(group, repeats=repeats)
     reduce = measure_allreduce(group, repeats=max(repeats // 2, 3))
     overhead = measure_runner_overhead(group, latency=link["latency_s"])
+    extra: dict[str, Any] = {}
+    if model is not None:
+        if sample is None:
+            raise ValueError("calibrating the compute scale needs the sample with the model")
+        extra = measure_compute_together(model, sample, profile, group, repeats=repeats // 4 + 2)
     return store_calibration(
         profile,
         latency_s=link["latency_s"],
         bandwidth=link["bandwidth"],
         allreduce_bandwidth=reduce["allreduce_bandwidth"],
         overhead_s=overhead["overhead_s"],
+        **extra,
     )

@@ -73,6 +73,7 @@ def measure_compute_scale(
     chunks: Sequence[int] | None = None,
     repeats: int = 10,
     warmup: int = 2,
+    device: str | torch.device | None = None,
 ) -> dict[str, Any]:
     """How much longer the model's layers take in a training step than the profile says.
 
@@ -92,6 +93,7 @@ def measure_compute_scale(
         chunks: the micro-batch counts to time (default: :func:`chunk_counts`).
         repeats: timed steps per count; the median is kept.
         warmup: untimed steps first.
+        device: where to run (default: the profile's device).
 
     Returns:
         ``{"compute_scale": factor of per-sample time, "fixed_scale": factor of
@@ -105,7 +107,7 @@ def measure_compute_scale(
         raise ValueError(f"the profile has {len(profile)} layers but the model has {len(model)}")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    device = torch.device(profile.device)
+    device = torch.device(profile.device if device is None else device)
     tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
     batch = tensors[0].shape[0]
     counts = chunk_counts(batch, profile.chunks) if chunks is None else sorted(set(chunks))

@@ -201,12 +201,16 @@ def _equal(rank: int, world: int) -> dict[str, Any]:
 def _calibration() -> dict[str, Any]:
     from autopipe.dist_calibration import calibrate_ranks
     from autopipe.planner import plan
-    from tests.planning_cases import linear_profile
+    from profiler.measure import profile_model
 
-    profile = linear_profile([1e-3] * 4, output=[4096] * 4, params=[1 << 16] * 4, batch=8)
-    values = calibrate_ranks(profile, repeats=3)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8))
+    x = torch.randn(8, 8)
+    profile = profile_model(model, x, chunks=2, warmup=0, repeats=1, cold_cache=False)
+    values = calibrate_ranks(profile, repeats=3, model=model, sample=x)
     replicated = plan(profile, 1, data_parallel=2, checkpoint="never")
-    return {"values": values, "allreduce": replicated.allreduce, "params": 1 << 18}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"values": values, "allreduce": replicated.allreduce, "params": params}
 
 
 def _replica_train(pipe: Any, x: Tensor, y: Tensor, rows: slice) -> dict[str, Any]:
