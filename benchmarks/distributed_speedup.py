@@ -44,8 +44,12 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from autopipe.dist_calibration import calibrate_ranks  # noqa: E402
 from autopipe.distributed import DistributedPipeline, init_distributed  # noqa: E402
 from autopipe.planner import evaluate  # noqa: E402
+from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
+from profiler.calibrate import store_calibration  # noqa: E402
+from profiler.in_context import measure_compute_scale  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -109,6 +113,25 @@ def handmade_step(stage: nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor)
         dist.send(act.grad, 0)  # type: ignore[arg-type]
 
 
+def calibrate(profile: Profile, model: nn.Sequential, x: torch.Tensor, rank: int) -> Any:
+    """Calibrated copies of the profile: for both ranks busy at once, and for one alone.
+
+    The pipeline runs with both ranks computing, which on one host slows each down; the
+    one-process baseline runs alone. Links, all-reduce and the runner's overhead come
+    from :func:`autopipe.dist_calibration.calibrate_ranks` in both.
+    """
+    together = Profile.from_dict(profile.to_dict())
+    calibrate_ranks(together, model=model, sample=x, repeats=10)
+    alone = Profile.from_dict(together.to_dict())
+    scales: list[Any] = [None]
+    if rank == 0:
+        found = measure_compute_scale(model, x, profile, repeats=3)
+        scales[0] = {key: found[key] for key in ("fixed_scale", "compute_scale")}
+    dist.broadcast_object_list(scales, src=0)
+    store_calibration(alone, **scales[0])
+    return together, alone
+
+
 def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> None:
     torch.set_num_threads(1)
     init_distributed(
@@ -121,6 +144,7 @@ def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> N
     x, y = torch.randn(BATCH, width), torch.randn(BATCH, width)
     base = make_model(width)
     profile: Profile | None = None
+    calibrated: tuple[Profile, Profile] | None = None
     out: dict[str, Any] = {}
     for schedule in SCHEDULES:
         pipe = DistributedPipeline(
@@ -128,6 +152,9 @@ def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> N
             schedule=schedule, profile=profile,
         )  # fmt: skip
         profile = Profile.from_dict(pipe.plan.profile)
+        if calibrated is None:
+            calibrated = calibrate(profile, base, x, rank)
+        together, alone = calibrated
         contenders: dict[str, Callable[[], Any]] = {
             "pipeline": partial(pipe.step, x, y),
             "handmade": partial(handmade_step, pipe.module, rank, x, y),
@@ -156,6 +183,13 @@ def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> N
             predicted_baseline=evaluate(
                 profile, [BLOCKS], chunks=CHUNKS, checkpoint="never", schedule=schedule
             ).step_time,
+            calibrated=evaluate(
+                together, pipe.plan.balance, chunks=CHUNKS, checkpoint="never", schedule=schedule
+            ).step_time,
+            calibrated_baseline=evaluate(
+                alone, [BLOCKS], chunks=CHUNKS, checkpoint="never", schedule=schedule
+            ).step_time,
+            calibration=together.meta["calibration"],
         )
     if rank == 0:
         (workdir / "result.json").write_text(json.dumps(out))
@@ -173,7 +207,7 @@ def run(width: int, warmup: int, repeats: int) -> dict[str, Any]:
         return json.loads((Path(tmp) / "result.json").read_text())
 
 
-def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+def rows_of(result: dict[str, Any], width: int) -> list[dict[str, Any]]:
     ideal = WORLD * CHUNKS / (CHUNKS + WORLD - 1)
     rows = []
     for schedule, r in result.items():
@@ -193,6 +227,10 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "predicted_over_measured": r["predicted"] / r["pipeline"],
                 "predicted_baseline_ms": r["predicted_baseline"] * 1e3,
                 "predicted_baseline_over_measured": r["predicted_baseline"] / r["baseline"],
+                "calibrated_ms": r["calibrated"] * 1e3,
+                "calibrated_over_measured": r["calibrated"] / r["pipeline"],
+                "calibrated_baseline_over_measured": r["calibrated_baseline"] / r["baseline"],
+                "width": width,
                 "foreign_cpus": r["foreign_cpus"],
             }
         )
@@ -200,6 +238,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 COLUMNS = [
+    ("W", "width", "{}"),
     ("schedule", "schedule", "{}"),
     ("balance", "balance", "{}"),
     ("1 process ms", "baseline_ms", "{:.1f}"),
@@ -213,13 +252,17 @@ COLUMNS = [
     ("predicted/measured", "predicted_over_measured", "{:.2f}"),
     ("predicted 1-process ms", "predicted_baseline_ms", "{:.1f}"),
     ("predicted/measured (1 process)", "predicted_baseline_over_measured", "{:.2f}"),
+    ("calibrated ms", "calibrated_ms", "{:.1f}"),
+    ("calibrated/measured", "calibrated_over_measured", "{:.2f}"),
+    ("calibrated/measured (1 process)", "calibrated_baseline_over_measured", "{:.2f}"),
     ("other load (CPUs)", "foreign_cpus", "{:.2f}"),
 ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--width", type=int, default=512, help=argparse.SUPPRESS)
+    parser.add_argument("--widths", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--worker", nargs=2, metavar=("RANK", "DIR"), help=argparse.SUPPRESS)
@@ -227,11 +270,14 @@ def main() -> None:
     if args.worker:
         worker(int(args.worker[0]), Path(args.worker[1]), args.width, args.warmup, args.repeats)
         return
-    rows = rows_of(run(args.width, args.warmup, args.repeats))
+    rerun_with_stable_malloc("benchmarks.distributed_speedup")
     print("  ".join(title for title, _, _ in COLUMNS))
-    for row in rows:
-        print("  ".join(fmt.format(row[key]).rjust(len(t)) for t, key, fmt in COLUMNS))
-    model = f"{BLOCKS} x (Linear({args.width}, {args.width}) + GELU), batch {BATCH}"
+    rows = []
+    for width in args.widths:
+        for row in rows_of(run(width, args.warmup, args.repeats), width):
+            rows.append(row)
+            print("  ".join(fmt.format(row[key]).rjust(len(t)) for t, key, fmt in COLUMNS))
+    model = f"{BLOCKS} x (Linear(W, W) + GELU), batch {BATCH}"
     meta = {
         "model": model,
         "chunks": CHUNKS,
@@ -243,6 +289,7 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
+        "malloc": MALLOC,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"meta": meta, "rows": rows}, indent=2)
@@ -258,8 +305,11 @@ def main() -> None:
         f"ideal = K·M/(M+K−1) for K={WORLD}. hand-made 1F1B: the same stages driven by a "
         "minimal send/recv 1F1B loop, the floor of what pipelining costs on this host. "
         "predicted: the planner's step time from rank 0's one-thread profile "
-        "(checkpoint='never'). other load: CPUs kept busy by other processes while timing "
-        "(0 on a quiet machine).",
+        "(checkpoint='never'; identical blocks share their median timings). calibrated: the "
+        "same after `calibrate_ranks` measured the gloo link, the runner's overhead and the "
+        "compute scales with both ranks busy (the 1-process baseline uses the scales of one "
+        "process alone). other load: CPUs kept busy by other processes while timing (0 on a "
+        "quiet machine). glibc malloc keeps freed memory (benchmarks/stable_malloc.py).",
         "",
         "| " + " | ".join(title for title, _, _ in COLUMNS) + " |",
         "|" + "---:|" * len(COLUMNS),

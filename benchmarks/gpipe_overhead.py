@@ -9,8 +9,9 @@ The model is 16 blocks of Linear(W, W) + GELU, balance [8, 8] over ['cpu', 'cpu'
 * gpipe: autopipe's GPipe; torchgpipe's too when it is importable.
 
 Repeats are interleaved (each round runs every contender once, in a shuffled order) so load
-changes on the machine hit every contender alike; medians are reported. Results go to
-benchmarks/results/gpipe_overhead.{json,md}.
+changes on the machine hit every contender alike; medians are reported. The run keeps
+freed memory in the process (benchmarks/stable_malloc.py), for every contender alike.
+Results go to benchmarks/results/gpipe_overhead.{json,md}.
 
 Usage: python benchmarks/gpipe_overhead.py [--repeats 40] [--threads 1]
 """
@@ -36,6 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autopipe import GPipe
+from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 64
@@ -139,6 +141,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
+    rerun_with_stable_malloc("benchmarks.gpipe_overhead")
     torch.set_num_threads(args.threads)  # applies to GPipe's workers too
     has_torchgpipe = load_torchgpipe() is not None
     columns = COLUMNS + ([("torchgpipe ms", "torchgpipe_ms", "{:.2f}")] if has_torchgpipe else [])
@@ -159,6 +162,7 @@ def main() -> None:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "torchgpipe": has_torchgpipe,
+        "malloc": MALLOC,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "gpipe_overhead.json").write_text(
@@ -169,7 +173,8 @@ def main() -> None:
         "",
         f"{meta['model']}, devices ['cpu', 'cpu'], checkpoint='never', "
         f"torch.set_num_threads({args.threads}), median of {args.repeats} interleaved repeats, "
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs.",
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs; glibc malloc keeps freed memory "
+        "(benchmarks/stable_malloc.py).",
         "",
         "floor: the plain model on each micro-batch by hand (forward, backward). fill-drain: the "
         "plain model by hand in GPipe's order (all forwards, one backward). µs/mb: extra time "

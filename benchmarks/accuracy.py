@@ -1,0 +1,178 @@
+"""Predicted vs measured step time and peak memory of the plans ``autopipe.search`` ranks.
+
+For each bundled example (examples/mlp.py, examples/convnet.py) on this machine's CPU, one
+thread per process:
+
+1. profile the layers at micro-batch sizes spanning the search's range, and calibrate
+   (executor overhead, and the whole model's steps at several M against the profile,
+   which scales the layers' per-micro-batch and per-sample times);
+2. one device: ``search(profile, devices=1)`` ranks micro-batch counts and checkpoint
+   modes under the GPipe schedule; every ranked configuration runs on the GPipe executor;
+3. two devices: ``search(profile, devices=2)`` ranks K·D <= 2 (pipelines of two stages,
+   two data-parallel replicas, one device) with both schedules; each runs on the
+   distributed runner, two gloo ranks (one-device plans on the GPipe executor), after
+   the ranks measured their link and all-reduce (see benchmarks/accuracy_dist.py).
+
+Step time is forward + backward of one mini-batch (optimizer step excluded, as in the
+planner), the median of interleaved repeats. Memory per stage is parameters, gradients,
+Adam state and buffers counted from the tensors, plus the peak of the bytes autograd holds
+for backward (profiler.live_memory), against the plan's per-stage prediction. The search's
+first choice is compared with the fastest configuration measured. Results go to
+benchmarks/results/accuracy.{json,md}.
+
+The benchmark re-runs itself with glibc malloc keeping freed memory (see
+benchmarks/stable_malloc.py), so that a step's time does not depend on the process's history.
+
+Usage: python -m benchmarks.accuracy [--repeats 15] [--top 6] [--examples mlp convnet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from autopipe import GPipe, search  # noqa: E402
+from autopipe.calibration import measure_overhead  # noqa: E402
+from autopipe.model_file import load_sequential  # noqa: E402
+from autopipe.plans import Plan  # noqa: E402
+from benchmarks.accuracy_measure import (  # noqa: E402
+    compare,
+    interleaved_medians,
+    stage_memory,
+    timed,
+)
+from benchmarks.accuracy_report import write_report  # noqa: E402
+from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
+from profiler.calibrate import store_calibration  # noqa: E402
+from profiler.in_context import measure_compute_scale  # noqa: E402
+from profiler.measure import profile_model  # noqa: E402
+from profiler.profile import Profile  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+EXAMPLES = ("mlp", "convnet")
+CHUNKS = 4  # the profile's M; the search varies it
+
+
+def batch_sizes(batch: int) -> list[int]:
+    """Micro-batch sizes from 1 to the whole batch, doubling: the search's range."""
+    sizes, size = [], 1
+    while size < batch:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, batch]
+
+
+def distinct(plans: list[Plan]) -> list[Plan]:
+    """The ranked plans, each configuration that runs differently once (best rank kept)."""
+    seen, out = set(), []
+    for plan in plans:
+        schedule = plan.schedule if plan.num_stages > 1 else "-"  # one stage: no schedule
+        key = (plan.num_stages, plan.data_parallel, plan.chunks, plan.checkpoint, schedule)
+        if key not in seen:
+            seen.add(key)
+            out.append(plan)
+    return out
+
+
+def profile_and_calibrate(name: str, repeats: int) -> tuple[Any, torch.Tensor, Profile]:
+    model, sample = load_sequential(ROOT / "examples" / f"{name}.py")
+    assert isinstance(sample, torch.Tensor)
+    sizes = batch_sizes(sample.shape[0])
+    print(f"[{name}] profiling {len(model)} layers at batch sizes {sizes}", flush=True)
+    profile = profile_model(model, sample, chunks=CHUNKS, batch_sizes=sizes, repeats=repeats)
+    overhead = measure_overhead(["cpu", "cpu"], repeats=repeats)["overhead_s"]
+    scales = measure_compute_scale(model, sample, profile, repeats=repeats)
+    fixed, per_sample = scales["fixed_scale"], scales["compute_scale"]
+    store_calibration(profile, overhead_s=overhead, compute_scale=per_sample, fixed_scale=fixed)
+    print(
+        f"[{name}] overhead {overhead * 1e6:.0f} µs per micro-batch; layers in a whole step: "
+        f"{fixed:.2f}x per micro-batch, {per_sample:.2f}x per sample",
+        flush=True,
+    )
+    return model, sample, profile
+
+
+def run_executor(model: Any, x: torch.Tensor, plans: list[Plan], repeats: int) -> list[dict]:
+    """Every plan on the GPipe executor on this CPU: medians of interleaved steps."""
+    runs = []
+    for plan in plans:
+        pipe = GPipe(
+            copy.deepcopy(model),
+            plan.balance,
+            devices=["cpu"] * plan.num_stages,
+            chunks=plan.chunks,
+            checkpoint=plan.stages[0].checkpoint,
+        )
+        runs.append((plan, pipe, torch.optim.Adam(pipe.parameters())))
+
+    def stepper(pipe: GPipe, optimizer: torch.optim.Optimizer) -> Any:
+        def step() -> float:
+            optimizer.zero_grad(set_to_none=True)
+            return timed(lambda: pipe(x).float().mean().backward())
+
+        return step
+
+    steps = {str(i): stepper(pipe, opt) for i, (_, pipe, opt) in enumerate(runs)}
+    medians = interleaved_medians(steps, repeats, warmup=3)
+    rows = []
+    for i, (plan, pipe, optimizer) in enumerate(runs):
+        memory = stage_memory([pipe], optimizer, lambda p=pipe: p(x).float().mean().backward())
+        rows.append(compare(plan, medians[str(i)], [memory]))
+        pipe.close()
+    return rows
+
+
+def main() -> None:
+    rerun_with_stable_malloc("benchmarks.accuracy")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--top", type=int, default=6, help="ranked configurations to run")
+    parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=EXAMPLES)
+    parser.add_argument("--no-distributed", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for name in args.examples:
+        model, sample, profile = profile_and_calibrate(name, args.repeats)
+        # The GPipe executor runs GPipe's schedule (1F1B plans would hold other memory).
+        found = search(profile, devices=1, schedules=("gpipe",), top=4 * args.top)
+        plans = distinct(found)[: args.top]
+        print(f"[{name}] one device: running {len(plans)} ranked configurations", flush=True)
+        single = run_executor(model, sample, plans, args.repeats)
+        results[name] = {"calibration": profile.meta["calibration"], "one_device": single}
+        if not args.no_distributed:
+            from benchmarks.accuracy_dist import run_two_ranks
+
+            print(f"[{name}] two devices: spawning 2 ranks", flush=True)
+            results[name]["two_devices"] = run_two_ranks(name, profile, args.top, args.repeats)
+    meta = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "threads": 1,
+        "repeats": args.repeats,
+        "load": os.getloadavg(),
+        "malloc": MALLOC,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "accuracy.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=2) + "\n"
+    )
+    text = write_report(meta, results)
+    (RESULTS / "accuracy.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
