@@ -11,7 +11,8 @@ The model is 16 blocks of Linear(W, W) + GELU, balance [8, 8] over ['cpu', 'cpu'
 Repeats are interleaved (each round runs every contender once, in a shuffled order) so load
 changes on the machine hit every contender alike; medians are reported. The run keeps
 freed memory in the process (benchmarks/stable_malloc.py), for every contender alike.
-Results go to benchmarks/results/gpipe_overhead.{json,md}.
+Results go to benchmarks/results/gpipe_overhead.{json,md}; with ``--system-malloc`` (glibc's
+defaults, which return freed blocks to the OS) to gpipe_overhead_system_malloc.{json,md}.
 
 Usage: python benchmarks/gpipe_overhead.py [--repeats 40] [--threads 1]
 """
@@ -140,8 +141,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--system-malloc", action="store_true", help="keep glibc's defaults")
     args = parser.parse_args()
-    rerun_with_stable_malloc("benchmarks.gpipe_overhead")
+    if not args.system_malloc:
+        rerun_with_stable_malloc("benchmarks.gpipe_overhead")
+    name = "gpipe_overhead_system_malloc" if args.system_malloc else "gpipe_overhead"
     torch.set_num_threads(args.threads)  # applies to GPipe's workers too
     has_torchgpipe = load_torchgpipe() is not None
     columns = COLUMNS + ([("torchgpipe ms", "torchgpipe_ms", "{:.2f}")] if has_torchgpipe else [])
@@ -162,19 +166,21 @@ def main() -> None:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "torchgpipe": has_torchgpipe,
-        "malloc": MALLOC,
+        "malloc": "glibc defaults" if args.system_malloc else MALLOC,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gpipe_overhead.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
-    )
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [
         "# GPipe overhead on the CPU",
         "",
         f"{meta['model']}, devices ['cpu', 'cpu'], checkpoint='never', "
         f"torch.set_num_threads({args.threads}), median of {args.repeats} interleaved repeats, "
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs; glibc malloc keeps freed memory "
-        "(benchmarks/stable_malloc.py).",
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs; "
+        + (
+            "glibc malloc with its defaults (freed blocks go back to the OS)."
+            if args.system_malloc
+            else "glibc malloc keeps freed memory (benchmarks/stable_malloc.py)."
+        ),
         "",
         "floor: the plain model on each micro-batch by hand (forward, backward). fill-drain: the "
         "plain model by hand in GPipe's order (all forwards, one backward). µs/mb: extra time "
@@ -187,7 +193,7 @@ def main() -> None:
         lines.append("| " + " | ".join(fmt.format(row[key]) for _, key, fmt in columns) + " |")
     if not has_torchgpipe:
         lines += ["", "torchgpipe was not importable, so it was not timed."]
-    (RESULTS / "gpipe_overhead.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
