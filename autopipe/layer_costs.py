@@ -147,13 +147,19 @@ class ProfileLines:
         a, b = self.lines[name]
         return a + b * micro_batch
 
-    def at(self, micro_batch: float) -> LayerCosts:
-        """Every figure at ``micro_batch`` samples."""
+    def at(self, micro_batch: float, time_batch: float | None = None) -> LayerCosts:
+        """Every figure at ``micro_batch`` samples (times at ``time_batch`` if given).
+
+        A batch that M does not divide splits into micro-batches of ``ceil(N/M)`` and one
+        fewer samples: memory is safe at the largest, while times summed over the M
+        micro-batches are exact at the mean ``N/M`` (every time is linear in the size).
+        """
         a, b = self.input
+        when = micro_batch if time_batch is None else time_batch
         return LayerCosts(
             names=self.names,
-            forward=self.figure("forward", micro_batch),
-            backward=self.figure("backward", micro_batch),
+            forward=self.figure("forward", when),
+            backward=self.figure("backward", when),
             saved=self.figure("saved", micro_batch),
             output=self.figure("output", micro_batch),
             params=self.params,

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from autopipe.balance import STRATEGIES, baseline_balance
-from autopipe.cost_model import CostModel, LayerCosts, optimizer_factor
+from autopipe.cost_model import CostModel, ProfileLines, optimizer_factor
 from autopipe.devices import DeviceSpec, make_devices
 from autopipe.errors import PlanningError
 from autopipe.exact import optimal_split, step_time
@@ -102,7 +102,7 @@ def build_model(
     micro = math.ceil(replica / m)
     # A mini-batch smaller than M yields fewer, single-sample micro-batches.
     effective = math.ceil(replica / micro)
-    costs = LayerCosts.from_profile(profile, micro)
+    costs = ProfileLines.from_profile(profile).at(micro, time_batch=replica / effective)
     return CostModel(
         costs,
         specs,

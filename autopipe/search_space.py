@@ -26,6 +26,12 @@ class Config:
     micro_batch: int
     checkpoint: str
     schedule: str
+    samples: int = 0  # per replica; 0: ``chunks · micro_batch``
+
+    @property
+    def mean_batch(self) -> float:
+        """Mean micro-batch size: what times are predicted at."""
+        return self.samples / self.chunks if self.samples else float(self.micro_batch)
 
     def label(self) -> str:
         return (
@@ -77,8 +83,8 @@ class Space:
         self.params = self.lines.params
         state = self.params * (2.0 + self.optimizer) + self.lines.buffers
         self.state, self.state_max = float(state.sum()), state
-        self._at: dict[int, tuple[LayerCosts, float, float, float]] = {}
-        self._compute: dict[tuple[int, float], tuple[float, float]] = {}
+        self._at: dict[tuple[int, float], tuple[LayerCosts, float, float, float]] = {}
+        self._compute: dict[tuple[int, float, float], tuple[float, float]] = {}
         self.memory_ends: MemoryCache = {}
 
     def devices(self, stages: int) -> list[DeviceSpec]:
@@ -90,7 +96,7 @@ class Space:
 
     def model(self, config: Config) -> CostModel:
         return CostModel(
-            self.figures(config.micro_batch)[0],
+            self.figures(config.micro_batch, config.mean_batch)[0],
             self.devices(config.stages),
             config.chunks,
             config.checkpoint,
@@ -101,34 +107,35 @@ class Space:
             allreduce_bandwidth=self.allreduce,
         )
 
-    def figures(self, micro: int) -> tuple[LayerCosts, float, float, float]:
-        """Per micro-batch size: the layer costs, smallest boundary, largest single layer's
-        memory and the total saved activations."""
-        if micro not in self._at:
-            costs = self.lines.at(micro)
+    def figures(self, micro: int, mean: float) -> tuple[LayerCosts, float, float, float]:
+        """Per micro-batch size (and mean size, for times): the layer costs, smallest
+        boundary, largest single layer's memory and the total saved activations."""
+        key = (micro, mean)
+        if key not in self._at:
+            costs = self.lines.at(micro, time_batch=mean)
             boundary = float(costs.output[:-1].min()) if len(costs) > 1 else 0.0
             single = float(np.max(self.state_max + costs.saved + costs.peak))
             # Shared bytes count once (more when a cut separates them: a lower bound).
             saved = float((costs.saved - costs.shared_bytes).sum())
-            self._at[micro] = (costs, boundary, single, saved)
-        return self._at[micro]
+            self._at[key] = (costs, boundary, single, saved)
+        return self._at[key]
 
-    def compute(self, micro: int, r: float) -> tuple[float, float]:
+    def compute(self, micro: int, mean: float, r: float) -> tuple[float, float]:
         """Total and largest per-layer compute with a re-computed share ``r``."""
-        key = (micro, r)
+        key = (micro, mean, r)
         if key not in self._compute:
-            costs = self.figures(micro)[0]
+            costs = self.figures(micro, mean)[0]
             layer = costs.forward * (1 + r) + costs.backward
             self._compute[key] = (float(layer.sum()), float(layer.max()))
         return self._compute[key]
 
     def bound(self, config: Config) -> tuple[float, bool]:
         """Tier 1: a lower bound on the configuration's value, and whether it may fit."""
-        costs, boundary, single, saved = self.figures(config.micro_batch)
+        costs, boundary, single, saved = self.figures(config.micro_batch, config.mean_batch)
         k, m = config.stages, config.chunks
         fastest = "never" if config.checkpoint == "auto" else config.checkpoint
         r = {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[fastest]
-        work, largest = self.compute(config.micro_batch, r)
+        work, largest = self.compute(config.micro_batch, config.mean_batch, r)
         send = boundary / self.bandwidth if self.bandwidth and k > 1 else 0.0
         total = work + k * self.overhead + (k - 1) * (send + self.latency)
         bottleneck = max(total / k, largest + self.overhead)
@@ -182,7 +189,7 @@ def configurations(
                     for mode in checkpoints:
                         if _redundant(mode, m, checkpoints):
                             continue
-                        out.append(Config(k, d, m, micro, mode, schedule))
+                        out.append(Config(k, d, m, micro, mode, schedule, replica))
     return out
 
 

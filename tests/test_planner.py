@@ -319,3 +319,17 @@ def test_version_1_plans_still_load(tmp_path):
     assert loaded.version == PLAN_VERSION and loaded.data_parallel == 1
     assert loaded.stage_checkpoints == ["always", "always"]
     assert loaded.balance == result.balance
+
+
+def test_uneven_micro_batches_time_at_the_mean_size_and_memory_at_the_largest():
+    from profiler.profile import LayerProfile, Profile
+
+    # Forward 1 + 0.5·b seconds, backward free; saves 10·b bytes.
+    layer = LayerProfile("l", "Linear", [2.0, 3.0], [0.0, 0.0], [20, 40], [20, 40])
+    profile = Profile(layers=[layer], batch_sizes=[2, 4], input=[8, 16], batch_size=10, chunks=4)
+    result = evaluate(profile, [1], chunks=4, checkpoint="never")
+    # 10 samples in 4 micro-batches of 3, 3, 2, 2: exactly 4·1 + 0.5·10 seconds of work.
+    assert result.micro_batch == 3 and result.chunks == 4
+    assert result.step_time == pytest.approx(4 * 1.0 + 0.5 * 10)
+    # GPipe keeps all four micro-batches' saved bytes, counted at the largest size.
+    assert result.stages[0].activation_memory == pytest.approx(4 * 30)
