@@ -174,19 +174,34 @@ def measure_compute_together(
     repeats: int = 5,
 ) -> dict[str, float]:
     """The compute scales of :func:`profiler.in_context.measure_compute_scale`, measured
-    on every rank at once and averaged.
+    on every rank at once and averaged, and on rank 0 alone.
 
     Ranks that share a host (CPU sockets, memory bandwidth, a GPU's host) slow each other
-    down; timing them together puts that in the scale, as it will be in training.
+    down; timing them together puts that in the scale, as it will be in training. A
+    configuration on a single device runs without that competition: it gets the scales
+    of rank 0 alone (``alone_fixed_scale``, ``alone_compute_scale``).
     """
     from profiler.in_context import measure_compute_scale
 
+    device = _device(group)
     dist.barrier(group=group)
-    found = measure_compute_scale(model, sample, profile, repeats=repeats, device=_device(group))
+    found = measure_compute_scale(model, sample, profile, repeats=repeats, device=device)
     scales = torch.tensor([found["fixed_scale"], found["compute_scale"]], dtype=torch.float64)
     dist.all_reduce(scales, group=group)
     scales /= dist.get_world_size(group)
-    return {"fixed_scale": scales[0].item(), "compute_scale": scales[1].item()}
+    # One rank alone, the others waiting: what a configuration on one device sees.
+    alone: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        single = measure_compute_scale(model, sample, profile, repeats=repeats, device=device)
+        alone[0] = (single["fixed_scale"], single["compute_scale"])
+    source = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
+    dist.broadcast_object_list(alone, src=source, group=group)
+    return {
+        "fixed_scale": scales[0].item(),
+        "compute_scale": scales[1].item(),
+        "alone_fixed_scale": float(alone[0][0]),
+        "alone_compute_scale": float(alone[0][1]),
+    }
 
 
 def calibrate_ranks(

@@ -32,14 +32,17 @@ def _factor(value: object) -> float | None:
     return None
 
 
-def compute_scale(profile: Profile) -> tuple[float, float]:
+def compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]:
     """How much longer layers run inside a training step than alone (calibrated, else 1).
 
     Timed alone, a layer finds its weights and inputs in cache; in a step they were
     evicted by the layers before it. ``autopipe calibrate --model`` measures it on the
     whole model and stores ``meta["calibration"]["fixed_scale"]`` (the factor of each
     layer's per-micro-batch time, the fit's ``a``) and ``compute_scale`` (of its per-sample
-    time, ``b``); with only ``compute_scale`` both parts get it.
+    time, ``b``); with only ``compute_scale`` both parts get it. Measured across ranks
+    (:func:`autopipe.dist_calibration.calibrate_ranks`), these are the scales with every
+    rank busy, and ``alone_fixed_scale`` / ``alone_compute_scale`` those of one rank
+    computing alone, which a configuration on a single device gets (``alone=True``).
 
     Returns:
         ``(fixed_scale, compute_scale)``.
@@ -47,8 +50,9 @@ def compute_scale(profile: Profile) -> tuple[float, float]:
     found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
     if not isinstance(found, dict):
         return 1.0, 1.0
-    per_sample = _factor(found.get("compute_scale")) or 1.0
-    fixed = _factor(found.get("fixed_scale")) or per_sample
+    prefix = "alone_" if alone and _factor(found.get("alone_compute_scale")) else ""
+    per_sample = _factor(found.get(f"{prefix}compute_scale")) or 1.0
+    fixed = _factor(found.get(f"{prefix}fixed_scale")) or per_sample
     return fixed, per_sample
 
 
@@ -124,10 +128,15 @@ class ProfileLines:
     buffers: Array
 
     @classmethod
-    def from_profile(cls, profile: Profile) -> ProfileLines:
-        """Collects the profile's fits (fitting each figure once, then cached)."""
+    def from_profile(cls, profile: Profile, alone: bool = False) -> ProfileLines:
+        """Collects the profile's fits (fitting each figure once, then cached).
+
+        Args:
+            profile: the profile.
+            alone: for a configuration on one device (see :func:`compute_scale`).
+        """
         n = len(profile)
-        scale = compute_scale(profile)
+        scale = compute_scale(profile, alone)
         lines = {}
         for figure in FIGURES:
             fits = np.array([profile.fit(i, figure) for i in range(n)], dtype=float)

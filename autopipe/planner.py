@@ -28,6 +28,8 @@ CALIBRATED = (
     "latency_s",
     "compute_scale",
     "fixed_scale",
+    "alone_compute_scale",
+    "alone_fixed_scale",
     "allreduce_bandwidth",
 )
 
@@ -102,7 +104,9 @@ def build_model(
     micro = math.ceil(replica / m)
     # A mini-batch smaller than M yields fewer, single-sample micro-batches.
     effective = math.ceil(replica / micro)
-    costs = ProfileLines.from_profile(profile).at(micro, time_batch=replica / effective)
+    alone = len(specs) * data_parallel == 1
+    lines = ProfileLines.from_profile(profile, alone)
+    costs = lines.at(micro, time_batch=replica / effective)
     return CostModel(
         costs,
         specs,

@@ -29,6 +29,11 @@ class Config:
     samples: int = 0  # per replica; 0: ``chunks · micro_batch``
 
     @property
+    def alone(self) -> bool:
+        """Whether the configuration occupies a single device."""
+        return self.stages * self.replicas == 1
+
+    @property
     def mean_batch(self) -> float:
         """Mean micro-batch size: what times are predicted at."""
         return self.samples / self.chunks if self.samples else float(self.micro_batch)
@@ -71,6 +76,7 @@ class Space:
     ) -> None:
         self.profile = profile
         self.lines = ProfileLines.from_profile(profile)
+        self.lines_alone = ProfileLines.from_profile(profile, alone=True)
         measured = calibration(profile)
         self.overhead = measured.get("overhead_s", 0.0)
         self.bandwidth = bandwidth or measured.get("bandwidth")
@@ -83,8 +89,8 @@ class Space:
         self.params = self.lines.params
         state = self.params * (2.0 + self.optimizer) + self.lines.buffers
         self.state, self.state_max = float(state.sum()), state
-        self._at: dict[tuple[int, float], tuple[LayerCosts, float, float, float]] = {}
-        self._compute: dict[tuple[int, float, float], tuple[float, float]] = {}
+        self._at: dict[tuple[int, float, bool], tuple[LayerCosts, float, float, float]] = {}
+        self._compute: dict[tuple[int, float, bool, float], tuple[float, float]] = {}
         self.memory_ends: MemoryCache = {}
 
     def devices(self, stages: int) -> list[DeviceSpec]:
@@ -96,7 +102,7 @@ class Space:
 
     def model(self, config: Config) -> CostModel:
         return CostModel(
-            self.figures(config.micro_batch, config.mean_batch)[0],
+            self.figures(config.micro_batch, config.mean_batch, config.alone)[0],
             self.devices(config.stages),
             config.chunks,
             config.checkpoint,
@@ -107,12 +113,16 @@ class Space:
             allreduce_bandwidth=self.allreduce,
         )
 
-    def figures(self, micro: int, mean: float) -> tuple[LayerCosts, float, float, float]:
-        """Per micro-batch size (and mean size, for times): the layer costs, smallest
-        boundary, largest single layer's memory and the total saved activations."""
-        key = (micro, mean)
+    def figures(
+        self, micro: int, mean: float, alone: bool = False
+    ) -> tuple[LayerCosts, float, float, float]:
+        """Per micro-batch size (and mean size, for times; ``alone``: on one device): the
+        layer costs, smallest boundary, largest single layer's memory and the total saved
+        activations."""
+        key = (micro, mean, alone)
         if key not in self._at:
-            costs = self.lines.at(micro, time_batch=mean)
+            lines = self.lines_alone if alone else self.lines
+            costs = lines.at(micro, time_batch=mean)
             boundary = float(costs.output[:-1].min()) if len(costs) > 1 else 0.0
             single = float(np.max(self.state_max + costs.saved + costs.peak))
             # Shared bytes count once (more when a cut separates them: a lower bound).
@@ -120,22 +130,24 @@ class Space:
             self._at[key] = (costs, boundary, single, saved)
         return self._at[key]
 
-    def compute(self, micro: int, mean: float, r: float) -> tuple[float, float]:
+    def compute(self, micro: int, mean: float, alone: bool, r: float) -> tuple[float, float]:
         """Total and largest per-layer compute with a re-computed share ``r``."""
-        key = (micro, mean, r)
+        key = (micro, mean, alone, r)
         if key not in self._compute:
-            costs = self.figures(micro, mean)[0]
+            costs = self.figures(micro, mean, alone)[0]
             layer = costs.forward * (1 + r) + costs.backward
             self._compute[key] = (float(layer.sum()), float(layer.max()))
         return self._compute[key]
 
     def bound(self, config: Config) -> tuple[float, bool]:
         """Tier 1: a lower bound on the configuration's value, and whether it may fit."""
-        costs, boundary, single, saved = self.figures(config.micro_batch, config.mean_batch)
+        costs, boundary, single, saved = self.figures(
+            config.micro_batch, config.mean_batch, config.alone
+        )
         k, m = config.stages, config.chunks
         fastest = "never" if config.checkpoint == "auto" else config.checkpoint
         r = {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[fastest]
-        work, largest = self.compute(config.micro_batch, config.mean_batch, r)
+        work, largest = self.compute(config.micro_batch, config.mean_batch, config.alone, r)
         send = boundary / self.bandwidth if self.bandwidth and k > 1 else 0.0
         total = work + k * self.overhead + (k - 1) * (send + self.latency)
         bottleneck = max(total / k, largest + self.overhead)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +26,11 @@ sys.path.insert(0, str(ROOT))
 
 from autopipe import GPipe, search  # noqa: E402
 from autopipe.dist_calibration import calibrate_ranks  # noqa: E402
-from autopipe.distributed import DistributedPipeline, init_distributed  # noqa: E402
+from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.model_file import load_sequential  # noqa: E402
 from autopipe.plans import Plan  # noqa: E402
 from benchmarks.accuracy_measure import compare, stage_memory  # noqa: E402
+from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
 __all__ = ["run_two_ranks"]
@@ -98,14 +96,7 @@ class _Runner:
 
 
 def worker(name: str, workdir: Path, rank: int, top: int, repeats: int) -> None:
-    torch.set_num_threads(1)
-    init_distributed(
-        "gloo",
-        timeout=timedelta(minutes=10),
-        init_method=f"file://{workdir / 'store'}",
-        rank=rank,
-        world_size=WORLD,
-    )
+    init_rank(workdir, rank, WORLD)
     model, x = load_sequential(ROOT / "examples" / f"{name}.py")
     profile = Profile.load(workdir / "profile.json")
     # With the model: compute scales measured with both ranks busy, as in training.
@@ -152,15 +143,8 @@ def run_two_ranks(name: str, profile: Profile, top: int, repeats: int) -> dict[s
     with tempfile.TemporaryDirectory() as tmp:
         profile.save(Path(tmp) / "profile.json")
         command = [sys.executable, "-m", "benchmarks.accuracy_dist", name, tmp]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         options = [str(top), str(repeats)]
-        procs = [
-            subprocess.Popen([*command, str(r), *options], env=env, cwd=ROOT) for r in range(WORLD)
-        ]
-        if any(p.wait() != 0 for p in procs):
-            raise SystemExit("a benchmark rank failed")
-        result: dict[str, Any] = json.loads((Path(tmp) / "result.json").read_text())
-        return result
+        return spawn_ranks(lambda r: [*command, str(r), *options], WORLD, Path(tmp))
 
 
 if __name__ == "__main__":

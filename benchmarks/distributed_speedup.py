@@ -27,12 +27,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,11 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autopipe.dist_calibration import calibrate_ranks  # noqa: E402
-from autopipe.distributed import DistributedPipeline, init_distributed  # noqa: E402
+from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.planner import evaluate  # noqa: E402
+from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
 from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
-from profiler.calibrate import store_calibration  # noqa: E402
-from profiler.in_context import measure_compute_scale  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -113,38 +110,24 @@ def handmade_step(stage: nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor)
         dist.send(act.grad, 0)  # type: ignore[arg-type]
 
 
-def calibrate(profile: Profile, model: nn.Sequential, x: torch.Tensor, rank: int) -> Any:
-    """Calibrated copies of the profile: for both ranks busy at once, and for one alone.
+def calibrate(profile: Profile, model: nn.Sequential, x: torch.Tensor) -> Profile:
+    """A calibrated copy of the profile (:func:`autopipe.dist_calibration.calibrate_ranks`).
 
     The pipeline runs with both ranks computing, which on one host slows each down; the
-    one-process baseline runs alone. Links, all-reduce and the runner's overhead come
-    from :func:`autopipe.dist_calibration.calibrate_ranks` in both.
+    one-process baseline runs alone. The calibration measures both, and the planner gives
+    the one-device plan the scales of a rank alone.
     """
-    together = Profile.from_dict(profile.to_dict())
-    calibrate_ranks(together, model=model, sample=x, repeats=10)
-    alone = Profile.from_dict(together.to_dict())
-    scales: list[Any] = [None]
-    if rank == 0:
-        found = measure_compute_scale(model, x, profile, repeats=3)
-        scales[0] = {key: found[key] for key in ("fixed_scale", "compute_scale")}
-    dist.broadcast_object_list(scales, src=0)
-    store_calibration(alone, **scales[0])
-    return together, alone
+    calibrated = Profile.from_dict(profile.to_dict())
+    calibrate_ranks(calibrated, model=model, sample=x, repeats=10)
+    return calibrated
 
 
 def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> None:
-    torch.set_num_threads(1)
-    init_distributed(
-        "gloo",
-        timeout=timedelta(minutes=5),
-        init_method=f"file://{workdir / 'store'}",
-        rank=rank,
-        world_size=WORLD,
-    )
+    init_rank(workdir, rank, WORLD, minutes=5)
     x, y = torch.randn(BATCH, width), torch.randn(BATCH, width)
     base = make_model(width)
     profile: Profile | None = None
-    calibrated: tuple[Profile, Profile] | None = None
+    calibrated: Profile | None = None
     out: dict[str, Any] = {}
     for schedule in SCHEDULES:
         pipe = DistributedPipeline(
@@ -153,8 +136,7 @@ def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> N
         )  # fmt: skip
         profile = Profile.from_dict(pipe.plan.profile)
         if calibrated is None:
-            calibrated = calibrate(profile, base, x, rank)
-        together, alone = calibrated
+            calibrated = calibrate(profile, base, x)
         contenders: dict[str, Callable[[], Any]] = {
             "pipeline": partial(pipe.step, x, y),
             "handmade": partial(handmade_step, pipe.module, rank, x, y),
@@ -184,12 +166,12 @@ def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> N
                 profile, [BLOCKS], chunks=CHUNKS, checkpoint="never", schedule=schedule
             ).step_time,
             calibrated=evaluate(
-                together, pipe.plan.balance, chunks=CHUNKS, checkpoint="never", schedule=schedule
+                calibrated, pipe.plan.balance, chunks=CHUNKS, checkpoint="never", schedule=schedule
             ).step_time,
             calibrated_baseline=evaluate(
-                alone, [BLOCKS], chunks=CHUNKS, checkpoint="never", schedule=schedule
+                calibrated, [BLOCKS], chunks=CHUNKS, checkpoint="never", schedule=schedule
             ).step_time,
-            calibration=together.meta["calibration"],
+            calibration=calibrated.meta["calibration"],
         )
     if rank == 0:
         (workdir / "result.json").write_text(json.dumps(out))
@@ -200,11 +182,7 @@ def run(width: int, warmup: int, repeats: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, __file__, "--worker"]
         options = ["--width", str(width), "--warmup", str(warmup), "--repeats", str(repeats)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([*command, str(r), tmp, *options], env=env) for r in range(WORLD)]
-        if any(p.wait() != 0 for p in procs):
-            raise SystemExit("a benchmark worker failed")
-        return json.loads((Path(tmp) / "result.json").read_text())
+        return spawn_ranks(lambda r: [*command, str(r), tmp, *options], WORLD, Path(tmp))
 
 
 def rows_of(result: dict[str, Any], width: int) -> list[dict[str, Any]]:

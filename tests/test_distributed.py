@@ -242,6 +242,7 @@ def test_ranks_calibrate_links_and_runner_alike(equal_run: Any) -> None:
     assert values["latency_s"] >= 0 and values["bandwidth"] > 0
     assert values["allreduce_bandwidth"] > 0 and values["overhead_s"] >= 0
     assert values["compute_scale"] > 0 and values["fixed_scale"] > 0
+    assert values["alone_compute_scale"] > 0 and values["alone_fixed_scale"] > 0
     # The planner charges the measured all-reduce: 2·(D−1)/D · params / bandwidth.
     expected = found[0]["params"] / values["allreduce_bandwidth"]
     assert found[0]["allreduce"] == pytest.approx(expected)

@@ -333,3 +333,19 @@ def test_uneven_micro_batches_time_at_the_mean_size_and_memory_at_the_largest():
     assert result.step_time == pytest.approx(4 * 1.0 + 0.5 * 10)
     # GPipe keeps all four micro-batches' saved bytes, counted at the largest size.
     assert result.stages[0].activation_memory == pytest.approx(4 * 30)
+
+
+def test_single_device_configurations_use_the_scales_of_one_rank_alone():
+    from autopipe import search
+
+    profile = linear_profile([1.0] * 4, batch=8, chunks=2)
+    plain = {k: plan(profile, k, checkpoint="never").step_time for k in (1, 2)}
+    profile.meta["calibration"] = {"compute_scale": 2.0, "alone_compute_scale": 1.0}
+    assert plan(profile, 1, checkpoint="never").step_time == pytest.approx(plain[1])
+    assert plan(profile, 2, checkpoint="never").step_time == pytest.approx(2 * plain[2])
+    found = {
+        (p.num_stages, p.data_parallel, p.chunks): p.step_time
+        for p in search(profile, 2, checkpoints=("never",), schedules=("gpipe",), top=50)
+    }
+    assert found[(1, 1, 2)] == pytest.approx(plain[1])
+    assert found[(2, 1, 2)] == pytest.approx(2 * plain[2])
