@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 P2P_SIZES = (4 << 10, 64 << 10, 1 << 20)
-ALLREDUCE_SIZES = (1 << 20, 8 << 20)
+ALLREDUCE_SIZES = (32 << 20,)
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:
@@ -101,20 +101,24 @@ def measure_allreduce(
     repeats: int = 10,
     warmup: int = 2,
 ) -> dict[str, Any]:
-    """The all-reduce bandwidth of the group, in the planner's ring terms.
+    """The gradient-averaging bandwidth of the group, in the planner's ring terms.
 
-    The planner charges ``2·(D−1)/D · bytes / bandwidth``; the bandwidth reported is the
-    one that makes this match the slowest rank's median all-reduce of the largest size.
+    Times what the replicas do after a step: :func:`autopipe.replicas.all_reduce_mean` of
+    a stage's gradients (several tensors, bucketed into flat buffers), here tensors of
+    the largest size in all. The planner charges ``2·(D−1)/D · bytes / bandwidth``; the
+    bandwidth reported makes this match the slowest rank's median.
     """
+    from autopipe.replicas import all_reduce_mean
+
     device, world = _device(group), dist.get_world_size(group)
     size = max(sizes)
-    data = torch.ones(size // 4, device=device)
+    grads = [torch.ones(size // 32, device=device) for _ in range(8)]
     samples = []
     for i in range(warmup + repeats):
         dist.barrier(group=group)
         _sync(device)
         start = time.perf_counter()
-        dist.all_reduce(data, group=group)
+        all_reduce_mean(grads, group or dist.group.WORLD, world)  # type: ignore[arg-type]
         _sync(device)
         took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
