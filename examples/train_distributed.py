@@ -14,7 +14,9 @@ Several hosts (run on each; GPUs use nccl with ``cuda:LOCAL_RANK``)::
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
         --rdzv-endpoint HOST0:29500 examples/train_distributed.py --chunks 8
 
-Rank 0 profiles the model and plans the split (or ``--plan plan.json`` is used); the last
+Rank 0 profiles the model and plans the split (or ``--plan plan.json`` is used); with
+``--calibrate`` the ranks first measure their links, the runner's overhead and the model's
+compute with every rank busy, so the plan's predicted step time includes them. The last
 stage of replica 0 prints the loss of every step (the mean over all replicas).
 ``--timeout`` bounds how long a rank waits for a failed or stuck peer before it exits with
 an error.
@@ -34,8 +36,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from autopipe.dist_calibration import calibrate_ranks
 from autopipe.distributed import DistributedPipeline, init_distributed
 from autopipe.plans import Plan
+from profiler.measure import profile_model
+from profiler.profile import Profile
 
 
 def build_model(width: int = 256, depth: int = 6, classes: int = 10) -> nn.Sequential:
@@ -59,6 +64,27 @@ def batches(steps: int, batch: int, classes: int = 10) -> list[tuple[torch.Tenso
     return data
 
 
+def calibrated_profile(
+    model: nn.Sequential, sample: torch.Tensor, args: argparse.Namespace
+) -> Profile:
+    """Rank 0's profile of one replica's batch, calibrated on all ranks (the same on each)."""
+    replica = sample[: sample.shape[0] // (args.data_parallel or 1)]
+    shared: list[object] = [None]
+    if dist.get_rank() == 0:
+        shared[0] = profile_model(model, replica, chunks=args.chunks).to_dict()
+    dist.broadcast_object_list(shared, src=0)
+    profile = Profile.from_dict(shared[0])  # type: ignore[arg-type]
+    found = calibrate_ranks(profile, model=model, sample=replica, repeats=10)
+    if dist.get_rank() == 0:
+        print(
+            f"calibrated: message latency {found['latency_s'] * 1e6:.0f} µs, runner overhead "
+            f"{found['overhead_s'] * 1e6:.0f} µs per stage and micro-batch, compute "
+            f"{found['compute_scale']:.2f}x the profile with every rank busy",
+            flush=True,
+        )
+    return profile
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -73,12 +99,16 @@ def main() -> None:
     parser.add_argument("--plan", type=Path, help="a plan JSON to use instead of planning")
     parser.add_argument("--save", type=Path, help="write the trained model's state_dict here")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    parser.add_argument(
+        "--calibrate", action="store_true", help="measure links and compute before planning"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # processes share the host's cores
     device = init_distributed(timeout=timedelta(seconds=args.timeout))
     model = build_model()
     data = batches(args.steps, args.batch)
+    profile = calibrated_profile(model, data[0][0], args) if args.calibrate else None
     pipe = DistributedPipeline(
         model,
         data[0][0],
@@ -88,13 +118,17 @@ def main() -> None:
         plan=Plan.load(args.plan) if args.plan else None,
         device=device,
         data_parallel=args.data_parallel,
+        profile=profile,
     )
     rank = dist.get_rank()
     if rank == 0:
         plan = pipe.plan
         times = [f"{s.time * 1e3:.2f}" for s in plan.stages]
         replicas = f" x {plan.data_parallel} replicas" if plan.data_parallel > 1 else ""
-        line = f"plan: balance {plan.balance}{replicas}, stage ms per micro-batch {times}"
+        line = (
+            f"plan: balance {plan.balance}{replicas}, stage ms per micro-batch {times}, "
+            f"predicted step {plan.step_time * 1e3:.1f} ms"
+        )
         print(line, flush=True)
     print(f"rank {rank}: {pipe}", flush=True)
 
