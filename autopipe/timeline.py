@@ -1,47 +1,27 @@
-"""A plan's pipeline schedule as timed events, and pictures of it (Gantt chart, stage bars).
+"""Pictures of a plan: its schedule as a Gantt chart, and per-stage time bars.
 
-:func:`simulate` replays one training step of a :class:`~autopipe.plans.Plan` as a small
-discrete-event simulation. Each stage runs its micro-batches in the schedule's order
-(GPipe fill–drain or 1F1B); an operation starts when its stage is free and its input has
-arrived. Per micro-batch, stage ``k`` spends:
-
-- ``f_k`` on a forward, then ``t_k`` sending its output to stage ``k+1`` (the stage is busy
-  while it sends, as the cost model charges the send to the stage's time);
-- ``f_k`` on a recompute right before the backward of every checkpointed micro-batch
-  (``always``: all, ``except_last``: all but the last, ``never``: none);
-- ``b_k`` on a backward, whose input gradient arrives at stage ``k-1`` when it ends (the
-  cost model charges one send per micro-batch, so the gradient's trip back is free here).
-
-``f_k`` and ``b_k`` split the plan's ``compute`` in the profile's forward:backward ratio
-(1:2 when the plan carries no profile), so that ``f_k·(1 + r) + b_k + t_k`` is exactly
-the plan's stage time ``c_k``.
-
-How the simulated makespan relates to the plan's ``step_time = Σc + (M−1)·max c``
-(GPipe's formula, which the planner uses for both schedules):
-
-- GPipe, ``checkpoint`` ``always`` or ``never``: equal when each stage's forward (with its
-  send) and backward (with its recompute) are in the same proportion on every stage, e.g.
-  free transfers and layers whose backward is a fixed multiple of their forward; otherwise
-  larger, because forwards and backwards run as two separate phases: the simulation pays
-  ``max f + max b`` where the formula pays ``max (f + b)``.
-- GPipe, ``except_last``: for such proportional stages, within ``(M+K−1)/M · max f``
-  (about one forward) of the formula. The formula spreads the recompute evenly over the M
-  micro-batches; in the schedule the one micro-batch that is not recomputed goes backward
-  first. With balanced stages the simulation is longer by exactly ``(K−1)·f/M``.
-- 1F1B: the same as GPipe when stages are balanced (``always`` or ``never``); with
-  unbalanced stages often shorter, since a stage's backwards need not wait for every
-  forward of the step.
+The events come from :func:`autopipe.simulation.simulate` (re-exported here with the
+other simulation names). matplotlib is optional (the ``plot`` extra) and is imported only
+when a picture is drawn.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autopipe.plans import Plan
+from autopipe.simulation import (
+    KINDS,
+    Event,
+    StageTimes,
+    checkpointed,
+    makespan,
+    simulate,
+    stage_times,
+)
 from autopipe.units import format_time
 
 if TYPE_CHECKING:
@@ -64,7 +44,6 @@ __all__ = [
     "stage_times",
 ]
 
-KINDS = ("forward", "recompute", "backward", "transfer")
 COLORS = {
     "forward": "#4C72B0",
     "recompute": "#8172B3",
@@ -72,224 +51,6 @@ COLORS = {
     "transfer": "#9A9A9A",
 }
 PICTURE_FORMATS = ("png", "svg")
-# Backward takes about twice the forward (gradients of inputs and of weights).
-_DEFAULT_BACKWARD_RATIO = 2.0
-
-
-@dataclass(frozen=True)
-class Event:
-    """One operation of the simulated step.
-
-    Attributes:
-        stage: the stage that runs it.
-        micro_batch: the micro-batch it works on, from 0.
-        kind: ``forward``, ``recompute``, ``backward`` or ``transfer`` (the stage sending
-            its forward output to the next stage).
-        start: seconds from the start of the step.
-        end: seconds from the start of the step.
-    """
-
-    stage: int
-    micro_batch: int
-    kind: str
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class StageTimes:
-    """Seconds one stage spends per micro-batch on each kind of operation.
-
-    Attributes:
-        forward: one forward (also the length of one recompute).
-        backward: one backward.
-        transfer: sending one forward output to the next stage.
-        recompute_fraction: share of micro-batches recomputed, so that
-            ``forward·(1 + recompute_fraction) + backward + transfer`` is the plan's
-            stage time.
-    """
-
-    forward: float
-    backward: float
-    transfer: float
-    recompute_fraction: float
-
-    @property
-    def recompute(self) -> float:
-        """Recompute seconds per micro-batch on average."""
-        return self.forward * self.recompute_fraction
-
-    @property
-    def total(self) -> float:
-        """The stage's cost per micro-batch, as in the plan."""
-        return self.forward + self.recompute + self.backward + self.transfer
-
-
-def checkpointed(plan: Plan, micro_batch: int, stage: int = 0) -> bool:
-    """Whether ``micro_batch`` recomputes its forward in backward on ``stage``.
-
-    A plan with ``checkpoint="auto"`` chooses the mode per stage.
-    """
-    modes = plan.stage_checkpoints if plan.stages else [plan.checkpoint]
-    mode = modes[min(stage, len(modes) - 1)]
-    if mode == "always":
-        return True
-    if mode == "except_last":
-        return micro_batch < plan.chunks - 1
-    return False
-
-
-def _recompute_fraction(plan: Plan, stage: int) -> float:
-    m = plan.chunks
-    return sum(checkpointed(plan, i, stage) for i in range(m)) / m
-
-
-def _layer_times(plan: Plan) -> tuple[list[float], list[float]] | None:
-    """Per-layer forward and backward seconds at the plan's micro-batch, if it has a profile."""
-    if not plan.profile:
-        return None
-    # Imported here: the profile module is light, but plans loaded without one need none.
-    from profiler.profile import Profile
-
-    try:
-        profile = Profile.from_dict(plan.profile)
-    except (ValueError, KeyError, TypeError):
-        return None
-    n = len(profile)
-    if n < max(stage.stop for stage in plan.stages):
-        return None
-    forward = [profile.predict(i, "forward", plan.micro_batch) for i in range(n)]
-    backward = [profile.predict(i, "backward", plan.micro_batch) for i in range(n)]
-    return forward, backward
-
-
-def stage_times(plan: Plan) -> list[StageTimes]:
-    """Splits each stage's predicted time into forward, recompute, backward and transfer.
-
-    The forward:backward ratio comes from the plan's profile (device speed divides both,
-    so it cancels); the parts are then scaled so that they add up to the plan's
-    ``compute`` exactly. Without a usable profile, backward is taken as twice the forward.
-
-    Args:
-        plan: the plan.
-
-    Returns:
-        One entry per stage.
-    """
-    layers = _layer_times(plan)
-    out = []
-    for stage in plan.stages:
-        r = _recompute_fraction(plan, stage.index)
-        f, b = 1.0, _DEFAULT_BACKWARD_RATIO
-        if layers is not None:
-            # A fitted line can dip below zero for a tiny layer; a stage's sum rarely does.
-            lf = max(sum(layers[0][stage.start : stage.stop]), 0.0)
-            lb = max(sum(layers[1][stage.start : stage.stop]), 0.0)
-            if lf + lb > 0:
-                f, b = lf, lb
-        scale = stage.compute / (f * (1.0 + r) + b)
-        out.append(StageTimes(f * scale, b * scale, stage.transfer, r))
-    return out
-
-
-def _orders(plan: Plan) -> list[list[tuple[str, int]]]:
-    """Each stage's operations in the order it runs them: ``("F", i)`` or ``("B", i)``."""
-    k_count, m = plan.num_stages, plan.chunks
-    orders = []
-    for k in range(k_count):
-        if plan.schedule == "1f1b":
-            # Warm-up fills the pipeline below this stage; then one forward, one backward.
-            warmup = min(k_count - k - 1, m)
-            order = [("F", i) for i in range(warmup)]
-            for j in range(m - warmup):
-                order += [("F", warmup + j), ("B", j)]
-            order += [("B", i) for i in range(m - warmup, m)]
-        else:
-            # GPipe: all forwards, then backwards in reverse (autograd's order).
-            order = [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-        orders.append(order)
-    return orders
-
-
-def simulate(plan: Plan) -> list[Event]:
-    """Simulates one training step of ``plan`` under its schedule.
-
-    A forward of micro-batch ``i`` on stage ``k`` starts when stage ``k`` is free and
-    stage ``k−1`` has finished (and sent) micro-batch ``i``; a backward starts when the
-    stage is free and stage ``k+1`` has finished the backward of ``i`` (on the last stage:
-    its own forward of ``i``). A checkpointed micro-batch recomputes its forward right
-    before its backward. See the module docstring for how the makespan compares with the
-    plan's ``step_time``.
-
-    Args:
-        plan: the plan; its ``schedule`` (``gpipe`` or ``1f1b``), ``chunks`` and
-            ``checkpoint`` set the order of operations, its stage times their lengths.
-
-    Returns:
-        Every event of the step, ordered by start time then stage. Zero-length transfers
-        are left out.
-
-    Raises:
-        ValueError: the plan's schedule is unknown.
-    """
-    if plan.schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"unknown schedule {plan.schedule!r}: choose gpipe or 1f1b")
-    times = stage_times(plan)
-    orders = _orders(plan)
-    k_count = plan.num_stages
-    # When each stage's forward output / backward gradient of micro-batch i is available.
-    sent: dict[tuple[int, int], float] = {}
-    grads: dict[tuple[int, int], float] = {}
-    free = [0.0] * k_count
-    position = [0] * k_count
-    events: list[Event] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for k in range(k_count):
-            t = times[k]
-            while position[k] < len(orders[k]):
-                op, i = orders[k][position[k]]
-                if op == "F":
-                    ready = 0.0 if k == 0 else sent.get((k - 1, i))
-                else:
-                    ready = sent.get((k, i)) if k == k_count - 1 else grads.get((k + 1, i))
-                if ready is None:  # waits on another stage; come back on the next sweep
-                    break
-                start = max(free[k], ready)
-                if op == "F":
-                    end = start + t.forward
-                    events.append(Event(k, i, "forward", start, end))
-                    if k < k_count - 1 and t.transfer > 0:
-                        events.append(Event(k, i, "transfer", end, end + t.transfer))
-                        end += t.transfer
-                    sent[(k, i)] = end
-                else:
-                    if checkpointed(plan, i, k):
-                        events.append(Event(k, i, "recompute", start, start + t.forward))
-                        start += t.forward
-                    end = start + t.backward
-                    events.append(Event(k, i, "backward", start, end))
-                    grads[(k, i)] = end
-                free[k] = end
-                position[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the two schedules above; guards edits
-            raise RuntimeError("the pipeline schedule deadlocks")
-    events.sort(key=lambda e: (e.start, e.stage, KINDS.index(e.kind)))
-    return events
-
-
-def makespan(events: Sequence[Event]) -> float:
-    """Seconds from the first event's start to the last event's end (0 for none)."""
-    if not events:
-        return 0.0
-    return max(e.end for e in events) - min(e.start for e in events)
 
 
 # ----------------------------------------------------------------------------------------
