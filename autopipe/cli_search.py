@@ -171,6 +171,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
                 f"{args.model} has {len(model)} layers but the profile has {len(profile)}: "
                 "pass the model file the profile was made from"
             )
+    if sys.stderr.isatty():  # progress for a person; errors stay one line in logs
+        what = "executor overhead, link" + (f", whole steps of {args.model}" if model else "")
+        print(f"calibrating: {what} ({args.repeats} repeats each)...", file=sys.stderr)
     try:
         values = calibrate(profile, devices, repeats=args.repeats, model=model, sample=sample)
     except (RuntimeError, AssertionError) as exc:  # e.g. a device torch cannot use
