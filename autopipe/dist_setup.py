@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.dist_stage import LossRecorder, compare_fingerprints, layer_output_specs
+from autopipe.dist_virtual import check_virtual
 from autopipe.dist_wrap import shared_state
 from autopipe.planner import plan as make_plan
 from autopipe.plans import Plan
@@ -180,14 +181,21 @@ def check_sizes(
     chunks: int,
     *,
     data_parallel: int = 1,
+    virtual_stages: int = 1,
 ) -> None:
-    """Checks that the stages (K), replicas (D), layers, plan and schedule fit together.
+    """Checks that the stages (K), replicas (D), virtual stages (v), layers, plan and
+    schedule fit together; ``num_stages`` is K, the ranks of one pipeline.
 
     Raises:
         ValueError: they do not (the same on every rank, as the arguments agree).
     """
-    k, d = num_stages, data_parallel
-    if plan is not None and plan.num_stages != k:
+    k, d, v = num_stages, data_parallel, virtual_stages
+    if plan is not None and plan.num_stages != k * v:
+        if v > 1:
+            raise ValueError(
+                f"the plan has {plan.num_stages} stages but virtual_stages={v} on {k} ranks "
+                f"per pipeline runs K·v = {k * v}; re-plan for {k * v} stages"
+            )
         if d == 1:
             raise ValueError(
                 f"the plan has {plan.num_stages} stages but the process group has {k} ranks; "
@@ -200,9 +208,12 @@ def check_sizes(
         )
     if plan is not None and sum(plan.balance) != layers:
         raise ValueError(f"the plan splits {sum(plan.balance)} layers; the model has {layers}")
-    if layers < k:
-        raise ValueError(f"cannot split {layers} layers into {k} stages (one per rank)")
-    if schedule == "1f1b" and chunks < k:
+    if layers < k * v:
+        per = "one per rank" if v == 1 else f"{v} per rank"
+        raise ValueError(f"cannot split {layers} layers into {k * v} stages ({per})")
+    if v > 1:
+        check_virtual(k, v, schedule, chunks)
+    elif schedule == "1f1b" and chunks < k:
         per = "ranks" if d == 1 else "stages"
         raise ValueError(
             f"1f1b needs chunks >= the number of stages; got chunks={chunks} for {k} {per} "
@@ -224,7 +235,7 @@ def setup_on_rank0(
     Args:
         sequential: the model.
         sample: one mini-batch of one pipeline (a replica's shard when there are several).
-        num_stages: the number of stages (K).
+        num_stages: the number of stages to plan (K, or K·v with virtual stages).
         device: where to profile.
         plan: the given plan, or ``None`` to plan.
         profile: the given profile, or ``None`` to profile the model on ``device``.

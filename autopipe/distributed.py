@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -10,8 +9,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from autopipe.dist_setup import (
     LossRecorder,
@@ -26,11 +23,15 @@ from autopipe.dist_setup import (
     setup_on_rank0,
     share_setup,
 )
-from autopipe.dist_stage import (
-    StageModule,
-    example_tensors,
-    fingerprint,
-    merge_state_dicts,
+from autopipe.dist_stage import fingerprint, merge_state_dicts
+from autopipe.dist_virtual import (
+    SCHEDULES,
+    RankStages,
+    build_stages,
+    make_schedule,
+    stage_indices,
+    stage_states,
+    virtual_problem,
 )
 from autopipe.dist_wrap import original_names, prepare_model
 from autopipe.plans import Plan
@@ -46,12 +47,6 @@ from autopipe.replicas import (
 
 __all__ = ["SCHEDULES", "DistributedPipeline", "init_distributed", "merge_state_dicts"]
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def _supported(function: Callable[..., Any], name: str) -> bool:
-    return name in inspect.signature(function).parameters
-
 
 class DistributedPipeline:
     """This rank's stage of a planned pipeline, trained with a torch pipelining schedule.
@@ -66,8 +61,13 @@ class DistributedPipeline:
     :attr:`module`, on :attr:`device`, under the original parameter names, so an ordinary
     optimizer over ``module.parameters()`` trains it.
 
+    With ``virtual_stages=v`` > 1 the K ranks of a pipeline run K·v interleaved stages,
+    :attr:`stage_indices` on this rank, all held by :attr:`module` (see
+    :mod:`autopipe.dist_virtual`); the plan balances the K·v stages, and as the cost model
+    does not model interleaving, its predicted times are those of a K·v-stage pipeline.
+
     Before anything else the ranks exchange a fingerprint of their arguments (layer and
-    parameter names and shapes, chunks, schedule, sample shapes, D, the given plan): any
+    parameter names and shapes, chunks, schedule, sample shapes, D, v, the given plan): any
     difference, an invalid argument on any rank, a group size that is not a multiple of D,
     or a plan made for another stage count or D is raised as ``ValueError`` on every rank.
     Waits on other ranks are bounded by the process group's timeout (see
@@ -96,9 +96,10 @@ class DistributedPipeline:
             returns it; the mini-batch loss and gradients are those of the mean over the
             micro-batches.
         chunks: micro-batches per mini-batch (M).
-        schedule: ``1f1b`` (default; needs ``chunks >= K``) or ``gpipe``.
-        plan: a plan to use instead of planning; its stage count must be K (the group's
-            size divided by D).
+        schedule: ``1f1b`` (default; needs ``chunks >= K``, or with v > 1 chunks a
+            multiple of ``max(1, chunks // K)``) or ``gpipe``.
+        plan: a plan to use instead of planning; its stage count must be K·v (K: the
+            group's size divided by D).
         group: the process group (default: the world).
         device: this rank's device (default: the current CUDA device under ``nccl``, else
             the CPU).
@@ -108,6 +109,8 @@ class DistributedPipeline:
             ``optimizer``, ``bandwidth``).
         data_parallel: pipeline replicas (D; default: the plan's ``data_parallel`` when a
             plan is given, else 1). Rank 0 plans for D replicas and the global batch.
+        virtual_stages: stages per rank (v; default 1). With v > 1 rank 0 plans K·v
+            stages and the interleaved schedules run them.
 
     Raises:
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
@@ -129,6 +132,7 @@ class DistributedPipeline:
         memory: Any = None,
         plan_options: Mapping[str, Any] | None = None,
         data_parallel: int | None = None,
+        virtual_stages: int = 1,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -144,6 +148,8 @@ class DistributedPipeline:
         self.device = torch.device(device) if device is not None else default_device(group)
         self.chunks = chunks
         self.schedule_name = schedule
+        self.virtual_stages = virtual_stages
+        self.stage_indices: list[int] = []
         self.batch_size = 0
         self._steps = 0
         self._broken = False
@@ -155,14 +161,16 @@ class DistributedPipeline:
             sample = self._model.sample
             problem = check_arguments(layers, sample, chunks, schedule, loss_fn, plan)
             problem = problem or data_parallel_problem(self.data_parallel)
+            problem = problem or virtual_problem(virtual_stages)
         except ValueError as exc:
             layers, problem = OrderedDict(), str(exc)
         settings = {} if problem else fingerprint_settings(sample, chunks, schedule, plan, profile)
         settings["data_parallel"] = self.data_parallel
+        settings["virtual_stages"] = virtual_stages
         agree(self.rank, world, problem, fingerprint(layers, **settings) if not problem else {})
-        d = self.data_parallel
+        d, v = self.data_parallel, virtual_stages
         k = check_layout(world, d, data_parallel, plan)
-        check_sizes(k, len(layers), plan, schedule, chunks, data_parallel=d)
+        check_sizes(k, len(layers), plan, schedule, chunks, data_parallel=d, virtual_stages=v)
         # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
         self.batch_size, sample = replica_sample(sample, d, chunks, plan)
         self.layout = layout = make_layout(group, d, self.device)
@@ -173,7 +181,7 @@ class DistributedPipeline:
         sequential = self._model.sequential
 
         def make() -> tuple[Any, BaseException | None]:
-            return setup_on_rank0(sequential, sample, k, self.device, plan, profile, options)
+            return setup_on_rank0(sequential, sample, k * v, self.device, plan, profile, options)
 
         self.plan, specs = share_setup(self.rank, group, self.device, make)
         self._build(layers, sample, specs, loss_fn, model)
@@ -186,48 +194,34 @@ class DistributedPipeline:
         loss_fn: Any,
         model: nn.Module,
     ) -> None:
-        stage = self.plan.stages[self.stage_index]
-        names = list(layers)[stage.start : stage.stop]
-        tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
-        if stage.start == 0:
-            micro = self.batch_size // self.chunks
-            inputs = [((micro, *t.shape[1:]), t.dtype, t.requires_grad) for t in tensors]
-            tuple_input = not isinstance(sample, Tensor)
-        else:
-            inputs, tuple_input = specs[stage.start - 1]
-        self.module = StageModule(((n, layers[n]) for n in names), tuple_input=tuple_input)
+        k, micro = self.num_stages, self.batch_size // self.chunks
+        self.stage_indices = stage_indices(self.stage_index, k, self.virtual_stages)
+        self.module, stages = build_stages(
+            layers, self.plan, self.stage_indices, sample, specs, micro
+        )
         self._original = original_names(self.module, model)  # before moving replaces buffers
         self.module.to(self.device)
         self._sync = ReplicaSync(self.module, self.layout)
         collective(self.rank, "receive replica 0's state", self._sync.broadcast_state)
-        self.stage = PipelineStage(
-            self.module,
-            self.stage_index,
-            self.num_stages,
-            self.device,
-            input_args=example_tensors(inputs, self.device),
-            output_args=example_tensors(specs[stage.stop - 1][0], self.device),
-            group=self.layout.pipeline,
-        )
         if self._model.wrapped:  # the loss sees the model's outputs, not the flat tensors
             rebuild, inner = self._model.rebuild, loss_fn
             loss_fn = lambda out, tgt: inner(rebuild(out, self.module.training), tgt)  # noqa: E731
         self._loss = LossRecorder(loss_fn, self.chunks)
-        cls = SCHEDULES[self.schedule_name]
-        # Scaling by 1/M in the loss rather than dividing .grad after the step keeps
-        # gradients that were accumulated before the step untouched.
-        extra: dict[str, Any] = {"scale_grads": False} if _supported(cls, "scale_grads") else {}
-        self.schedule = cls(self.stage, self.chunks, loss_fn=self._loss, **extra)
-        self._step_extra = (
-            {"return_outputs": False} if _supported(cls.step, "return_outputs") else {}
+        total, group = k * self.virtual_stages, self.layout.pipeline
+        self.schedule, self.stages, self._step_extra = make_schedule(
+            self.schedule_name, stages, total, self.device, group, self.chunks, self._loss
         )
+        self.stage = self.stages[0]
 
+    # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1.
     @property
     def is_first(self) -> bool:
+        """Whether this rank holds the first stage (and reads the inputs)."""
         return self.stage_index == 0
 
     @property
     def is_last(self) -> bool:
+        """Whether this rank holds the last stage (reads the targets, returns the loss)."""
         return self.stage_index == self.num_stages - 1
 
     def step(self, inputs: Any = None, target: Any = None) -> Tensor | None:
@@ -300,18 +294,26 @@ class DistributedPipeline:
         values are replica 0's stages' (the replicas are kept identical).
         """
         first = self.replica_index == 0
-        state = {k: v.detach().cpu() for k, v in self.state_dict().items()} if first else {}
+        state = stage_states(self.module, self.stage_indices, self._original) if first else []
         world = self.num_stages * self.data_parallel
         parts: list[Any] | None = [None] * world if self.rank == dst else None
         target = dist.get_global_rank(self.group or dist.group.WORLD, dst)  # type: ignore[arg-type]
         what, gather = "gather the state", dist.gather_object
         collective(self.rank, what, gather, state, parts, dst=target, group=self.group)
-        return merge_state_dicts(parts[: self.num_stages]) if parts is not None else None
+        if parts is None:
+            return None
+        # In stage order, so that the keys come in the original model's order.
+        pairs = [pair for part in parts[: self.num_stages] for pair in part]
+        stages = sorted(pairs, key=lambda pair: pair[0])
+        return merge_state_dicts(state for _, state in stages)
 
     def __repr__(self) -> str:
-        layers = ", ".join(self.module._modules)
+        module = self.module
+        names = module.layer_names() if isinstance(module, RankStages) else list(module._modules)
+        v = self.virtual_stages
+        virtual = f", virtual_stages={v} {self.stage_indices}" if v > 1 else ""
         return (
-            f"DistributedPipeline(stage {self.stage_index}/{self.num_stages}, replica "
-            f"{self.replica_index}/{self.data_parallel}, layers [{layers}], "
+            f"DistributedPipeline(stage {self.stage_index}/{self.num_stages}{virtual}, replica "
+            f"{self.replica_index}/{self.data_parallel}, layers [{', '.join(names)}], "
             f"{self.schedule_name}, chunks={self.chunks}, device={self.device})"
         )

@@ -9,6 +9,11 @@ Two replicas of a two-stage pipeline on four processes (K·D ranks; ranks 0-1 ar
 
     torchrun --nproc-per-node 4 examples/train_distributed.py --data-parallel 2
 
+Two virtual stages per rank, interleaved (four stages on two processes; rank 0 holds
+stages 0 and 2, rank 1 stages 1 and 3)::
+
+    torchrun --nproc-per-node 2 examples/train_distributed.py --virtual-stages 2
+
 Several hosts (run on each; GPUs use nccl with ``cuda:LOCAL_RANK``)::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
@@ -96,6 +101,9 @@ def main() -> None:
     parser.add_argument(
         "--data-parallel", type=int, default=None, help="replicas D (default: the plan's, or 1)"
     )
+    parser.add_argument(
+        "--virtual-stages", type=int, default=1, help="stages per rank v, interleaved (default 1)"
+    )
     parser.add_argument("--plan", type=Path, help="a plan JSON to use instead of planning")
     parser.add_argument("--save", type=Path, help="write the trained model's state_dict here")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
@@ -118,6 +126,7 @@ def main() -> None:
         plan=Plan.load(args.plan) if args.plan else None,
         device=device,
         data_parallel=args.data_parallel,
+        virtual_stages=args.virtual_stages,
         profile=profile,
     )
     rank = dist.get_rank()

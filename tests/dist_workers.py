@@ -273,6 +273,39 @@ def _replicas(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+def _virtual(rank: int) -> dict[str, Any]:
+    """Two virtual stages per rank (K·v stages), both schedules, and the checks of v."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planner import evaluate
+    from profiler.profile import Profile
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    options: dict[str, Any] = {"loss_fn": loss_fn, "virtual_stages": 2}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = DistributedPipeline(make_model(), x, chunks=CHUNKS, schedule=schedule, **options)
+        result = _train(pipe, x, y)
+        result["state"] = pipe.gather_state_dict()
+        result["layout"] = (pipe.stage_indices, pipe.is_first, pipe.is_last, repr(pipe))
+        result["optimized"] = sum(p.numel() for p in pipe.module.parameters())
+        results[schedule] = result
+    profile = Profile.from_dict(pipe.plan.profile)
+    errors = {}
+    cases = {
+        "stages": {"plan": evaluate(profile, [4, 4], chunks=CHUNKS), "sample": x},
+        "chunks": {"chunks": 5, "sample": x[:10]},  # 2 rounds of 2 or 3 micro-batches
+        "ranks": {"virtual_stages": 2 if rank else 3, "sample": x},
+    }
+    for name, case in cases.items():
+        case = {"chunks": CHUNKS, "profile": profile, **options, **case}
+        try:
+            DistributedPipeline(make_model(), case.pop("sample"), **case)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    results["errors"] = errors
+    return results
+
+
 def _failing(rank: int, world: int, stay: bool) -> None:
     from autopipe.distributed import DistributedPipeline
 
@@ -309,6 +342,8 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     _init(workdir, rank, world, timeout=60.0)
     if scenario == "equal":
         torch.save(_equal(rank, world), workdir / f"rank{rank}.pt")
+    elif scenario == "virtual":
+        torch.save(_virtual(rank), workdir / f"rank{rank}.pt")
     elif scenario == "replicas":
         torch.save(_replicas(rank, world), workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):
