@@ -85,13 +85,17 @@ def distinct(plans: list[Plan]) -> list[Plan]:
     return out
 
 
-def profile_and_calibrate(name: str, repeats: int) -> tuple[Any, torch.Tensor, Profile]:
+def profile_and_calibrate(
+    name: str, repeats: int, device: str
+) -> tuple[Any, torch.Tensor, Profile]:
     model, sample = load_sequential(ROOT / "examples" / f"{name}.py")
     assert isinstance(sample, torch.Tensor)
     sizes = batch_sizes(sample.shape[0])
-    print(f"[{name}] profiling {len(model)} layers at batch sizes {sizes}", flush=True)
-    profile = profile_model(model, sample, chunks=CHUNKS, batch_sizes=sizes, repeats=repeats)
-    overhead = measure_overhead(["cpu", "cpu"], repeats=repeats)["overhead_s"]
+    print(f"[{name}] profiling {len(model)} layers on {device} at batch sizes {sizes}", flush=True)
+    profile = profile_model(
+        model, sample, device=device, chunks=CHUNKS, batch_sizes=sizes, repeats=repeats
+    )
+    overhead = measure_overhead([device, device], repeats=repeats)["overhead_s"]
     scales = measure_compute_scale(model, sample, profile, repeats=repeats)
     fixed, per_sample = scales["fixed_scale"], scales["compute_scale"]
     store_calibration(profile, overhead_s=overhead, compute_scale=per_sample, fixed_scale=fixed)
@@ -103,14 +107,18 @@ def profile_and_calibrate(name: str, repeats: int) -> tuple[Any, torch.Tensor, P
     return model, sample, profile
 
 
-def run_executor(model: Any, x: torch.Tensor, plans: list[Plan], repeats: int) -> list[dict]:
-    """Every plan on the GPipe executor on this CPU: medians of interleaved steps."""
+def run_executor(
+    model: Any, x: torch.Tensor, plans: list[Plan], repeats: int, device: str
+) -> list[dict]:
+    """Every plan on the GPipe executor on ``device``: medians of interleaved steps."""
+    dev = torch.device(device)
+    x = x.to(dev)
     runs = []
     for plan in plans:
         pipe = GPipe(
             copy.deepcopy(model),
             plan.balance,
-            devices=["cpu"] * plan.num_stages,
+            devices=[dev] * plan.num_stages,
             chunks=plan.chunks,
             checkpoint=plan.stages[0].checkpoint,
         )
@@ -119,7 +127,7 @@ def run_executor(model: Any, x: torch.Tensor, plans: list[Plan], repeats: int) -
     def stepper(pipe: GPipe, optimizer: torch.optim.Optimizer) -> Any:
         def step() -> float:
             optimizer.zero_grad(set_to_none=True)
-            return timed(lambda: pipe(x).float().mean().backward())
+            return timed(lambda: pipe(x).float().mean().backward(), dev)
 
         return step
 
@@ -127,7 +135,8 @@ def run_executor(model: Any, x: torch.Tensor, plans: list[Plan], repeats: int) -
     medians = interleaved_medians(steps, repeats, warmup=3)
     rows = []
     for i, (plan, pipe, optimizer) in enumerate(runs):
-        memory = stage_memory([pipe], optimizer, lambda p=pipe: p(x).float().mean().backward())
+        step = lambda p=pipe: p(x).float().mean().backward()  # noqa: E731
+        memory = stage_memory([pipe], optimizer, step, dev)
         rows.append(compare(plan, medians[str(i)], [memory]))
         pipe.close()
     return rows
@@ -140,23 +149,28 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=6, help="ranked configurations to run")
     parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=EXAMPLES)
     parser.add_argument("--no-distributed", action="store_true")
+    parser.add_argument(
+        "--device", default="cpu", help="cuda:0 for the GPU (the two-rank part then is skipped)"
+    )
     args = parser.parse_args()
+    distributed = not args.no_distributed and args.device == "cpu"
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for name in args.examples:
-        model, sample, profile = profile_and_calibrate(name, args.repeats)
+        model, sample, profile = profile_and_calibrate(name, args.repeats, args.device)
         # The GPipe executor runs GPipe's schedule (1F1B plans would hold other memory).
         found = search(profile, devices=1, schedules=("gpipe",), top=4 * args.top)
         plans = distinct(found)[: args.top]
         print(f"[{name}] one device: running {len(plans)} ranked configurations", flush=True)
-        single = run_executor(model, sample, plans, args.repeats)
+        single = run_executor(model, sample, plans, args.repeats, args.device)
         results[name] = {"calibration": profile.meta["calibration"], "one_device": single}
-        if not args.no_distributed:
+        if distributed:
             from benchmarks.accuracy_dist import run_two_ranks
 
             print(f"[{name}] two devices: spawning 2 ranks", flush=True)
             results[name]["two_devices"] = run_two_ranks(name, profile, args.top, args.repeats)
     meta = {
+        "device": profile.device_name,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
@@ -166,11 +180,12 @@ def main() -> None:
         "malloc": MALLOC,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "accuracy.json").write_text(
+    stem = "accuracy" if args.device == "cpu" else "accuracy_cuda"
+    (RESULTS / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=2) + "\n"
     )
     text = write_report(meta, results)
-    (RESULTS / "accuracy.md").write_text(text)
+    (RESULTS / f"{stem}.md").write_text(text)
     print(text)
 
 

@@ -36,19 +36,36 @@ def state_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer) 
 
 
 def stage_memory(
-    modules: list[nn.Module], optimizer: torch.optim.Optimizer, step: Callable[[], Any]
+    modules: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], Any],
+    device: torch.device | None = None,
 ) -> dict[str, int]:
     """Runs ``step`` (forward + backward) once, then the optimizer, and measures memory.
 
+    On CUDA the step's own peak comes from the allocator: what it allocated above what
+    was resident before it (every model copy's state, this one's gradients and optimizer
+    state included), which counts transient buffers too.
+
     Returns:
-        ``{"state": bytes, "activations": peak saved bytes, "total": their sum}``.
+        ``{"state": bytes, "activations": peak saved bytes, "total": state + the step's
+        peak (CUDA) or + the saved bytes (elsewhere)}``.
     """
     optimizer.zero_grad(set_to_none=False)
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     with SavedMemory.of_modules(*modules) as saved:
         step()
+    extra = saved.peak
+    if cuda:
+        torch.cuda.synchronize(device)
+        extra = torch.cuda.max_memory_allocated(device) - before
     optimizer.step()
     state = state_bytes(modules, optimizer)
-    return {"state": state, "activations": saved.peak, "total": state + saved.peak}
+    return {"state": state, "activations": saved.peak, "total": state + extra}
 
 
 def interleaved_medians(
@@ -70,9 +87,15 @@ def interleaved_medians(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def timed(function: Callable[[], Any]) -> float:
+def timed(function: Callable[[], Any], device: torch.device | None = None) -> float:
+    """Seconds of ``function()``, waiting for a CUDA device to finish its work."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     function()
+    if cuda:
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 

@@ -58,7 +58,8 @@ def write_report(meta: dict[str, Any], results: dict[str, Any]) -> str:
     lines = [
         "# Planner accuracy: predicted vs measured",
         "",
-        f"CPU only, {meta['cpus']} CPUs, torch {meta['torch']}, Python {meta['python']}, one "
+        f"{meta.get('device', 'CPU')}, {meta['cpus']} CPUs, torch {meta['torch']}, Python "
+        f"{meta['python']}, one "
         f"thread per process, medians of {meta['repeats']} interleaved steps; load average "
         f"at the end {load}. Step time is forward + backward of one mini-batch; memory per "
         "stage is parameters + gradients + Adam state + buffers + the peak of the bytes "

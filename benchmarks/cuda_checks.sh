@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one short run: the CUDA tests (GPipe on CUDA streams, two
+# partitions on cuda:0; copy streams), the profiler on CUDA (events, allocator peak, cold
+# caches) and the planner's accuracy with the GPipe executor on the GPU.
+#
+# Usage: bash benchmarks/cuda_checks.sh [OUT_DIR]   (default: benchmarks/results/cuda)
+# Writes cuda_tests.log, profile_mlp_cuda.json, accuracy_cuda.{md,json} and gpu.txt there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-benchmarks/results/cuda}"
+mkdir -p "$out"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+python -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" >> "$out/gpu.txt"
+
+# Every test that needs CUDA, and the rest of the executor's tests on the same build.
+python -m pytest -q -rs tests/test_gpipe.py tests/test_transfer.py tests/test_profiler.py \
+    2>&1 | tee "$out/cuda_tests.log"
+
+python -m autopipe profile examples/mlp.py --device cuda:0 -o "$out/profile_mlp_cuda.json" \
+    2>&1 | tail -n 3
+python -m autopipe plan --profile "$out/profile_mlp_cuda.json" --stages 2 2>&1 | tee "$out/plan_mlp_cuda.txt"
+
+python -m benchmarks.accuracy --device cuda:0 --repeats 10 --top 4 2>&1 | tail -n 40
+cp benchmarks/results/accuracy_cuda.* "$out/" 2>/dev/null || true
