@@ -24,6 +24,10 @@ __all__ = [
 BAR_WIDTH = 20
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def bar(fraction: float, width: int = BAR_WIDTH) -> str:
     """A text bar of ``width`` characters, ``#`` filled in proportion to ``fraction``.
 
@@ -89,11 +93,11 @@ def render_header(plan: Plan) -> str:
     if device_name and device_name not in devices:
         where += f" ({device_name})"
     batch = (plan.batch_size or profile.get("batch_size")) if profile else None
-    micro = f"{plan.chunks} micro-batches of {plan.micro_batch}"
+    micro = f"{_count(plan.chunks, 'micro-batch', 'micro-batches')} of {plan.micro_batch}"
     if plan.data_parallel > 1:
         micro += " per replica"
     split = f"batch {batch} as {micro}" if batch else micro
-    stages = f"{plan.num_stages} stages [{where}]"
+    stages = f"{_count(plan.num_stages, 'stage', 'stages')} [{where}]"
     if plan.data_parallel > 1:
         stages += f" x {plan.data_parallel} data-parallel replicas"
     first = f"{layers} layers on {stages}, {split}"
@@ -164,7 +168,8 @@ def render_summary(plan: Plan) -> str:
         ),
         (
             "step time",
-            f"{format_time(plan.step_time)} per mini-batch ({plan.chunks} micro-batches)",
+            f"{format_time(plan.step_time)} per mini-batch "
+            f"({_count(plan.chunks, 'micro-batch', 'micro-batches')})",
         ),
         ("bubble", f"{plan.bubble:.1%} of the step idle"),
         ("efficiency", f"{plan.efficiency:.1%} of the pipeline busy"),

@@ -319,7 +319,7 @@ def test_search(capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path
     assert "the best plan:" in out and "balance" in out
     best = Plan.load(out_file)
     assert best.num_devices <= 4 and best.throughput > 0
-    assert f"{best.num_stages} stages" in out
+    assert f"{best.num_stages} stage{'' if best.num_stages == 1 else 's'}" in out
     assert "plan written to" in err
 
 
