@@ -15,6 +15,10 @@ __all__ = ["annotate", "breakdown", "explain_infeasible", "why_slower"]
 _UNFIT_NOTES = 3
 
 
+def _devices(n: int) -> str:
+    return f"{n} device{'' if n == 1 else 's'}"
+
+
 def breakdown(plan: Plan) -> dict[str, float]:
     """The step time in parts (seconds) that add up to ``plan.step_time``.
 
@@ -44,7 +48,7 @@ def why_slower(plan: Plan, best: Plan) -> str:
     if plan.step_time <= best.step_time * (1 + 1e-9):
         same = "ties with the best"
         if plan.num_devices != best.num_devices:
-            return f"{same} on {plan.num_devices} devices vs {best.num_devices}"
+            return f"{same} on {_devices(plan.num_devices)} vs {best.num_devices}"
         return f"{same}; peak memory {format_bytes(_peak(plan))} vs {format_bytes(_peak(best))}"
     mine, theirs = breakdown(plan), breakdown(best)
     worse = sorted(mine, key=lambda part: theirs[part] - mine[part])
@@ -58,7 +62,7 @@ def why_slower(plan: Plan, best: Plan) -> str:
         elif part == "work":
             text = f"work {format_time(mine[part])} per device vs {format_time(theirs[part])}"
             if plan.num_devices != best.num_devices:
-                text += f" ({plan.num_devices} devices vs {best.num_devices})"
+                text += f" ({_devices(plan.num_devices)} vs {best.num_devices})"
             elif plan.chunks > best.chunks:
                 text += f" ({plan.chunks} micro-batches vs {best.chunks})"
             reasons.append(text)

@@ -105,6 +105,12 @@ def measure_compute_scale(
     """
     if len(model) != len(profile):
         raise ValueError(f"the profile has {len(profile)} layers but the model has {len(model)}")
+    for i, ((name, layer), seen) in enumerate(zip(model.named_children(), profile.layers)):
+        if (name, type(layer).__name__) != (seen.name, seen.kind):
+            raise ValueError(
+                f"layer {i} is {name} ({type(layer).__name__}) in the model but "
+                f"{seen.name} ({seen.kind}) in the profile: pass the profiled model"
+            )
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     device = torch.device(profile.device if device is None else device)

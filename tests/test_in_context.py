@@ -74,3 +74,11 @@ def test_tuple_sample_and_mismatched_model() -> None:
     assert measure_compute_scale(model, sample, profile, repeats=1)["compute_scale"] > 0
     with pytest.raises(ValueError, match="the profile has 2 layers but the model has 1"):
         measure_compute_scale(nn.Sequential(nn.Linear(4, 2)), sample, profile)
+
+
+def test_another_model_with_as_many_layers_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    profile = profile_model(model, torch.randn(4, 4), warmup=0, repeats=1)
+    other = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    with pytest.raises(ValueError, match=r"layer 1 is 1 \(Tanh\) in the model but 1 \(ReLU\)"):
+        measure_compute_scale(other, torch.randn(4, 4), profile)
