@@ -53,6 +53,7 @@ from benchmarks.accuracy_measure import (  # noqa: E402
     timed,
 )
 from benchmarks.accuracy_report import write_report  # noqa: E402
+from benchmarks.accuracy_runs import combine  # noqa: E402
 from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
 from profiler.calibrate import store_calibration  # noqa: E402
 from profiler.in_context import measure_compute_scale  # noqa: E402
@@ -152,9 +153,39 @@ def main() -> None:
     parser.add_argument(
         "--device", default="cpu", help="cuda:0 for the GPU (the two-rank part then is skipped)"
     )
+    parser.add_argument(
+        "--runs", type=int, default=1, help="independent runs; the report gives medians"
+    )
     args = parser.parse_args()
     distributed = not args.no_distributed and args.device == "cpu"
     torch.set_num_threads(1)
+    runs = []
+    for run in range(args.runs):
+        print(f"run {run + 1} of {args.runs}", flush=True)
+        runs.append(one_run(args, distributed))
+    results = combine(runs)
+    meta = {
+        "device": runs and next(iter(runs[0].values()))["device_name"],
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "threads": 1,
+        "repeats": args.repeats,
+        "runs": args.runs,
+        "load": os.getloadavg(),
+        "malloc": MALLOC,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = "accuracy" if args.device == "cpu" else "accuracy_cuda"
+    data = {"meta": meta, "results": results, "runs": runs if args.runs > 1 else []}
+    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    text = write_report(meta, results)
+    (RESULTS / f"{stem}.md").write_text(text)
+    print(text)
+
+
+def one_run(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
+    """Profiles, calibrates, searches and measures every example once."""
     results: dict[str, Any] = {}
     for name in args.examples:
         model, sample, profile = profile_and_calibrate(name, args.repeats, args.device)
@@ -163,30 +194,17 @@ def main() -> None:
         plans = distinct(found)[: args.top]
         print(f"[{name}] one device: running {len(plans)} ranked configurations", flush=True)
         single = run_executor(model, sample, plans, args.repeats, args.device)
-        results[name] = {"calibration": profile.meta["calibration"], "one_device": single}
+        results[name] = {
+            "calibration": profile.meta["calibration"],
+            "device_name": profile.device_name,
+            "one_device": single,
+        }
         if distributed:
             from benchmarks.accuracy_dist import run_two_ranks
 
             print(f"[{name}] two devices: spawning 2 ranks", flush=True)
             results[name]["two_devices"] = run_two_ranks(name, profile, args.top, args.repeats)
-    meta = {
-        "device": profile.device_name,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "threads": 1,
-        "repeats": args.repeats,
-        "load": os.getloadavg(),
-        "malloc": MALLOC,
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "accuracy" if args.device == "cpu" else "accuracy_cuda"
-    (RESULTS / f"{stem}.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=2) + "\n"
-    )
-    text = write_report(meta, results)
-    (RESULTS / f"{stem}.md").write_text(text)
-    print(text)
+    return results
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ __all__ = ["summary", "write_report"]
 MB = 1e6
 HEADER = (
     "| rank | K×D | M | checkpoint | schedule | predicted ms | measured ms | pred/meas | "
-    "predicted MB per stage | measured MB per stage | pred/meas |"
+    "per run | predicted MB per stage | measured MB per stage | pred/meas |"
 )
 
 
@@ -31,16 +31,17 @@ def _row(rank: int, r: dict[str, Any]) -> str:
     memory = ", ".join(f"{x / MB:.1f}" for x in r["predicted_memory"])
     measured = ", ".join(f"{x / MB:.1f}" for x in r["measured_memory"])
     ratios = ", ".join(f"{x:.2f}" for x in r["memory_ratio"])
+    runs = ", ".join(f"{x:.2f}" for x in r.get("runs_time_ratio", [r["time_ratio"]]))
     return (
         f"| {rank} | {r['stages']}×{r['data_parallel']} | {r['chunks']} | {r['checkpoint']} | "
         f"{schedule} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
-        f"{r['time_ratio']:.2f} | {memory} | {measured} | {ratios} |"
+        f"{r['time_ratio']:.2f} | {runs} | {memory} | {measured} | {ratios} |"
     )
 
 
 def _table(title: str, rows: list[dict[str, Any]]) -> list[str]:
     s = summary(rows)
-    lines = [f"#### {title}", "", HEADER, "|" + "---:|" * 11]
+    lines = [f"#### {title}", "", HEADER, "|" + "---:|" * 12]
     lines += [_row(rank, r) for rank, r in enumerate(rows, start=1)]
     lines += [
         "",
@@ -67,7 +68,14 @@ def write_report(meta: dict[str, Any], results: dict[str, Any]) -> str:
         "glibc malloc keeps freed memory (MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ "
         "raised), as a caching allocator does, so steps do not depend on the process's "
         "history. Profiles time each layer with cold caches (a scratch buffer is overwritten "
-        "before each timed forward and backward).",
+        "before each timed forward and backward)."
+        + (
+            f" Each of {meta['runs']} independent runs profiles, calibrates, searches and "
+            "measures anew; the tables give, per configuration of the first run's ranking, "
+            "the medians over the runs, and *per run* each run's pred/meas."
+            if meta.get("runs", 1) > 1
+            else ""
+        ),
         "",
     ]
     for name, result in results.items():
