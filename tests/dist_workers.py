@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from benchmarks.ranks import init_rank
+
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 4
 BATCH = 16
@@ -117,18 +119,6 @@ def launch(
         )
         logs[r].close()
     return runs
-
-
-def _init(workdir: Path, rank: int, world: int, timeout: float) -> None:
-    from autopipe.distributed import init_distributed
-
-    init_distributed(
-        "gloo",
-        timeout=timedelta(seconds=timeout),
-        init_method=f"file://{workdir / 'store'}",
-        rank=rank,
-        world_size=world,
-    )
 
 
 def _grads(pipe: Any) -> dict[str, Tensor]:
@@ -338,8 +328,7 @@ def _failing(rank: int, world: int, stay: bool) -> None:
 
 
 def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
-    torch.set_num_threads(1)
-    _init(workdir, rank, world, timeout=60.0)
+    init_rank(workdir, rank, world, minutes=1.0)  # one thread, gloo, file store
     if scenario == "equal":
         torch.save(_equal(rank, world), workdir / f"rank{rank}.pt")
     elif scenario == "virtual":

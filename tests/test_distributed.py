@@ -208,14 +208,19 @@ def test_needs_process_group() -> None:
 # ---------------------------------------------------------------- over processes (gloo)
 
 
+def _results(scenario: str, world: int, workdir: Path, limit: float) -> list[Any]:
+    """Runs a scenario on ``world`` spawned ranks; every rank must succeed; their results."""
+    runs = launch(scenario, world, workdir, limit=limit)
+    for rank, run in enumerate(runs):
+        assert run.returncode == 0, f"rank {rank} failed:\n{run.output[-3000:]}"
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def equal_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     world = request.param
     workdir = tmp_path_factory.mktemp(f"equal{world}")
-    runs = launch("equal", world, workdir, limit=80)
-    for rank, run in enumerate(runs):
-        assert run.returncode == 0, f"rank {rank} failed:\n{run.output[-3000:]}"
-    return world, [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return world, _results("equal", world, workdir, limit=80)
 
 
 @functools.cache
@@ -324,10 +329,7 @@ def test_a_stuck_rank_times_out_the_others(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def replica_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("replicas")
-    runs = launch("replicas", 4, workdir, limit=90)
-    for rank, run in enumerate(runs):
-        assert run.returncode == 0, f"rank {rank} failed:\n{run.output[-3000:]}"
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    return _results("replicas", 4, workdir, limit=90)
 
 
 @functools.cache
@@ -420,10 +422,7 @@ def test_replica_mismatches_are_reported_on_every_rank(replica_run: list[dict[st
 @pytest.fixture(scope="module")
 def virtual_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("virtual")
-    runs = launch("virtual", 2, workdir, limit=60)
-    for rank, run in enumerate(runs):
-        assert run.returncode == 0, f"rank {rank} failed:\n{run.output[-3000:]}"
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return _results("virtual", 2, workdir, limit=60)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
