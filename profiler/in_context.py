@@ -16,18 +16,9 @@ from torch import Tensor, nn
 from profiler.layer import as_tensors
 from profiler.profile import Profile
 
-__all__ = ["chunk_counts", "measure_compute_scale", "predicted_compute"]
+__all__ = ["chunk_counts", "measure_compute_scale"]
 
 FIGURES = ("forward", "backward")
-
-
-def predicted_compute(profile: Profile, sizes: Sequence[int]) -> float:
-    """Σ over micro-batches and layers of the profile's forward + backward seconds."""
-    return sum(
-        profile.predict(i, "forward", size) + profile.predict(i, "backward", size)
-        for size in sizes
-        for i in range(len(profile))
-    )
 
 
 def _synchronize(device: torch.device) -> None:

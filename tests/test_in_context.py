@@ -11,16 +11,9 @@ from profiler.in_context import (
     _fit_scales,
     chunk_counts,
     measure_compute_scale,
-    predicted_compute,
 )
 from profiler.profile import LayerProfile, Profile
 from tests.planning_cases import linear_profile
-
-
-def test_predicted_compute_sums_layers_and_micro_batches() -> None:
-    # Forward t and backward 2t at 8 samples, proportional to the size.
-    profile = linear_profile([1.0, 2.0], batch=8)
-    assert predicted_compute(profile, [4, 4, 3]) == pytest.approx((3.0 + 6.0) * 11 / 8)
 
 
 def test_scales_fit_the_measured_steps() -> None:
@@ -33,6 +26,15 @@ def test_scales_fit_the_measured_steps() -> None:
     result = measure_compute_scale(model, sample, profile, repeats=3, warmup=1)
     assert result["chunks"] == chunk_counts(16, 4) == [1, 2, 4, 8, 16]
     assert len(result["step_s"]) == len(result["predicted_s"]) == 5
+    # predicted: Σ over the real micro-batches (even and uneven) and the layers.
+    uneven = measure_compute_scale(model, sample, profile, chunks=[3, 5], repeats=1, warmup=0)
+    for m, predicted in zip(
+        [*result["chunks"], *uneven["chunks"]], [*result["predicted_s"], *uneven["predicted_s"]]
+    ):
+        sizes = [len(part) for part in sample.tensor_split(m)]
+        figures = ("forward", "backward")
+        total = sum(profile.predict(i, f, b) for b in sizes for i in range(3) for f in figures)
+        assert predicted == pytest.approx(total)
     assert result["compute_scale"] > 0 and result["fixed_scale"] > 0
     # The model is left as it was: no gradients, same weights, same RNG.
     assert all(p.grad is None for p in model.parameters())
