@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,10 +11,12 @@ from numpy.typing import NDArray
 from profiler.profile import Profile
 
 __all__ = [
+    "CALIBRATED",
     "FIGURES",
     "OPTIMIZER_STATES",
     "LayerCosts",
     "ProfileLines",
+    "calibration",
     "compute_scale",
     "optimizer_factor",
 ]
@@ -26,10 +29,37 @@ FIGURES = ("forward", "backward", "saved", "shared", "output", "peak")
 Array = NDArray[np.float64]
 
 
-def _factor(value: object) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e3:
-        return float(value)
-    return None
+CALIBRATED = (
+    "overhead_s",
+    "bandwidth",
+    "latency_s",
+    "compute_scale",
+    "fixed_scale",
+    "alone_compute_scale",
+    "alone_fixed_scale",
+    "allreduce_bandwidth",
+)
+
+
+def calibration(profile: Profile) -> dict[str, float]:
+    """The executor overhead, link figures and compute scale measured for the profile.
+
+    ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
+    ``overhead_s`` (seconds per stage and micro-batch), ``bandwidth`` (bytes/s),
+    ``latency_s`` (seconds per message between stages), ``allreduce_bandwidth`` (of the
+    data-parallel gradient sync), and ``compute_scale`` and ``fixed_scale`` (how much
+    longer the layers' per-sample and per-micro-batch times are in a whole training
+    step than each layer's alone in the profile).
+    """
+    found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
+    if not isinstance(found, dict):
+        return {}
+    out = {}
+    for key in CALIBRATED:
+        value = found.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            out[key] = float(value)
+    return out
 
 
 def compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]:
@@ -47,12 +77,11 @@ def compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]:
     Returns:
         ``(fixed_scale, compute_scale)``.
     """
-    found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
-    if not isinstance(found, dict):
-        return 1.0, 1.0
-    prefix = "alone_" if alone and _factor(found.get("alone_compute_scale")) else ""
-    per_sample = _factor(found.get(f"{prefix}compute_scale")) or 1.0
-    fixed = _factor(found.get(f"{prefix}fixed_scale")) or per_sample
+    # Beyond a thousandfold a scale is a measurement gone wrong, not a slow cache.
+    found = {k: v for k, v in calibration(profile).items() if k.endswith("scale") and v < 1e3}
+    prefix = "alone_" if alone and "alone_compute_scale" in found else ""
+    per_sample = found.get(f"{prefix}compute_scale", 1.0)
+    fixed = found.get(f"{prefix}fixed_scale", per_sample)
     return fixed, per_sample
 
 

@@ -13,6 +13,7 @@ from autopipe.cost_model import CostModel, ProfileLines, optimizer_factor
 from autopipe.devices import DeviceSpec, make_devices
 from autopipe.errors import PlanningError
 from autopipe.exact import optimal_split, step_time
+from autopipe.layer_costs import calibration
 from autopipe.plans import Plan, StagePlan
 from autopipe.units import format_bytes
 from profiler.profile import Profile
@@ -20,39 +21,6 @@ from profiler.profile import Profile
 __all__ = ["build_model", "calibration", "describe", "evaluate", "plan"]
 
 MemorySpec = int | str | Sequence[int | str | None] | None
-
-
-CALIBRATED = (
-    "overhead_s",
-    "bandwidth",
-    "latency_s",
-    "compute_scale",
-    "fixed_scale",
-    "alone_compute_scale",
-    "alone_fixed_scale",
-    "allreduce_bandwidth",
-)
-
-
-def calibration(profile: Profile) -> dict[str, float]:
-    """The executor overhead, link figures and compute scale measured for the profile.
-
-    ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
-    ``overhead_s`` (seconds per stage and micro-batch), ``bandwidth`` (bytes/s),
-    ``latency_s`` (seconds per message between stages), ``allreduce_bandwidth`` (of the
-    data-parallel gradient sync), and ``compute_scale`` and ``fixed_scale`` (how much
-    longer the layers' per-sample and per-micro-batch times are in a whole training
-    step than each layer's alone in the profile).
-    """
-    found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
-    if not isinstance(found, dict):
-        return {}
-    out = {}
-    for key in CALIBRATED:
-        value = found.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
-            out[key] = float(value)
-    return out
 
 
 def _batch(profile: Profile, batch: int | None, data_parallel: int) -> int:
