@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "measure_compute_together",
     "measure_p2p",
     "measure_runner_overhead",
+    "slowest_seconds",
 ]
 
 P2P_SIZES = (4 << 10, 64 << 10, 1 << 20)
@@ -43,6 +44,22 @@ def _device(group: dist.ProcessGroup | None) -> torch.device:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def slowest_seconds(function: Callable[[], Any], group: dist.ProcessGroup | None = None) -> float:
+    """Seconds ``function()`` takes on the slowest rank, all ranks starting together.
+
+    A collective: every rank of ``group`` calls it, each with its part of the work.
+    """
+    device = _device(group)
+    dist.barrier(group=group)
+    _sync(device)
+    start = time.perf_counter()
+    function()
+    _sync(device)
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+    return took.item()
 
 
 def measure_p2p(
@@ -113,17 +130,12 @@ def measure_allreduce(
     device, world = _device(group), dist.get_world_size(group)
     size = max(sizes)
     grads = [torch.ones(size // 32, device=device) for _ in range(8)]
-    samples = []
-    for i in range(warmup + repeats):
-        dist.barrier(group=group)
-        _sync(device)
-        start = time.perf_counter()
-        all_reduce_mean(grads, group or dist.group.WORLD, world)  # type: ignore[arg-type]
-        _sync(device)
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
-        if i >= warmup:
-            samples.append(took.item())
+    everyone = group or dist.group.WORLD
+
+    def average() -> None:
+        all_reduce_mean(grads, everyone, world)  # type: ignore[arg-type]
+
+    samples = [slowest_seconds(average, group) for _ in range(warmup + repeats)][warmup:]
     seconds = statistics.median(samples)
     factor = 2.0 * (world - 1) / world if world > 1 else 1.0
     return {"allreduce_bandwidth": factor * size / seconds, "allreduce_s": seconds, "bytes": size}
@@ -154,15 +166,9 @@ def measure_runner_overhead(
     pipe = DistributedPipeline(
         model, x, loss_fn=lambda out, _: out.sum(), chunks=chunks, schedule=schedule, group=group
     )
-    samples = []
-    for i in range(warmup + repeats):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        pipe.step(x, y)
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
-        if i >= warmup:
-            samples.append(took.item())
+    samples = [slowest_seconds(lambda: pipe.step(x, y), group) for _ in range(warmup + repeats)][
+        warmup:
+    ]
     step = statistics.median(samples)
     clocks = chunks + stages - 1
     hops = latency if stages > 1 else 0.0

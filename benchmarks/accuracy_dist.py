@@ -14,7 +14,6 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autopipe import GPipe, search  # noqa: E402
-from autopipe.dist_calibration import calibrate_ranks  # noqa: E402
+from autopipe.dist_calibration import calibrate_ranks, slowest_seconds  # noqa: E402
 from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.model_file import load_sequential  # noqa: E402
 from autopipe.plans import Plan  # noqa: E402
@@ -82,12 +81,7 @@ class _Runner:
     def timed(self) -> float:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        dist.barrier()
-        start = time.perf_counter()
-        self.step()
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slower rank's time counts
-        return took.item()
+        return slowest_seconds(self.step)  # the slower rank's time counts
 
     def memory(self) -> dict[str, int] | None:
         if self.optimizer is None:

@@ -44,7 +44,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autopipe.dist_calibration import calibrate_ranks  # noqa: E402
+from autopipe.dist_calibration import calibrate_ranks, slowest_seconds  # noqa: E402
 from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.planner import evaluate  # noqa: E402
 from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
@@ -68,12 +68,6 @@ def make_model(width: int) -> nn.Sequential:
 def baseline_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     for xb, yb in zip(x.tensor_split(CHUNKS), y.tensor_split(CHUNKS)):
         (nn.functional.mse_loss(model(xb), yb) / CHUNKS).backward()
-
-
-def timed(function: Any) -> float:
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
 
 
 def busy_cpu_seconds() -> float:
@@ -152,12 +146,9 @@ def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> N
                 busy, own, wall = busy_cpu_seconds(), time.process_time(), time.perf_counter()
             for name, step in contenders.items():
                 # BURST back-to-back steps, as in training; the slower rank's time counts.
-                dist.barrier()
-                took = timed(lambda f=step: [f() for _ in range(BURST)]) / BURST
-                slowest = torch.tensor([took], dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                took = slowest_seconds(lambda f=step: [f() for _ in range(BURST)]) / BURST
                 if i >= warmup:
-                    times[name].append(slowest.item())
+                    times[name].append(took)
         ours = torch.tensor([time.process_time() - own], dtype=torch.float64)
         dist.all_reduce(ours)
         foreign = (busy_cpu_seconds() - busy - ours.item()) / (time.perf_counter() - wall)
