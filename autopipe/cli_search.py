@@ -50,7 +50,7 @@ def add_search_options(parser: argparse.ArgumentParser) -> None:
         "--even",
         action="store_true",
         help="only replica and micro-batch counts that split the batch into equal parts "
-        "(what the distributed runner needs)",
+        "(what the distributed runner needs for models with BatchNorm)",
     )
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from autopipe import cpu_binding
+from autopipe.dist_padding import rows_mixing_layer
 from autopipe.dist_stage import LossRecorder, compare_fingerprints, layer_output_specs
 from autopipe.dist_virtual import check_virtual
 from autopipe.dist_wrap import shared_state
@@ -41,7 +43,11 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def init_distributed(
-    backend: str | None = None, *, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs: Any
+    backend: str | None = None,
+    *,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    bind_cpus: bool = False,
+    **kwargs: Any,
 ) -> torch.device:
     """Initialises the default process group from torchrun's environment; returns the device.
 
@@ -53,6 +59,10 @@ def init_distributed(
     Args:
         backend: ``gloo``, ``nccl``, ... (default: by device, as above).
         timeout: the process group's timeout.
+        bind_cpus: for CPU ranks, bind this process to its own share of the host's CPUs
+            (and as many torch threads) before the group starts, see
+            :mod:`autopipe.cpu_binding`; the ranks on the host come from torchrun's
+            ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (or ``rank``/``world_size`` below).
         **kwargs: passed on to ``torch.distributed.init_process_group`` (``init_method``,
             ``rank``, ``world_size``, ...).
     """
@@ -61,8 +71,13 @@ def init_distributed(
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=timeout, **kwargs)
+    if dist.is_initialized():
+        return device
+    if bind_cpus and not cuda:
+        cpu_binding.bind_cpus(
+            *cpu_binding.local_rank_and_size(kwargs.get("rank"), kwargs.get("world_size"))
+        )
+    dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=timeout, **kwargs)
     return device
 
 
@@ -117,7 +132,7 @@ def batch_tensors(value: Any, batch: int, device: torch.device, what: str) -> tu
     return tuple(t.to(device) for t in tensors)
 
 
-def _batch_problem(sample: Any, chunks: int) -> str | None:
+def _batch_problem(sample: Any, chunks: int, layers: Mapping[str, nn.Module]) -> str | None:
     tensors = (sample,) if isinstance(sample, Tensor) else sample
     if not isinstance(tensors, (tuple, list)) or not tensors:
         return (
@@ -129,9 +144,16 @@ def _batch_problem(sample: Any, chunks: int) -> str | None:
     if len(sizes) > 1:
         return f"sample tensors disagree on the batch size (dim 0): {sorted(sizes)}"
     batch = sizes.pop()
-    if batch < chunks or batch % chunks:
-        # Equal micro-batches let every stage allocate its receive buffers once.
-        return f"the batch size {batch} must be a positive multiple of chunks={chunks}"
+    if batch < chunks:
+        return f"the batch size {batch} is smaller than chunks={chunks}; use at most {batch}"
+    mixing = rows_mixing_layer(layers.items()) if batch % chunks else None
+    if mixing:
+        # Padded micro-batches would change its batch statistics.
+        return (
+            f"the batch size {batch} is not a multiple of chunks={chunks} and layer {mixing!r} "
+            "has BatchNorm, whose batch statistics would include padding rows; use a batch "
+            "size that is a multiple of chunks"
+        )
     return None
 
 
@@ -156,7 +178,7 @@ def check_arguments(
         return "the model has no layers"
     if len({id(layer) for layer in layers.values()}) != len(layers):
         return "the model holds the same layer more than once; that is not supported"
-    return _batch_problem(sample, chunks)
+    return _batch_problem(sample, chunks, layers)
 
 
 def fingerprint_settings(

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from autopipe.dist_padding import MicroBatchPadding
 from autopipe.dist_setup import (
     LossRecorder,
     agree,
@@ -87,11 +88,14 @@ class DistributedPipeline:
         model: an ``nn.Sequential`` (or a model to auto-wrap); its layers are shared with
             the stages, and this rank's layers are moved to ``device``.
         sample: one mini-batch of inputs (a tensor or a tuple of tensors, the positional
-            inputs), as later passed to :meth:`step`; its batch size must be a multiple of
-            ``chunks``. With D > 1 it is the global mini-batch (D·b rows, b per replica)
-            when its batch size is a multiple of ``D·chunks``, else one replica's shard
-            (b rows); a given plan whose ``batch_size`` is D times the sample's marks it
-            as a shard in any case.
+            inputs), as later passed to :meth:`step`, of at least ``chunks`` rows. A batch
+            that is not a multiple of ``chunks`` is split as by ``tensor_split`` (sizes
+            ⌈N/M⌉ and ⌊N/M⌋) and the smaller micro-batches are padded to the larger size
+            for torch's stages and cut before the loss (:mod:`autopipe.dist_padding`; not
+            for models with BatchNorm). With D > 1 it is the global mini-batch (D·b
+            rows, b per replica) when its batch size is a multiple of ``D·chunks``, else
+            one replica's shard (b rows); a given plan whose ``batch_size`` is D times
+            the sample's marks it as a shard in any case.
         loss_fn: ``loss_fn(output, target)`` for one micro-batch, ``output`` as the model
             returns it; the mini-batch loss and gradients are those of the mean over the
             micro-batches.
@@ -173,6 +177,7 @@ class DistributedPipeline:
         check_sizes(k, len(layers), plan, schedule, chunks, data_parallel=d, virtual_stages=v)
         # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
         self.batch_size, sample = replica_sample(sample, d, chunks, plan)
+        self._padding = MicroBatchPadding(self.batch_size, chunks)
         self.layout = layout = make_layout(group, d, self.device)
         self.stage_index, self.num_stages, self.replica_index = layout.stage, k, layout.replica
         replicas = {"data_parallel": d, "batch": d * self.batch_size} if d > 1 else {}
@@ -194,7 +199,7 @@ class DistributedPipeline:
         loss_fn: Any,
         model: nn.Module,
     ) -> None:
-        k, micro = self.num_stages, self.batch_size // self.chunks
+        k, micro = self.num_stages, self._padding.rows
         self.stage_indices = stage_indices(self.stage_index, k, self.virtual_stages)
         self.module, stages = build_stages(
             layers, self.plan, self.stage_indices, sample, specs, micro
@@ -206,7 +211,7 @@ class DistributedPipeline:
         if self._model.wrapped:  # the loss sees the model's outputs, not the flat tensors
             rebuild, inner = self._model.rebuild, loss_fn
             loss_fn = lambda out, tgt: inner(rebuild(out, self.module.training), tgt)  # noqa: E731
-        self._loss = LossRecorder(loss_fn, self.chunks)
+        self._loss = LossRecorder(self._padding.loss(loss_fn), self.chunks)
         total, group = k * self.virtual_stages, self.layout.pipeline
         self.schedule, self.stages, self._step_extra = make_schedule(
             self.schedule_name, stages, total, self.device, group, self.chunks, self._loss
@@ -251,13 +256,14 @@ class DistributedPipeline:
         args: tuple[Tensor, ...] = ()
         if self.is_first:
             flat = take_shard(self._model.flatten(inputs), layout, batch, "inputs")
-            args = batch_tensors(flat, batch, self.device, "inputs")
+            args = self._padding.pad(batch_tensors(flat, batch, self.device, "inputs"))
         kwargs: dict[str, Any] = dict(self._step_extra)
         if self.is_last:
             if isinstance(target, (tuple, list)):
                 raise ValueError("target must be a single tensor")
             target = take_shard(target, layout, batch, "a target")
-            kwargs["target"] = batch_tensors(target, batch, self.device, "a target")[0]
+            target = batch_tensors(target, batch, self.device, "a target")[0]
+            kwargs["target"] = self._padding.pad_target(target)
         self._loss.values.clear()
         try:
             with self._sync.step():

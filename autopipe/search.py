@@ -110,7 +110,8 @@ def search(
         top: how many configurations to return.
         max_chunks: the most micro-batches per replica (default ``max(32, 16·K)``).
         even: only configurations whose replicas and micro-batches split the batch into
-            equal parts, as :class:`autopipe.distributed.DistributedPipeline` needs.
+            equal parts, as :class:`autopipe.distributed.DistributedPipeline` needs for
+            models with BatchNorm (it pads the micro-batches of other models).
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its

@@ -1,6 +1,6 @@
 """Speed-up of DistributedPipeline on two CPU processes over one, measured and predicted.
 
-The model is 16 blocks of Linear(W, W) + GELU, batch 64, M=8 micro-batches, MSE loss. Two
+The model is 16 blocks of Linear(W, W) + GELU, batch B, M=8 micro-batches, MSE loss. Two
 ranks (gloo, one thread each) run :class:`autopipe.distributed.DistributedPipeline` with
 the 1F1B and GPipe schedules. Contenders, each timed over BURST back-to-back steps:
 
@@ -12,6 +12,10 @@ the 1F1B and GPipe schedules. Contenders, each timed over BURST back-to-back ste
 * baseline: one process with one thread (rank 0 alone; rank 1 waits) running the same
   micro-batches: forward, loss / M, backward.
 
+Each rank is bound to its own CPU (``init_distributed(bind_cpus=True)``; ``--no-bind``
+lets them float): unbound, the kernel now and then queues a rank's gloo thread behind the
+other rank's compute and an activation arrives milliseconds late.
+
 Rounds run every contender once, so load changes on the machine hit all of them; medians
 are reported, with the CPUs other processes kept busy meanwhile ("other load": results
 with other load are not meaningful on a 2-CPU host). The ideal speed-up of K balanced
@@ -19,7 +23,11 @@ stages is K·M/(M+K−1) (1.78 for K=2, M=8). The planner's prediction comes fro
 one-thread profile: the plan's step time for the pipeline, the one-stage plan's for the
 baseline. Results go to benchmarks/results/distributed_speedup.{json,md}.
 
-Usage: python benchmarks/distributed_speedup.py [--repeats 20] [--width 512]
+Micro-batches of B/8 = 8 rows leave each Linear bound by reading its weights, and two
+processes on one host then slow each other down through the shared memory system; at 64
+rows they compute almost undisturbed. The default configurations cover both.
+
+Usage: python benchmarks/distributed_speedup.py [--repeats 20] [--configs 512:64 1024:64]
 """
 
 from __future__ import annotations
@@ -52,7 +60,9 @@ from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E
 from profiler.profile import Profile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BATCH, BLOCKS, CHUNKS, WORLD = 64, 16, 8, 2
+BLOCKS, CHUNKS, WORLD = 16, 8, 2
+# (width W, batch B) pairs timed by default.
+CONFIGS = [(512, 64), (1024, 64), (512, 512)]
 BURST = 5  # steps timed back to back
 # Contender name: (schedule, virtual stages per rank).
 SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "1f1b interleaved x2": ("1f1b", 2)}
@@ -119,9 +129,11 @@ def calibrate(profile: Profile, model: nn.Sequential, x: torch.Tensor) -> Profil
     return calibrated
 
 
-def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> None:
-    init_rank(workdir, rank, WORLD, minutes=5)
-    x, y = torch.randn(BATCH, width), torch.randn(BATCH, width)
+def worker(
+    rank: int, workdir: Path, width: int, batch: int, warmup: int, repeats: int, bind: bool
+) -> None:
+    init_rank(workdir, rank, WORLD, minutes=5, bind=bind)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
     base = make_model(width)
     profile: Profile | None = None
     calibrated: Profile | None = None
@@ -177,14 +189,18 @@ def worker(rank: int, workdir: Path, width: int, warmup: int, repeats: int) -> N
     dist.destroy_process_group()
 
 
-def run(width: int, warmup: int, repeats: int) -> dict[str, Any]:
+def run(width: int, batch: int, warmup: int, repeats: int, bind: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, __file__, "--worker"]
-        options = ["--width", str(width), "--warmup", str(warmup), "--repeats", str(repeats)]
+        options = [
+            *("--width", str(width), "--batch", str(batch)),
+            *("--warmup", str(warmup), "--repeats", str(repeats)),
+            *([] if bind else ["--no-bind"]),
+        ]
         return spawn_ranks(lambda r: [*command, str(r), tmp, *options], WORLD, Path(tmp))
 
 
-def rows_of(result: dict[str, Any], width: int) -> list[dict[str, Any]]:
+def rows_of(result: dict[str, Any], width: int, batch: int) -> list[dict[str, Any]]:
     ideal = WORLD * CHUNKS / (CHUNKS + WORLD - 1)
     rows = []
     for schedule, r in result.items():
@@ -208,6 +224,7 @@ def rows_of(result: dict[str, Any], width: int) -> list[dict[str, Any]]:
                 "calibrated_over_measured": r["calibrated"] / r["pipeline"],
                 "calibrated_baseline_over_measured": r["calibrated_baseline"] / r["baseline"],
                 "width": width,
+                "batch": batch,
                 "foreign_cpus": r["foreign_cpus"],
             }
         )
@@ -216,6 +233,7 @@ def rows_of(result: dict[str, Any], width: int) -> list[dict[str, Any]]:
 
 COLUMNS = [
     ("W", "width", "{}"),
+    ("batch", "batch", "{}"),
     ("schedule", "schedule", "{}"),
     ("balance", "balance", "{}"),
     ("1 process ms", "baseline_ms", "{:.1f}"),
@@ -236,31 +254,52 @@ COLUMNS = [
 ]
 
 
+def config(text: str) -> tuple[int, int]:
+    """``W:B`` on the command line: width and batch."""
+    try:
+        width, batch = (int(v) for v in text.split(":"))
+    except ValueError:
+        message = f"expected WIDTH:BATCH, e.g. 512:64, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    return width, batch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512, help=argparse.SUPPRESS)
-    parser.add_argument("--widths", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--configs", nargs="+", type=config, default=CONFIGS, metavar="W:B",
+        help="width:batch pairs (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--no-bind", action="store_true", help="let the ranks float over all CPUs (not bound)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("RANK", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(int(args.worker[0]), Path(args.worker[1]), args.width, args.warmup, args.repeats)
+        rank, workdir = int(args.worker[0]), Path(args.worker[1])
+        worker(rank, workdir, args.width, args.batch, args.warmup, args.repeats, not args.no_bind)
         return
     rerun_with_stable_malloc("benchmarks.distributed_speedup")
     print("  ".join(title for title, _, _ in COLUMNS))
     rows = []
-    for width in args.widths:
-        for row in rows_of(run(width, args.warmup, args.repeats), width):
+    for width, batch in args.configs:
+        for row in rows_of(
+            run(width, batch, args.warmup, args.repeats, not args.no_bind), width, batch
+        ):
             rows.append(row)
             print("  ".join(fmt.format(row[key]).rjust(len(t)) for t, key, fmt in COLUMNS))
-    model = f"{BLOCKS} x (Linear(W, W) + GELU), batch {BATCH}"
+    model = f"{BLOCKS} x (Linear(W, W) + GELU), batch B"
     meta = {
         "model": model,
         "chunks": CHUNKS,
         "ranks": WORLD,
         "backend": "gloo",
         "threads_per_process": 1,
+        "bound_cpus": not args.no_bind,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "torch": torch.__version__,
@@ -286,7 +325,13 @@ def main() -> None:
         "same after `calibrate_ranks` measured the gloo link, the runner's overhead and the "
         "compute scales with both ranks busy (the 1-process baseline uses the scales of one "
         "process alone). other load: CPUs kept busy by other processes while timing (0 on a "
-        "quiet machine). glibc malloc keeps freed memory (benchmarks/stable_malloc.py).",
+        "quiet machine). glibc malloc keeps freed memory (benchmarks/stable_malloc.py). "
+        + (
+            "Each rank is bound to its own CPU (autopipe.cpu_binding; the baseline runs on "
+            "rank 0's)."
+            if not args.no_bind
+            else "The ranks float over all CPUs (--no-bind)."
+        ),
         "",
         "| " + " | ".join(title for title, _, _ in COLUMNS) + " |",
         "|" + "---:|" * len(COLUMNS),

@@ -15,20 +15,27 @@ __all__ = ["init_rank", "spawn_ranks"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def init_rank(workdir: Path, rank: int, world: int, minutes: float = 10.0) -> None:
-    """Joins the benchmark's gloo group through a file store in ``workdir``."""
+def init_rank(
+    workdir: Path, rank: int, world: int, minutes: float = 10.0, *, bind: bool = False
+) -> None:
+    """Joins the benchmark's gloo group through a file store in ``workdir``.
+
+    With ``bind``, each rank gets its own share of the host's CPUs
+    (:mod:`autopipe.cpu_binding`); one torch thread either way.
+    """
     import torch
 
     from autopipe.distributed import init_distributed
 
-    torch.set_num_threads(1)
     init_distributed(
         "gloo",
+        bind_cpus=bind,
         timeout=timedelta(minutes=minutes),
         init_method=f"file://{workdir / 'store'}",
         rank=rank,
         world_size=world,
     )
+    torch.set_num_threads(1)
 
 
 def spawn_ranks(argv: Callable[[int], list[str]], world: int, workdir: Path) -> dict[str, Any]:

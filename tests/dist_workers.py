@@ -23,16 +23,17 @@ BATCH = 16
 STUCK_TIMEOUT = 5.0  # seconds: the process group's timeout in the "stuck" scenario
 # Micro-batches per replica with D=2: 4 rows each, as profiling BatchNorm needs 2 or more.
 REPLICA_CHUNKS = 2
+UNEVEN = 14  # rows of a batch that CHUNKS micro-batches split unevenly: 4, 4, 3, 3
 
 
-def make_model(seed: int = 0, width: int = 16) -> nn.Sequential:
+def make_model(seed: int = 0, width: int = 16, batchnorm: bool = True) -> nn.Sequential:
     """A small model with a buffer-carrying layer, identical for equal seeds."""
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(8, width),
         nn.Tanh(),
         nn.Linear(width, width),
-        nn.BatchNorm1d(width),
+        nn.BatchNorm1d(width) if batchnorm else nn.Identity(),
         nn.ReLU(),
         nn.Linear(width, width),
         nn.GELU(),
@@ -185,6 +186,25 @@ def _equal(rank: int, world: int) -> dict[str, Any]:
     for schedule in ("gpipe", "1f1b"):
         results[f"wrapped {schedule}"] = _wrapped(schedule)
     results["calibration"] = _calibration()
+    results["uneven"] = _uneven()
+    return results
+
+
+def _uneven() -> dict[str, Any]:
+    """Micro-batches of unequal size (padded for torch's stages), and BatchNorm refused."""
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    x, y = x[:UNEVEN], y[:UNEVEN]
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    pipe = DistributedPipeline(make_model(batchnorm=False), x, schedule="1f1b", **options)
+    results: dict[str, Any] = {"sequential": _train(pipe, x, y)}
+    pipe = DistributedPipeline(make_residual(), x[:, :5], schedule="gpipe", **options)
+    results["wrapped"] = {"loss": pipe.step(x[:, :5], y), "grads": _grads(pipe)}
+    try:
+        DistributedPipeline(make_model(), x, **options)
+    except ValueError as exc:
+        results["batchnorm"] = str(exc)
     return results
 
 

@@ -29,6 +29,7 @@ from tests.dist_workers import (
     BATCH,
     REPLICA_CHUNKS,
     STUCK_TIMEOUT,
+    UNEVEN,
     launch,
     loss_fn,
     make_batch,
@@ -106,7 +107,8 @@ def test_loss_recorder_scales_and_averages() -> None:
     [
         ({"schedule": "zb"}, "unknown schedule"),
         ({"chunks": 0}, "positive integer"),
-        ({"chunks": 5}, "multiple of chunks=5"),
+        ({"chunks": 5}, "multiple of chunks=5 and layer '3' has BatchNorm"),
+        ({"chunks": 17}, "batch size 16 is smaller than chunks=17; use at most 16"),
         ({"loss_fn": 3}, "callable"),
         ({"sample": [torch.zeros(16, 2), torch.zeros(8, 2)]}, "disagree"),
     ],
@@ -285,6 +287,38 @@ def test_wrapped_residual_model_equals_one_process(equal_run: Any, schedule: str
             seen.add(name)
     assert seen == {name for name, _ in model.named_parameters()}
     assert list(results[0][key]["state"]) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["sequential", "wrapped"])
+def test_uneven_micro_batches_equal_one_process(equal_run: Any, kind: str) -> None:
+    _, results = equal_run
+    x, y = make_batch()
+    x, y = x[:UNEVEN], y[:UNEVEN]
+    model = make_model(batchnorm=False) if kind == "sequential" else make_residual()
+    x = x if kind == "sequential" else x[:, :5]
+    loss = reference_step(model, x, y)  # the same micro-batches: 4, 4, 3, 3 rows
+    once = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(results[-1]["uneven"][kind]["loss"], loss, rtol=1e-5, atol=1e-6)
+    if kind == "sequential":  # a second step adds the same gradients again
+        reference_step(model, x, y)
+    seen = set()
+    for rank in results:
+        part = rank["uneven"][kind]
+        for name, grad in part["grads"].items():
+            torch.testing.assert_close(grad, once[name], rtol=1e-5, atol=1e-6, msg=name)
+            if kind == "sequential":
+                twice = model.get_parameter(name).grad
+                torch.testing.assert_close(part["twice"][name], twice, rtol=1e-5, atol=1e-6)
+            seen.add(name)
+    assert seen == set(once)
+
+
+def test_uneven_micro_batches_with_batchnorm_are_refused(equal_run: Any) -> None:
+    _, results = equal_run
+    for rank in results:
+        message = rank["uneven"]["batchnorm"]
+        assert f"batch size {UNEVEN} is not a multiple of chunks=4" in message
+        assert "'3' has BatchNorm" in message and "padding rows" in message
 
 
 def test_gathered_state_dict_is_the_original(equal_run: Any) -> None:

@@ -17,6 +17,7 @@ def test_torchrun_trains_and_saves_the_original_state_dict(tmp_path: Path) -> No
     saved = tmp_path / "state.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", "2", str(EXAMPLE), "--steps", "3", "--calibrate"]
+    command += ["--bind-cpus"]  # under torchrun: LOCAL_RANK of LOCAL_WORLD_SIZE
     command += ["--save", str(saved), "--timeout", "60"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

@@ -1,0 +1,80 @@
+"""Padding uneven micro-batches for torch's pipeline stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopipe.dist_padding import MicroBatchPadding, rows_mixing_layer
+
+
+def test_sizes_follow_tensor_split_and_pad_with_the_last_real_row() -> None:
+    padding = MicroBatchPadding(10, 4)
+    assert padding.sizes == [3, 3, 2, 2] and padding.rows == 3 and not padding.even
+    x = torch.arange(10.0).unsqueeze(1)
+    (padded,) = padding.pad((x,))
+    assert padded.squeeze(1).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 9]
+    even = MicroBatchPadding(12, 4)
+    assert even.even and even.rows == 3
+    assert even.pad((x,))[0] is x  # nothing to do
+
+
+def test_more_chunks_than_rows_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot split 3 rows into 4 micro-batches"):
+        MicroBatchPadding(3, 4)
+
+
+def test_padded_micro_batches_give_the_gradients_of_the_real_ones() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 3))
+    x, y = torch.randn(11, 5), torch.randn(11, 3)
+    chunks = 4
+    reference = torch.stack(
+        [nn.functional.mse_loss(model(a), b) for a, b in zip(x.tensor_split(4), y.tensor_split(4))]
+    ).mean()
+    reference.backward()
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    padding = MicroBatchPadding(11, chunks)
+    (px,) = padding.pad((x,))
+    py = padding.pad_target(y)
+    loss_fn = padding.loss(nn.functional.mse_loss)
+    # As torch's schedules do: equal slices of the padded tensors, one loss each.
+    losses = [loss_fn(model(a), b) for a, b in zip(px.tensor_split(4), py.tensor_split(4))]
+    torch.stack(losses).mean().backward()
+    torch.testing.assert_close(torch.stack(losses).mean(), reference.detach())
+    for got, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(got.grad, want)
+
+
+def test_micro_batch_found_by_offset_or_else_by_order() -> None:
+    padding = MicroBatchPadding(7, 3)  # sizes 3, 2, 2
+    target = padding.pad_target(torch.randn(7, 2))
+    parts = target.tensor_split(3)
+    assert [padding.micro_batch(parts[i]) for i in (2, 0, 1)] == [2, 0, 1]
+    padding.pad_target(torch.randn(7, 2))  # a new step restarts the count
+    copies = [part.clone() for part in parts]
+    assert [padding.micro_batch(c) for c in copies] == [0, 1, 2]
+
+
+def test_outputs_are_cut_to_the_real_rows() -> None:
+    padding = MicroBatchPadding(5, 2)  # sizes 3, 2
+    target = padding.pad_target(torch.zeros(5, 1))
+    seen = []
+
+    def record(output: tuple[torch.Tensor, torch.Tensor], tgt: torch.Tensor) -> torch.Tensor:
+        seen.append((output[0].shape[0], output[1].shape, tgt.shape[0]))
+        return output[0].sum()
+
+    loss = padding.loss(record)
+    aux = torch.zeros(4)  # not batched: left alone
+    for part in target.tensor_split(2):
+        loss((torch.zeros(3, 2), aux), part)
+    assert seen == [(3, (4,), 3), (2, (4,), 2)]
+
+
+def test_batchnorm_is_found_as_mixing_rows() -> None:
+    layers = [("a", nn.Linear(2, 2)), ("b", nn.Sequential(nn.BatchNorm1d(2))), ("c", nn.ReLU())]
+    assert rows_mixing_layer(layers) == "b"
+    assert rows_mixing_layer([("a", nn.LayerNorm(2))]) is None
