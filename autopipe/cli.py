@@ -154,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="pipeline schedule (default: gpipe; with --search: both)",
     )
     plan_parser.add_argument(
+        "--virtual-stages",
+        type=_positive,
+        default=1,
+        metavar="V",
+        help="stages per device, run by an interleaved schedule: plans K x V stages, stage s "
+        "on device s mod K (default: 1)",
+    )
+    plan_parser.add_argument(
         "--strategy",
         choices=STRATEGIES,
         default="optimal",
@@ -359,11 +367,15 @@ def _batch_size(sample: Sample) -> int:
     return int(first.shape[0])
 
 
-def _devices(profile: Profile, stages: int) -> int | list[str]:
-    """Stage devices named ``cuda:0``, ``cuda:1``, ... for a CUDA profile, else a count."""
+def _devices(profile: Profile, stages: int, virtual: int = 1) -> int | list[str]:
+    """Stage devices named ``cuda:0``, ``cuda:1``, ... for a CUDA profile, else a count.
+
+    With ``virtual`` stages per device there are ``stages·virtual`` stages, stage s on
+    device ``s % stages``.
+    """
     if profile.device.startswith("cuda"):
-        return [f"cuda:{k}" for k in range(stages)]
-    return stages
+        return [f"cuda:{k % stages}" for k in range(stages * virtual)]
+    return stages * virtual
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -371,6 +383,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     from autopipe.report import render_plan
     from profiler.profile import Profile
 
+    if args.search and args.virtual_stages > 1:
+        raise ValueError("--virtual-stages goes with --stages; the search plans one per device")
     if args.search:
         from autopipe.cli_search import search_command
 
@@ -388,6 +402,13 @@ def _plan_command(args: argparse.Namespace) -> int:
             f"--memory lists {len(memory)} sizes but there are {stages} stages; give one "
             "size for all or one per stage"
         )
+    virtual: int = args.virtual_stages
+    if args.timeline and virtual > 1:
+        raise ValueError(
+            "--timeline draws one stage per device; leave out --virtual-stages to draw it"
+        )
+    if isinstance(memory, list) and virtual > 1:  # one size per device: each of its stages
+        memory = [memory[k % stages] for k in range(stages * virtual)]
     if args.json:
         _check_writable(args.json, "plan")
     if args.timeline:
@@ -400,10 +421,10 @@ def _plan_command(args: argparse.Namespace) -> int:
         chunks = args.chunks or default_chunks(stages, args.batch or profile.batch_size)
     elif args.model:
         model, sample = _load(args.model)
-        if stages > len(model):
+        if stages * virtual > len(model):
             raise PlanningError(
-                f"cannot split {len(model)} layers into {stages} non-empty stages; "
-                f"use --stages {len(model)} or fewer"
+                f"cannot split {len(model)} layers into {stages * virtual} non-empty stages; "
+                f"use --stages {len(model) // virtual} or fewer"
             )
         chunks = args.chunks or default_chunks(stages, args.batch or _batch_size(sample))
         profile = _measure(model, sample, args, chunks)
@@ -418,8 +439,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         "schedule": args.schedule or "gpipe",
         "optimizer": optimizer,
         "bandwidth": bandwidth,
+        "virtual_stages": virtual,
     }
-    devices = _devices(profile, stages)
+    devices = _devices(profile, stages, virtual)
     result = plan(profile, devices, strategy=args.strategy, **options)
     other = "optimal" if args.strategy == "uniform" else "uniform"
     baseline: Plan | str

@@ -15,7 +15,8 @@ the last stage). Its peak memory is::
 with parameters P (plus gradients and ``opt`` optimizer states per parameter byte), buffers
 Buf, the stage's boundary input ``in(s)``, the saved-for-backward bytes S of one
 micro-batch and the largest transient peak of a layer. Of the ``n_k`` micro-batches in
-flight on stage k (GPipe: M; 1F1B: min(M, K−k)), ``ck_k`` are checkpointed and keep only
+flight on stage k (GPipe: M; 1F1B: min(M, K−k); with virtual stages see
+:mod:`autopipe.interleaving`), ``ck_k`` are checkpointed and keep only
 their input; the others keep all saved tensors, and a re-computation holds one
 micro-batch's saved tensors at a time (``keep_k = n_k − ck_k``, at least 1).
 
@@ -42,6 +43,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.devices import DeviceSpec
+from autopipe.interleaving import in_flight
 from autopipe.layer_costs import OPTIMIZER_STATES, LayerCosts, ProfileLines, optimizer_factor
 
 __all__ = [
@@ -102,6 +104,8 @@ class CostModel:
         overhead: the executor's fixed seconds per stage and micro-batch.
         data_parallel: replicas of the pipeline (D) whose gradients are all-reduced.
         allreduce_bandwidth: bytes/s of the all-reduce; ``None`` treats it as free.
+        virtual_stages: stages per rank (v, see :mod:`autopipe.interleaving`); the
+            devices are then K·v stages, stage s on rank ``s % K``.
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class CostModel:
         overhead: float = 0.0,
         data_parallel: int = 1,
         allreduce_bandwidth: float | None = None,
+        virtual_stages: int = 1,
     ) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(
@@ -129,6 +134,11 @@ class CostModel:
             raise ValueError(f"overhead must be >= 0, got {overhead}")
         if data_parallel < 1:
             raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+        if virtual_stages < 1 or len(devices) % virtual_stages:
+            raise ValueError(
+                f"{len(devices)} stages do not split into {virtual_stages} virtual stages per "
+                "rank: plan K·v stages"
+            )
         if allreduce_bandwidth is not None and not allreduce_bandwidth > 0:
             raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
         self.layers = layers
@@ -140,6 +150,7 @@ class CostModel:
         self.overhead = float(overhead)
         self.data_parallel = data_parallel
         self.allreduce_bandwidth = allreduce_bandwidth
+        self.virtual_stages = virtual_stages
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = _prefix(layers.forward)
         self._bwd = _prefix(layers.backward)
@@ -172,8 +183,17 @@ class CostModel:
         """Re-computed share of micro-batches (``auto``: of its fastest mode, ``never``)."""
         return self.fraction(self.modes[0])
 
+    @property
+    def num_ranks(self) -> int:
+        """Devices of one pipeline: the stages over the virtual stages per rank."""
+        return self.num_stages // self.virtual_stages
+
     def in_flight(self, k: int) -> int:
         """Micro-batches whose activations stage ``k`` holds at its peak."""
+        v = self.virtual_stages
+        if v > 1:
+            ranks = self.num_ranks
+            return in_flight(k % ranks, ranks, v, self.chunks, self.schedule)[k // ranks]
         if self.schedule == "1f1b":
             return min(self.chunks, self.num_stages - k)
         return self.chunks

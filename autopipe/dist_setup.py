@@ -212,6 +212,11 @@ def check_sizes(
         ValueError: they do not (the same on every rank, as the arguments agree).
     """
     k, d, v = num_stages, data_parallel, virtual_stages
+    if plan is not None and plan.virtual_stages not in (1, v):
+        raise ValueError(
+            f"the plan was made for virtual_stages={plan.virtual_stages} but the pipeline runs "
+            f"virtual_stages={v}; pass virtual_stages={plan.virtual_stages} or re-plan"
+        )
     if plan is not None and plan.num_stages != k * v:
         if v > 1:
             raise ValueError(

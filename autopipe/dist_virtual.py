@@ -7,9 +7,9 @@ position k holds stages ``k, k+K, k+2K, ...`` (torch's "looped" mapping, which
 inputs and which the targets is the same as without virtual stages.
 
 ``1f1b`` runs as torch's ``ScheduleInterleaved1F1B`` and ``gpipe`` as
-``ScheduleLoopedBFS``. The planner knows nothing of this: rank 0 plans K·v stages as if
-each had its own device, so the plan balances the virtual stages, and its predicted times
-and memory are those of a K·v-stage pipeline, not of the interleaved one on K ranks.
+``ScheduleLoopedBFS``. Rank 0 plans K·v stages with ``virtual_stages=v``: the split
+balances the K·v stages, and the plan predicts the interleaved step time and each stage's
+micro-batches in flight under these schedules (:mod:`autopipe.interleaving`).
 """
 
 from __future__ import annotations

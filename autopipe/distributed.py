@@ -64,8 +64,8 @@ class DistributedPipeline:
 
     With ``virtual_stages=v`` > 1 the K ranks of a pipeline run K·v interleaved stages,
     :attr:`stage_indices` on this rank, all held by :attr:`module` (see
-    :mod:`autopipe.dist_virtual`); the plan balances the K·v stages, and as the cost model
-    does not model interleaving, its predicted times are those of a K·v-stage pipeline.
+    :mod:`autopipe.dist_virtual`); the plan balances the K·v stages and predicts the
+    interleaved schedule's step time and memory (:mod:`autopipe.interleaving`).
 
     Before anything else the ranks exchange a fingerprint of their arguments (layer and
     parameter names and shapes, chunks, schedule, sample shapes, D, v, the given plan): any
@@ -114,7 +114,8 @@ class DistributedPipeline:
         data_parallel: pipeline replicas (D; default: the plan's ``data_parallel`` when a
             plan is given, else 1). Rank 0 plans for D replicas and the global batch.
         virtual_stages: stages per rank (v; default 1). With v > 1 rank 0 plans K·v
-            stages and the interleaved schedules run them.
+            stages (``plan(..., virtual_stages=v)``) and the interleaved schedules run
+            them; a given plan has K·v stages (made with ``virtual_stages=v`` or not).
 
     Raises:
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
@@ -182,6 +183,8 @@ class DistributedPipeline:
         self.stage_index, self.num_stages, self.replica_index = layout.stage, k, layout.replica
         replicas = {"data_parallel": d, "batch": d * self.batch_size} if d > 1 else {}
         options = {"chunks": chunks, "schedule": schedule, "memory": memory, **replicas}
+        if v > 1:
+            options["virtual_stages"] = v
         options.update(plan_options or {})
         sequential = self._model.sequential
 

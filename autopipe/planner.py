@@ -13,6 +13,8 @@ from autopipe.cost_model import CostModel, ProfileLines, optimizer_factor
 from autopipe.devices import DeviceSpec, make_devices
 from autopipe.errors import PlanningError
 from autopipe.exact import optimal_split, step_time
+from autopipe.interleaving import rank_stages
+from autopipe.interleaving import step_time as interleaved_step_time
 from autopipe.layer_costs import calibration
 from autopipe.plans import Plan, StagePlan
 from autopipe.units import format_bytes
@@ -51,6 +53,7 @@ def build_model(
     batch: int | None = None,
     allreduce_bandwidth: float | None = None,
     overhead: float | None = None,
+    virtual_stages: int = 1,
 ) -> CostModel:
     """The cost model :func:`plan` optimizes, for the same arguments."""
     measured = calibration(profile)
@@ -72,7 +75,9 @@ def build_model(
     micro = math.ceil(replica / m)
     # A mini-batch smaller than M yields fewer, single-sample micro-batches.
     effective = math.ceil(replica / micro)
-    alone = len(specs) * data_parallel == 1
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+        raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    alone = len(specs) // max(virtual_stages, 1) * data_parallel == 1
     lines = ProfileLines.from_profile(profile, alone)
     costs = lines.at(micro, time_batch=replica / effective)
     return CostModel(
@@ -85,6 +90,7 @@ def build_model(
         overhead=measured.get("overhead_s", 0.0) if overhead is None else overhead,
         data_parallel=data_parallel,
         allreduce_bandwidth=allreduce_bandwidth,
+        virtual_stages=virtual_stages,
     )
 
 
@@ -103,6 +109,7 @@ def plan(
     batch: int | None = None,
     allreduce_bandwidth: float | None = None,
     overhead: float | None = None,
+    virtual_stages: int = 1,
 ) -> Plan:
     """Plans the pipeline with the smallest predicted step time that fits every device.
 
@@ -128,15 +135,24 @@ def plan(
         allreduce_bandwidth: bytes/s of the gradient all-reduce (default: the profile's
             calibrated one, else ``bandwidth``; free when none is known).
         overhead: executor seconds per stage and micro-batch (default: calibrated, else 0).
+        virtual_stages: stages per rank (v): ``devices`` then counts K·v stages, stage s
+            on rank ``s % K``, run by an interleaved schedule (see
+            :mod:`autopipe.interleaving`). The split balances the K·v stages as usual;
+            the step time is the interleaved one, and each rank's stages together must fit
+            its device (the capacity of its first stage).
 
     Raises:
         PlanningError: no split fits, or the chosen strategy's split does not fit; the
-            message names the stage or layer and the bytes missing.
+            message names the stage or layer (or rank) and the bytes missing.
         ValueError: invalid arguments.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    options: dict[str, Any] = {"data_parallel": data_parallel, "batch": batch}
+    options: dict[str, Any] = {
+        "data_parallel": data_parallel,
+        "batch": batch,
+        "virtual_stages": virtual_stages,
+    }
     model = build_model(
         profile,
         devices,
@@ -170,7 +186,27 @@ def plan(
             f"{format_bytes(worst.memory - (worst.capacity or 0))} more than its "
             f"{format_bytes(worst.capacity or 0)}"
         )
+    _check_ranks(result, strategy)
     return result
+
+
+def _check_ranks(result: Plan, strategy: str) -> None:
+    """With virtual stages, each rank's stages together must fit its device."""
+    v = result.virtual_stages
+    if v == 1:
+        return
+    ranks = result.num_stages // v
+    for r in range(ranks):
+        held = [result.stages[s] for s in rank_stages(r, ranks, v)]
+        capacity = held[0].capacity
+        need = sum(stage.memory for stage in held)
+        if capacity is not None and need > capacity:
+            raise PlanningError(
+                f"the {strategy} split {result.balance} does not fit: rank {r} holds stages "
+                f"{[stage.index for stage in held]}, which need {format_bytes(need - capacity)} "
+                f"more than its {format_bytes(capacity)}; use fewer virtual stages, more "
+                "memory or checkpointing"
+            )
 
 
 def evaluate(
@@ -251,12 +287,15 @@ def describe(
             )
         )
     times = np.array([stage.time for stage in stages])
-    m = model.chunks
-    pipeline = step_time(times, m)
+    m, ranks = model.chunks, model.num_ranks
+    if model.virtual_stages > 1:
+        pipeline = interleaved_step_time(times.tolist(), ranks, m)
+    else:
+        pipeline = step_time(times, m)
     allreduce = max(stage.allreduce for stage in stages)
     total = pipeline + allreduce
     # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.
-    bubble = 1.0 - m * float(times.sum()) / (len(stages) * pipeline) if pipeline > 0 else 0.0
+    bubble = 1.0 - m * float(times.sum()) / (ranks * pipeline) if pipeline > 0 else 0.0
     return Plan(
         balance=list(balance),
         stages=stages,
@@ -276,4 +315,5 @@ def describe(
         batch_size=total_batch,
         allreduce=allreduce,
         throughput=total_batch / total if total > 0 else 0.0,
+        virtual_stages=model.virtual_stages,
     )

@@ -89,6 +89,9 @@ class Plan:
         allreduce: seconds per step of the gradient all-reduce, part of ``step_time``.
         throughput: predicted samples per second, ``batch_size / step_time``.
         notes: why the plan was chosen or how it compares with the best of a search.
+        virtual_stages: stages per rank (v); the stages are K·v, stage s on rank
+            ``s % K``, and ``step_time`` is the interleaved schedule's (see
+            :mod:`autopipe.interleaving`).
     """
 
     balance: list[int]
@@ -111,6 +114,7 @@ class Plan:
     allreduce: float = 0.0
     throughput: float = 0.0
     notes: list[str] = field(default_factory=list)
+    virtual_stages: int = 1
 
     @property
     def pipeline_time(self) -> float:
@@ -119,8 +123,8 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        """Devices the plan occupies: stages times data-parallel replicas."""
-        return self.num_stages * self.data_parallel
+        """Devices the plan occupies: ranks per pipeline times data-parallel replicas."""
+        return self.num_stages // self.virtual_stages * self.data_parallel
 
     @property
     def stage_checkpoints(self) -> list[str]:

@@ -98,6 +98,10 @@ def render_header(plan: Plan) -> str:
         micro += " per replica"
     split = f"batch {batch} as {micro}" if batch else micro
     stages = f"{_count(plan.num_stages, 'stage', 'stages')} [{where}]"
+    v = plan.virtual_stages
+    if v > 1:
+        ranks = plan.num_stages // v
+        stages += f" on {_count(ranks, 'device', 'devices')}, {v} per device (interleaved)"
     if plan.data_parallel > 1:
         stages += f" x {plan.data_parallel} data-parallel replicas"
     first = f"{layers} layers on {stages}, {split}"

@@ -205,10 +205,16 @@ def simulate(plan: Plan) -> list[Event]:
         are left out.
 
     Raises:
-        ValueError: the plan's schedule is unknown.
+        ValueError: the plan's schedule is unknown, or it has virtual stages (interleaved
+            schedules are predicted by :mod:`autopipe.interleaving`, not simulated).
     """
     if plan.schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"unknown schedule {plan.schedule!r}: choose gpipe or 1f1b")
+    if plan.virtual_stages > 1:
+        raise ValueError(
+            f"the plan runs {plan.virtual_stages} virtual stages per rank; the timeline "
+            "simulates one stage per device only (plan without virtual stages to draw it)"
+        )
     times = stage_times(plan)
     orders = _orders(plan)
     k_count = plan.num_stages

@@ -151,6 +151,9 @@ def main() -> None:
     parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=EXAMPLES)
     parser.add_argument("--no-distributed", action="store_true")
     parser.add_argument(
+        "--no-bind", action="store_true", help="let the two ranks float over all CPUs"
+    )
+    parser.add_argument(
         "--device", default="cpu", help="cuda:0 for the GPU (the two-rank part then is skipped)"
     )
     parser.add_argument(
@@ -174,6 +177,7 @@ def main() -> None:
         "runs": args.runs,
         "load": os.getloadavg(),
         "malloc": MALLOC,
+        "bound_cpus": not args.no_bind,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "accuracy" if args.device == "cpu" else "accuracy_cuda"
@@ -203,7 +207,9 @@ def one_run(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
             from benchmarks.accuracy_dist import run_two_ranks
 
             print(f"[{name}] two devices: spawning 2 ranks", flush=True)
-            results[name]["two_devices"] = run_two_ranks(name, profile, args.top, args.repeats)
+            results[name]["two_devices"] = run_two_ranks(
+                name, profile, args.top, args.repeats, bind=not args.no_bind
+            )
     return results
 
 

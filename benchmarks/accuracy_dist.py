@@ -5,6 +5,8 @@ rank 0 runs ``search(profile, devices=2)`` (checkpoint ``never``: the runner kee
 activation) and broadcasts the ranked plans, and every configuration is timed round-robin:
 plans on two devices with :class:`autopipe.distributed.DistributedPipeline` (two stages,
 or two replicas of one stage), plans on one device with the GPipe executor on rank 0.
+Each rank is bound to its own CPU (``init_distributed(bind_cpus=True)``) unless
+``--no-bind``.
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ class _Runner:
         return stage_memory(self.modules, self.optimizer, self.step)
 
 
-def worker(name: str, workdir: Path, rank: int, top: int, repeats: int) -> None:
-    init_rank(workdir, rank, WORLD)
+def worker(name: str, workdir: Path, rank: int, top: int, repeats: int, bind: bool) -> None:
+    init_rank(workdir, rank, WORLD, bind=bind)
     model, x = load_sequential(ROOT / "examples" / f"{name}.py")
     profile = Profile.load(workdir / "profile.json")
     # With the model: compute scales measured with both ranks busy, as in training.
@@ -132,15 +134,17 @@ def worker(name: str, workdir: Path, rank: int, top: int, repeats: int) -> None:
     dist.destroy_process_group()
 
 
-def run_two_ranks(name: str, profile: Profile, top: int, repeats: int) -> dict[str, Any]:
+def run_two_ranks(
+    name: str, profile: Profile, top: int, repeats: int, bind: bool = True
+) -> dict[str, Any]:
     """Spawns the two ranks on this machine and returns their results."""
     with tempfile.TemporaryDirectory() as tmp:
         profile.save(Path(tmp) / "profile.json")
         command = [sys.executable, "-m", "benchmarks.accuracy_dist", name, tmp]
-        options = [str(top), str(repeats)]
+        options = [str(top), str(repeats), "bind" if bind else "float"]
         return spawn_ranks(lambda r: [*command, str(r), *options], WORLD, Path(tmp))
 
 
 if __name__ == "__main__":
-    name_, dir_, rank_, top_, repeats_ = sys.argv[1:6]
-    worker(name_, Path(dir_), int(rank_), int(top_), int(repeats_))
+    name_, dir_, rank_, top_, repeats_, bind_ = sys.argv[1:7]
+    worker(name_, Path(dir_), int(rank_), int(top_), int(repeats_), bind_ == "bind")

@@ -5,8 +5,8 @@ ranks (gloo, one thread each) run :class:`autopipe.distributed.DistributedPipeli
 the 1F1B and GPipe schedules. Contenders, each timed over BURST back-to-back steps:
 
 * pipeline: ``DistributedPipeline.step`` (the slower rank's time counts), for 1F1B, GPipe
-  and interleaved 1F1B with two virtual stages per rank (four stages; not modelled by the
-  planner, so it gets no prediction);
+  and interleaved 1F1B with two virtual stages per rank (four stages, predicted by
+  :mod:`autopipe.interleaving`);
 * hand-made: a minimal 1F1B written with plain ``send``/``recv`` on the same stage modules,
   which shows what pipelining costs on this host whatever the implementation;
 * baseline: one process with one thread (rank 0 alone; rank 1 waits) running the same
@@ -165,23 +165,16 @@ def worker(
         dist.all_reduce(ours)
         foreign = (busy_cpu_seconds() - busy - ours.item()) / (time.perf_counter() - wall)
         out[label] = {name: statistics.median(ts) for name, ts in times.items()}
-        # The cost model does not model interleaving: no prediction for it.
-        modelled = virtual == 1
+        options = {"chunks": CHUNKS, "checkpoint": "never", "schedule": schedule}
         out[label].update(
             foreign_cpus=max(foreign, 0.0),
             balance=pipe.plan.balance,
-            predicted=pipe.plan.step_time if modelled else float("nan"),
-            predicted_baseline=evaluate(
-                profile, [BLOCKS], chunks=CHUNKS, checkpoint="never", schedule=schedule
-            ).step_time,
+            predicted=pipe.plan.step_time,
+            predicted_baseline=evaluate(profile, [BLOCKS], **options).step_time,
             calibrated=evaluate(
-                calibrated, pipe.plan.balance, chunks=CHUNKS, checkpoint="never", schedule=schedule
-            ).step_time
-            if modelled
-            else float("nan"),
-            calibrated_baseline=evaluate(
-                calibrated, [BLOCKS], chunks=CHUNKS, checkpoint="never", schedule=schedule
+                calibrated, pipe.plan.balance, virtual_stages=virtual, **options
             ).step_time,
+            calibrated_baseline=evaluate(calibrated, [BLOCKS], **options).step_time,
             calibration=calibrated.meta["calibration"],
         )
     if rank == 0:

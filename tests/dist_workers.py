@@ -298,6 +298,8 @@ def _virtual(rank: int) -> dict[str, Any]:
         result["state"] = pipe.gather_state_dict()
         result["layout"] = (pipe.stage_indices, pipe.is_first, pipe.is_last, repr(pipe))
         result["optimized"] = sum(p.numel() for p in pipe.module.parameters())
+        plan = pipe.plan
+        result["plan"] = (plan.virtual_stages, plan.step_time, [s.time for s in plan.stages])
         results[schedule] = result
     profile = Profile.from_dict(pipe.plan.profile)
     errors = {}
@@ -305,9 +307,10 @@ def _virtual(rank: int) -> dict[str, Any]:
         "stages": {"plan": evaluate(profile, [4, 4], chunks=CHUNKS), "sample": x},
         "chunks": {"chunks": 5, "sample": x[:10]},  # 2 rounds of 2 or 3 micro-batches
         "ranks": {"virtual_stages": 2 if rank else 3, "sample": x},
+        "planned": {"plan": evaluate(profile, [2] * 4, chunks=CHUNKS, virtual_stages=4)},
     }
     for name, case in cases.items():
-        case = {"chunks": CHUNKS, "profile": profile, **options, **case}
+        case = {"chunks": CHUNKS, "profile": profile, "sample": x, **options, **case}
         try:
             DistributedPipeline(make_model(), case.pop("sample"), **case)
         except ValueError as exc:

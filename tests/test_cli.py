@@ -129,6 +129,23 @@ def test_cuda_profile_names_stage_devices(
     assert [s.device for s in Plan.load(out_file).stages] == ["cuda:0", "cuda:1"]
 
 
+def test_virtual_stages(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", "--profile", str(profile_file), "--stages", "2", "--virtual-stages", "2"]
+    argv += ["--schedule", "1f1b", "--chunks", "4", "--memory", "1GiB,2GiB"]
+    code, out, err = run(capsys, *argv, "--json", str(out_file))
+    assert code == 0, err
+    assert "16 layers on 4 stages [cpu] on 2 devices, 2 per device (interleaved)" in out
+    result = Plan.load(out_file)
+    assert result.virtual_stages == 2 and result.num_devices == 2
+    assert [s.capacity for s in result.stages] == [2**30, 2**31, 2**30, 2**31]
+    picture = str(tmp_path / "t.png")
+    assert_error(*run(capsys, *argv, "--timeline", picture), "leave out --virtual-stages")
+    assert_error(*run(capsys, *argv, "--search"), "--virtual-stages goes with --stages")
+
+
 def test_subprocess() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(

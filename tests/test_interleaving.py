@@ -1,0 +1,134 @@
+"""Virtual stages: interleaved step time, per-stage micro-batches in flight, planning."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autopipe import PlanningError
+from autopipe.exact import step_time as gpipe_step_time
+from autopipe.interleaving import in_flight, rank_stages, rank_times, step_time
+from autopipe.planner import evaluate, plan
+from autopipe.plans import Plan
+from autopipe.simulation import simulate
+from tests.planning_cases import linear_profile
+
+
+def test_one_stage_per_rank_is_gpipe_formula() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        k, m = rng.randint(1, 6), rng.randint(1, 12)
+        times = [rng.uniform(0.1, 3.0) for _ in range(k)]
+        assert step_time(times, k, m) == pytest.approx(gpipe_step_time(times, m))
+
+
+@pytest.mark.parametrize(("k", "v", "m"), itertools.product([1, 2, 4], [1, 2, 3], [1, 4, 8]))
+def test_balanced_stages_shrink_the_bubble_v_fold(k: int, v: int, m: int) -> None:
+    c = 0.5  # each of the K·v stages, per micro-batch
+    per_rank = v * c
+    assert step_time([c] * (k * v), k, m) == pytest.approx((m + (k - 1) / v) * per_rank)
+
+
+def test_ranks_hold_looped_stages() -> None:
+    assert rank_stages(1, 3, 2) == [1, 4]
+    assert rank_times([1.0, 2.0, 3.0, 4.0], 2) == [4.0, 6.0]
+    with pytest.raises(ValueError, match="5 stages do not divide among 2 ranks"):
+        step_time([1.0] * 5, 2, 4)
+
+
+def test_in_flight_without_virtual_stages_matches_the_schedules() -> None:
+    for k, m in itertools.product(range(1, 6), range(1, 10)):
+        for r in range(k):
+            assert in_flight(r, k, 1, m, "1f1b") == [min(m, k - r)]
+            assert in_flight(r, k, 1, m, "gpipe") == [m]
+    assert in_flight(0, 2, 3, 5, "gpipe") == [5, 5, 5]  # looped BFS: every forward first
+
+
+def _torch_in_flight(rank: int, k: int, v: int, m: int) -> list[int]:
+    """Replays torch's own ScheduleInterleaved1F1B order for one rank."""
+    from torch.distributed.pipelining.schedules import (
+        ScheduleInterleaved1F1B,
+        _ComputationType,
+    )
+
+    schedule = object.__new__(ScheduleInterleaved1F1B)  # its order needs no process group
+    schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = v, k, m
+    schedule.number_of_rounds = max(1, m // k)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    held, peak = [0] * v, [0] * v
+    for action in schedule._calculate_single_rank_operations(rank):
+        if action is None:
+            continue
+        local = action.stage_index // k
+        if action.computation_type == _ComputationType.FORWARD:
+            held[local] += 1
+            peak[local] = max(peak[local], held[local])
+        else:
+            held[local] -= 1
+    assert held == [0] * v
+    return peak
+
+
+@pytest.mark.parametrize(("k", "v"), [(2, 2), (2, 3), (3, 2), (4, 2), (4, 4)])
+def test_interleaved_1f1b_in_flight_replays_torch(k: int, v: int) -> None:
+    for m in range(1, 3 * k + 1):
+        per_round = m // max(1, m // k)
+        if m % per_round:
+            with pytest.raises(ValueError, match="multiple of"):
+                in_flight(0, k, v, m, "1f1b")
+            continue
+        for r in range(k):
+            assert in_flight(r, k, v, m, "1f1b") == _torch_in_flight(r, k, v, m), (r, m)
+
+
+def _profile() -> object:
+    return linear_profile(
+        [1.0, 2.0, 1.5, 1.0, 2.5, 1.0, 0.5, 1.5],
+        saved=[100] * 8,
+        output=[10] * 8,
+        params=[1000] * 8,
+        batch=8,
+        chunks=4,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_plan_with_virtual_stages(schedule: str) -> None:
+    profile = _profile()
+    result = plan(profile, 4, chunks=4, schedule=schedule, virtual_stages=2, checkpoint="never")
+    assert result.virtual_stages == 2 and result.num_stages == 4 and result.num_devices == 2
+    times = [stage.time for stage in result.stages]
+    assert result.step_time == pytest.approx(step_time(times, 2, 4))
+    # Every stage holds the micro-batches its rank's schedule keeps in flight.
+    for stage in result.stages:
+        expected = in_flight(stage.index % 2, 2, 2, 4, schedule)[stage.index // 2]
+        assert stage.in_flight == expected
+    again = Plan.from_dict(result.to_dict())
+    assert again.virtual_stages == 2 and again.step_time == result.step_time
+    same = evaluate(profile, result.balance, chunks=4, schedule=schedule, virtual_stages=2)
+    assert same.virtual_stages == 2
+    # Interleaving predicts a shorter fill and drain than the same stages on four devices.
+    flat = evaluate(profile, result.balance, chunks=4, schedule=schedule, checkpoint="never")
+    assert result.step_time > flat.step_time  # two ranks do the work of four devices
+    with pytest.raises(ValueError, match="virtual stages per rank"):
+        simulate(result)
+
+
+def test_a_rank_whose_stages_do_not_fit_is_named() -> None:
+    # Identical layers, memory almost all parameters: any rank holds about half of it.
+    profile = linear_profile([1.0] * 8, saved=[1] * 8, params=[10_000] * 8, batch=8, chunks=4)
+    options = {"chunks": 4, "virtual_stages": 2, "checkpoint": "never", "schedule": "gpipe"}
+    free = plan(profile, 4, **options)
+    stage = max(s.memory for s in free.stages)
+    total = sum(s.memory for s in free.stages)
+    limit = int(1.2 * stage)  # each stage fits alone, but no rank holds half the total
+    assert stage < limit < total / 2
+    with pytest.raises(PlanningError, match=r"rank \d holds stages \[\d, \d\], which need"):
+        plan(profile, 4, memory=limit, **options)
+
+
+def test_stages_must_divide_among_ranks() -> None:
+    with pytest.raises(ValueError, match="3 stages do not split into 2 virtual stages"):
+        plan(_profile(), 3, chunks=4, virtual_stages=2)
