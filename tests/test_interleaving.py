@@ -24,7 +24,7 @@ def test_one_stage_per_rank_is_gpipe_formula() -> None:
         assert step_time(times, k, m) == pytest.approx(gpipe_step_time(times, m))
 
 
-@pytest.mark.parametrize(("k", "v", "m"), itertools.product([1, 2, 4], [1, 2, 3], [1, 4, 8]))
+@pytest.mark.parametrize(("k", "v", "m"), list(itertools.product([1, 2, 4], [1, 2, 3], [1, 4, 8])))
 def test_balanced_stages_shrink_the_bubble_v_fold(k: int, v: int, m: int) -> None:
     c = 0.5  # each of the K·v stages, per micro-batch
     per_rank = v * c
