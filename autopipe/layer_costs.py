@@ -1,4 +1,4 @@
-"""Per-layer figures at a micro-batch size, predicted from a profile's fitted lines."""
+"""Per-layer figures at a micro-batch size, interpolated from a profile's measurements."""
 
 from __future__ import annotations
 
@@ -140,50 +140,72 @@ class LayerCosts:
 
 @dataclass(frozen=True)
 class ProfileLines:
-    """Every layer's fitted ``a + b·batch`` as arrays, for fast predictions at many sizes.
+    """Every layer's measured figures as arrays, for fast predictions at many sizes.
+
+    A figure at any size is interpolated linearly between the two measured sizes around it
+    (:meth:`profiler.profile.Profile.segment`: the nearest segment beyond the measured
+    range, never falling with the batch there). Times are calibrated per segment line
+    ``a + b·size``: ``fixed_scale·a + compute_scale·b·size`` (see :func:`compute_scale`).
 
     Attributes:
         names: the layers' names.
-        lines: per figure, the intercepts and slopes of all layers.
-        input: the intercept and slope of the model input's bytes.
+        sizes: the measured micro-batch sizes.
+        values: per figure, every layer's measurements (layers × sizes).
+        input: the model input's bytes at each measured size.
         params: parameter bytes per layer.
         buffers: buffer bytes per layer.
+        scale: ``(fixed_scale, compute_scale)`` applied to times.
     """
 
     names: list[str]
-    lines: dict[str, tuple[Array, Array]]
-    input: tuple[float, float]
+    sizes: Array
+    values: dict[str, Array]
+    input: Array
     params: Array
     buffers: Array
+    scale: tuple[float, float] = (1.0, 1.0)
 
     @classmethod
     def from_profile(cls, profile: Profile, alone: bool = False) -> ProfileLines:
-        """Collects the profile's fits (fitting each figure once, then cached).
+        """Collects the profile's measurements.
 
         Args:
             profile: the profile.
             alone: for a configuration on one device (see :func:`compute_scale`).
         """
-        n = len(profile)
-        scale = compute_scale(profile, alone)
-        lines = {}
+        n, width = len(profile), len(profile.batch_sizes)
+        values = {}
         for figure in FIGURES:
-            fits = np.array([profile.fit(i, figure) for i in range(n)], dtype=float)
-            if figure in ("forward", "backward"):
-                fits *= np.array(scale)  # (fixed, per-sample) factors of (a, b)
-            lines[figure] = (fits[:, 0].copy(), fits[:, 1].copy())
+            rows = [profile.values(i, figure) for i in range(n)]
+            values[figure] = np.array([r if r is not None else [0.0] * width for r in rows])
         return cls(
             names=profile.names,
-            lines=lines,
-            input=profile.fit(-1, "input"),
+            sizes=np.array(profile.batch_sizes, dtype=float),
+            values=values,
+            input=np.array(profile.input, dtype=float),
             params=np.array([float(layer.param_bytes) for layer in profile.layers]),
             buffers=np.array([float(layer.buffer_bytes) for layer in profile.layers]),
+            scale=compute_scale(profile, alone),
         )
 
+    def _segment(self, values: Array, size: float) -> tuple[Array, Array]:
+        """Intercepts and slopes of every row's segment around ``size``."""
+        sizes = self.sizes
+        if len(sizes) == 1:  # one measurement: all per-sample, as the line fit reads it
+            return np.zeros(values.shape[:-1]), values[..., 0] / sizes[0]
+        j = int(np.clip(np.searchsorted(sizes, size) - 1, 0, len(sizes) - 2))
+        slope = (values[..., j + 1] - values[..., j]) / (sizes[j + 1] - sizes[j])
+        if size < sizes[0] or size > sizes[-1]:  # never cheaper with a larger batch
+            slope = np.maximum(slope, 0.0)
+            j = 0 if size < sizes[0] else len(sizes) - 1
+        return values[..., j] - slope * sizes[j], slope
+
     def figure(self, name: str, micro_batch: float) -> Array:
-        """One figure of every layer at ``micro_batch`` samples."""
-        a, b = self.lines[name]
-        return a + b * micro_batch
+        """One figure of every layer at ``micro_batch`` samples (times calibrated)."""
+        a, b = self._segment(self.values[name], micro_batch)
+        if name in ("forward", "backward"):
+            a, b = a * self.scale[0], b * self.scale[1]
+        return np.maximum(a + b * micro_batch, 0.0)
 
     def at(self, micro_batch: float, time_batch: float | None = None) -> LayerCosts:
         """Every figure at ``micro_batch`` samples (times at ``time_batch`` if given).
@@ -192,8 +214,8 @@ class ProfileLines:
         fewer samples: memory is safe at the largest, while times summed over the M
         micro-batches are exact at the mean ``N/M`` (every time is linear in the size).
         """
-        a, b = self.input
         when = micro_batch if time_batch is None else time_batch
+        a, b = self._segment(self.input, micro_batch)
         return LayerCosts(
             names=self.names,
             forward=self.figure("forward", when),
@@ -203,7 +225,7 @@ class ProfileLines:
             params=self.params,
             buffers=self.buffers,
             peak=self.figure("peak", micro_batch),
-            input=a + b * micro_batch,
+            input=float(a + b * micro_batch),
             # Never more than the layer saves, whatever the two fits do between sizes.
             shared=np.minimum(
                 self.figure("shared", micro_batch), self.figure("saved", micro_batch)

@@ -157,7 +157,7 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         r = _recompute_fraction(plan, stage.index)
         f, b = 1.0, _DEFAULT_BACKWARD_RATIO
         if layers is not None:
-            # A fitted line can dip below zero for a tiny layer; a stage's sum rarely does.
+            # A segment can dip below zero for a tiny layer; a stage's sum rarely does.
             lf = max(sum(layers[0][stage.start : stage.stop]), 0.0)
             lb = max(sum(layers[1][stage.start : stage.stop]), 0.0)
             if lf + lb > 0:

@@ -124,9 +124,7 @@ def measure_compute_scale(
                     samples[m].append(time.perf_counter() - start)
     del replica
     measured = [statistics.median(samples[m]) for m in counts]
-    fixed = sum(profile.fit(i, f)[0] for i in range(len(profile)) for f in FIGURES)
-    slope = sum(profile.fit(i, f)[1] for i in range(len(profile)) for f in FIGURES)
-    parts = [(fixed * len(runs[m]), slope * batch) for m in counts]
+    parts = [_parts(profile, [len(part[0]) for part in runs[m]]) for m in counts]
     fixed_scale, compute_scale = _fit_scales(parts, measured)
     return {
         "compute_scale": compute_scale,
@@ -135,6 +133,22 @@ def measure_compute_scale(
         "step_s": measured,
         "predicted_s": [a + b for a, b in parts],
     }
+
+
+def _parts(profile: Profile, sizes: list[int]) -> tuple[float, float]:
+    """The profile's per-micro-batch and per-sample seconds of micro-batches of ``sizes``.
+
+    Each layer's time at a size lies on the segment between the measurements around it
+    (:meth:`profiler.profile.Profile.segment`), ``a + b·size``: the ``a`` and the
+    ``b·size`` are summed apart, as the two scales apply to them.
+    """
+    fixed = per_sample = 0.0
+    for size in sizes:
+        for i in range(len(profile)):
+            for figure in FIGURES:
+                a, b = profile.segment(i, figure, size)
+                fixed, per_sample = fixed + a, per_sample + b * size
+    return fixed, per_sample
 
 
 def _fit_scales(parts: list[tuple[float, float]], measured: list[float]) -> tuple[float, float]:

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from profiler.fit import fit_linear
 from profiler.jsonfile import read_json, write_json
 
@@ -137,10 +139,37 @@ class Profile:
             self._fits[key] = (0.0, 0.0) if values is None else fit_linear(self.batch_sizes, values)
         return self._fits[key]
 
+    def values(self, index: int, figure: str) -> list[float] | None:
+        """One layer's measured figure at :attr:`batch_sizes` (``-1``, ``input``: the input)."""
+        if figure == "input":
+            return [float(v) for v in self.input]
+        found = getattr(self.layers[index], figure)
+        return None if found is None else [float(v) for v in found]
+
+    def segment(self, index: int, figure: str, batch: float) -> tuple[float, float]:
+        """The ``(a, b)`` of the line through the measurements around ``batch``.
+
+        Between two measured sizes a figure is interpolated linearly, so every measured
+        size is predicted as measured (times of small micro-batches are far from a straight
+        line: a kernel's launch, a weight read that does not grow with the rows); beyond the
+        measured range the nearest segment goes on, never falling with the batch. With one
+        measured size, this is :meth:`fit`.
+        """
+        values = self.values(index, figure)
+        sizes = self.batch_sizes
+        if values is None or len(sizes) == 1:
+            return self.fit(index, figure)
+        j = int(np.clip(np.searchsorted(sizes, batch) - 1, 0, len(sizes) - 2))
+        slope = (values[j + 1] - values[j]) / (sizes[j + 1] - sizes[j])
+        if batch < sizes[0] or batch > sizes[-1]:  # extrapolating: never cheaper when larger
+            slope = max(slope, 0.0)
+            j = 0 if batch < sizes[0] else len(sizes) - 1
+        return values[j] - slope * sizes[j], slope
+
     def predict(self, index: int, figure: str, batch: float) -> float:
-        """A layer's figure at any micro-batch size, from the fitted line."""
-        a, b = self.fit(index, figure)
-        return a + b * batch
+        """A layer's figure at any micro-batch size (see :meth:`segment`)."""
+        a, b = self.segment(index, figure, batch)
+        return max(a + b * batch, 0.0)
 
     def fits(self, index: int) -> dict[str, tuple[float, float]]:
         """The fitted (a, b) of each figure of one layer."""

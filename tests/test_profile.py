@@ -102,3 +102,58 @@ def test_inconsistent_profiles_are_rejected() -> None:
         Profile(layers=good.layers, batch_sizes=[2, 4], input=[1], batch_size=4)
     with pytest.raises(ValueError, match="one figure per batch size"):
         Profile(layers=good.layers, batch_sizes=[1, 2, 4], input=[1, 2, 3], batch_size=4)
+
+
+def _hockey_stick() -> Profile:
+    """A layer whose time is flat for small batches, then linear: far from one line."""
+    layer = LayerProfile(
+        name="0",
+        kind="Linear",
+        forward=[1.0, 1.0, 1.0, 2.0, 4.0],
+        backward=[2.0, 2.0, 2.0, 4.0, 8.0],
+        saved=[10, 20, 40, 80, 160],
+        output=[4, 8, 16, 32, 64],
+    )
+    sizes = [1, 2, 4, 8, 16]
+    return Profile(layers=[layer], batch_sizes=sizes, input=[2, 4, 8, 16, 32], batch_size=16)
+
+
+def test_figures_are_interpolated_between_measured_sizes() -> None:
+    profile = _hockey_stick()
+    for size, value in zip(profile.batch_sizes, profile.layers[0].forward):
+        assert profile.predict(0, "forward", size) == pytest.approx(value)
+    assert profile.predict(0, "forward", 3) == pytest.approx(1.0)  # on the flat part
+    assert profile.predict(0, "forward", 12) == pytest.approx(3.0)  # between 8 and 16
+    assert profile.predict(0, "forward", 32) == pytest.approx(8.0)  # last segment goes on
+    assert profile.segment(0, "forward", 12) == pytest.approx((0.0, 0.25))
+    # A single line through all five misses some measurement by more than 25%.
+    a, b = profile.fit(0, "forward")
+    assert max(abs(a + b * s - v) / v for s, v in zip([1, 2, 4, 8, 16], [1, 1, 1, 2, 4])) > 0.25
+
+
+def test_extrapolation_never_falls_with_the_batch() -> None:
+    layer = LayerProfile("0", "Linear", [2.0, 1.0], [2.0, 3.0], [0, 0], [0, 0])
+    profile = Profile(layers=[layer], batch_sizes=[2, 4], input=[0, 0], batch_size=4)
+    assert profile.predict(0, "forward", 3) == pytest.approx(1.5)  # measured noise: kept
+    assert profile.predict(0, "forward", 8) == pytest.approx(1.0)  # not below the last
+    assert profile.predict(0, "forward", 1) == pytest.approx(2.0)
+    single = Profile(layers=[layer.__class__("0", "L", [3.0], [6.0], [0], [0])],
+                     batch_sizes=[4], input=[0], batch_size=4)  # fmt: skip
+    assert single.segment(0, "forward", 2) == single.fit(0, "forward") == (0.0, 0.75)
+
+
+def test_planner_predicts_measured_sizes_exactly() -> None:
+    from autopipe.layer_costs import ProfileLines
+
+    profile = _hockey_stick()
+    lines = ProfileLines.from_profile(profile)
+    for size, f, b, saved in zip(
+        [1, 2, 4, 8, 16], [1, 1, 1, 2, 4], [2, 2, 2, 4, 8], [10, 20, 40, 80, 160]
+    ):
+        costs = lines.at(size)
+        assert costs.forward[0] == pytest.approx(f) and costs.backward[0] == pytest.approx(b)
+        assert costs.saved[0] == pytest.approx(saved) and costs.input == pytest.approx(2 * size)
+    # Calibration scales each segment's a (fixed_scale) and b·size (compute_scale) apart.
+    profile.meta["calibration"] = {"fixed_scale": 2.0, "compute_scale": 3.0}
+    scaled = ProfileLines.from_profile(profile).at(12)
+    assert scaled.forward[0] == pytest.approx(2.0 * 0.0 + 3.0 * 0.25 * 12)
