@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from profiler.fit import segments
 from profiler.profile import Profile
 
 __all__ = [
@@ -190,15 +191,7 @@ class ProfileLines:
 
     def _segment(self, values: Array, size: float) -> tuple[Array, Array]:
         """Intercepts and slopes of every row's segment around ``size``."""
-        sizes = self.sizes
-        if len(sizes) == 1:  # one measurement: all per-sample, as the line fit reads it
-            return np.zeros(values.shape[:-1]), values[..., 0] / sizes[0]
-        j = int(np.clip(np.searchsorted(sizes, size) - 1, 0, len(sizes) - 2))
-        slope = (values[..., j + 1] - values[..., j]) / (sizes[j + 1] - sizes[j])
-        if size < sizes[0] or size > sizes[-1]:  # never cheaper with a larger batch
-            slope = np.maximum(slope, 0.0)
-            j = 0 if size < sizes[0] else len(sizes) - 1
-        return values[..., j] - slope * sizes[j], slope
+        return segments(self.sizes, values, size)
 
     def figure(self, name: str, micro_batch: float) -> Array:
         """One figure of every layer at ``micro_batch`` samples (times calibrated)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from profiler.fit import fit_linear
+from profiler.fit import fit_linear, segments
 from profiler.jsonfile import read_json, write_json
 
 __all__ = ["PROFILE_VERSION", "LayerProfile", "Profile"]
@@ -152,19 +152,13 @@ class Profile:
         Between two measured sizes a figure is interpolated linearly, so every measured
         size is predicted as measured (times of small micro-batches are far from a straight
         line: a kernel's launch, a weight read that does not grow with the rows); beyond the
-        measured range the nearest segment goes on, never falling with the batch. With one
-        measured size, this is :meth:`fit`.
+        measured range the nearest segment goes on (see :func:`profiler.fit.segments`).
         """
         values = self.values(index, figure)
-        sizes = self.batch_sizes
-        if values is None or len(sizes) == 1:
-            return self.fit(index, figure)
-        j = int(np.clip(np.searchsorted(sizes, batch) - 1, 0, len(sizes) - 2))
-        slope = (values[j + 1] - values[j]) / (sizes[j + 1] - sizes[j])
-        if batch < sizes[0] or batch > sizes[-1]:  # extrapolating: never cheaper when larger
-            slope = max(slope, 0.0)
-            j = 0 if batch < sizes[0] else len(sizes) - 1
-        return values[j] - slope * sizes[j], slope
+        if values is None:
+            return 0.0, 0.0
+        a, b = segments(self.batch_sizes, np.array([values]), batch)
+        return float(a[0]), float(b[0])
 
     def predict(self, index: int, figure: str, batch: float) -> float:
         """A layer's figure at any micro-batch size (see :meth:`segment`)."""

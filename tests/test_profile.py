@@ -137,6 +137,11 @@ def test_extrapolation_never_falls_with_the_batch() -> None:
     assert profile.predict(0, "forward", 3) == pytest.approx(1.5)  # measured noise: kept
     assert profile.predict(0, "forward", 8) == pytest.approx(1.0)  # not below the last
     assert profile.predict(0, "forward", 1) == pytest.approx(2.0)
+    # Below the smallest size a steep segment would cross zero: proportional instead.
+    assert profile.predict(0, "backward", 1) == pytest.approx(1.5)  # 2.0 at 2, 3.0 at 4
+    steep = LayerProfile("0", "Linear", [1.0, 3.0], [1.0, 3.0], [0, 0], [0, 0])
+    low = Profile(layers=[steep], batch_sizes=[2, 4], input=[0, 0], batch_size=4)
+    assert low.segment(0, "forward", 1) == pytest.approx((0.0, 0.5))
     single = Profile(layers=[layer.__class__("0", "L", [3.0], [6.0], [0], [0])],
                      batch_sizes=[4], input=[0], batch_size=4)  # fmt: skip
     assert single.segment(0, "forward", 2) == single.fit(0, "forward") == (0.0, 0.75)
