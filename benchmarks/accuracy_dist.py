@@ -101,7 +101,8 @@ def worker(name: str, workdir: Path, rank: int, top: int, repeats: int, bind: bo
     if rank == 0:
         from benchmarks.accuracy import distinct
 
-        options = {"checkpoints": ("never",), "even": True}  # what the runner needs
+        # Even splits: the runner pads uneven micro-batches, computing all at the largest.
+        options = {"checkpoints": ("never",), "even": True}
         found = search(profile, devices=WORLD, top=8 * top, **options)
         # One-device plans run on the GPipe executor, whose schedule is GPipe's.
         found = [p for p in found if p.num_devices == WORLD or p.schedule == "gpipe"]
