@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from autopipe.cost_model import CostModel, ProfileLines, optimizer_factor
 from autopipe.devices import DeviceSpec, make_devices
 from autopipe.errors import PlanningError
 from autopipe.exact import optimal_split, step_time
+from autopipe.interleaved_balance import interleaved_split
 from autopipe.interleaving import rank_stages
 from autopipe.interleaving import step_time as interleaved_step_time
 from autopipe.layer_costs import calibration
@@ -137,9 +139,10 @@ def plan(
         overhead: executor seconds per stage and micro-batch (default: calibrated, else 0).
         virtual_stages: stages per rank (v): ``devices`` then counts K·v stages, stage s
             on rank ``s % K``, run by an interleaved schedule (see
-            :mod:`autopipe.interleaving`). The split balances the K·v stages as usual;
-            the step time is the interleaved one, and each rank's stages together must fit
-            its device (the capacity of its first stage).
+            :mod:`autopipe.interleaving`). The ``optimal`` split then minimizes the
+            interleaved step time by a local search from the exact K·v-stage split
+            (:mod:`autopipe.interleaved_balance`; exact only for v = 1), and each rank's
+            stages together must fit its device (the capacity of its first stage).
 
     Raises:
         PlanningError: no split fits, or the chosen strategy's split does not fit; the
@@ -171,7 +174,9 @@ def plan(
             f"cannot split {model.num_layers} layers into {model.num_stages} non-empty stages; "
             f"use at most {model.num_layers} stages"
         )
-    if strategy == "optimal":
+    if strategy == "optimal" and virtual_stages > 1:
+        balance = _interleaved_balance(model)
+    elif strategy == "optimal":
         balance = optimal_split(model)
     else:
         params = model.layers.params + model.layers.buffers
@@ -188,6 +193,23 @@ def plan(
         )
     _check_ranks(result, strategy)
     return result
+
+
+def _interleaved_balance(model: CostModel) -> list[int]:
+    """The best split for virtual stages: a local search from the exact K·v-stage split
+    and the uniform one (:mod:`autopipe.interleaved_balance`)."""
+    starts = []
+    with contextlib.suppress(PlanningError):  # no K·v-stage split fits: start elsewhere
+        starts.append(optimal_split(model))
+    params = model.layers.params + model.layers.buffers
+    starts.append(baseline_balance("uniform", model.layer_time(), model.num_stages, params))
+    balance = interleaved_split(model, starts)
+    if balance is None:
+        raise PlanningError(
+            f"no split into {model.num_stages} stages, {model.virtual_stages} per device, fits "
+            "memory; use fewer virtual stages, more memory or checkpointing"
+        )
+    return balance
 
 
 def _check_ranks(result: Plan, strategy: str) -> None:

@@ -126,9 +126,48 @@ def test_a_rank_whose_stages_do_not_fit_is_named() -> None:
     limit = int(1.2 * stage)  # each stage fits alone, but no rank holds half the total
     assert stage < limit < total / 2
     with pytest.raises(PlanningError, match=r"rank \d holds stages \[\d, \d\], which need"):
-        plan(profile, 4, memory=limit, **options)
+        plan(profile, 4, memory=limit, strategy="uniform", **options)
+    with pytest.raises(PlanningError, match="no split into 4 stages, 2 per device, fits"):
+        plan(profile, 4, memory=limit, **options)  # optimal: every split tried
 
 
 def test_stages_must_divide_among_ranks() -> None:
     with pytest.raises(ValueError, match="3 stages do not split into 2 virtual stages"):
         plan(_profile(), 3, chunks=4, virtual_stages=2)
+
+
+def _random_profiles(count: int, seed: int) -> list[object]:
+    rng = random.Random(seed)
+    profiles = []
+    for _ in range(count):
+        forward = [rng.lognormvariate(0, 1) for _ in range(rng.randint(6, 10))]
+        profiles.append(linear_profile(forward, batch=8, chunks=4))
+    return profiles
+
+
+def _balances(layers: int, stages: int) -> list[list[int]]:
+    return [
+        [b - a for a, b in zip((0, *cuts), (*cuts, layers))]
+        for cuts in itertools.combinations(range(1, layers), stages - 1)
+    ]
+
+
+def test_virtual_stage_split_is_the_best_of_all_splits() -> None:
+    for profile in _random_profiles(15, seed=1):
+        options = {"chunks": 4, "virtual_stages": 2, "schedule": "1f1b", "checkpoint": "never"}
+        got = plan(profile, 4, **options).step_time
+        best = min(evaluate(profile, b, **options).step_time for b in _balances(len(profile), 4))
+        assert got == pytest.approx(best)
+
+
+def test_local_search_is_never_worse_than_its_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopipe import interleaved_balance
+
+    monkeypatch.setattr(interleaved_balance, "EXHAUSTIVE", 0)  # as for large models
+    options = {"chunks": 4, "virtual_stages": 2, "schedule": "1f1b", "checkpoint": "never"}
+    for profile in _random_profiles(15, seed=2):
+        got = plan(profile, 4, **options).step_time
+        exact_flat = plan(profile, 4, chunks=4, schedule="1f1b", checkpoint="never").balance
+        uniform = plan(profile, 4, strategy="uniform", **options).balance
+        for start in (exact_flat, uniform):
+            assert got <= evaluate(profile, start, **options).step_time * (1 + 1e-9)

@@ -1,0 +1,115 @@
+"""The split of K·v virtual stages that an interleaved schedule runs fastest.
+
+With v > 1 stages per rank the step time depends on each rank's *sum* over its stages
+(:func:`autopipe.interleaving.step_time`), so the exact min-max balance of the K·v stages
+(:func:`autopipe.exact.optimal_split`) is a good start but not the answer: a rank may
+collect two heavy stages. :func:`interleaved_split` evaluates every split at once when
+there are at most :data:`EXHAUSTIVE` of them (exact), and otherwise starts from the exact
+K·v-stage split and the uniform one and moves single cut points while the interleaved step
+time (with every stage and every rank within memory) improves (a local search).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from autopipe.cost_model import CostModel
+from autopipe.interleaving import rank_stages, step_time
+
+__all__ = ["EXHAUSTIVE", "exhaustive_split", "interleaved_cost", "interleaved_split"]
+
+# Splits evaluated exhaustively (vectorized) before falling back to the local search.
+EXHAUSTIVE = 200_000
+
+
+def interleaved_cost(model: CostModel, balance: Sequence[int]) -> float | None:
+    """Predicted pipeline time of ``balance`` under ``model``'s interleaving; ``None`` if
+    it does not fit (a stage over its device, or a rank's stages together over it)."""
+    bounds = np.cumsum([0, *balance])
+    times, memory = [], []
+    for k in range(model.num_stages):
+        time, mem, _ = model.stage_costs(k, np.array(bounds[k]), np.array(bounds[k + 1]))
+        if float(mem) > model.capacity(k):
+            return None
+        times.append(float(time))
+        memory.append(float(mem))
+    ranks, v = model.num_ranks, model.virtual_stages
+    for r in range(ranks):
+        if sum(memory[s] for s in rank_stages(r, ranks, v)) > model.capacity(r):
+            return None
+    return step_time(times, ranks, model.chunks)
+
+
+def _moves(balance: list[int]) -> Iterable[list[int]]:
+    """Every balance one cut point away, by 1, 2, 4, ... layers, stages kept non-empty."""
+    for cut in range(len(balance) - 1):
+        step = 1
+        while step < sum(balance):
+            for delta in (step, -step):
+                moved = list(balance)
+                moved[cut] += delta
+                moved[cut + 1] -= delta
+                if moved[cut] >= 1 and moved[cut + 1] >= 1:
+                    yield moved
+            step *= 2
+
+
+def exhaustive_split(model: CostModel) -> list[int] | None:
+    """The split with the least interleaved step time among all that fit, by evaluating
+    every one (``None``: none fits). Only for at most :data:`EXHAUSTIVE` splits."""
+    n, stages = model.num_layers, model.num_stages
+    cuts = np.array(list(itertools.combinations(range(1, n), stages - 1)), dtype=np.int64)
+    cuts = cuts.reshape(-1, stages - 1)
+    ends = np.full((len(cuts), 1), n, dtype=np.int64)
+    bounds = np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
+    times = np.empty((len(cuts), stages))
+    memory = np.empty((len(cuts), stages))
+    fits = np.ones(len(cuts), dtype=bool)
+    for k in range(stages):
+        time, mem, _ = model.stage_costs(k, bounds[:, k], bounds[:, k + 1])
+        times[:, k], memory[:, k] = time, mem
+        fits &= memory[:, k] <= model.capacity(k)
+    ranks, v = model.num_ranks, model.virtual_stages
+    busiest = np.zeros(len(cuts))
+    for r in range(ranks):
+        busiest = np.maximum(busiest, times[:, r::ranks].sum(axis=1))
+        fits &= memory[:, r::ranks].sum(axis=1) <= model.capacity(r)
+    if not fits.any():
+        return None
+    cost = model.chunks * busiest + (times.sum(axis=1) - busiest) / v
+    best = int(np.argmin(np.where(fits, cost, np.inf)))
+    return [int(b) for b in np.diff(bounds[best])]
+
+
+def interleaved_split(model: CostModel, starts: Sequence[Sequence[int]]) -> list[int] | None:
+    """The split of the least interleaved step time: every split when there are at most
+    :data:`EXHAUSTIVE`, else the best found from ``starts`` by moving one cut point at a
+    time.
+
+    Returns:
+        The balance with the smallest :func:`interleaved_cost`, or ``None`` when none that
+        was tried fits.
+    """
+    if math.comb(model.num_layers - 1, model.num_stages - 1) <= EXHAUSTIVE:
+        return exhaustive_split(model)
+    best: list[int] | None = None
+    best_cost = float("inf")
+    for start in starts:
+        current, cost = list(start), interleaved_cost(model, start)
+        if cost is None:
+            cost = float("inf")
+        improved = True
+        while improved:
+            improved = False
+            for moved in _moves(current):
+                found = interleaved_cost(model, moved)
+                if found is not None and found < cost * (1 - 1e-12):
+                    current, cost, improved = moved, found, True
+                    break
+        if cost < best_cost:
+            best, best_cost = current, cost
+    return best
