@@ -187,7 +187,8 @@ def measure_compute_together(
     on every rank at once and averaged, and on rank 0 alone.
 
     Ranks that share a host (CPU sockets, memory bandwidth, a GPU's host) slow each other
-    down; timing them together puts that in the scale, as it will be in training. A
+    down; timing them together, every step started on all ranks at once, puts that in the
+    scale, as it will be in training. A
     configuration on a single device runs without that competition: it gets the scales
     of rank 0 alone (``alone_fixed_scale``, ``alone_compute_scale``).
     """
@@ -195,7 +196,11 @@ def measure_compute_together(
 
     device = _device(group)
     dist.barrier(group=group)
-    found = measure_compute_scale(model, sample, profile, repeats=repeats, device=device)
+    # Every step starts together on every rank, so that each is timed with all busy.
+    barrier = lambda: dist.barrier(group=group)  # noqa: E731
+    found = measure_compute_scale(
+        model, sample, profile, repeats=repeats, device=device, sync=barrier
+    )
     scales = torch.tensor([found["fixed_scale"], found["compute_scale"]], dtype=torch.float64)
     dist.all_reduce(scales, group=group)
     scales /= dist.get_world_size(group)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,7 @@ def measure_compute_scale(
     repeats: int = 10,
     warmup: int = 2,
     device: str | torch.device | None = None,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """How much longer the model's layers take in a training step than the profile says.
 
@@ -85,6 +86,8 @@ def measure_compute_scale(
         repeats: timed steps per count; the median is kept.
         warmup: untimed steps first.
         device: where to run (default: the profile's device).
+        sync: called before every step, untimed; ranks measuring together pass a barrier,
+            so that their steps overlap as in training.
 
     Returns:
         ``{"compute_scale": factor of per-sample time, "fixed_scale": factor of
@@ -117,6 +120,8 @@ def measure_compute_scale(
             for m in counts:  # round-robin: load changes hit every count alike
                 replica.zero_grad(set_to_none=True)
                 _synchronize(device)
+                if sync is not None:
+                    sync()
                 start = time.perf_counter()
                 _step(layers, runs[m])
                 _synchronize(device)

@@ -42,6 +42,17 @@ def test_scales_fit_the_measured_steps() -> None:
     assert torch.equal(rng, torch.get_rng_state())
 
 
+def test_sync_runs_before_every_step() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    sample = torch.randn(8, 4)
+    profile = profile_model(model, sample, chunks=2, warmup=0, repeats=1)
+    calls: list[int] = []
+    result = measure_compute_scale(
+        model, sample, profile, chunks=[1, 2], repeats=3, warmup=1, sync=lambda: calls.append(1)
+    )
+    assert len(calls) == (1 + 3) * 2 and len(result["step_s"]) == 2
+
+
 def test_fit_recovers_known_scales() -> None:
     parts = [(1.0 * m, 4.0) for m in (1, 2, 4, 8)]
     measured = [2.0 * a + 0.5 * b for a, b in parts]
