@@ -151,6 +151,10 @@ class CostModel:
         self.data_parallel = data_parallel
         self.allreduce_bandwidth = allreduce_bandwidth
         self.virtual_stages = virtual_stages
+        # Stage k runs on rank k % K as local stage k // K; one replay of each rank's order.
+        ranks = len(self.devices) // virtual_stages
+        held = [in_flight(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)]
+        self._in_flight = [held[k % ranks][k // ranks] for k in range(len(self.devices))]
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = _prefix(layers.forward)
         self._bwd = _prefix(layers.backward)
@@ -190,13 +194,7 @@ class CostModel:
 
     def in_flight(self, k: int) -> int:
         """Micro-batches whose activations stage ``k`` holds at its peak."""
-        v = self.virtual_stages
-        if v > 1:
-            ranks = self.num_ranks
-            return in_flight(k % ranks, ranks, v, self.chunks, self.schedule)[k // ranks]
-        if self.schedule == "1f1b":
-            return min(self.chunks, self.num_stages - k)
-        return self.chunks
+        return self._in_flight[k]
 
     def checkpointed(self, k: int, mode: str | None = None) -> tuple[int, int]:
         """``(ck, keep)``: in-flight micro-batches stored as inputs only, and as saved sets.

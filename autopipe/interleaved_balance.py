@@ -16,9 +16,10 @@ import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+from numpy.typing import NDArray
 
 from autopipe.cost_model import CostModel
-from autopipe.interleaving import rank_stages, step_time
+from autopipe.interleaving import step_times
 
 __all__ = ["EXHAUSTIVE", "exhaustive_split", "interleaved_cost", "interleaved_split"]
 
@@ -26,22 +27,27 @@ __all__ = ["EXHAUSTIVE", "exhaustive_split", "interleaved_cost", "interleaved_sp
 EXHAUSTIVE = 200_000
 
 
+def _step_times(model: CostModel, bounds: NDArray[np.int64]) -> NDArray[np.float64]:
+    """Interleaved pipeline time of every row of stage bounds (rows: splits; ``inf`` where a
+    stage, or a rank's stages together, exceed the device's memory)."""
+    stages = model.num_stages
+    times = np.empty((len(bounds), stages))
+    memory = np.empty((len(bounds), stages))
+    fits = np.ones(len(bounds), dtype=bool)
+    for k in range(stages):
+        times[:, k], memory[:, k], _ = model.stage_costs(k, bounds[:, k], bounds[:, k + 1])
+        fits &= memory[:, k] <= model.capacity(k)
+    ranks = model.num_ranks
+    for r in range(ranks):
+        fits &= memory[:, r::ranks].sum(axis=1) <= model.capacity(r)
+    return np.where(fits, step_times(times, ranks, model.chunks), np.inf)
+
+
 def interleaved_cost(model: CostModel, balance: Sequence[int]) -> float | None:
     """Predicted pipeline time of ``balance`` under ``model``'s interleaving; ``None`` if
     it does not fit (a stage over its device, or a rank's stages together over it)."""
-    bounds = np.cumsum([0, *balance])
-    times, memory = [], []
-    for k in range(model.num_stages):
-        time, mem, _ = model.stage_costs(k, np.array(bounds[k]), np.array(bounds[k + 1]))
-        if float(mem) > model.capacity(k):
-            return None
-        times.append(float(time))
-        memory.append(float(mem))
-    ranks, v = model.num_ranks, model.virtual_stages
-    for r in range(ranks):
-        if sum(memory[s] for s in rank_stages(r, ranks, v)) > model.capacity(r):
-            return None
-    return step_time(times, ranks, model.chunks)
+    cost = float(_step_times(model, np.cumsum([[0, *balance]], axis=1))[0])
+    return cost if np.isfinite(cost) else None
 
 
 def _moves(balance: list[int]) -> Iterable[list[int]]:
@@ -66,23 +72,10 @@ def exhaustive_split(model: CostModel) -> list[int] | None:
     cuts = cuts.reshape(-1, stages - 1)
     ends = np.full((len(cuts), 1), n, dtype=np.int64)
     bounds = np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
-    times = np.empty((len(cuts), stages))
-    memory = np.empty((len(cuts), stages))
-    fits = np.ones(len(cuts), dtype=bool)
-    for k in range(stages):
-        time, mem, _ = model.stage_costs(k, bounds[:, k], bounds[:, k + 1])
-        times[:, k], memory[:, k] = time, mem
-        fits &= memory[:, k] <= model.capacity(k)
-    ranks, v = model.num_ranks, model.virtual_stages
-    busiest = np.zeros(len(cuts))
-    for r in range(ranks):
-        busiest = np.maximum(busiest, times[:, r::ranks].sum(axis=1))
-        fits &= memory[:, r::ranks].sum(axis=1) <= model.capacity(r)
-    if not fits.any():
+    cost = _step_times(model, bounds)
+    if not np.isfinite(cost).any():
         return None
-    cost = model.chunks * busiest + (times.sum(axis=1) - busiest) / v
-    best = int(np.argmin(np.where(fits, cost, np.inf)))
-    return [int(b) for b in np.diff(bounds[best])]
+    return [int(b) for b in np.diff(bounds[int(np.argmin(cost))])]
 
 
 def interleaved_split(model: CostModel, starts: Sequence[Sequence[int]]) -> list[int] | None:

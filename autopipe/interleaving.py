@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["in_flight", "rank_of", "rank_stages", "rank_times", "step_time"]
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["in_flight", "rank_of", "rank_stages", "rank_times", "step_time", "step_times"]
 
 
 def rank_stages(rank: int, ranks: int, virtual: int) -> list[int]:
@@ -44,6 +47,19 @@ def rank_times(times: Sequence[float], ranks: int) -> list[float]:
     return out
 
 
+def step_times(times: NDArray[np.float64], ranks: int, chunks: int) -> NDArray[np.float64]:
+    """:func:`step_time` of every row of ``times`` (rows: splits; columns: the K·v stages).
+
+    Raises:
+        ValueError: the stages do not divide among the ranks.
+    """
+    stages = times.shape[-1]
+    if ranks < 1 or not stages or stages % ranks:
+        raise ValueError(f"{stages} stages do not divide among {ranks} ranks")
+    busiest = np.max([times[..., r::ranks].sum(axis=-1) for r in range(ranks)], axis=0)
+    return chunks * busiest + (times.sum(axis=-1) - busiest) / (stages // ranks)
+
+
 def step_time(times: Sequence[float], ranks: int, chunks: int) -> float:
     """Predicted seconds of a step: ``M · max_r C_r + (Σ c − max_r C_r) / v``.
 
@@ -55,11 +71,7 @@ def step_time(times: Sequence[float], ranks: int, chunks: int) -> float:
     Raises:
         ValueError: the stages do not divide among the ranks.
     """
-    if ranks < 1 or not times or len(times) % ranks:
-        raise ValueError(f"{len(times)} stages do not divide among {ranks} ranks")
-    virtual = len(times) // ranks
-    busiest = max(rank_times(times, ranks))
-    return chunks * busiest + (sum(times) - busiest) / virtual
+    return float(step_times(np.array([times], dtype=float), ranks, chunks)[0])
 
 
 def _rounds(ranks: int, chunks: int) -> int:
@@ -78,7 +90,7 @@ def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -
     Raises:
         ValueError: an unknown schedule, or M not a multiple of the rounds' count.
     """
-    if schedule == "gpipe" or (virtual == 1 and schedule != "1f1b"):
+    if schedule == "gpipe":
         return [chunks] * virtual
     if schedule != "1f1b":
         raise ValueError(f"unknown schedule {schedule!r}")

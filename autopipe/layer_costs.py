@@ -189,13 +189,9 @@ class ProfileLines:
             scale=compute_scale(profile, alone),
         )
 
-    def _segment(self, values: Array, size: float) -> tuple[Array, Array]:
-        """Intercepts and slopes of every row's segment around ``size``."""
-        return segments(self.sizes, values, size)
-
     def figure(self, name: str, micro_batch: float) -> Array:
         """One figure of every layer at ``micro_batch`` samples (times calibrated)."""
-        a, b = self._segment(self.values[name], micro_batch)
+        a, b = segments(self.sizes, self.values[name], micro_batch)
         if name in ("forward", "backward"):
             a, b = a * self.scale[0], b * self.scale[1]
         return np.maximum(a + b * micro_batch, 0.0)
@@ -208,7 +204,7 @@ class ProfileLines:
         micro-batches are exact at the mean ``N/M`` (every time is linear in the size).
         """
         when = micro_batch if time_batch is None else time_batch
-        a, b = self._segment(self.input, micro_batch)
+        a, b = segments(self.sizes, self.input, micro_batch)
         return LayerCosts(
             names=self.names,
             forward=self.figure("forward", when),
