@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from autopipe.autocast_state import AutocastState
 from autopipe.microbatch import Batch, TensorOrTensors
 
 __all__ = ["Checkpoint", "RNGState", "checkpoint", "is_recomputing"]
@@ -112,6 +113,7 @@ class Checkpoint(torch.autograd.Function):
         ctx.function = function
         ctx.atomic = atomic
         ctx.rng = RNGState(device)
+        ctx.autocast = AutocastState()
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs)
         # The partition gets copies: a first layer working in place (ReLU(inplace=True))
@@ -134,7 +136,8 @@ class Checkpoint(torch.autograd.Function):
         # The statistics are put back only after backward: the recomputed batch-norm nodes
         # saved the running buffers and check that they did not change.
         with _frozen_running_stats(function):
-            with ctx.rng.restored(), _recomputing(), torch.enable_grad():
+            # Recomputed as first computed: same random numbers, same autocast dtypes.
+            with ctx.rng.restored(), ctx.autocast.applied(), _recomputing(), torch.enable_grad():
                 # Copies again: in-place layers may not modify a leaf that requires grad.
                 output = function(_copies(leaves, ctx.atomic).value)
             outputs = (output,) if isinstance(output, Tensor) else tuple(output)

@@ -244,6 +244,11 @@ class Pipeline:
                 output = checkpoint(partition, batch, self.devices[j])
             else:
                 output = batch.call(partition)
+            if request.context.autocast.regions:
+                # Each micro-batch casts the weights afresh, as its own step would: casts
+                # cached over the job would be shared by all, their gradients summed in
+                # half precision.
+                torch.clear_autocast_cache()
             if grad and j > 0 and i + 1 < len(request.batches):
                 output, phonies[j] = fork(output)
         return output

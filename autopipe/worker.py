@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from autopipe.autocast_state import AutocastState
 from autopipe.stream import use_device
 
 __all__ = ["ThreadContext", "WorkerPool"]
 
 Job = Callable[[], None]
 
-_AUTOCAST_DEVICES = ("cuda", "cpu")
 _local = threading.local()
 
 
@@ -42,11 +42,7 @@ class ThreadContext:
         self.num_threads = torch.get_num_threads()
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
-        self.autocast = [
-            (device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
-            for device in _AUTOCAST_DEVICES
-            if torch.is_autocast_enabled(device)
-        ]
+        self.autocast = AutocastState()
         # Only the innermost hooks apply to a saved tensor, and torch exposes just those.
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         self.saved_tensors_hooks = top(False) if top is not None else None
@@ -61,8 +57,7 @@ class ThreadContext:
             if self.inference:
                 stack.enter_context(torch.inference_mode())
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-            for device, dtype, cache in self.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+            stack.enter_context(self.autocast.applied())
             if self.saved_tensors_hooks is not None:
                 pack, unpack = self.saved_tensors_hooks
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
