@@ -17,6 +17,7 @@ from torch import nn
 from autopipe.gpipe import GPipe
 from profiler.calibrate import measure_bandwidth, store_calibration
 from profiler.in_context import measure_compute_scale
+from profiler.precision import autocast_pass, check_autocast
 from profiler.profile import Profile
 
 __all__ = ["calibrate", "measure_overhead"]
@@ -32,7 +33,9 @@ def _synchronize(devices: Sequence[torch.device]) -> None:
             torch.cuda.synchronize(device)
 
 
-def _stage_times(pipe: GPipe, batch: torch.Tensor, chunks: int, repeats: int) -> list[float]:
+def _stage_times(
+    pipe: GPipe, batch: torch.Tensor, chunks: int, repeats: int, autocast: str | None
+) -> list[float]:
     """Per partition, forward + backward seconds of one micro-batch run by hand."""
     out = []
     inputs = batch.tensor_split(chunks)
@@ -43,7 +46,9 @@ def _stage_times(pipe: GPipe, batch: torch.Tensor, chunks: int, repeats: int) ->
             start = time.perf_counter()
             for micro in inputs:
                 x = micro.to(device).requires_grad_()
-                partition(x).sum().backward()
+                with autocast_pass(device.type, autocast):
+                    y = partition(x).float().sum()
+                y.backward()
             _synchronize(pipe.devices)
             samples.append((time.perf_counter() - start) / chunks)
         out.append(statistics.median(samples[1:]))
@@ -57,6 +62,7 @@ def measure_overhead(
     width: int = 16,
     repeats: int = 10,
     warmup: int = 2,
+    autocast: str | None = None,
 ) -> dict[str, Any]:
     """The GPipe executor's fixed seconds per stage and micro-batch.
 
@@ -71,12 +77,15 @@ def measure_overhead(
         width: features of the tiny model.
         repeats: timed steps; medians are kept.
         warmup: untimed steps first.
+        autocast: run both under ``torch.autocast`` with this dtype, as the profile's
+            layers were measured (the executor enters it on every stage).
 
     Returns:
         ``{"overhead_s": o, "step_s": GPipe's step, "stage_s": [w_k], "chunks": M}``.
     """
     if not devices or chunks < 1 or repeats < 1:
         raise ValueError("need at least one device, one micro-batch and one repeat")
+    check_autocast(autocast)
     torch.manual_seed(0)
     k = len(devices)
     batch = torch.randn(chunks, width)
@@ -87,12 +96,14 @@ def measure_overhead(
         for i in range(warmup + repeats):
             _synchronize(pipe.devices)
             start = time.perf_counter()
-            pipe(batch).sum().backward()
+            with autocast_pass(pipe.devices[0].type, autocast):
+                out = pipe(batch).float().sum()
+            out.backward()
             _synchronize(pipe.devices)
             if i >= warmup:
                 samples.append(time.perf_counter() - start)
         step = statistics.median(samples)
-        stages = _stage_times(pipe, batch, chunks, repeats)
+        stages = _stage_times(pipe, batch, chunks, repeats, autocast)
     predicted = sum(stages) + (chunks - 1) * max(stages)
     overhead = max(0.0, (step - predicted) / (k + chunks - 1))
     return {"overhead_s": overhead, "step_s": step, "stage_s": stages, "chunks": chunks}
@@ -110,7 +121,8 @@ def calibrate(
 
     Given the profiled model and sample, also times its whole training step against the
     profile and stores the ratio as ``compute_scale`` (see
-    :func:`profiler.in_context.measure_compute_scale`).
+    :func:`profiler.in_context.measure_compute_scale`). Everything runs under the
+    profile's autocast (:attr:`Profile.autocast`).
 
     Args:
         profile: the profile to calibrate; ``profile.meta["calibration"]`` is updated.
@@ -131,7 +143,7 @@ def calibrate(
         else:
             devices = [profile.device, profile.device]
     devices = list(devices)
-    overhead = measure_overhead(devices, repeats=repeats)
+    overhead = measure_overhead(devices, repeats=repeats, autocast=profile.autocast)
     link = measure_bandwidth(devices[0], devices[min(1, len(devices) - 1)], repeats=repeats)
     extra: dict[str, Any] = {}
     if model is not None:

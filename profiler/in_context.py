@@ -14,6 +14,7 @@ from scipy.optimize import nnls
 from torch import Tensor, nn
 
 from profiler.layer import as_tensors
+from profiler.precision import autocast_pass
 from profiler.profile import Profile
 
 __all__ = ["chunk_counts", "measure_compute_scale"]
@@ -26,17 +27,28 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _step(layers: Sequence[nn.Module], micro_batches: list[tuple[Tensor, ...]]) -> None:
-    """Forward and backward of each micro-batch in turn, as a plain training loop does."""
+def _step(
+    layers: Sequence[nn.Module],
+    micro_batches: list[tuple[Tensor, ...]],
+    device: torch.device,
+    autocast: str | None = None,
+) -> None:
+    """Forward and backward of each micro-batch in turn, as a plain training loop does.
+
+    Under ``autocast`` each forward and backward runs in its own region, as the profile
+    measured them.
+    """
     for inputs in micro_batches:
         values: tuple[Tensor, ...] = tuple(
             t.detach().requires_grad_(t.is_floating_point()) for t in inputs
         )
-        for layer in layers:
-            values = as_tensors(layer(*values), "a layer's output")
+        with autocast_pass(device.type, autocast):
+            for layer in layers:
+                values = as_tensors(layer(*values), "a layer's output")
         targets = [t for t in values if t.requires_grad]
         if targets:
-            torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
+            with autocast_pass(device.type, autocast):
+                torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
 
 
 def _micro_batches(
@@ -76,7 +88,8 @@ def measure_compute_scale(
     of the model runs whole steps (forward then backward of each micro-batch, gradients
     reset between steps as an optimizer does) at several micro-batch counts M, and
     ``step(M) ≈ fixed_scale · Σ a · M + compute_scale · Σ b · batch`` is fitted over
-    them, where every layer's profiled time is ``a + b · size``.
+    them, where every layer's profiled time is ``a + b · size``. The steps run under the
+    profile's autocast (:attr:`Profile.autocast`), as its layers were measured.
 
     Args:
         model: the profiled model (left untouched: a copy runs).
@@ -123,7 +136,7 @@ def measure_compute_scale(
                 if sync is not None:
                     sync()
                 start = time.perf_counter()
-                _step(layers, runs[m])
+                _step(layers, runs[m], device, profile.autocast)
                 _synchronize(device)
                 if i >= warmup:
                     samples[m].append(time.perf_counter() - start)

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from profiler.precision import autocast_pass
+
 __all__ = [
     "CacheFlush",
     "LayerFigures",
@@ -135,6 +137,7 @@ class _Pass:
         device: torch.device,
         label: str,
         flush: CacheFlush | None = None,
+        autocast: str | None = None,
     ):
         self.layer = layer
         self.label = label
@@ -142,6 +145,7 @@ class _Pass:
         self.device = device
         self.grads: list[Tensor] | None = None
         self.flush = flush or (lambda: None)
+        self.autocast = autocast
 
     def arguments(self) -> tuple[Tensor, ...]:
         """Fresh copies of the inputs for one pass.
@@ -155,15 +159,19 @@ class _Pass:
         return tuple(leaf.clone() for leaf in self.leaves)
 
     def forward(self, args: tuple[Tensor, ...]) -> list[Tensor]:
-        outputs = as_tensors(self.layer(*args), f"the output of {self.label}")
+        with autocast_pass(self.device.type, self.autocast):
+            outputs = as_tensors(self.layer(*args), f"the output of {self.label}")
         targets = _targets(outputs)
         if self.grads is None:
             self.grads = [torch.ones_like(t) for t in targets]
         return targets
 
     def backward(self, targets: list[Tensor]) -> None:
+        # Backward ops run in their forward's dtypes; autocast reaches only the ops a
+        # backward calls itself (recomputed forwards, custom functions).
         if targets:
-            torch.autograd.backward(targets, self.grads)
+            with autocast_pass(self.device.type, self.autocast):
+                torch.autograd.backward(targets, self.grads)
 
     def run(self) -> None:
         self.backward(self.forward(self.arguments()))
@@ -251,6 +259,7 @@ def measure_layer(
     repeats: int,
     label: str = "the layer",
     flush: CacheFlush | None = None,
+    autocast: str | None = None,
 ) -> LayerFigures:
     """Measures one layer, already on ``device``, on ``inputs`` (also on ``device``).
 
@@ -264,11 +273,13 @@ def measure_layer(
         label: how error messages name the layer.
         flush: evicts the caches before each timed forward and backward, so weights are
             read as cold as in a whole step (``None``: warm caches).
+        autocast: run every forward and backward under ``torch.autocast`` with this dtype
+            (``bfloat16`` or ``float16``); ``None``: as the caller runs.
 
     Returns:
         Median forward and backward seconds, saved bytes and, on CUDA, the peak.
     """
-    runs = _Pass(layer, inputs, device, label, flush)
+    runs = _Pass(layer, inputs, device, label, flush, autocast)
     # The first pass counts saved tensors and allocates parameter gradients, so the
     # later passes (and the peak) see gradients as existing state, not as transients.
     saved, fresh, of_output = runs.saved(exclude)

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from profiler.layer import CacheFlush, as_tensors, measure_layer, state_storages, tensor_bytes
 from profiler.pooling import layer_signature, pool_identical
+from profiler.precision import autocast_pass, check_autocast, current_autocast
 from profiler.profile import LayerProfile, Profile
 
 __all__ = ["default_batch_sizes", "profile_layers", "profile_model"]
@@ -111,6 +112,7 @@ def _profile_layer(
     repeats: int,
     previous: list[int] | None,
     flush: CacheFlush | None,
+    autocast: str | None,
 ) -> tuple[LayerProfile, list[Inputs], list[int]]:
     """Measures a copy of ``layer`` at every batch size.
 
@@ -135,10 +137,12 @@ def _profile_layer(
                 repeats=repeats,
                 label=label,
                 flush=flush,
+                autocast=autocast,
             )
             for x in inputs
         ]
-        with torch.no_grad():
+        # Under autocast the next layer gets what the model passes it: half-precision outputs.
+        with torch.no_grad(), autocast_pass(device.type, autocast):
             outputs = [as_tensors(replica(*x), f"the output of {label}") for x in inputs]
         params = sum(p.numel() * p.element_size() for p in replica.parameters())
         buffers = sum(b.numel() * b.element_size() for b in replica.buffers())
@@ -178,6 +182,7 @@ def profile_layers(
     progress: Callable[[int, int, str], None] | None = None,
     pool: bool = True,
     cold_cache: bool = True,
+    autocast: str | None = None,
 ) -> Profile:
     """Measures the time and memory of each layer of a sequential model.
 
@@ -203,13 +208,19 @@ def profile_layers(
         cold_cache: overwrite a scratch buffer larger than the device's caches before
             each timed forward and backward, so a layer reads its weights from memory as
             it does inside a whole step, not from the cache its last repeat left warm.
+        autocast: ``bfloat16`` or ``float16``: run every forward and backward under
+            ``torch.autocast(device.type, dtype=...)``, as a mixed-precision step does
+            (each pass in its own region, so weights are cast in every one). ``None``:
+            run as the caller does, under its autocast if it has one. The profile records
+            it (:attr:`Profile.autocast`). On the CPU prefer ``bfloat16``: a few layers
+            (e.g. ``nn.LSTM``) have no CPU ``float16`` kernel and fail.
 
     Returns:
         The profile: per-layer forward/backward seconds and saved/output bytes at each
         batch size, parameter and buffer bytes, and on CUDA the transient peak.
 
     Raises:
-        ValueError: bad layers, sample, chunks, batch sizes, names or counts.
+        ValueError: bad layers, sample, chunks, batch sizes, names, counts or autocast.
     """
     layers = list(layers)
     if not layers:
@@ -220,6 +231,7 @@ def profile_layers(
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    check_autocast(autocast)
     tensors = _sample_tensors(sample)
     batch = tensors[0].shape[0]
     sizes = _batch_sizes(batch_sizes, math.ceil(batch / chunks))
@@ -227,6 +239,10 @@ def profile_layers(
     if len(layer_names) != len(layers):
         raise ValueError(f"got {len(layer_names)} names for {len(layers)} layers")
     dev = _device(device)
+    if autocast is None:  # the caller's autocast applies: record it
+        autocast = current_autocast(dev.type)
+    elif not torch.amp.is_autocast_available(dev.type):
+        raise ValueError(f"autocast is not available on {dev.type} devices")
 
     cuda = [dev.index] if dev.type == "cuda" else []
     on_device: AbstractContextManager[Any] = torch.cuda.device(dev) if cuda else nullcontext()
@@ -245,7 +261,7 @@ def profile_layers(
         for i, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
             signatures.append(layer_signature(layer, inputs))
             result, inputs, previous = _profile_layer(
-                layer, name, inputs, dev, warmup, repeats, previous, flush
+                layer, name, inputs, dev, warmup, repeats, previous, flush, autocast
             )
             results.append(result)
             if progress is not None:
@@ -268,6 +284,7 @@ def profile_layers(
         torch_version=str(torch.__version__),
         dtype=_dtype(layers, tensors),
         meta=meta,
+        autocast=autocast,
     )
 
 

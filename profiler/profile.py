@@ -12,6 +12,7 @@ import numpy as np
 
 from profiler.fit import fit_linear, segments
 from profiler.jsonfile import read_json, write_json
+from profiler.precision import check_autocast
 
 __all__ = ["PROFILE_VERSION", "LayerProfile", "Profile"]
 
@@ -74,6 +75,10 @@ class Profile:
         torch_version: the torch version that measured.
         dtype: the floating dtype of the parameters.
         version: the JSON schema version.
+        meta: further measurements (``pooled`` groups, ``calibration``).
+        autocast: the ``torch.autocast`` dtype every forward and backward ran under
+            (``bfloat16`` or ``float16``), ``None`` without autocast (and in profiles
+            saved before it was recorded).
     """
 
     layers: list[LayerProfile]
@@ -87,10 +92,12 @@ class Profile:
     dtype: str = "float32"
     version: int = PROFILE_VERSION
     meta: dict[str, Any] = field(default_factory=dict)
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a profile needs at least one layer")
+        check_autocast(self.autocast)
         if sorted(set(self.batch_sizes)) != sorted(self.batch_sizes) or not self.batch_sizes:
             raise ValueError(f"batch sizes must be distinct and non-empty: {self.batch_sizes}")
         n = len(self.batch_sizes)

@@ -31,6 +31,13 @@ def test_overhead_of_gpipe():
     assert result["step_s"] <= predicted + 5 * result["overhead_s"] + 1e-9
 
 
+def test_overhead_under_autocast():
+    result = measure_overhead(("cpu", "cpu"), chunks=2, repeats=1, warmup=0, autocast="bfloat16")
+    assert result["overhead_s"] >= 0 and all(t > 0 for t in result["stage_s"])
+    with pytest.raises(ValueError, match="autocast must be bfloat16 or float16"):
+        measure_overhead(autocast="half")
+
+
 def test_store_merges():
     profile = linear_profile([1.0] * 2)
     store_calibration(profile, overhead_s=1e-4)

@@ -53,6 +53,28 @@ def test_sync_runs_before_every_step() -> None:
     assert len(calls) == (1 + 3) * 2 and len(result["step_s"]) == 2
 
 
+class AutocastRecord(nn.Module):
+    """Records the autocast dtype of every forward (in a module-level list: deepcopy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        on = torch.is_autocast_enabled("cpu")
+        AUTOCAST_SEEN.append(torch.get_autocast_dtype("cpu") if on else None)
+        return x
+
+
+AUTOCAST_SEEN: list[torch.dtype | None] = []
+
+
+def test_steps_run_under_the_profiles_autocast() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), AutocastRecord())
+    sample = torch.randn(8, 4)
+    profile = profile_model(model, sample, chunks=2, warmup=0, repeats=1, autocast="bfloat16")
+    AUTOCAST_SEEN.clear()
+    measure_compute_scale(model, sample, profile, chunks=[1, 2], repeats=1, warmup=0)
+    assert AUTOCAST_SEEN and set(AUTOCAST_SEEN) == {torch.bfloat16}
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_fit_recovers_known_scales() -> None:
     parts = [(1.0 * m, 4.0) for m in (1, 2, 4, 8)]
     measured = [2.0 * a + 0.5 * b for a, b in parts]

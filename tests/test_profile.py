@@ -61,6 +61,39 @@ def test_json_round_trip(tmp_path: Path, peak: bool) -> None:
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("autocast", [None, "bfloat16", "float16"])
+def test_autocast_round_trips(tmp_path: Path, autocast: str | None) -> None:
+    profile = make_profile()
+    profile.autocast = autocast
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert json.loads(path.read_text())["autocast"] == autocast
+    loaded = Profile.load(path)
+    assert loaded.autocast == autocast and loaded == profile
+
+
+def test_profiles_saved_before_autocast_load_without_it(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    make_profile().save(path)
+    data = json.loads(path.read_text())
+    del data["autocast"]
+    path.write_text(json.dumps(data))
+    assert Profile.load(path).autocast is None
+
+
+def test_a_bad_autocast_is_rejected(tmp_path: Path) -> None:
+    good = make_profile()
+    with pytest.raises(ValueError, match="autocast must be bfloat16 or float16, got 'fp8'"):
+        Profile(layers=good.layers, batch_sizes=[2, 4], input=[1, 2], batch_size=4, autocast="fp8")
+    path = tmp_path / "profile.json"
+    good.save(path)
+    data = json.loads(path.read_text())
+    data["autocast"] = "float32"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="got 'float32'"):
+        Profile.load(path)
+
+
 def test_wrong_version_raises(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     make_profile().save(path)

@@ -232,6 +232,9 @@ def test_batch_sizes_beyond_the_sample_repeat_it() -> None:
         ([nn.ReLU()], torch.randn(2, 2), {"repeats": 0}, "repeats"),
         ([lambda x: x], torch.randn(2, 2), {}, "nn.Module"),
         ([ReturnsDict()], torch.randn(2, 2), {}, "output of layer 0"),
+        ([nn.ReLU()], torch.randn(2, 2), {"autocast": "fp8"}, "autocast must be bfloat16 or"),
+        ([nn.ReLU()], torch.randn(2, 2), {"autocast": torch.bfloat16}, "got torch.bfloat16"),
+        ([nn.ReLU()], torch.randn(2, 2), {"autocast": "float32"}, "got 'float32'"),
     ],
 )
 def test_bad_input_raises(layers: list, sample: object, kwargs: dict, message: str) -> None:
@@ -338,3 +341,92 @@ def test_cache_flush_overwrites_a_large_buffer_and_can_be_turned_off() -> None:
     cold = profile_layers(layers, torch.randn(4, 8), **FAST)
     assert [p.saved for p in warm.layers] == [p.saved for p in cold.layers]
     assert all(t > 0 for p in cold.layers for t in p.forward)
+
+
+# ----------------------------------------------------------------------------------------
+# Mixed precision.
+
+BF16 = 2
+
+
+PHASES: list[tuple[str, torch.dtype | None]] = []
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+class _Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, value: Tensor) -> Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        PHASES.append(("backward", _autocast_dtype()))
+        return grad
+
+
+class AutocastProbe(nn.Module):
+    """Records whether autocast is on in its forward and backward (in a module-level list,
+    which deepcopy does not copy)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        PHASES.append(("forward", _autocast_dtype()))
+        out: Tensor = _Probe.apply(x)
+        return out
+
+
+def _linear_gelu(width: int = 32) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_autocast_halves_the_saved_activations(dtype: str) -> None:
+    width, sizes = 32, [256, 512]
+    model, sample = _linear_gelu(width), torch.randn(512, width)
+    full = profile_model(model, sample, batch_sizes=sizes, **FAST)
+    half = profile_model(model, sample, batch_sizes=sizes, autocast=dtype, **FAST)
+    assert full.autocast is None and half.autocast == dtype
+    assert half.dtype == "float32"  # the parameters stay float32; only the compute is not
+    for f32, low in zip(full.layers, half.layers, strict=True):
+        assert low.output == [b * width * BF16 for b in sizes] == [o // 2 for o in f32.output]
+        assert low.param_bytes == f32.param_bytes
+    linear, gelu = half.layers[2], half.layers[3]
+    assert gelu.saved == [s // 2 for s in full.layers[3].saved]  # its half-precision input
+    # A linear saves its input and its weight, both cast: the weight copy is fixed.
+    assert linear.saved == [b * width * BF16 + width * width * BF16 for b in sizes]
+    ratio = sum(sum(layer.saved) for layer in half.layers) / sum(
+        sum(layer.saved) for layer in full.layers
+    )
+    assert 0.45 < ratio < 0.6
+
+
+def test_autocast_covers_every_forward_and_backward() -> None:
+    PHASES.clear()
+    layers = [nn.Linear(4, 4), AutocastProbe()]
+    profile = profile_layers(layers, torch.randn(4, 4), autocast="bfloat16", **FAST)
+    assert profile.autocast == "bfloat16"
+    assert {phase for phase, _ in PHASES} == {"forward", "backward"}
+    assert all(dtype == torch.bfloat16 for _, dtype in PHASES)
+    assert not torch.is_autocast_enabled("cpu")  # the caller's state is left as it was
+
+
+def test_the_callers_autocast_is_recorded_and_an_explicit_one_wins() -> None:
+    layers = [nn.Linear(4, 4)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inherited = profile_layers(layers, torch.randn(4, 4), **FAST)
+        explicit = profile_layers(layers, torch.randn(4, 4), autocast="float16", **FAST)
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert inherited.autocast == "bfloat16"
+    assert explicit.autocast == "float16"
+    assert inherited.layers[0].output == [b * 4 * BF16 for b in inherited.batch_sizes]
+
+
+def test_autocast_profile_survives_json(tmp_path: object) -> None:
+    profile = profile_model(_linear_gelu(8), torch.randn(4, 8), autocast="bfloat16", **FAST)
+    path = f"{tmp_path}/profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    assert Profile.load(path).autocast == "bfloat16"
