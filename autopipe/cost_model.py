@@ -45,6 +45,7 @@ from numpy.typing import NDArray
 from autopipe.devices import DeviceSpec
 from autopipe.interleaving import in_flight
 from autopipe.layer_costs import OPTIMIZER_STATES, LayerCosts, ProfileLines, optimizer_factor
+from autopipe.schedule_replay import RECOMPUTE_CODES
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -258,6 +259,30 @@ class CostModel:
             memory = np.where(take, other, memory)
             choice = np.where(take, i, choice)
         return time, memory, choice
+
+    def stage_parts(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Array, Array]:
+        """``(forward, backward, transfer, recompute)`` of stage ``k`` with layers ``[s, e)``.
+
+        One forward and one backward per micro-batch, the executor's overhead shared
+        between them in their proportion (so that ``forward·(1 + r) + backward + transfer``
+        is :meth:`stage_time`, ``r`` the re-computed share), and the re-computation as a
+        :data:`autopipe.schedule_replay.RECOMPUTE_CODES` value, as the step replay takes
+        them.
+        """
+        time, _, choice = self.stage_costs(k, s, e)
+        speed = self.devices[k].speed
+        fwd = (self._fwd[e] - self._fwd[s]) / speed
+        bwd = (self._bwd[e] - self._bwd[s]) / speed
+        transfer = self.transfer_time(k, e)
+        fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
+        work = fwd * (1.0 + fractions) + bwd
+        compute = time - transfer
+        # Layers of no measurable time: the overhead goes to the forward and backward alike.
+        safe = np.where(work > 0, work, 1.0)
+        scale = np.where(work > 0, compute / safe, 1.0)
+        even = np.where(work > 0, 0.0, compute / (2.0 + fractions))
+        codes = np.array([RECOMPUTE_CODES[mode] for mode in self.modes])[choice]
+        return fwd * scale + even, bwd * scale + even, transfer, codes
 
     def stage_checkpoint(self, k: int, s: int, e: int) -> str:
         """The checkpoint mode stage ``k`` runs with when it holds layers ``[s, e)``."""

@@ -1,12 +1,14 @@
 """The split of K·v virtual stages that an interleaved schedule runs fastest.
 
-With v > 1 stages per rank the step time depends on each rank's *sum* over its stages
-(:func:`autopipe.interleaving.step_time`), so the exact min-max balance of the K·v stages
-(:func:`autopipe.exact.optimal_split`) is a good start but not the answer: a rank may
-collect two heavy stages. :func:`interleaved_split` evaluates every split at once when
-there are at most :data:`EXHAUSTIVE` of them (exact), and otherwise starts from the exact
-K·v-stage split and the uniform one and moves single cut points while the interleaved step
-time (with every stage and every rank within memory) improves (a local search).
+With v > 1 stages per rank the step time is that of the schedule's own order of operations
+replayed with the stages' times (:mod:`autopipe.schedule_replay`): it depends on each
+rank's sum over its stages and on how the stages' times line up along that order, so the
+exact min-max balance of the K·v stages (:func:`autopipe.exact.optimal_split`) is a good
+start but not the answer: a rank may collect two heavy stages. :func:`interleaved_split`
+evaluates every split at once when there are at most :data:`EXHAUSTIVE` of them (exact),
+and otherwise starts from the exact K·v-stage split and the uniform one and moves single
+cut points, the best move of all at each turn, while the step time (with every stage and
+every rank within memory) improves (a local search).
 """
 
 from __future__ import annotations
@@ -19,34 +21,65 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.cost_model import CostModel
-from autopipe.interleaving import step_times
+from autopipe.schedule_replay import makespans
 
-__all__ = ["EXHAUSTIVE", "exhaustive_split", "interleaved_cost", "interleaved_split"]
+__all__ = [
+    "EXHAUSTIVE",
+    "exhaustive_split",
+    "interleaved_cost",
+    "interleaved_split",
+    "pipeline_time",
+]
 
 # Splits evaluated exhaustively (vectorized) before falling back to the local search.
 EXHAUSTIVE = 200_000
 
 
-def _step_times(model: CostModel, bounds: NDArray[np.int64]) -> NDArray[np.float64]:
-    """Interleaved pipeline time of every row of stage bounds (rows: splits; ``inf`` where a
-    stage, or a rank's stages together, exceed the device's memory)."""
+def _replayed(
+    model: CostModel, bounds: NDArray[np.int64], memory_limits: bool = True
+) -> NDArray[np.float64]:
+    """Replayed step time of every row of stage bounds (rows: splits); with
+    ``memory_limits``, ``inf`` for splits that do not fit (a stage, or a rank's stages
+    together, over the device's memory)."""
     stages = model.num_stages
-    times = np.empty((len(bounds), stages))
-    memory = np.empty((len(bounds), stages))
+    shape = (len(bounds), stages)
+    forward, backward, transfer = np.empty(shape), np.empty(shape), np.empty(shape)
+    codes = np.empty(shape, dtype=np.int64)
+    memory = np.empty(shape)
     fits = np.ones(len(bounds), dtype=bool)
     for k in range(stages):
-        times[:, k], memory[:, k], _ = model.stage_costs(k, bounds[:, k], bounds[:, k + 1])
+        s, e = bounds[:, k], bounds[:, k + 1]
+        forward[:, k], backward[:, k], transfer[:, k], codes[:, k] = model.stage_parts(k, s, e)
+        memory[:, k] = model.stage_memory(k, s, e)
         fits &= memory[:, k] <= model.capacity(k)
     ranks = model.num_ranks
     for r in range(ranks):
         fits &= memory[:, r::ranks].sum(axis=1) <= model.capacity(r)
-    return np.where(fits, step_times(times, ranks, model.chunks), np.inf)
+    if not memory_limits:
+        fits[:] = True
+    times = np.full(len(bounds), np.inf)
+    if fits.any():
+        times[fits] = makespans(
+            forward[fits],
+            backward[fits],
+            transfer[fits],
+            codes[fits],
+            ranks,
+            model.chunks,
+            model.schedule,
+        )
+    return times
+
+
+def pipeline_time(model: CostModel, balance: Sequence[int]) -> float:
+    """The replayed interleaved pipeline time of ``balance``, whether or not it fits."""
+    return float(_replayed(model, np.cumsum([[0, *balance]], axis=1), memory_limits=False)[0])
 
 
 def interleaved_cost(model: CostModel, balance: Sequence[int]) -> float | None:
     """Predicted pipeline time of ``balance`` under ``model``'s interleaving; ``None`` if
     it does not fit (a stage over its device, or a rank's stages together over it)."""
-    cost = float(_step_times(model, np.cumsum([[0, *balance]], axis=1))[0])
+    cost = float(_replayed(model, np.cumsum([[0, *balance]], axis=1))[0])
     return cost if np.isfinite(cost) else None
 
 
@@ -72,7 +105,7 @@ def exhaustive_split(model: CostModel) -> list[int] | None:
     cuts = cuts.reshape(-1, stages - 1)
     ends = np.full((len(cuts), 1), n, dtype=np.int64)
     bounds = np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
-    cost = _step_times(model, bounds)
+    cost = _replayed(model, bounds)
     if not np.isfinite(cost).any():
         return None
     return [int(b) for b in np.diff(bounds[int(np.argmin(cost))])]
@@ -95,14 +128,16 @@ def interleaved_split(model: CostModel, starts: Sequence[Sequence[int]]) -> list
         current, cost = list(start), interleaved_cost(model, start)
         if cost is None:
             cost = float("inf")
-        improved = True
-        while improved:
-            improved = False
-            for moved in _moves(current):
-                found = interleaved_cost(model, moved)
-                if found is not None and found < cost * (1 - 1e-12):
-                    current, cost, improved = moved, found, True
-                    break
+        while True:
+            # Every move from here at once; take the best while it improves.
+            moves = list(_moves(current))
+            if not moves:
+                break
+            found = _replayed(model, np.cumsum([[0, *m] for m in moves], axis=1))
+            pick = int(np.argmin(found))
+            if not found[pick] < cost * (1 - 1e-12):
+                break
+            current, cost = moves[pick], float(found[pick])
         if cost < best_cost:
             best, best_cost = current, cost
     return best

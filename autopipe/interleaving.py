@@ -1,22 +1,27 @@
-"""Virtual stages: K ranks each running v interleaved stages, their step time and memory.
+"""Virtual stages: K ranks each running v interleaved stages, their order, time and memory.
 
 With ``v`` virtual stages per rank a pipeline of K ranks is cut into K·v stages, and rank
 r holds stages ``r, r+K, …, r+(v−1)·K`` (the looped placement of torch's interleaved
 schedules). Each micro-batch visits every rank v times in smaller pieces, so the fill and
 drain of the pipeline shrink v-fold while the messages grow v-fold (each stage's cost
-``c_s`` includes its send). Per micro-batch rank r is busy ``C_r = Σ c_s`` over its stages,
-and a step takes::
+``c_s`` includes its send). :func:`rank_order` gives the operations each rank runs, in
+torch's order: ``gpipe`` runs as a looped breadth-first schedule (every forward of the
+step before any backward), ``1f1b`` as interleaved 1F1B (warm-up forwards in rounds of
+micro-batches, then one forward and one backward in turn).
+
+The planner replays those orders with the stages' times
+(:mod:`autopipe.schedule_replay`). For balanced stages and ``M ≥ K`` the replay is the
+closed form :func:`step_time`, with ``C_r = Σ c_s`` over rank r's stages::
 
     T = M · max_r C_r + (Σ_s c_s − max_r C_r) / v
 
 — for v = 1 GPipe's ``Σ c + (M−1)·max c``; for balanced stages ``(M + (K−1)/v) · C``, the
-interleaved schedule's bubble of ``(K−1)/(v·M)`` (Narayanan et al. 2021).
+interleaved schedule's bubble of ``(K−1)/(v·M)`` (Narayanan et al. 2021). With unbalanced
+stages, or fewer micro-batches than ranks, the replay is longer: a heavy stage holds up the
+stages after it on other ranks, which the rank sums do not see.
 
 Memory: rank r holds, for each of its stages, the activations of the micro-batches that
-passed its forward and not yet its backward. ``gpipe`` runs as a looped breadth-first
-schedule (every forward of the step before any backward): all M on every stage.
-``1f1b`` runs as interleaved 1F1B, whose order :func:`in_flight` replays (warm-up
-forwards in rounds of micro-batches, then one forward and one backward in turn).
+passed its forward and not yet its backward (:func:`in_flight`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,16 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["in_flight", "rank_of", "rank_stages", "rank_times", "step_time", "step_times"]
+__all__ = [
+    "Action",
+    "in_flight",
+    "rank_of",
+    "rank_order",
+    "rank_stages",
+    "rank_times",
+    "step_time",
+    "step_times",
+]
 
 
 def rank_stages(rank: int, ranks: int, virtual: int) -> list[int]:
@@ -61,7 +75,11 @@ def step_times(times: NDArray[np.float64], ranks: int, chunks: int) -> NDArray[n
 
 
 def step_time(times: Sequence[float], ranks: int, chunks: int) -> float:
-    """Predicted seconds of a step: ``M · max_r C_r + (Σ c − max_r C_r) / v``.
+    """The closed-form step: ``M · max_r C_r + (Σ c − max_r C_r) / v``.
+
+    Exact for balanced stages with at least as many micro-batches as ranks; otherwise an
+    estimate of the replayed step (:func:`autopipe.schedule_replay.makespans`), often
+    too low.
 
     Args:
         times: per-micro-batch cost of each of the K·v stages, in pipeline order.
@@ -79,50 +97,97 @@ def _rounds(ranks: int, chunks: int) -> int:
     return chunks // max(1, chunks // ranks)
 
 
-def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -> list[int]:
-    """The most micro-batches each stage of ``rank`` holds at once, in its stage order.
+# One operation of a rank: ("F" or "B", stage, micro-batch).
+Action = tuple[str, int, int]
 
-    ``gpipe`` (looped breadth-first): M on every stage. ``1f1b`` (interleaved): the order of
-    torch's ``ScheduleInterleaved1F1B`` replayed: ``(v−1)·R + 2·(K−1−r)`` warm-up forwards
-    (R micro-batches per round, at most M·v), then a forward and a backward in turn;
-    forwards visit the local stages round by round in order, backwards in reverse.
 
-    Raises:
-        ValueError: an unknown schedule, or M not a multiple of the rounds' count.
-    """
-    if schedule == "gpipe":
-        return [chunks] * virtual
-    if schedule != "1f1b":
-        raise ValueError(f"unknown schedule {schedule!r}")
-    if virtual == 1:
-        return [min(chunks, ranks - rank)]
+def _one_stage_order(rank: int, ranks: int, chunks: int, schedule: str) -> list[Action]:
+    if schedule == "1f1b":
+        # Warm-up fills the pipeline below this stage; then one forward, one backward.
+        warmup = min(ranks - rank - 1, chunks)
+        order = [("F", rank, i) for i in range(warmup)]
+        for j in range(chunks - warmup):
+            order += [("F", rank, warmup + j), ("B", rank, j)]
+        return order + [("B", rank, i) for i in range(chunks - warmup, chunks)]
+    # GPipe: all forwards, then backwards in reverse (autograd's order).
+    return [("F", rank, i) for i in range(chunks)] + [
+        ("B", rank, i) for i in reversed(range(chunks))
+    ]
+
+
+def _interleaved_order(rank: int, ranks: int, virtual: int, chunks: int) -> list[Action]:
+    """Torch's ScheduleInterleaved1F1B order for one rank (its no-op slots left out)."""
     per_round = _rounds(ranks, chunks)
     if chunks % per_round:
         raise ValueError(f"interleaved 1f1b needs chunks a multiple of {per_round}")
     total = chunks * virtual
     warmup = min((virtual - 1) * per_round + 2 * (ranks - 1 - rank), total)
+    # Each stage takes its micro-batches in order, forwards and backwards alike.
+    next_forward = [0] * virtual
+    next_backward = [0] * virtual
+    order: list[Action] = []
+
+    def forward(step: int) -> None:
+        local = (step // per_round) % virtual
+        order.append(("F", rank + local * ranks, next_forward[local]))
+        next_forward[local] += 1
+
+    def backward(step: int) -> None:
+        local = virtual - 1 - (step // per_round) % virtual
+        order.append(("B", rank + local * ranks, next_backward[local]))
+        next_backward[local] += 1
+
+    for step in range(warmup):
+        forward(step)
+    for step in range(warmup, total):
+        forward(step)
+        backward(step - warmup)
+    for step in range(total - warmup, total):
+        backward(step)
+    return order
+
+
+def rank_order(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -> list[Action]:
+    """The operations rank ``rank`` runs in one step, in order: ``(op, stage, micro-batch)``.
+
+    ``op`` is ``"F"`` (forward) or ``"B"`` (backward). One stage per rank: GPipe's
+    fill–drain (backwards in reverse, as autograd runs them) or 1F1B (``K−1−r`` warm-up
+    forwards, then a forward and a backward in turn). Virtual stages: ``gpipe`` is torch's
+    ``ScheduleLoopedBFS`` (every forward of each local stage in turn, then the backwards
+    in reverse) and ``1f1b`` torch's ``ScheduleInterleaved1F1B``: ``(v−1)·R + 2·(K−1−r)``
+    warm-up forwards (R micro-batches per round, at most M·v), then a forward and a
+    backward in turn; forwards visit the local stages round by round in order, backwards
+    in reverse.
+
+    Raises:
+        ValueError: an unknown schedule, or interleaved 1F1B with M not a multiple of the
+            rounds' count.
+    """
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"unknown schedule {schedule!r}")
+    if virtual == 1:
+        return _one_stage_order(rank, ranks, chunks, schedule)
+    if schedule == "1f1b":
+        return _interleaved_order(rank, ranks, virtual, chunks)
+    stages = rank_stages(rank, ranks, virtual)
+    forwards = [("F", s, i) for s in stages for i in range(chunks)]
+    return forwards + [("B", s, i) for s in reversed(stages) for i in reversed(range(chunks))]
+
+
+def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -> list[int]:
+    """The most micro-batches each stage of ``rank`` holds at once, in its stage order.
+
+    Replays :func:`rank_order`: a stage holds a micro-batch from its forward to its
+    backward. ``gpipe``: M on every stage; ``1f1b`` with one stage per rank:
+    ``min(M, K − r)``.
+
+    Raises:
+        ValueError: as :func:`rank_order`.
+    """
     held = [0] * virtual
     peak = [0] * virtual
-    forwards = backwards = 0
-
-    def forward() -> None:
-        nonlocal forwards
-        local = (forwards // per_round) % virtual
-        forwards += 1
-        held[local] += 1
+    for op, stage, _ in rank_order(rank, ranks, virtual, chunks, schedule):
+        local = stage // ranks
+        held[local] += 1 if op == "F" else -1
         peak[local] = max(peak[local], held[local])
-
-    def backward() -> None:
-        nonlocal backwards
-        local = virtual - 1 - (backwards // per_round) % virtual
-        backwards += 1
-        held[local] -= 1
-
-    for _ in range(warmup):
-        forward()
-    while forwards < total:
-        forward()
-        backward()
-    while backwards < total:
-        backward()
     return peak

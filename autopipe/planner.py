@@ -14,9 +14,8 @@ from autopipe.cost_model import CostModel, ProfileLines, optimizer_factor
 from autopipe.devices import DeviceSpec, make_devices
 from autopipe.errors import PlanningError
 from autopipe.exact import optimal_split, step_time
-from autopipe.interleaved_balance import interleaved_split
+from autopipe.interleaved_balance import interleaved_split, pipeline_time
 from autopipe.interleaving import rank_stages
-from autopipe.interleaving import step_time as interleaved_step_time
 from autopipe.layer_costs import calibration
 from autopipe.plans import Plan, StagePlan
 from autopipe.units import format_bytes
@@ -306,14 +305,14 @@ def describe(
                 recompute=float(model.recompute_time(k, s, e)),
                 overhead=model.overhead,
                 allreduce=float(model.allreduce_time(s, e)),
+                forward=float(model.stage_parts(k, s, e)[0]),
             )
         )
     times = np.array([stage.time for stage in stages])
     m, ranks = model.chunks, model.num_ranks
-    if model.virtual_stages > 1:
-        pipeline = interleaved_step_time(times.tolist(), ranks, m)
-    else:
-        pipeline = step_time(times, m)
+    # Interleaved: the schedule's order replayed (the closed formula holds for balanced
+    # stages only).
+    pipeline = pipeline_time(model, balance) if model.virtual_stages > 1 else step_time(times, m)
     allreduce = max(stage.allreduce for stage in stages)
     total = pipeline + allreduce
     # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.

@@ -38,6 +38,8 @@ class StagePlan:
         recompute: seconds of forward re-computation per micro-batch, part of ``compute``.
         overhead: the executor's fixed seconds per micro-batch, part of ``compute``.
         allreduce: seconds per step to all-reduce the stage's gradients among replicas.
+        forward: seconds of one forward per micro-batch, part of ``compute`` (its share of
+            the overhead included); 0 in plans that predate it.
     """
 
     index: int
@@ -57,6 +59,7 @@ class StagePlan:
     recompute: float = 0.0
     overhead: float = 0.0
     allreduce: float = 0.0
+    forward: float = 0.0
 
     @property
     def size(self) -> int:

@@ -1,9 +1,11 @@
 """A plan's pipeline schedule as timed events: a discrete-event simulation of one step.
 
 :func:`simulate` replays one training step of a :class:`~autopipe.plans.Plan` as a small
-discrete-event simulation. Each stage runs its micro-batches in the schedule's order
-(GPipe fill–drain or 1F1B); an operation starts when its stage is free and its input has
-arrived. Per micro-batch, stage ``k`` spends:
+discrete-event simulation. Each device runs its operations in the schedule's order
+(GPipe fill–drain or 1F1B; with virtual stages torch's looped BFS or interleaved 1F1B,
+stage ``k`` on device ``k mod K``, see :mod:`autopipe.schedule_replay`); an operation
+starts when its device is free and its input has arrived. Per micro-batch, stage ``k``
+spends:
 
 - ``f_k`` on a forward, then ``t_k`` sending its output to stage ``k+1`` (the stage is busy
   while it sends, as the cost model charges the send to the stage's time);
@@ -12,12 +14,13 @@ arrived. Per micro-batch, stage ``k`` spends:
 - ``b_k`` on a backward, whose input gradient arrives at stage ``k-1`` when it ends (the
   cost model charges one send per micro-batch, so the gradient's trip back is free here).
 
-``f_k`` and ``b_k`` split the plan's ``compute`` in the profile's forward:backward ratio
-(1:2 when the plan carries no profile), so that ``f_k·(1 + r) + b_k + t_k`` is exactly
-the plan's stage time ``c_k``.
+``f_k`` is the planner's forward and ``b_k`` the rest of the plan's ``compute`` (plans
+that predate it split ``compute`` in the profile's forward:backward ratio, 1:2 without a
+profile), so that ``f_k·(1 + r) + b_k + t_k`` is exactly the plan's stage time ``c_k``.
 
-How the simulated makespan relates to the plan's ``step_time = Σc + (M−1)·max c``
-(GPipe's formula, which the planner uses for both schedules):
+With virtual stages the plan's ``step_time`` is this replay. With one stage per device
+the simulated makespan relates to the plan's ``step_time = Σc + (M−1)·max c`` (GPipe's
+formula, which the planner uses for both schedules) as follows:
 
 - GPipe, ``checkpoint`` ``always`` or ``never``: equal when each stage's forward (with its
   send) and backward (with its recompute) are in the same proportion on every stage, e.g.
@@ -39,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopipe.plans import Plan
+from autopipe.schedule_replay import replay_order
 
 __all__ = ["KINDS", "Event", "StageTimes", "checkpointed", "makespan", "simulate", "stage_times"]
 
@@ -141,9 +145,11 @@ def _layer_times(plan: Plan) -> tuple[list[float], list[float]] | None:
 def stage_times(plan: Plan) -> list[StageTimes]:
     """Splits each stage's predicted time into forward, recompute, backward and transfer.
 
-    The forward:backward ratio comes from the plan's profile (device speed divides both,
-    so it cancels); the parts are then scaled so that they add up to the plan's
-    ``compute`` exactly. Without a usable profile, backward is taken as twice the forward.
+    The forward is the planner's (``StagePlan.forward``) and the backward the rest of the
+    stage's ``compute``. Plans without it take the forward:backward ratio from their
+    profile (device speed divides both, so it cancels) and scale the parts to add up to the
+    plan's ``compute`` exactly; without a usable profile, backward is taken as twice the
+    forward.
 
     Args:
         plan: the plan.
@@ -151,10 +157,14 @@ def stage_times(plan: Plan) -> list[StageTimes]:
     Returns:
         One entry per stage.
     """
-    layers = _layer_times(plan)
+    layers = None if all(stage.forward > 0 for stage in plan.stages) else _layer_times(plan)
     out = []
     for stage in plan.stages:
         r = _recompute_fraction(plan, stage.index)
+        rest = stage.compute - stage.forward * (1.0 + r)
+        if stage.forward > 0 and rest >= 0:
+            out.append(StageTimes(stage.forward, rest, stage.transfer, r))
+            continue
         f, b = 1.0, _DEFAULT_BACKWARD_RATIO
         if layers is not None:
             # A segment can dip below zero for a tiny layer; a stage's sum rarely does.
@@ -167,97 +177,68 @@ def stage_times(plan: Plan) -> list[StageTimes]:
     return out
 
 
-def _orders(plan: Plan) -> list[list[tuple[str, int]]]:
-    """Each stage's operations in the order it runs them: ``("F", i)`` or ``("B", i)``."""
-    k_count, m = plan.num_stages, plan.chunks
-    orders = []
-    for k in range(k_count):
-        if plan.schedule == "1f1b":
-            # Warm-up fills the pipeline below this stage; then one forward, one backward.
-            warmup = min(k_count - k - 1, m)
-            order = [("F", i) for i in range(warmup)]
-            for j in range(m - warmup):
-                order += [("F", warmup + j), ("B", j)]
-            order += [("B", i) for i in range(m - warmup, m)]
-        else:
-            # GPipe: all forwards, then backwards in reverse (autograd's order).
-            order = [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-        orders.append(order)
-    return orders
+def _ranks(plan: Plan) -> int:
+    """Devices of the pipeline: K, each holding ``virtual_stages`` of the plan's stages."""
+    return plan.num_stages // max(plan.virtual_stages, 1)
 
 
 def simulate(plan: Plan) -> list[Event]:
     """Simulates one training step of ``plan`` under its schedule.
 
-    A forward of micro-batch ``i`` on stage ``k`` starts when stage ``k`` is free and
-    stage ``k−1`` has finished (and sent) micro-batch ``i``; a backward starts when the
-    stage is free and stage ``k+1`` has finished the backward of ``i`` (on the last stage:
+    Each device runs its operations in the order :func:`autopipe.interleaving.rank_order`
+    gives (GPipe fill–drain or 1F1B; with virtual stages torch's looped BFS or interleaved
+    1F1B). A forward of micro-batch ``i`` on stage ``s`` starts when its device is free and
+    stage ``s−1`` has finished (and sent) micro-batch ``i``; a backward starts when the
+    device is free and stage ``s+1`` has finished the backward of ``i`` (on the last stage:
     its own forward of ``i``). A checkpointed micro-batch recomputes its forward right
     before its backward. See the module docstring for how the makespan compares with the
     plan's ``step_time``.
 
     Args:
-        plan: the plan; its ``schedule`` (``gpipe`` or ``1f1b``), ``chunks`` and
-            ``checkpoint`` set the order of operations, its stage times their lengths.
+        plan: the plan; its ``schedule`` (``gpipe`` or ``1f1b``), ``chunks``,
+            ``virtual_stages`` and ``checkpoint`` set the order of operations, its stage
+            times their lengths.
 
     Returns:
         Every event of the step, ordered by start time then stage. Zero-length transfers
-        are left out.
+        are left out. Stage ``s`` runs on device ``s mod K``.
 
     Raises:
-        ValueError: the plan's schedule is unknown, or it has virtual stages (interleaved
-            schedules are predicted by :mod:`autopipe.interleaving`, not simulated).
+        ValueError: the plan's schedule is unknown, or its virtual stages do not divide
+            its stages.
     """
     if plan.schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"unknown schedule {plan.schedule!r}: choose gpipe or 1f1b")
-    if plan.virtual_stages > 1:
-        raise ValueError(
-            f"the plan runs {plan.virtual_stages} virtual stages per rank; the timeline "
-            "simulates one stage per device only (plan without virtual stages to draw it)"
-        )
+    virtual = max(plan.virtual_stages, 1)
+    if plan.num_stages % virtual:
+        raise ValueError(f"{plan.num_stages} stages do not divide into {virtual} per device")
     times = stage_times(plan)
-    orders = _orders(plan)
-    k_count = plan.num_stages
+    last = plan.num_stages - 1
+    ranks = _ranks(plan)
     # When each stage's forward output / backward gradient of micro-batch i is available.
     sent: dict[tuple[int, int], float] = {}
     grads: dict[tuple[int, int], float] = {}
-    free = [0.0] * k_count
-    position = [0] * k_count
+    free = [0.0] * ranks
     events: list[Event] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for k in range(k_count):
-            t = times[k]
-            while position[k] < len(orders[k]):
-                op, i = orders[k][position[k]]
-                if op == "F":
-                    ready = 0.0 if k == 0 else sent.get((k - 1, i))
-                else:
-                    ready = sent.get((k, i)) if k == k_count - 1 else grads.get((k + 1, i))
-                if ready is None:  # waits on another stage; come back on the next sweep
-                    break
-                start = max(free[k], ready)
-                if op == "F":
-                    end = start + t.forward
-                    events.append(Event(k, i, "forward", start, end))
-                    if k < k_count - 1 and t.transfer > 0:
-                        events.append(Event(k, i, "transfer", end, end + t.transfer))
-                        end += t.transfer
-                    sent[(k, i)] = end
-                else:
-                    if checkpointed(plan, i, k):
-                        events.append(Event(k, i, "recompute", start, start + t.forward))
-                        start += t.forward
-                    end = start + t.backward
-                    events.append(Event(k, i, "backward", start, end))
-                    grads[(k, i)] = end
-                free[k] = end
-                position[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the two schedules above; guards edits
-            raise RuntimeError("the pipeline schedule deadlocks")
+    for op in replay_order(ranks, virtual, plan.chunks, plan.schedule):
+        k, i, r, t = op.stage, op.micro_batch, op.rank, times[op.stage]
+        if op.forward:
+            start = max(free[r], sent[(k - 1, i)] if k > 0 else 0.0)
+            end = start + t.forward
+            events.append(Event(k, i, "forward", start, end))
+            if k < last and t.transfer > 0:
+                events.append(Event(k, i, "transfer", end, end + t.transfer))
+                end += t.transfer
+            sent[(k, i)] = end
+        else:
+            start = max(free[r], sent[(k, i)] if k == last else grads[(k + 1, i)])
+            if checkpointed(plan, i, k):
+                events.append(Event(k, i, "recompute", start, start + t.forward))
+                start += t.forward
+            end = start + t.backward
+            events.append(Event(k, i, "backward", start, end))
+            grads[(k, i)] = end
+        free[r] = end
     events.sort(key=lambda e: (e.start, e.stage, KINDS.index(e.kind)))
     return events
 

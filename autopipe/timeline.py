@@ -131,12 +131,17 @@ def _fits(width_points: float, text: str) -> bool:
     return width_points >= len(text) * _CHAR_WIDTH * _LABEL_FONT + 3.0
 
 
+# Local stages of one device, told apart by hatching (stage k, k+K, k+2K, ...).
+_HATCHES = ("", "///", "...", "xxx", "\\\\\\", "+++")
+
+
 def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
     """Draws the simulated step of ``plan`` as a Gantt chart.
 
-    One row per stage (stage 0 on top); forwards, recomputes, backwards and sends in
-    distinct colours, idle time as gaps; micro-batch numbers inside the bars wide enough to
-    hold them. The title gives the balance, M, schedule, predicted step time and bubble.
+    One row per device (device 0 on top; with virtual stages its stages ``k, k+K, …``
+    told apart by hatching); forwards, recomputes, backwards and sends in distinct
+    colours, idle time as gaps; micro-batch numbers inside the bars wide enough to hold
+    them. The title gives the balance, M, schedule, predicted step time and bubble.
 
     Args:
         plan: the plan to draw (see :func:`simulate`).
@@ -151,38 +156,42 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
     events = simulate(plan)
     span = makespan(events)
     scale, unit = _time_unit(span)
-    k_count = plan.num_stages
+    virtual = max(plan.virtual_stages, 1)
+    rows = plan.num_stages // virtual
     width = 12.0
-    fig = _new_figure(width, 1.7 + 0.55 * k_count)
+    fig = _new_figure(width, 1.7 + 0.55 * rows * (1.0 if virtual == 1 else 1.3))
     ax = fig.add_subplot()
 
     present = [kind for kind in KINDS if any(e.kind == kind for e in events)]
     for kind in present:
-        for k in range(k_count):
-            row = [
+        for k in range(plan.num_stages):
+            bars = [
                 (e.start * scale, e.duration * scale)
                 for e in events
                 if e.kind == kind and e.stage == k
             ]
-            if row:
+            if bars:
                 # White edges keep back-to-back bars of one kind apart.
                 ax.broken_barh(
-                    row,
-                    (k - 0.38, 0.76),
+                    bars,
+                    (k % rows - 0.38, 0.76),
                     facecolors=COLORS[kind],
                     edgecolors="white",
                     linewidth=0.6,
+                    hatch=_HATCHES[(k // rows) % len(_HATCHES)] or None,
                 )
 
-    busy = [0.0] * k_count
+    busy = [0.0] * rows
     for e in events:
-        busy[e.stage] += e.duration
-    labels = [
-        f"stage {k}\n{busy[k] / span:.0%} busy" if span > 0 else f"stage {k}"
-        for k in range(k_count)
-    ]
-    ax.set_yticks(range(k_count), labels)
-    ax.set_ylim(k_count - 0.5, -0.5)  # stage 0 on top, like a pipeline diagram
+        busy[e.stage % rows] += e.duration
+    labels = []
+    for r in range(rows):
+        name = f"stage {r}" if virtual == 1 else f"device {r}\nstages {r}"
+        if virtual > 1:
+            name += "".join(f", {r + j * rows}" for j in range(1, virtual))
+        labels.append(f"{name}\n{busy[r] / span:.0%} busy" if span > 0 else name)
+    ax.set_yticks(range(rows), labels)
+    ax.set_ylim(rows - 0.5, -0.5)  # stage 0 on top, like a pipeline diagram
     ax.set_xlim(0, span * scale if span > 0 else 1.0)
     ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", color="#dddddd", linewidth=0.6)
@@ -193,14 +202,21 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
 
     handles = [Patch(facecolor=COLORS[kind], label=kind) for kind in present]
     handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"))
+    for j in range(1, min(virtual, len(_HATCHES))):
+        label = f"local stage {j} (stages {j * rows}-{(j + 1) * rows - 1})"
+        handles.append(
+            Patch(facecolor="white", edgecolor="#555555", hatch=_HATCHES[j], label=label)
+        )
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
 
     simulated = ""
     if plan.step_time > 0 and abs(span - plan.step_time) > 1e-3 * plan.step_time:
         simulated = f" (simulated {format_time(span)})"
+    layout = f"{rows} stages" if virtual == 1 else f"{plan.num_stages} stages on {rows} devices"
     fig.suptitle(
-        f"{plan.strategy} split {list(plan.balance)}: {k_count} stages, M = {plan.chunks} "
-        f"micro-batches of {plan.micro_batch}, {plan.schedule}, checkpoint {plan.checkpoint}\n"
+        f"{plan.strategy} split {list(plan.balance)}: {layout}, M = {plan.chunks} "
+        f"micro-batches of {plan.micro_batch}, {_schedule_name(plan)}, "
+        f"checkpoint {plan.checkpoint}\n"
         f"predicted step {format_time(plan.step_time)}{simulated}, "
         f"bubble {plan.bubble:.1%}, bottleneck stage {plan.bottleneck_stage} "
         f"({format_time(plan.bottleneck)} per micro-batch)",
@@ -217,7 +233,7 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
         if e.kind != "transfer" and _fits(e.duration * points_per_second, text):
             ax.text(
                 (e.start + e.duration / 2) * scale,
-                e.stage,
+                e.stage % rows,
                 text,
                 ha="center",
                 va="center",
@@ -225,6 +241,13 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
                 color="white",
             )
     _save(fig, path, fmt, "timeline")
+
+
+def _schedule_name(plan: Plan) -> str:
+    """The schedule as torch names it: with virtual stages, looped BFS or interleaved 1F1B."""
+    if plan.virtual_stages <= 1:
+        return plan.schedule
+    return "interleaved 1f1b" if plan.schedule == "1f1b" else "looped bfs"
 
 
 def _stage_bar_parts(plan: Plan) -> dict[str, list[float]]:

@@ -287,6 +287,7 @@ def _virtual(rank: int) -> dict[str, Any]:
     """Two virtual stages per rank (K·v stages), both schedules, and the checks of v."""
     from autopipe.distributed import DistributedPipeline
     from autopipe.planner import evaluate
+    from autopipe.simulation import makespan, simulate
     from profiler.profile import Profile
 
     x, y = make_batch()
@@ -299,7 +300,7 @@ def _virtual(rank: int) -> dict[str, Any]:
         result["layout"] = (pipe.stage_indices, pipe.is_first, pipe.is_last, repr(pipe))
         result["optimized"] = sum(p.numel() for p in pipe.module.parameters())
         plan = pipe.plan
-        result["plan"] = (plan.virtual_stages, plan.step_time, [s.time for s in plan.stages])
+        result["plan"] = (plan.virtual_stages, plan.step_time, makespan(simulate(plan)))
         results[schedule] = result
     profile = Profile.from_dict(pipe.plan.profile)
     errors = {}

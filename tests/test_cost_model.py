@@ -201,3 +201,24 @@ def test_profile_lines_predict_like_the_profile():
             assert costs.forward[i] == profile.predict(i, "forward", micro)
             assert costs.peak[i] == profile.predict(i, "peak", micro)
         assert costs.input == profile.predict(-1, "input", micro)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last", "auto"])
+def test_stage_parts_add_up_to_the_stage_time(checkpoint):
+    from autopipe.schedule_replay import RECOMPUTE_CODES
+
+    cap = 2 * (4 * 1000 + 7) + 500  # makes auto choose per stage (see above)
+    devices = [DeviceSpec(memory=cap, speed=2.0, bandwidth=5.0, latency=0.5), DeviceSpec()]
+    m = model(devices, checkpoint=checkpoint, overhead=0.25)
+    s, e = np.array([0, 0, 1, 3, 2]), np.array([1, 2, 4, 4, 2])  # the last holds no layer
+    for k in range(2):
+        forward, backward, transfer, codes = m.stage_parts(k, s, e)
+        time, _, choice = m.stage_costs(k, s, e)
+        modes = [m.modes[i] for i in choice]
+        fraction = np.array([m.fraction(mode) for mode in modes])
+        assert forward * (1 + fraction) + backward + transfer == pytest.approx(time)
+        assert transfer == pytest.approx(m.transfer_time(k, e))
+        assert list(codes) == [RECOMPUTE_CODES[mode] for mode in modes]
+        # Forward and backward keep the layers' proportion (1:2 here), overhead included.
+        assert backward[:4] == pytest.approx(2 * forward[:4])
+        assert forward[4] > 0 and backward[4] > 0  # only overhead: shared out anyway

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from planning_cases import linear_profile, splits
 
 from autopipe import cli
+from autopipe.interleaving import rank_order
 from autopipe.planner import evaluate
 from autopipe.plans import Plan
 from autopipe.timeline import (
@@ -44,6 +45,7 @@ def make_plan(
     schedule: str = "gpipe",
     bandwidth: float | None = None,
     output: list[int] | None = None,
+    virtual_stages: int = 1,
 ) -> Plan:
     forward = FORWARD if forward is None else forward
     profile = linear_profile(forward, output=output, batch=8 * chunks, chunks=chunks)
@@ -54,6 +56,7 @@ def make_plan(
         checkpoint=checkpoint,
         schedule=schedule,
         bandwidth=bandwidth,
+        virtual_stages=virtual_stages,
     )
 
 
@@ -81,12 +84,13 @@ def check_schedule(plan: Plan, events: list[Event]) -> None:
             sends = plan.stages[k].transfer > 0 and k < k_count - 1
             assert (("transfer", k, i) in table) == sends
     assert len(table) == len(events)
-    # A stage runs one thing at a time.
-    per_stage: dict[int, list[Event]] = defaultdict(list)
+    # A device runs one thing at a time (stage s on device s mod K with virtual stages).
+    devices = k_count // plan.virtual_stages
+    per_device: dict[int, list[Event]] = defaultdict(list)
     for e in events:
         assert e.end >= e.start >= 0
-        per_stage[e.stage].append(e)
-    for row in per_stage.values():
+        per_device[e.stage % devices].append(e)
+    for row in per_device.values():
         row.sort(key=lambda e: (e.start, e.end))
         for a, b in itertools.pairwise(row):
             assert b.start >= a.end - eps, (a, b)
@@ -244,6 +248,64 @@ def test_gpipe_order() -> None:
         forwards = [("forward", i) for i in range(3)]
         backwards = [("backward", i) for i in reversed(range(3))]
         assert ops == forwards + backwards
+
+
+# Virtual stages: (K, v, M) with M a multiple of interleaved 1F1B's rounds.
+VIRTUAL = [(2, 2, 4), (2, 3, 2), (3, 2, 3), (3, 2, 6), (2, 2, 1), (2, 4, 8)]
+
+
+def _virtual_plan(
+    k: int, v: int, m: int, schedule: str, checkpoint: str = "never", **options: object
+) -> Plan:
+    forward = [float(1 + (3 * i) % 5) for i in range(2 * k * v)]  # uneven stages
+    return make_plan(
+        [2] * (k * v),
+        forward,
+        chunks=m,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        virtual_stages=v,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize(("k", "v", "m"), VIRTUAL)
+def test_virtual_stages_constraints_hold(
+    k: int, v: int, m: int, checkpoint: str, schedule: str
+) -> None:
+    plan = _virtual_plan(k, v, m, schedule, checkpoint, bandwidth=50.0, output=[20] * 2 * k * v)
+    events = simulate(plan)
+    check_schedule(plan, events)
+    # Each device runs the operations of its rank's order, in that order.
+    for r in range(k):
+        ops = [
+            ("F" if e.kind == "forward" else "B", e.stage, e.micro_batch)
+            for e in events
+            if e.stage % k == r and e.kind in ("forward", "backward")
+        ]
+        assert ops == rank_order(r, k, v, m, schedule)
+    # No device can finish before it has done its own work.
+    busy = [0.0] * k
+    for e in events:
+        busy[e.stage % k] += e.duration
+    assert makespan(events) >= max(busy) * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("k", "v", "m"), VIRTUAL)
+def test_virtual_stages_balanced_makespan_is_the_formula(
+    k: int, v: int, m: int, schedule: str
+) -> None:
+    plan = make_plan([1] * (k * v), [1.0] * (k * v), chunks=m, schedule=schedule, virtual_stages=v)
+    assert makespan(simulate(plan)) == pytest.approx(plan.step_time)
+
+
+def test_virtual_stages_must_divide_the_stages() -> None:
+    plan = replace(make_plan([2, 2, 2]), virtual_stages=2)
+    with pytest.raises(ValueError, match="3 stages do not divide into 2 per device"):
+        simulate(plan)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -492,3 +554,14 @@ def test_auto_plan_recomputes_only_on_checkpointed_stages() -> None:
     recomputes = [e for e in simulate(mixed) if e.kind == "recompute"]
     assert {e.stage for e in recomputes} == {1}
     assert len(recomputes) == mixed.chunks - 1
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_draw_timeline_with_virtual_stages(tmp_path: Path, schedule: str) -> None:
+    plan = _virtual_plan(2, 3, 4, schedule, "except_last", bandwidth=50.0, output=[20] * 12)
+    picture = tmp_path / "virtual.svg"
+    draw_timeline(plan, picture)
+    text = picture.read_text()
+    assert "device 1" in text and "stages 1, 3, 5" in text  # one row per device
+    name = "interleaved 1f1b" if schedule == "1f1b" else "looped bfs"
+    assert name in text
