@@ -14,6 +14,7 @@ from autopipe.cli_search import add_calibrate_parser, add_search_options
 from autopipe.cost_model import CHECKPOINT_MODES, SCHEDULES, optimizer_factor
 from autopipe.errors import PlanningError
 from autopipe.units import parse_bytes
+from profiler.precision import AUTOCAST_DTYPES, DTYPES, check_autocast, check_dtype
 
 if TYPE_CHECKING:
     from torch import nn
@@ -98,6 +99,19 @@ def _add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> N
         default=2,
         metavar="N",
         help="untimed runs per layer and batch size before timing (default: 2)",
+    )
+    # Checked by the commands rather than by `choices`, so a bad value is one error line.
+    parser.add_argument(
+        "--autocast",
+        metavar="{" + ",".join(AUTOCAST_DTYPES) + "}",
+        help="run every forward and backward under torch.autocast with this dtype, as "
+        "mixed-precision training does (default: none; on the CPU prefer bfloat16)",
+    )
+    parser.add_argument(
+        "--dtype",
+        metavar="{" + ",".join(DTYPES) + "}",
+        help="cast the model's parameters and buffers and the sample's floating tensors "
+        "to this dtype before profiling (default: as model.py defines them)",
     )
 
 
@@ -192,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeline",
         metavar="FILE",
         help="also draw the plan's simulated pipeline schedule as a Gantt chart, one row per "
-        "stage (.png or .svg; needs matplotlib)",
+        "device (.png or .svg; needs matplotlib)",
     )
     plan_parser.add_argument(
         "--compare",
@@ -317,10 +331,35 @@ def _save(obj: Plan | Profile, path: str, what: str) -> None:
 # Commands.
 
 
-def _load(path: str) -> tuple[nn.Sequential, Sample]:
+def _check_precision(args: argparse.Namespace) -> None:
+    """Fails early, before loading the model, on a bad ``--autocast`` or ``--dtype``."""
+    check_autocast(args.autocast, "--autocast")
+    if args.dtype is not None:
+        check_dtype(args.dtype, "--dtype")
+
+
+def _load_profile(args: argparse.Namespace) -> Profile:
+    """The ``--profile`` file, which must have been measured as ``--autocast``/``--dtype`` say."""
+    from profiler.profile import Profile
+
+    profile = Profile.load(args.profile)
+    given = {
+        "--autocast": (args.autocast, profile.autocast),
+        "--dtype": (args.dtype, profile.dtype),
+    }
+    for option, (wanted, found) in given.items():
+        if wanted is not None and wanted != found:
+            raise ValueError(
+                f"{args.profile} was profiled with {option[2:]} {found or 'none'}, not "
+                f"{option} {wanted}: profile again with it, or leave out {option}"
+            )
+    return profile
+
+
+def _load(path: str, dtype: str | None = None) -> tuple[nn.Sequential, Sample]:
     from autopipe.model_file import load_sequential
 
-    return load_sequential(path)
+    return load_sequential(path, dtype)
 
 
 def _measure(
@@ -348,6 +387,7 @@ def _measure(
             warmup=args.warmup,
             repeats=args.repeats,
             progress=progress,
+            autocast=args.autocast,
         )
     except ValueError:
         raise
@@ -381,8 +421,8 @@ def _devices(profile: Profile, stages: int, virtual: int = 1) -> int | list[str]
 def _plan_command(args: argparse.Namespace) -> int:
     from autopipe.planner import plan
     from autopipe.report import render_plan
-    from profiler.profile import Profile
 
+    _check_precision(args)
     if args.search and args.virtual_stages > 1:
         raise ValueError("--virtual-stages goes with --stages; the search plans one per device")
     if args.search:
@@ -403,10 +443,6 @@ def _plan_command(args: argparse.Namespace) -> int:
             "size for all or one per stage"
         )
     virtual: int = args.virtual_stages
-    if args.timeline and virtual > 1:
-        raise ValueError(
-            "--timeline draws one stage per device; leave out --virtual-stages to draw it"
-        )
     if isinstance(memory, list) and virtual > 1:  # one size per device: each of its stages
         memory = [memory[k % stages] for k in range(stages * virtual)]
     if args.json:
@@ -417,10 +453,10 @@ def _plan_command(args: argparse.Namespace) -> int:
         _check_picture(args.compare, "comparison")
 
     if args.profile:
-        profile = Profile.load(args.profile)
+        profile = _load_profile(args)
         chunks = args.chunks or default_chunks(stages, args.batch or profile.batch_size)
     elif args.model:
-        model, sample = _load(args.model)
+        model, sample = _load(args.model, args.dtype)
         if stages * virtual > len(model):
             raise PlanningError(
                 f"cannot split {len(model)} layers into {stages * virtual} non-empty stages; "
@@ -476,13 +512,18 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _profile_command(args: argparse.Namespace) -> int:
+    from autopipe.report import precision_label
+
+    _check_precision(args)
     _check_writable(args.output, "profile")
-    model, sample = _load(args.model)
+    model, sample = _load(args.model, args.dtype)
     chunks = args.chunks or default_chunks(default_stages(), _batch_size(sample))
     profile = _measure(model, sample, args, chunks)
     _save(profile, args.output, "profile")
+    precision = precision_label({"dtype": profile.dtype, "autocast": profile.autocast})
     print(
-        f"profiled {len(profile)} layers on {profile.device} at micro-batch sizes "
+        f"profiled {len(profile)} layers on {profile.device}"
+        f"{f' ({precision})' if precision else ''} at micro-batch sizes "
         f"{profile.batch_sizes}; wrote {args.output}"
     )
     return 0

@@ -99,7 +99,6 @@ def search_command(args: argparse.Namespace) -> int:
     from autopipe import cli
     from autopipe.report import render_plan, render_search
     from autopipe.search import SEARCH_CHECKPOINTS, search
-    from profiler.profile import Profile
 
     _check_search_options(args)
     memory = cli._memory(args.memory)
@@ -114,9 +113,9 @@ def search_command(args: argparse.Namespace) -> int:
     if args.timeline:
         cli._check_picture(args.timeline, "timeline")
     if args.profile:
-        profile = Profile.load(args.profile)
+        profile = cli._load_profile(args)
     elif args.model:
-        model, sample = cli._load(args.model)
+        model, sample = cli._load(args.model, args.dtype)
         chunks = args.chunks or cli.default_chunks(devices, cli._batch_size(sample))
         profile = cli._measure(model, sample, args, chunks)
     else:
@@ -164,8 +163,11 @@ def calibrate_command(args: argparse.Namespace) -> int:
     model = sample = None
     if args.model:
         from autopipe.model_file import load_sequential
+        from profiler.precision import DTYPES
 
-        model, sample = load_sequential(args.model)
+        # A profile made with --dtype measured the cast model: time that one too.
+        cast = profile.dtype if profile.dtype in DTYPES and profile.dtype != "float32" else None
+        model, sample = load_sequential(args.model, cast)
         if len(model) != len(profile):
             raise ValueError(
                 f"{args.model} has {len(model)} layers but the profile has {len(profile)}: "

@@ -231,11 +231,23 @@ def as_sequential(
         ) from None
 
 
-def load_sequential(path: str | Path) -> tuple[nn.Sequential, Sample]:
+def load_sequential(path: str | Path, dtype: str | None = None) -> tuple[nn.Sequential, Sample]:
     """Loads a model file whose ``model`` must be split as an ``nn.Sequential``.
+
+    Args:
+        path: the Python file.
+        dtype: cast the model's floating parameters and buffers and the sample's floating
+            tensors to this dtype (see :func:`profiler.precision.cast_model`) before any
+            tracing, so an auto-wrapped model is split as it will run; ``None``: as defined.
 
     Raises:
         ModelFileError: see :func:`load_model_file` and :func:`as_sequential`.
+        ValueError: ``dtype`` is not one of :data:`profiler.precision.DTYPES`.
     """
     loaded = load_model_file(path)
-    return as_sequential(loaded.model, loaded.sample, path)
+    model, sample = loaded.model, loaded.sample
+    if dtype is not None:
+        from profiler.precision import cast_model
+
+        model, sample = cast_model(model, sample, dtype)
+    return as_sequential(model, sample, path)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopipe.plans import Plan, StagePlan
@@ -13,6 +13,7 @@ __all__ = [
     "checkpoint_label",
     "format_rate",
     "layer_range",
+    "precision_label",
     "render_comparison",
     "render_header",
     "render_plan",
@@ -109,7 +110,21 @@ def render_header(plan: Plan) -> str:
         f"strategy {plan.strategy}, schedule {plan.schedule}, "
         f"checkpoint {checkpoint_label(plan)}, optimizer {plan.optimizer}"
     )
+    precision = precision_label(profile)
+    if precision:
+        second += f", {precision}"
     return f"{first}\n{second}"
+
+
+def precision_label(profile: Mapping[str, Any]) -> str:
+    """How a profile's layers computed, e.g. ``autocast bfloat16``; empty for float32."""
+    parts = []
+    dtype = profile.get("dtype")
+    if dtype and dtype != "float32":
+        parts.append(f"dtype {dtype}")
+    if profile.get("autocast"):
+        parts.append(f"autocast {profile['autocast']}")
+    return ", ".join(parts)
 
 
 def checkpoint_label(plan: Plan) -> str:

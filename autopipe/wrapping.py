@@ -16,6 +16,7 @@ from autopipe.sharing import check_placement
 from autopipe.unit_layout import Layout, layout_model, stage_of_units, trace_modes
 from autopipe.wrapped import WrappedPipeline
 from profiler.measure import profile_layers
+from profiler.precision import check_autocast
 from profiler.profile import Profile
 
 __all__ = ["WrappedPipeline", "prepare", "unit_sequential", "wrap"]
@@ -112,6 +113,7 @@ def wrap(
     granularity: str = "blocks",
     leaf_modules: Iterable[str | type[nn.Module]] = (),
     method: str = "auto",
+    autocast: str | None = None,
 ) -> WrappedPipeline:
     """Splits any model into balanced pipeline stages and returns it ready to train.
 
@@ -142,6 +144,9 @@ def wrap(
             :func:`autopipe.graph_units.unit_paths`.
         leaf_modules: submodule names or classes torch.fx treats as opaque calls.
         method: ``auto``, ``fx`` or ``export``.
+        autocast: ``bfloat16`` or ``float16`` to profile the units under
+            ``torch.autocast``, for a model trained under it (the pipeline itself runs
+            under the caller's autocast); a given ``profile`` must have been made so.
 
     Returns:
         A :class:`WrappedPipeline`: call it like the model; ``.plan`` and ``.pipeline``
@@ -156,6 +161,11 @@ def wrap(
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    check_autocast(autocast)
+    if profile is not None and autocast is not None and profile.autocast != autocast:
+        raise ValueError(
+            f"the profile was made with autocast {profile.autocast or 'none'}, not {autocast}"
+        )
     names = _device_names(stages, devices)
     layout = prepare(
         model,
@@ -184,6 +194,7 @@ def wrap(
             chunks=chunks,
             names=layout.names,
             batch_sizes=[micro, 2 * micro],
+            autocast=autocast,
         )
     elif profile.names != layout.names:
         raise ValueError(

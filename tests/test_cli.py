@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -141,8 +142,10 @@ def test_virtual_stages(
     result = Plan.load(out_file)
     assert result.virtual_stages == 2 and result.num_devices == 2
     assert [s.capacity for s in result.stages] == [2**30, 2**31, 2**30, 2**31]
-    picture = str(tmp_path / "t.png")
-    assert_error(*run(capsys, *argv, "--timeline", picture), "leave out --virtual-stages")
+    picture = tmp_path / "t.png"  # one row per device, its two stages hatched apart
+    code, _, err = run(capsys, *argv, "--timeline", str(picture))
+    assert code == 0, err
+    assert picture.read_bytes().startswith(b"\x89PNG")
     assert_error(*run(capsys, *argv, "--search"), "--virtual-stages goes with --stages")
 
 
@@ -421,3 +424,114 @@ def test_plan_batch_and_auto(capsys: pytest.CaptureFixture[str], profile_file: P
     argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2", "--even"]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
+
+
+# ----------------------------------------------------------------------------------------
+# Mixed precision: --autocast and --dtype.
+
+
+def test_profile_with_autocast_and_dtype(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    out_file = tmp_path / "bf16.json"
+    argv = ["profile", MLP, "-o", str(out_file), "--autocast", "bfloat16", "--dtype", "bfloat16"]
+    code, out, err = run(capsys, *argv, *FAST)
+    assert code == 0, err
+    assert "(dtype bfloat16, autocast bfloat16)" in out
+    half, full = Profile.load(out_file), Profile.load(profile_file)
+    assert (half.autocast, half.dtype) == ("bfloat16", "bfloat16")
+    assert (full.autocast, full.dtype) == (None, "float32")
+    assert [2 * layer.param_bytes for layer in half.layers] == [
+        layer.param_bytes for layer in full.layers
+    ]
+    assert half.input == [n // 2 for n in full.input]  # the sample is cast too
+    code, out, err = run(capsys, "plan", "--profile", str(out_file))
+    assert code == 0, err
+    assert "optimizer adam, dtype bfloat16, autocast bfloat16" in out
+    argv = ["plan", "--profile", str(out_file), "--autocast", "bfloat16", "--dtype", "bfloat16"]
+    assert run(capsys, *argv)[0] == 0
+    argv = ["plan", "--profile", str(out_file), "--autocast", "float16"]
+    assert_error(*run(capsys, *argv), "profiled with autocast bfloat16, not --autocast float16")
+    argv = ["plan", "--profile", str(profile_file), "--dtype", "bfloat16", "--search"]
+    assert_error(*run(capsys, *argv), "profiled with dtype float32, not --dtype bfloat16")
+
+
+def test_plan_under_autocast_names_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "good.py"
+    path.write_text(GOOD)
+    plan_file = tmp_path / "plan.json"
+    argv = ["plan", str(path), "--autocast", "float16", "--json", str(plan_file), *FAST]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "optimizer adam, autocast float16\n" in out and "dtype" not in out
+    assert Plan.load(plan_file).profile["autocast"] == "float16"
+    code, out, err = run(capsys, "plan", str(path), *FAST)
+    assert code == 0, err
+    assert "autocast" not in out and "dtype" not in out
+
+
+def test_dtype_casts_models_that_are_traced(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "residual.py"
+    path.write_text(RESIDUAL_MODEL)
+    params = {}
+    for dtype in ("float32", "bfloat16"):
+        plan_file = tmp_path / f"{dtype}.json"
+        argv = ["plan", str(path), "--dtype", dtype, "--json", str(plan_file), *FAST]
+        code, _, err = run(capsys, *argv)
+        assert code == 0, err
+        profile = Profile.from_dict(Plan.load(plan_file).profile)
+        assert profile.dtype == dtype and profile.autocast is None
+        params[dtype] = sum(layer.param_bytes for layer in profile.layers)
+    assert params["bfloat16"] * 2 == params["float32"] > 0
+
+
+def test_calibrate_casts_the_model_as_profiled(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autopipe import calibration
+
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    measure = calibration.measure_compute_scale
+
+    def recording(
+        model: torch.nn.Sequential, sample: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        seen.append((next(model.parameters()).dtype, sample.dtype))
+        return measure(model, sample, *args, **kwargs)
+
+    monkeypatch.setattr(calibration, "measure_compute_scale", recording)
+    path = tmp_path / "good.py"
+    path.write_text(GOOD)
+    profile_path = tmp_path / "profile.json"
+    argv = ["profile", str(path), "-o", str(profile_path), "--dtype", "bfloat16"]
+    assert run(capsys, *argv, "--autocast", "bfloat16", *FAST)[0] == 0
+    argv = ["calibrate", str(profile_path), "--model", str(path), "--repeats", "1"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "in a whole step layers run" in out
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["plan", MLP, "--autocast", "fp8"], "--autocast must be bfloat16 or float16, got 'fp8'"),
+        (["plan", MLP, "--autocast", "float32"], "--autocast must be bfloat16 or float16"),
+        (["plan", MLP, "--dtype", "int8"], "--dtype must be float32, bfloat16 or float16"),
+        (["plan", MLP, "--search", "--autocast", "half"], "--autocast must be"),
+        (["profile", MLP, "--dtype", "float64"], "got 'float64'"),
+        (["profile", MLP, "--autocast", "bf16"], "got 'bf16'"),
+    ],
+)
+def test_bad_precision_options(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], expected: str
+) -> None:
+    out_file = tmp_path / "out.json"
+    option = "-o" if argv[0] == "profile" else "--json"
+    assert_error(*run(capsys, *argv, option, str(out_file)), expected)
+    assert not out_file.exists()
+    code, out, _ = run(capsys, argv[0], "--help")
+    assert code == 0 and "--autocast {bfloat16,float16}" in out
+    assert "--dtype {float32,bfloat16,float16}" in out

@@ -8,6 +8,7 @@ from autopipe.planner import evaluate, plan
 from autopipe.report import (
     bar,
     layer_range,
+    precision_label,
     render_comparison,
     render_header,
     render_plan,
@@ -102,6 +103,23 @@ def test_header() -> None:
     text = render_header(plan(make_profile(NAMES), 2))
     assert "8 layers on 2 stages [cpu (Test CPU)], batch 16 as 4 micro-batches of 4" in text
     assert "strategy optimal, schedule gpipe, checkpoint except_last, optimizer adam" in text
+
+
+@pytest.mark.parametrize(
+    ("dtype", "autocast", "expected"),
+    [
+        ("float32", None, ""),
+        ("float32", "bfloat16", "autocast bfloat16"),
+        ("bfloat16", None, "dtype bfloat16"),
+        ("float16", "float16", "dtype float16, autocast float16"),
+    ],
+)
+def test_header_names_the_precision(dtype: str, autocast: str | None, expected: str) -> None:
+    profile = make_profile()
+    profile.dtype, profile.autocast = dtype, autocast
+    assert precision_label(profile.to_dict()) == expected
+    second = render_header(plan(profile, 2)).splitlines()[1]
+    assert second.endswith(f"optimizer adam, {expected}" if expected else "optimizer adam")
 
 
 def test_comparison_faster() -> None:

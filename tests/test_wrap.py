@@ -262,6 +262,31 @@ def test_profile_reuse_and_mismatch() -> None:
         wrap(ResidualMLP(depth=2), (x,), stages=2, profile=profile)
 
 
+def test_profiled_under_autocast_and_trained_under_it() -> None:
+    # float32: autocast leaves the tests' default float64 alone.
+    x = torch.randn(6, 5, dtype=torch.float32)
+    model = ResidualMLP().float()
+    reference = copy.deepcopy(model)
+    wrapped = wrap(model, (x,), stages=2, chunks=2, autocast="bfloat16")
+    assert wrapped.plan.profile["autocast"] == "bfloat16"
+    profile = Profile.from_dict(wrapped.plan.profile)
+    again = wrap(
+        ResidualMLP().float(), (x,), stages=2, chunks=2, profile=profile, autocast="bfloat16"
+    )
+    assert again.plan.balance == wrapped.plan.balance
+    again.close()
+    with pytest.raises(ValueError, match="made with autocast bfloat16, not float16"):
+        wrap(ResidualMLP().float(), (x,), stages=2, chunks=2, profile=profile, autocast="float16")
+    with pytest.raises(ValueError, match="autocast must be bfloat16 or float16"):
+        wrap(ResidualMLP().float(), (x,), stages=2, autocast="half")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = wrapped(x)
+        expected = torch.cat([reference(part) for part in x.tensor_split(2)])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    wrapped.close()
+
+
 @pytest.mark.parametrize(
     ("build", "options", "match"),
     [
