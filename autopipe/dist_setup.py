@@ -256,6 +256,7 @@ def setup_on_rank0(
     plan: Plan | None,
     profile: Profile | Mapping[str, Any] | None,
     options: dict[str, Any],
+    autocast: str | None = None,
 ) -> tuple[Any, BaseException | None]:
     """Profiles (if needed), plans (if needed) and measures the boundary tensors.
 
@@ -268,6 +269,8 @@ def setup_on_rank0(
         profile: the given profile, or ``None`` to profile the model on ``device``.
         options: keyword arguments for :func:`autopipe.plan`; ``chunks`` and ``schedule``
             are required (``data_parallel`` and ``batch``, the global batch, for replicas).
+        autocast: the autocast dtype the pipeline runs under: the profile's (made so, or
+            checked) and the boundary tensors' dtypes.
 
     Returns:
         What to broadcast, ``(error, plan_dict, specs)`` with ``error`` ``None`` or
@@ -277,9 +280,16 @@ def setup_on_rank0(
     try:
         if plan is None:
             if profile is None:
-                profile = profile_model(sequential, sample, device=device, chunks=chunks)
+                profile = profile_model(
+                    sequential, sample, device=device, chunks=chunks, autocast=autocast
+                )
             elif not isinstance(profile, Profile):
                 profile = Profile.from_dict(dict(profile))
+            if autocast is not None and profile.autocast != autocast:
+                raise ValueError(
+                    f"the profile was made with autocast {profile.autocast or 'none'}, not "
+                    f"{autocast}"
+                )
             if len(profile.layers) != len(sequential):
                 raise ValueError(
                     f"the profile has {len(profile.layers)} layers but the model has "
@@ -302,7 +312,7 @@ def setup_on_rank0(
         tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
         micro = tuple(t.tensor_split(chunks)[0] for t in tensors)
         first = micro[0] if isinstance(sample, Tensor) else micro
-        specs = layer_output_specs(list(sequential), first)
+        specs = layer_output_specs(list(sequential), first, autocast)
         return (None, plan.to_dict(), specs), None
     except Exception as exc:
         kind = "value" if isinstance(exc, ValueError) else "runtime"

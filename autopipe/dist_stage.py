@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from profiler.precision import autocast_pass
+
 __all__ = [
     "LossRecorder",
     "StageModule",
@@ -70,14 +72,18 @@ def _leaf(tensor: Tensor, device: torch.device) -> Tensor:
 
 
 def layer_output_specs(
-    layers: Sequence[nn.Module], micro_batch: Tensor | tuple[Tensor, ...]
+    layers: Sequence[nn.Module],
+    micro_batch: Tensor | tuple[Tensor, ...],
+    autocast: str | None = None,
 ) -> list[tuple[tuple[TensorSpec, ...], bool]]:
     """The shape, dtype and ``requires_grad`` of every layer's output on one micro-batch.
 
     Runs the layers one by one with gradients enabled (``requires_grad`` of a boundary
     decides whether the pipeline sends a gradient back across it), each where its
     parameters live. Layers with buffers run as copies so that, e.g., batch-norm running
-    statistics are not updated, and the RNG state is restored afterwards.
+    statistics are not updated, and the RNG state is restored afterwards. Under
+    ``autocast`` (``bfloat16`` or ``float16``) the layers run in it, so the boundaries have
+    the dtypes the pipeline will send.
 
     Returns:
         Per layer: the specs of its output tensors, and whether the output is a tuple.
@@ -96,7 +102,8 @@ def layer_output_specs(
                 value = _leaf(value, device)
             else:
                 value = tuple(_leaf(t, device) for t in value)
-            output = runner(value)
+            with autocast_pass(device.type, autocast):
+                output = runner(value)
             tensors = _as_tensors(output, f"the output of layer {index} ({type(layer).__name__})")
             specs.append((tuple(_spec(t) for t in tensors), not isinstance(output, Tensor)))
             value = output

@@ -45,6 +45,7 @@ from autopipe.replicas import (
     resolve_data_parallel,
     take_shard,
 )
+from profiler.precision import autocast_pass, check_autocast, current_autocast
 
 __all__ = ["SCHEDULES", "DistributedPipeline", "init_distributed", "merge_state_dicts"]
 
@@ -116,6 +117,11 @@ class DistributedPipeline:
         virtual_stages: stages per rank (v; default 1). With v > 1 rank 0 plans K·v
             stages (``plan(..., virtual_stages=v)``) and the interleaved schedules run
             them; a given plan has K·v stages (made with ``virtual_stages=v`` or not).
+        autocast: ``bfloat16`` or ``float16`` to train in mixed precision: rank 0 profiles
+            under ``torch.autocast`` (a given profile must have been made so), the stage
+            boundaries get the dtypes autocast produces, and :meth:`step` runs under it.
+            The stages exchange tensors of the dtypes measured here, so a step under the
+            caller's own autocast needs this set to the same dtype.
 
     Raises:
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
@@ -138,6 +144,7 @@ class DistributedPipeline:
         plan_options: Mapping[str, Any] | None = None,
         data_parallel: int | None = None,
         virtual_stages: int = 1,
+        autocast: str | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -154,6 +161,7 @@ class DistributedPipeline:
         self.chunks = chunks
         self.schedule_name = schedule
         self.virtual_stages = virtual_stages
+        self.autocast = autocast
         self.stage_indices: list[int] = []
         self.batch_size = 0
         self._steps = 0
@@ -167,11 +175,13 @@ class DistributedPipeline:
             problem = check_arguments(layers, sample, chunks, schedule, loss_fn, plan)
             problem = problem or data_parallel_problem(self.data_parallel)
             problem = problem or virtual_problem(virtual_stages)
+            check_autocast(autocast)
         except ValueError as exc:
             layers, problem = OrderedDict(), str(exc)
         settings = {} if problem else fingerprint_settings(sample, chunks, schedule, plan, profile)
         settings["data_parallel"] = self.data_parallel
         settings["virtual_stages"] = virtual_stages
+        settings["autocast"] = autocast
         agree(self.rank, world, problem, fingerprint(layers, **settings) if not problem else {})
         d, v = self.data_parallel, virtual_stages
         k = check_layout(world, d, data_parallel, plan)
@@ -189,7 +199,9 @@ class DistributedPipeline:
         sequential = self._model.sequential
 
         def make() -> tuple[Any, BaseException | None]:
-            return setup_on_rank0(sequential, sample, k * v, self.device, plan, profile, options)
+            return setup_on_rank0(
+                sequential, sample, k * v, self.device, plan, profile, options, autocast
+            )
 
         self.plan, specs = share_setup(self.rank, group, self.device, make)
         self._build(layers, sample, specs, loss_fn, model)
@@ -249,12 +261,20 @@ class DistributedPipeline:
 
         Raises:
             ValueError: a mini-batch of another size than the sample's (or, with replicas,
-                than the global and the per-replica batch).
+                than the global and the per-replica batch), or a step under another
+                autocast than the pipeline's (its stages would exchange tensors of the
+                wrong dtype).
             RuntimeError: a step failed on this or another rank before (the pipeline's
                 ranks are out of step then), or the process group timed out.
         """
         if self._broken:
             raise RuntimeError("an earlier step failed; this pipeline cannot run again")
+        found = current_autocast(self.device.type)
+        if found not in (None, self.autocast):
+            raise ValueError(
+                f"the step runs under autocast {found} but the pipeline was built for "
+                f"{self.autocast or 'none'}: pass autocast={found!r} to DistributedPipeline"
+            )
         layout, batch = self.layout, self.batch_size
         args: tuple[Tensor, ...] = ()
         if self.is_first:
@@ -269,7 +289,7 @@ class DistributedPipeline:
             kwargs["target"] = self._padding.pad_target(target)
         self._loss.values.clear()
         try:
-            with self._sync.step():
+            with self._sync.step(), autocast_pass(self.device.type, self.autocast):
                 self.schedule.step(*args, **kwargs)
             loss = self._sync.mean_loss(self._loss.mean()) if self.is_last else None
         except BaseException as exc:

@@ -320,6 +320,29 @@ def _virtual(rank: int) -> dict[str, Any]:
     return results
 
 
+def _autocast() -> dict[str, Any]:
+    """Profiled and trained under bfloat16 autocast; a step under an autocast the pipeline
+    was not built for is refused (its stages would exchange float32-sized buffers)."""
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = DistributedPipeline(
+            make_model(), x, schedule=schedule, autocast="bfloat16", **options
+        )
+        loss = pipe.step(x, y)
+        results[schedule] = {"loss": loss, "grads": _grads(pipe), "plan": pipe.plan.profile}
+    plain = DistributedPipeline(make_model(), x, **options)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain.step(x, y)
+    except ValueError as exc:
+        results["refused"] = str(exc)
+    return results
+
+
 def _failing(rank: int, world: int, stay: bool) -> None:
     from autopipe.distributed import DistributedPipeline
 
@@ -357,6 +380,8 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         torch.save(_equal(rank, world), workdir / f"rank{rank}.pt")
     elif scenario == "virtual":
         torch.save(_virtual(rank), workdir / f"rank{rank}.pt")
+    elif scenario == "autocast":
+        torch.save(_autocast(), workdir / f"rank{rank}.pt")
     elif scenario == "replicas":
         torch.save(_replicas(rank, world), workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):

@@ -27,6 +27,7 @@ from autopipe.planner import evaluate
 from autopipe.replicas import ReplicaLayout, _buckets, check_layout, replica_batch, take_shard
 from tests.dist_workers import (
     BATCH,
+    CHUNKS,
     REPLICA_CHUNKS,
     STUCK_TIMEOUT,
     UNEVEN,
@@ -77,6 +78,14 @@ def test_output_specs_leave_model_and_rng_untouched() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_output_specs_under_autocast_have_its_dtypes() -> None:
+    specs = layer_output_specs(list(make_model(batchnorm=False)), torch.randn(4, 8), "bfloat16")
+    dtypes = [s[0][0][1] for s in specs]
+    # Linear computes in bfloat16, and the layers after it keep the dtype they are given.
+    assert dtypes == [torch.bfloat16] * 8
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_merge_state_dicts_rejects_overlap() -> None:
@@ -499,3 +508,37 @@ def test_virtual_stage_mismatches_are_reported_on_every_rank(
         assert "chunks=5" in errors["chunks"] and "rounds" in errors["chunks"]
         assert "virtual_stages differs between rank 0 and rank 1" in errors["ranks"]
         assert "plan was made for virtual_stages=4 but the pipeline runs" in errors["planned"]
+
+
+@pytest.fixture(scope="module")
+def autocast_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _results("autocast", 2, tmp_path_factory.mktemp("autocast"), limit=60)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_autocast_equals_one_process_under_autocast(
+    autocast_run: list[dict[str, Any]], schedule: str
+) -> None:
+    model = make_model()
+    x, y = make_batch()
+    losses = []
+    # Micro-batch by micro-batch, each back-propagated alone (their gradients added in
+    # float32), as the stages run them.
+    for xb, yb in zip(x.tensor_split(CHUNKS), y.tensor_split(CHUNKS)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(loss_fn(model(xb), yb))
+        (losses[-1] / CHUNKS).backward()
+    loss = torch.stack(losses).mean().detach()
+    once = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    seen: set[str] = set()
+    for rank, result in enumerate(autocast_run):
+        run = result[schedule]
+        assert run["plan"]["autocast"] == "bfloat16"
+        if rank == 1:
+            _close(run["loss"], loss)
+        for name, grad in run["grads"].items():
+            _close(grad, once[name], name)
+            seen.add(name)
+        refused = result["refused"]
+        assert "step runs under autocast bfloat16 but the pipeline was built for none" in refused
+    assert seen == set(once)
