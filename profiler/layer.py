@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +148,10 @@ class _Pass:
         self.device = device
         self.grads: list[Tensor] | None = None
         self.flush = flush or (lambda: None)
-        self.autocast = autocast
+        # Without autocast a bare nullcontext: it adds nothing measurable to a timed pass.
+        self.region: Callable[[], AbstractContextManager[None]] = (
+            functools.partial(autocast_pass, device.type, autocast) if autocast else nullcontext
+        )
 
     def arguments(self) -> tuple[Tensor, ...]:
         """Fresh copies of the inputs for one pass.
@@ -159,7 +165,7 @@ class _Pass:
         return tuple(leaf.clone() for leaf in self.leaves)
 
     def forward(self, args: tuple[Tensor, ...]) -> list[Tensor]:
-        with autocast_pass(self.device.type, self.autocast):
+        with self.region():
             outputs = as_tensors(self.layer(*args), f"the output of {self.label}")
         targets = _targets(outputs)
         if self.grads is None:
@@ -170,7 +176,7 @@ class _Pass:
         # Backward ops run in their forward's dtypes; autocast reaches only the ops a
         # backward calls itself (recomputed forwards, custom functions).
         if targets:
-            with autocast_pass(self.device.type, self.autocast):
+            with self.region():
                 torch.autograd.backward(targets, self.grads)
 
     def run(self) -> None:
