@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         choices=CHECKPOINT_MODES,
         help="activation checkpointing; auto checkpoints only the stages that do not fit "
-        "otherwise (default: except_last; with --search: all modes)",
+        "otherwise (default: except_last; never with --virtual-stages, whose schedules keep "
+        "every activation; with --search: all modes)",
     )
     plan_parser.add_argument(
         "--schedule",
@@ -471,7 +472,8 @@ def _plan_command(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "chunks": chunks,
         "memory": memory,
-        "checkpoint": args.checkpoint or "except_last",
+        # Interleaved stages run on torch's schedules, which keep every activation.
+        "checkpoint": args.checkpoint or ("never" if virtual > 1 else "except_last"),
         "schedule": args.schedule or "gpipe",
         "optimizer": optimizer,
         "bandwidth": bandwidth,

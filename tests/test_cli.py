@@ -141,6 +141,7 @@ def test_virtual_stages(
     assert "16 layers on 4 stages [cpu] on 2 devices, 2 per device (interleaved)" in out
     result = Plan.load(out_file)
     assert result.virtual_stages == 2 and result.num_devices == 2
+    assert result.checkpoint == "never"  # torch's interleaved schedules keep activations
     assert [s.capacity for s in result.stages] == [2**30, 2**31, 2**30, 2**31]
     picture = tmp_path / "t.png"  # one row per device, its two stages hatched apart
     code, _, err = run(capsys, *argv, "--timeline", str(picture))
