@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -150,29 +151,52 @@ def measure_runner_overhead(
     warmup: int = 2,
     schedule: str = "1f1b",
     latency: float = 0.0,
+    virtual_stages: int = 1,
 ) -> dict[str, Any]:
     """The distributed runner's fixed seconds per stage and micro-batch.
 
-    A tiny model (one ``Linear(width, width)`` per rank, one sample per micro-batch) runs
-    steps of :class:`autopipe.distributed.DistributedPipeline`; the planner predicts
-    ``(M + K − 1) · (o + λ)`` for it (its compute is negligible), which gives ``o``.
+    A tiny model (one ``Linear(width, width)`` per stage, one sample per micro-batch) runs
+    steps of :class:`autopipe.distributed.DistributedPipeline` with the given schedule and
+    virtual stages per rank. Its compute is negligible, so every stage costs ``o + λ`` per
+    micro-batch, and the planner's step for it is that times the clocks of the schedule
+    (``M + K − 1`` for one stage per rank; for virtual stages the replayed schedule of
+    equal stages, ``v·M + K − 1`` when M ≥ K), which gives ``o``. Torch runs virtual
+    stages on another runtime than one stage per rank, with its own cost per operation.
     """
     from autopipe.distributed import DistributedPipeline
+    from autopipe.schedule_replay import makespans
 
-    stages = dist.get_world_size(group)
+    ranks = dist.get_world_size(group)
+    stages = ranks * virtual_stages
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(stages)])
     x, y = torch.randn(chunks, width), torch.zeros(chunks, width)
     pipe = DistributedPipeline(
-        model, x, loss_fn=lambda out, _: out.sum(), chunks=chunks, schedule=schedule, group=group
+        model,
+        x,
+        loss_fn=lambda out, _: out.sum(),
+        chunks=chunks,
+        schedule=schedule,
+        group=group,
+        virtual_stages=virtual_stages,
     )
     samples = [slowest_seconds(lambda: pipe.step(x, y), group) for _ in range(warmup + repeats)][
         warmup:
     ]
     step = statistics.median(samples)
-    clocks = chunks + stages - 1
-    hops = latency if stages > 1 else 0.0
-    return {"overhead_s": max(0.0, step / clocks - hops), "step_s": step, "chunks": chunks}
+    # Stages of cost 1 (a forward of 1/3, a backward of 2/3): the step in stage costs.
+    ones = np.ones((1, stages))
+    none = np.zeros((1, stages), dtype=np.int64)
+    clocks = float(makespans(ones / 3, 2 * ones / 3, 0 * ones, none, ranks, chunks, schedule)[0])
+    hops = latency if ranks > 1 else 0.0
+    return {
+        "overhead_s": max(0.0, step / clocks - hops),
+        "step_s": step,
+        "chunks": chunks,
+        "clocks": clocks,
+        "virtual_stages": virtual_stages,
+        "schedule": schedule,
+    }
 
 
 def measure_compute_together(
@@ -226,6 +250,8 @@ def calibrate_ranks(
     repeats: int = 20,
     model: nn.Sequential | None = None,
     sample: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
 ) -> dict[str, Any]:
     """Measures links, all-reduce and runner overhead; stores them in ``profile`` (every rank).
 
@@ -236,19 +262,32 @@ def calibrate_ranks(
         model: the profiled model (its layers as an ``nn.Sequential``): also measure the
             compute scales with every rank computing at once.
         sample: the profiled mini-batch, with ``model``.
+        virtual_stages: with more than 1, also measure the runner's overhead with that many
+            stages per rank under ``schedule`` (torch runs them on another runtime, whose
+            cost per operation differs), stored as ``virtual_overhead_s`` for plans with
+            virtual stages.
+        schedule: ``1f1b`` or ``gpipe``, for ``virtual_stages``.
 
     Returns:
         The stored calibration (``latency_s``, ``bandwidth``, ``overhead_s``,
-        ``allreduce_bandwidth``, with a model ``compute_scale`` and ``fixed_scale``).
+        ``allreduce_bandwidth``, with a model ``compute_scale`` and ``fixed_scale``, with
+        virtual stages ``virtual_overhead_s``).
     """
     link = measure_p2p(group, repeats=repeats)
     reduce = measure_allreduce(group, repeats=max(repeats // 2, 3))
     overhead = measure_runner_overhead(group, latency=link["latency_s"])
     extra: dict[str, Any] = {}
+    if virtual_stages > 1:
+        virtual = measure_runner_overhead(
+            group, latency=link["latency_s"], virtual_stages=virtual_stages, schedule=schedule
+        )
+        extra["virtual_overhead_s"] = virtual["overhead_s"]
     if model is not None:
         if sample is None:
             raise ValueError("calibrating the compute scale needs the sample with the model")
-        extra = measure_compute_together(model, sample, profile, group, repeats=repeats // 4 + 2)
+        extra.update(
+            measure_compute_together(model, sample, profile, group, repeats=repeats // 4 + 2)
+        )
     return store_calibration(
         profile,
         latency_s=link["latency_s"],

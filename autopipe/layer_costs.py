@@ -32,6 +32,7 @@ Array = NDArray[np.float64]
 
 CALIBRATED = (
     "overhead_s",
+    "virtual_overhead_s",
     "bandwidth",
     "latency_s",
     "compute_scale",
@@ -46,7 +47,8 @@ def calibration(profile: Profile) -> dict[str, float]:
     """The executor overhead, link figures and compute scale measured for the profile.
 
     ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
-    ``overhead_s`` (seconds per stage and micro-batch), ``bandwidth`` (bytes/s),
+    ``overhead_s`` (seconds per stage and micro-batch; ``virtual_overhead_s`` that of the
+    runner with virtual stages, when measured), ``bandwidth`` (bytes/s),
     ``latency_s`` (seconds per message between stages), ``allreduce_bandwidth`` (of the
     data-parallel gradient sync), and ``compute_scale`` and ``fixed_scale`` (how much
     longer the layers' per-sample and per-micro-batch times are in a whole training

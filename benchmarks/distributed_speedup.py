@@ -117,15 +117,20 @@ def handmade_step(stage: nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor)
         dist.send(act.grad, 0)  # type: ignore[arg-type]
 
 
-def calibrate(profile: Profile, model: nn.Sequential, x: torch.Tensor) -> Profile:
+def calibrate(
+    profile: Profile, model: nn.Sequential, x: torch.Tensor, schedule: str = "1f1b"
+) -> Profile:
     """A calibrated copy of the profile (:func:`autopipe.dist_calibration.calibrate_ranks`).
 
     The pipeline runs with both ranks computing, which on one host slows each down; the
     one-process baseline runs alone. The calibration measures both, and the planner gives
-    the one-device plan the scales of a rank alone.
+    the one-device plan the scales of a rank alone. The runner's overhead is measured for
+    one and for two stages per rank (``schedule`` with virtual stages).
     """
     calibrated = Profile.from_dict(profile.to_dict())
-    calibrate_ranks(calibrated, model=model, sample=x, repeats=10)
+    calibrate_ranks(
+        calibrated, model=model, sample=x, repeats=10, virtual_stages=2, schedule=schedule
+    )
     return calibrated
 
 

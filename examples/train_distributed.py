@@ -79,11 +79,19 @@ def calibrated_profile(
         shared[0] = profile_model(model, replica, chunks=args.chunks).to_dict()
     dist.broadcast_object_list(shared, src=0)
     profile = Profile.from_dict(shared[0])  # type: ignore[arg-type]
-    found = calibrate_ranks(profile, model=model, sample=replica, repeats=10)
+    found = calibrate_ranks(
+        profile,
+        model=model,
+        sample=replica,
+        repeats=10,
+        virtual_stages=args.virtual_stages,
+        schedule=args.schedule,
+    )
+    overhead = found.get("virtual_overhead_s", found["overhead_s"])
     if dist.get_rank() == 0:
         print(
             f"calibrated: message latency {found['latency_s'] * 1e6:.0f} µs, runner overhead "
-            f"{found['overhead_s'] * 1e6:.0f} µs per stage and micro-batch, compute "
+            f"{overhead * 1e6:.0f} µs per stage and micro-batch, compute "
             f"{found['compute_scale']:.2f}x the profile with every rank busy",
             flush=True,
         )

@@ -217,7 +217,7 @@ def _calibration() -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8))
     x = torch.randn(8, 8)
     profile = profile_model(model, x, chunks=2, warmup=0, repeats=1, cold_cache=False)
-    values = calibrate_ranks(profile, repeats=3, model=model, sample=x)
+    values = calibrate_ranks(profile, repeats=3, model=model, sample=x, virtual_stages=2)
     replicated = plan(profile, 1, data_parallel=2, checkpoint="never")
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"values": values, "allreduce": replicated.allreduce, "params": params}

@@ -179,3 +179,16 @@ def test_local_search_is_never_worse_than_its_starts(monkeypatch: pytest.MonkeyP
         uniform = plan(profile, 4, strategy="uniform", **options).balance
         for start in (exact_flat, uniform):
             assert got <= evaluate(profile, start, **options).step_time * (1 + 1e-9)
+
+
+def test_virtual_stages_plan_with_their_own_runner_overhead() -> None:
+    from profiler.calibrate import store_calibration
+
+    profile = _profile()
+    store_calibration(profile, overhead_s=0.25, virtual_overhead_s=1.5)  # type: ignore[arg-type]
+    options = {"chunks": 4, "checkpoint": "never", "schedule": "1f1b"}
+    virtual = plan(profile, 4, virtual_stages=2, **options)
+    assert [s.overhead for s in virtual.stages] == [1.5] * 4
+    assert [s.overhead for s in plan(profile, 4, **options).stages] == [0.25] * 4
+    store_calibration(profile, virtual_overhead_s=None)  # type: ignore[arg-type]
+    assert plan(profile, 4, virtual_stages=2, **options).stages[0].overhead == 0.25
