@@ -195,6 +195,8 @@ class DistributedPipeline:
         options = {"chunks": chunks, "schedule": schedule, "memory": memory, **replicas}
         if v > 1:
             options["virtual_stages"] = v
+        if self.batch_size % chunks:  # uneven micro-batches run padded to the largest
+            options["padded"] = True
         options.update(plan_options or {})
         sequential = self._model.sequential
 

@@ -55,6 +55,7 @@ def build_model(
     allreduce_bandwidth: float | None = None,
     overhead: float | None = None,
     virtual_stages: int = 1,
+    padded: bool = False,
 ) -> CostModel:
     """The cost model :func:`plan` optimizes, for the same arguments."""
     measured = calibration(profile)
@@ -80,7 +81,9 @@ def build_model(
         raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
     alone = len(specs) // max(virtual_stages, 1) * data_parallel == 1
     lines = ProfileLines.from_profile(profile, alone)
-    costs = lines.at(micro, time_batch=replica / effective)
+    # Micro-batches of uneven size take the mean size's time in all, unless the runner pads
+    # each to the largest.
+    costs = lines.at(micro, time_batch=micro if padded else replica / effective)
     return CostModel(
         costs,
         specs,
@@ -119,6 +122,7 @@ def plan(
     allreduce_bandwidth: float | None = None,
     overhead: float | None = None,
     virtual_stages: int = 1,
+    padded: bool = False,
 ) -> Plan:
     """Plans the pipeline with the smallest predicted step time that fits every device.
 
@@ -150,6 +154,8 @@ def plan(
             interleaved step time by a local search from the exact K·v-stage split
             (:mod:`autopipe.interleaved_balance`; exact only for v = 1), and each rank's
             stages together must fit its device (the capacity of its first stage).
+        padded: every micro-batch runs at the size of the largest, ``ceil(batch / M)``
+            rows (the distributed runner pads uneven ones), not their mean size.
 
     Raises:
         PlanningError: no split fits, or the chosen strategy's split does not fit; the
@@ -162,6 +168,7 @@ def plan(
         "data_parallel": data_parallel,
         "batch": batch,
         "virtual_stages": virtual_stages,
+        "padded": padded,
     }
     model = build_model(
         profile,

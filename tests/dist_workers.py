@@ -193,12 +193,25 @@ def _equal(rank: int, world: int) -> dict[str, Any]:
 def _uneven() -> dict[str, Any]:
     """Micro-batches of unequal size (padded for torch's stages), and BatchNorm refused."""
     from autopipe.distributed import DistributedPipeline
+    from autopipe.planner import evaluate
+    from profiler.profile import Profile
 
     x, y = make_batch()
     x, y = x[:UNEVEN], y[:UNEVEN]
     options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
     pipe = DistributedPipeline(make_model(batchnorm=False), x, schedule="1f1b", **options)
     results: dict[str, Any] = {"sequential": _train(pipe, x, y)}
+    # The plan times every micro-batch at the padded size, as they run.
+    profile = Profile.from_dict(pipe.plan.profile)
+    same = {"chunks": CHUNKS, "schedule": "1f1b", "checkpoint": "never"}
+    results["plan"] = [
+        [stage.compute for stage in plan.stages]
+        for plan in (
+            pipe.plan,
+            evaluate(profile, pipe.plan.balance, padded=True, **same),
+            evaluate(profile, pipe.plan.balance, batch=4 * CHUNKS, **same),  # 4 rows each
+        )
+    ]
     pipe = DistributedPipeline(make_residual(), x[:, :5], schedule="gpipe", **options)
     results["wrapped"] = {"loss": pipe.step(x[:, :5], y), "grads": _grads(pipe)}
     try:

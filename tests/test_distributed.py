@@ -323,6 +323,13 @@ def test_uneven_micro_batches_equal_one_process(equal_run: Any, kind: str) -> No
     assert seen == set(once)
 
 
+def test_uneven_micro_batches_are_planned_padded(equal_run: Any) -> None:
+    _, results = equal_run
+    planned, padded, full = results[0]["uneven"]["plan"]
+    # 4, 4, 3 and 3 rows run as 4 each: timed as 4 micro-batches of 4, not their mean.
+    assert planned == pytest.approx(padded) and padded == pytest.approx(full)
+
+
 def test_uneven_micro_batches_with_batchnorm_are_refused(equal_run: Any) -> None:
     _, results = equal_run
     for rank in results:

@@ -349,3 +349,16 @@ def test_single_device_configurations_use_the_scales_of_one_rank_alone():
     }
     assert found[(1, 1, 2)] == pytest.approx(plain[1])
     assert found[(2, 1, 2)] == pytest.approx(2 * plain[2])
+
+
+def test_padded_micro_batches_take_the_largest_size() -> None:
+    # Times proportional to the batch: 14 rows in 4 micro-batches of 4, 4, 3, 3.
+    profile = linear_profile([1.0, 2.0, 3.0, 1.0], batch=16, chunks=4)
+    options = {"chunks": 4, "checkpoint": "never", "batch": 14}
+    mean = evaluate(profile, [2, 2], **options)
+    padded = evaluate(profile, [2, 2], padded=True, **options)
+    full = evaluate(profile, [2, 2], **{**options, "batch": 16})
+    assert padded.micro_batch == mean.micro_batch == 4
+    assert [s.compute for s in padded.stages] == pytest.approx([s.compute for s in full.stages])
+    assert padded.step_time > mean.step_time
+    assert plan(profile, 2, padded=True, **options).step_time == pytest.approx(padded.step_time)
