@@ -1,4 +1,8 @@
-"""The ``autopipe`` command line: ``autopipe plan``, ``profile`` and ``calibrate``."""
+"""The ``autopipe`` command line: the parser, option values, model loading, ``profile``.
+
+The commands live in :mod:`autopipe.cli_plan` (``plan``) and :mod:`autopipe.cli_search`
+(``plan --search``, ``calibrate``).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autopipe.balance import STRATEGIES
+from autopipe.cli_plan import plan_command
 from autopipe.cli_search import add_calibrate_parser, add_search_options
 from autopipe.cost_model import CHECKPOINT_MODES, SCHEDULES, optimizer_factor
-from autopipe.errors import PlanningError
 from autopipe.units import parse_bytes
 from profiler.precision import AUTOCAST_DTYPES, DTYPES, check_autocast, check_dtype
 
@@ -216,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         "each split is (.png or .svg; needs matplotlib)",
     )
     add_search_options(plan_parser)
-    plan_parser.set_defaults(func=_plan_command)
+    plan_parser.set_defaults(func=plan_command)
 
     add_calibrate_parser(commands)
 
@@ -298,27 +302,6 @@ def _check_picture(path: str, what: str) -> None:
         require_matplotlib()
     except ImportError as exc:
         raise ValueError(str(exc)) from None
-
-
-def _strategy_plans(
-    profile: Profile,
-    devices: int | list[str],
-    options: dict[str, Any],
-    known: dict[str, Plan],
-) -> dict[str, Plan]:
-    """Plans of every strategy that fits, by name; ``known`` ones are not planned again."""
-    from autopipe.planner import plan
-
-    plans: dict[str, Plan] = {}
-    for name in STRATEGIES:
-        if name in known:
-            plans[name] = known[name]
-            continue
-        try:
-            plans[name] = plan(profile, devices, strategy=name, **options)
-        except PlanningError:  # a baseline that does not fit is left out of the picture
-            continue
-    return plans
 
 
 def _save(obj: Plan | Profile, path: str, what: str) -> None:
@@ -406,111 +389,6 @@ def _measure(
 def _batch_size(sample: Sample) -> int:
     first = sample[0] if isinstance(sample, tuple) else sample
     return int(first.shape[0])
-
-
-def _devices(profile: Profile, stages: int, virtual: int = 1) -> int | list[str]:
-    """Stage devices named ``cuda:0``, ``cuda:1``, ... for a CUDA profile, else a count.
-
-    With ``virtual`` stages per device there are ``stages·virtual`` stages, stage s on
-    device ``s % stages``.
-    """
-    if profile.device.startswith("cuda"):
-        return [f"cuda:{k % stages}" for k in range(stages * virtual)]
-    return stages * virtual
-
-
-def _plan_command(args: argparse.Namespace) -> int:
-    from autopipe.planner import plan
-    from autopipe.report import render_plan
-
-    _check_precision(args)
-    if args.search and args.virtual_stages > 1:
-        raise ValueError("--virtual-stages goes with --stages; the search plans one per device")
-    if args.search:
-        from autopipe.cli_search import search_command
-
-        return search_command(args)
-    if args.devices or args.allreduce_bandwidth or args.even:
-        raise ValueError(
-            "--devices, --allreduce-bandwidth and --even go with --search; use --stages"
-        )
-    memory = _memory(args.memory)
-    bandwidth = _bandwidth(args.bandwidth)
-    optimizer = _optimizer(args.optimizer)
-    stages: int = args.stages or default_stages()
-    if isinstance(memory, list) and len(memory) != stages:
-        raise ValueError(
-            f"--memory lists {len(memory)} sizes but there are {stages} stages; give one "
-            "size for all or one per stage"
-        )
-    virtual: int = args.virtual_stages
-    if isinstance(memory, list) and virtual > 1:  # one size per device: each of its stages
-        memory = [memory[k % stages] for k in range(stages * virtual)]
-    if args.json:
-        _check_writable(args.json, "plan")
-    if args.timeline:
-        _check_picture(args.timeline, "timeline")
-    if args.compare:
-        _check_picture(args.compare, "comparison")
-
-    if args.profile:
-        profile = _load_profile(args)
-        chunks = args.chunks or default_chunks(stages, args.batch or profile.batch_size)
-    elif args.model:
-        model, sample = _load(args.model, args.dtype)
-        if stages * virtual > len(model):
-            raise PlanningError(
-                f"cannot split {len(model)} layers into {stages * virtual} non-empty stages; "
-                f"use --stages {len(model) // virtual} or fewer"
-            )
-        chunks = args.chunks or default_chunks(stages, args.batch or _batch_size(sample))
-        profile = _measure(model, sample, args, chunks)
-    else:
-        raise ValueError("give a model file (autopipe plan MODEL.py) or --profile FILE")
-
-    options: dict[str, Any] = {
-        "batch": args.batch,
-        "chunks": chunks,
-        "memory": memory,
-        # Interleaved stages run on torch's schedules, which keep every activation.
-        "checkpoint": args.checkpoint or ("never" if virtual > 1 else "except_last"),
-        "schedule": args.schedule or "gpipe",
-        "optimizer": optimizer,
-        "bandwidth": bandwidth,
-        "virtual_stages": virtual,
-    }
-    devices = _devices(profile, stages, virtual)
-    result = plan(profile, devices, strategy=args.strategy, **options)
-    other = "optimal" if args.strategy == "uniform" else "uniform"
-    baseline: Plan | str
-    try:
-        baseline = plan(profile, devices, strategy=other, **options)
-    except PlanningError as exc:
-        baseline = str(exc)
-
-    # Pictures first: a failure to draw leaves no plan file and no report behind.
-    drawn = []
-    if args.timeline:
-        from autopipe.timeline import draw_timeline
-
-        draw_timeline(result, args.timeline)
-        drawn.append(f"timeline written to {args.timeline}")
-    if args.compare:
-        from autopipe.timeline import draw_stage_bars
-
-        known = {result.strategy: result}
-        if not isinstance(baseline, str):
-            known[baseline.strategy] = baseline
-        draw_stage_bars(_strategy_plans(profile, devices, options, known), args.compare)
-        drawn.append(f"comparison written to {args.compare}")
-    if args.json:
-        _save(result, args.json, "plan")
-    sys.stdout.write(render_plan(result, baseline, other))
-    if args.json:
-        print(f"plan written to {args.json}", file=sys.stderr)
-    for line in drawn:
-        print(line, file=sys.stderr)
-    return 0
 
 
 def _profile_command(args: argparse.Namespace) -> int:
