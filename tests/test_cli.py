@@ -58,6 +58,22 @@ def test_plan_example(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert "plan written to" in err and "Traceback" not in err
 
 
+def test_plan_hugging_face_example(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out_file = tmp_path / "plan.json"
+    example = str(ROOT / "examples" / "gpt2.py")
+    argv = ["plan", example, *FAST, "--stages", "4", "--chunks", "4", "--json", str(out_file)]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    result = Plan.load(out_file)
+    # Traced and cut between blocks: embeddings, 12 blocks, final norm, LM head.
+    assert len(result.balance) == 4 and sum(result.balance) >= 14
+    assert result.stages[-1].layers[-1] == "lm_head"
+    blocks = [name for stage in result.stages for name in stage.layers if "/h/" in name]
+    assert len(blocks) == 12
+    assert "Traceback" not in err
+
+
 def test_profile_command(profile_file: Path) -> None:
     profile = Profile.load(profile_file)
     assert len(profile) == 16
