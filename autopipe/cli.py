@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="V",
         help="stages per device, run by an interleaved schedule: plans K x V stages, stage s "
-        "on device s mod K (default: 1)",
+        "on device s mod K (default: 1); with --search: consider 1 to V per device",
     )
     plan_parser.add_argument(
         "--strategy",

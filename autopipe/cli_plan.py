@@ -34,8 +34,6 @@ def plan_command(args: argparse.Namespace) -> int:
     from autopipe.report import render_plan
 
     cli._check_precision(args)
-    if args.search and args.virtual_stages > 1:
-        raise ValueError("--virtual-stages goes with --stages; the search plans one per device")
     if args.search:
         from autopipe.cli_search import search_command
 

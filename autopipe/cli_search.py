@@ -133,6 +133,7 @@ def search_command(args: argparse.Namespace) -> int:
         allreduce_bandwidth=allreduce,
         top=args.top,
         even=args.even,
+        virtual_stages=tuple(range(1, args.virtual_stages + 1)),
     )
     best = plans[0]
     if args.timeline:

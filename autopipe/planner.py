@@ -21,7 +21,7 @@ from autopipe.plans import Plan, StagePlan
 from autopipe.units import format_bytes
 from profiler.profile import Profile
 
-__all__ = ["build_model", "calibration", "describe", "evaluate", "plan"]
+__all__ = ["build_model", "calibration", "describe", "evaluate", "interleaved_balance", "plan"]
 
 MemorySpec = int | str | Sequence[int | str | None] | None
 
@@ -189,7 +189,7 @@ def plan(
             f"use at most {model.num_layers} stages"
         )
     if strategy == "optimal" and virtual_stages > 1:
-        balance = _interleaved_balance(model)
+        balance = interleaved_balance(model)
     elif strategy == "optimal":
         balance = optimal_split(model)
     else:
@@ -209,7 +209,7 @@ def plan(
     return result
 
 
-def _interleaved_balance(model: CostModel) -> list[int]:
+def interleaved_balance(model: CostModel) -> list[int]:
     """The best split for virtual stages: a local search from the exact K·v-stage split
     and the uniform one (:mod:`autopipe.interleaved_balance`)."""
     starts = []

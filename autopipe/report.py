@@ -253,26 +253,37 @@ def format_rate(samples_per_second: float) -> str:
     return f"{value:.3g}{unit} samples/s"
 
 
+def schedule_label(plan: Plan) -> str:
+    """The schedule as torch names it, with the stages per device when there are several."""
+    if plan.virtual_stages <= 1:
+        return plan.schedule
+    name = "interleaved 1f1b" if plan.schedule == "1f1b" else "looped bfs"
+    return f"{name}, {plan.virtual_stages} stages per device"
+
+
 def render_search(plans: Sequence[Plan]) -> str:
     """The ranked table of a :func:`autopipe.search`, then the best plan's notes.
 
-    One row per configuration: K stages, D replicas, M micro-batches (of b samples),
-    checkpointing, schedule, predicted step time, throughput, peak memory per device and
+    One row per configuration: K devices per pipeline, D replicas, M micro-batches (of b
+    samples), checkpointing, schedule (with virtual stages: torch's interleaved schedule and
+    the stages per device), predicted step time, throughput, peak memory per device and
     why it is slower than the best.
     """
     headers = ["#", "K", "D", "M", "checkpoint", "schedule", "step", "throughput", "memory"]
     headers.append("vs the best")
     rows = []
     for rank, plan in enumerate(plans, start=1):
-        peak = max(stage.memory for stage in plan.stages)
+        ranks = plan.num_stages // plan.virtual_stages
+        # A device holds stages k, k+K, ...: its memory is theirs together.
+        peak = max(sum(s.memory for s in plan.stages[r::ranks]) for r in range(ranks))
         rows.append(
             [
                 str(rank),
-                str(plan.num_stages),
+                str(ranks),
                 str(plan.data_parallel),
                 f"{plan.chunks} x {plan.micro_batch}",
                 checkpoint_label(plan).replace(" stages checkpoint", ""),
-                plan.schedule,
+                schedule_label(plan),
                 format_time(plan.step_time),
                 format_rate(plan.throughput),
                 format_bytes(peak),

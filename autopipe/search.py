@@ -20,6 +20,10 @@ configuration going through cheaper tiers first:
    limits non-monotone, in which case it bounds;
 4. the dynamic program of :mod:`autopipe.exact`, for what is still unresolved.
 
+With ``virtual_stages``, configurations of K·v interleaved stages (v > 1) are bounded by
+a device's share of the work (``max(Σc, M·Σc/K)``) and then planned as :func:`autopipe.plan`
+plans them (the replayed schedule, :mod:`autopipe.interleaved_balance`).
+
 A configuration is expanded only while its bound is below the ``top``-th best step time
 found so far, so the returned ranking equals that of exhaustive :func:`autopipe.plan`
 calls (ties may pick another balance of the same step time).
@@ -37,8 +41,9 @@ import numpy as np
 from autopipe.cost_model import CHECKPOINT_MODES, SCHEDULES, CostModel
 from autopipe.errors import PlanningError
 from autopipe.exact import solve_split, split_value
+from autopipe.interleaved_balance import pipeline_time
 from autopipe.intervals import IntervalSolver
-from autopipe.planner import describe
+from autopipe.planner import describe, interleaved_balance
 from autopipe.plans import Plan
 from autopipe.screening import Relaxation
 from autopipe.search_notes import annotate, explain_infeasible
@@ -91,6 +96,7 @@ def search(
     top: int = 10,
     max_chunks: int | None = None,
     even: bool = False,
+    virtual_stages: Sequence[int] = (1,),
 ) -> list[Plan]:
     """Ranks the pipeline × data-parallel configurations of ``devices`` identical devices.
 
@@ -112,6 +118,11 @@ def search(
         even: only configurations whose replicas and micro-batches split the batch into
             equal parts, as :class:`autopipe.distributed.DistributedPipeline` needs for
             models with BatchNorm (it pads the micro-batches of other models).
+        virtual_stages: stages per device to consider (v); v > 1 plans K·v stages run by
+            torch's interleaved schedules (1F1B: interleaved 1F1B; gpipe: looped BFS),
+            without checkpointing, each valued by the replayed schedule
+            (:mod:`autopipe.interleaved_balance`) with the runner's calibrated
+            ``virtual_overhead_s`` when there is one.
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its
@@ -135,9 +146,14 @@ def search(
         allreduce_bandwidth=allreduce_bandwidth,
         optimizer=optimizer,
     )
+    if not virtual_stages or any(
+        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in virtual_stages
+    ):
+        raise ValueError(f"virtual_stages must be positive integers, got {virtual_stages!r}")
     configs = configurations(
-        devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even
-    )
+        devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even,
+        tuple(virtual_stages),
+    )  # fmt: skip
     ranking = _Ranking(space, top, checkpoints)
     ranking.run(configs)
     ranked = _rank(ranking.found, checkpoints, schedules)[:top]
@@ -168,7 +184,13 @@ class _Ranking:
         self.space, self.top, self.checkpoints = space, top, checkpoints
         self.found: dict[Config, _Found] = {}
         self.infeasible: list[tuple[float, Config]] = []
-        self.stats = {"configurations": 0, "relaxed": 0, "intervals": 0, "exact": 0}
+        self.stats = {
+            "configurations": 0,
+            "relaxed": 0,
+            "intervals": 0,
+            "exact": 0,
+            "interleaved": 0,
+        }
         self._relaxations: dict[Config, Relaxation] = {}
 
     def threshold(self, exclude: Config | None = None) -> float:
@@ -203,6 +225,9 @@ class _Ranking:
             limit = self.threshold(exclude=config)
             if bound >= limit * (1 - _RTOL):
                 break
+            if config.virtual > 1:
+                self._interleaved(config, bound)
+                continue
             lower = tiers[tier](config, bound, limit)
             if lower is not None:
                 heapq.heappush(queue, (max(lower, bound), tier + 1, i, config))
@@ -253,6 +278,18 @@ class _Ranking:
             del self._relaxations[config]
         return lower
 
+    def _interleaved(self, config: Config, bound: float) -> None:
+        """Virtual stages: the planner's split of the replayed interleaved schedule."""
+        self.stats["interleaved"] += 1
+        model = self.space.model(config)
+        try:
+            balance = interleaved_balance(model)
+        except PlanningError:
+            self.infeasible.append((bound, config))
+            return
+        value = pipeline_time(model, balance) + _allreduce(model, balance)
+        self.record(config, _Found(value, balance, model, True))
+
     def _program(self, config: Config, bound: float, limit: float) -> None:
         """Tier 4: the dynamic program of :mod:`autopipe.exact`."""
         self.stats["exact"] += 1
@@ -263,6 +300,12 @@ class _Ranking:
 def _spans(result: _Found) -> list[tuple[int, tuple[int, int]]]:
     bounds = np.cumsum([0, *result.balance]).tolist()
     return [(k, (bounds[k], bounds[k + 1])) for k in range(len(result.balance))]
+
+
+def _allreduce(model: CostModel, balance: list[int]) -> float:
+    """The step's gradient all-reduce: the slowest stage's, as the plan charges it."""
+    bounds = np.cumsum([0, *balance])
+    return max(float(model.allreduce_time(bounds[k], bounds[k + 1])) for k in range(len(balance)))
 
 
 def _fits(model: CostModel, balance: list[int]) -> bool:
@@ -287,6 +330,7 @@ def _rank(
             _peak_memory(result),
             checkpoints.index(config.checkpoint),
             schedules.index(config.schedule),
+            config.virtual,
             config.chunks,
         )
 

@@ -25,16 +25,26 @@ def breakdown(plan: Plan) -> dict[str, float]:
     ``work`` is a device's own compute (``M·mean c`` less re-computation), ``recompute``
     the re-computed forwards, ``bubble`` the pipeline's fill and drain
     (``(K−1)·mean c``), ``imbalance`` the wait on the slowest stage
-    (``(M−1)·(max c − mean c)``) and ``allreduce`` the gradient all-reduce.
+    (``(M−1)·(max c − mean c)``) and ``allreduce`` the gradient all-reduce. With v
+    virtual stages per device, ``mean c`` is a device's share ``Σc / K``, the fill and
+    drain shrink to ``(K−1)·Σc / (K·v)``, and ``imbalance`` is what the replayed
+    schedule takes beyond both.
     """
-    k, m = plan.num_stages, plan.chunks
-    mean = sum(stage.time for stage in plan.stages) / k
-    recompute = m * sum(stage.recompute for stage in plan.stages) / k
+    k, m, v = plan.num_stages, plan.chunks, max(plan.virtual_stages, 1)
+    ranks = k // v
+    mean = sum(stage.time for stage in plan.stages) / ranks
+    recompute = m * sum(stage.recompute for stage in plan.stages) / ranks
+    if v == 1:
+        bubble, imbalance = (k - 1) * mean, (m - 1) * (plan.bottleneck - mean)
+    else:
+        pipeline = plan.step_time - plan.allreduce - m * mean
+        bubble = min((ranks - 1) * mean / v, pipeline)
+        imbalance = pipeline - bubble
     return {
         "work": m * mean - recompute,
         "recompute": recompute,
-        "bubble": (k - 1) * mean,
-        "imbalance": (m - 1) * (plan.bottleneck - mean),
+        "bubble": bubble,
+        "imbalance": imbalance,
         "allreduce": plan.allreduce,
     }
 
@@ -85,10 +95,13 @@ def annotate(
     best = plans[0]
     for plan in plans[1:]:
         plan.notes = [why_slower(plan, best)]
+    interleaved = stats.get("interleaved", 0)
+    replayed = f", {interleaved} interleaved by replayed schedules" if interleaved else ""
     best.notes = [
         f"best of {stats['configurations']} configurations of up to {devices} devices: "
         f"{stats['relaxed']} bounded by relaxed partitions, {stats['intervals']} solved by "
-        f"interval search and {stats['exact']} by dynamic programming, the rest pruned"
+        f"interval search and {stats['exact']} by dynamic programming{replayed}, the rest "
+        "pruned"
     ]
     if space.allreduce is None and any(plan.data_parallel > 1 for plan in plans):
         best.notes.append(

@@ -27,6 +27,7 @@ class Config:
     checkpoint: str
     schedule: str
     samples: int = 0  # per replica; 0: ``chunks · micro_batch``
+    virtual: int = 1  # stages per device (v): K·v stages, run interleaved
 
     @property
     def alone(self) -> bool:
@@ -39,8 +40,10 @@ class Config:
         return self.samples / self.chunks if self.samples else float(self.micro_batch)
 
     def label(self) -> str:
+        virtual = f" v={self.virtual}" if self.virtual > 1 else ""
         return (
-            f"K={self.stages} D={self.replicas} M={self.chunks} {self.checkpoint} {self.schedule}"
+            f"K={self.stages}{virtual} D={self.replicas} M={self.chunks} {self.checkpoint} "
+            f"{self.schedule}"
         )
 
 
@@ -79,6 +82,8 @@ class Space:
         self.lines_alone = ProfileLines.from_profile(profile, alone=True)
         measured = calibration(profile)
         self.overhead = measured.get("overhead_s", 0.0)
+        # Torch runs virtual stages on another runtime, with its own cost per operation.
+        self.virtual_overhead = measured.get("virtual_overhead_s", self.overhead)
         self.bandwidth = bandwidth or measured.get("bandwidth")
         self.latency = measured.get("latency_s", 0.0)
         self.allreduce = (
@@ -101,16 +106,19 @@ class Space:
         ]
 
     def model(self, config: Config) -> CostModel:
+        v = config.virtual
+        devices = self.devices(config.stages)
         return CostModel(
             self.figures(config.micro_batch, config.mean_batch, config.alone)[0],
-            self.devices(config.stages),
+            [devices[k % config.stages] for k in range(config.stages * v)],
             config.chunks,
             config.checkpoint,
             config.schedule,
             self.optimizer,
-            overhead=self.overhead,
+            overhead=self.overhead if v == 1 else self.virtual_overhead,
             data_parallel=config.replicas,
             allreduce_bandwidth=self.allreduce,
+            virtual_stages=v,
         )
 
     def figures(
@@ -141,6 +149,8 @@ class Space:
 
     def bound(self, config: Config) -> tuple[float, bool]:
         """Tier 1: a lower bound on the configuration's value, and whether it may fit."""
+        if config.virtual > 1:
+            return self._virtual_bound(config)
         costs, boundary, single, saved = self.figures(
             config.micro_batch, config.mean_batch, config.alone
         )
@@ -167,6 +177,21 @@ class Space:
         need = self.state + keep * saved + inputs + float(costs.peak.max())
         return value, single <= self.capacity and need <= k * self.capacity
 
+    def _virtual_bound(self, config: Config) -> tuple[float, bool]:
+        """Tier 1 for K·v interleaved stages: a device works ``M·C_r`` per step, at least
+        the mean ``M·Σc / K``, and one micro-batch passes every stage in turn (``Σc``)."""
+        _, boundary, single, _ = self.figures(config.micro_batch, config.mean_batch)
+        k, m, stages = config.stages, config.chunks, config.stages * config.virtual
+        work = self.compute(config.micro_batch, config.mean_batch, False, 0.0)[0]
+        send = boundary / self.bandwidth if self.bandwidth else 0.0
+        total = work + stages * self.virtual_overhead + (stages - 1) * (send + self.latency)
+        alpha = 0.0
+        if config.replicas > 1 and self.allreduce:
+            alpha = 2.0 * (config.replicas - 1) / config.replicas / self.allreduce
+        params = max(float(self.params.sum()) / stages, float(self.params.max()))
+        value = max(total, m * total / k) + alpha * params
+        return value, self.capacity is None or single <= self.capacity
+
 
 def configurations(
     n_devices: int,
@@ -176,12 +201,15 @@ def configurations(
     schedules: Sequence[str],
     max_chunks: int | None,
     even: bool = False,
+    virtual_stages: Sequence[int] = (1,),
 ) -> list[Config]:
     """Every configuration of at most ``n_devices`` devices (see :func:`autopipe.search`).
 
     Replica counts that leave each replica as many samples as one replica fewer does are
     left out: they only add all-reduce work. With ``even``, only replica and micro-batch
-    counts that divide the batch exactly.
+    counts that divide the batch exactly. Virtual stages (v > 1) go with K >= 2, K·v
+    layers at most, ``never`` checkpointing (torch's interleaved schedules keep every
+    activation) and, for 1F1B, M a multiple of its rounds' micro-batches.
     """
     out = []
     for k in range(1, min(n_devices, layers) + 1):
@@ -202,7 +230,20 @@ def configurations(
                         if _redundant(mode, m, checkpoints):
                             continue
                         out.append(Config(k, d, m, micro, mode, schedule, replica))
+                    for v in virtual_stages:
+                        if _interleaves(k, v, m, layers, schedule, checkpoints):
+                            out.append(Config(k, d, m, micro, "never", schedule, replica, v))
     return out
+
+
+def _interleaves(
+    stages: int, virtual: int, chunks: int, layers: int, schedule: str, checkpoints: Sequence[str]
+) -> bool:
+    """Whether ``virtual`` stages per device make a configuration of their own."""
+    if virtual < 2 or stages < 2 or stages * virtual > layers or "never" not in checkpoints:
+        return False
+    per_round = chunks // max(1, chunks // stages)  # interleaved 1F1B's rounds
+    return schedule == "gpipe" or chunks % per_round == 0
 
 
 def _redundant(mode: str, chunks: int, checkpoints: Sequence[str]) -> bool:

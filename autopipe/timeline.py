@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autopipe.plans import Plan
+from autopipe.report import schedule_label
 from autopipe.simulation import (
     KINDS,
     Event,
@@ -215,7 +216,7 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
     layout = f"{rows} stages" if virtual == 1 else f"{plan.num_stages} stages on {rows} devices"
     fig.suptitle(
         f"{plan.strategy} split {list(plan.balance)}: {layout}, M = {plan.chunks} "
-        f"micro-batches of {plan.micro_batch}, {_schedule_name(plan)}, "
+        f"micro-batches of {plan.micro_batch}, {schedule_label(plan)}, "
         f"checkpoint {plan.checkpoint}\n"
         f"predicted step {format_time(plan.step_time)}{simulated}, "
         f"bubble {plan.bubble:.1%}, bottleneck stage {plan.bottleneck_stage} "
@@ -241,13 +242,6 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
                 color="white",
             )
     _save(fig, path, fmt, "timeline")
-
-
-def _schedule_name(plan: Plan) -> str:
-    """The schedule as torch names it: with virtual stages, looped BFS or interleaved 1F1B."""
-    if plan.virtual_stages <= 1:
-        return plan.schedule
-    return "interleaved 1f1b" if plan.schedule == "1f1b" else "looped bfs"
 
 
 def _stage_bar_parts(plan: Plan) -> dict[str, list[float]]:

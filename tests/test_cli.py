@@ -65,6 +65,7 @@ def test_plan_hugging_face_example(capsys: pytest.CaptureFixture[str], tmp_path:
     argv = ["plan", example, *FAST, "--stages", "4", "--chunks", "4", "--json", str(out_file)]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
+    assert "17 layers on 4 stages" in out and "..lm_head)" in out
     result = Plan.load(out_file)
     # Traced and cut between blocks: embeddings, 12 blocks, final norm, LM head.
     assert len(result.balance) == 4 and sum(result.balance) >= 14
@@ -163,7 +164,12 @@ def test_virtual_stages(
     code, _, err = run(capsys, *argv, "--timeline", str(picture))
     assert code == 0, err
     assert picture.read_bytes().startswith(b"\x89PNG")
-    assert_error(*run(capsys, *argv, "--search"), "--virtual-stages goes with --stages")
+    # With --search: 1 or 2 stages per device are both configurations of the search.
+    search = ["plan", "--profile", str(profile_file), "--search", "--devices", "2"]
+    code, out, err = run(capsys, *search, "--virtual-stages", "2", "--top", "200")
+    assert code == 0, err
+    assert "interleaved 1f1b, 2 stages per device" in out and "looped bfs" in out
+    assert "interleaved by replayed schedules" in out
 
 
 def test_subprocess() -> None:

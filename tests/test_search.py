@@ -127,6 +127,77 @@ def test_top_list_equals_exhaustive_ranking(seed):
     assert [p.step_time for p in found] == pytest.approx([v for v, *_ in distinct[:8]], rel=1e-9)
 
 
+def _interleaved_plans(profile, devices, batch, **options):
+    """Every interleaved configuration's plan() that fits: (step time, K, v, D, M, schedule)."""
+    found = []
+    for k, v in itertools.product(range(2, devices + 1), range(2, 4)):
+        if k * v > len(profile):
+            continue
+        for d in range(1, devices // k + 1):
+            replica = math.ceil(batch / d)
+            for m, schedule in itertools.product(range(1, replica + 1), ("gpipe", "1f1b")):
+                if schedule == "1f1b" and m % (m // max(1, m // k)):
+                    continue  # interleaved 1F1B takes M in whole rounds only
+                try:
+                    result = plan(
+                        profile,
+                        k * v,
+                        chunks=m,
+                        checkpoint="never",
+                        schedule=schedule,
+                        data_parallel=d,
+                        batch=batch,
+                        virtual_stages=v,
+                        **options,
+                    )
+                except PlanningError:
+                    continue
+                found.append((result.step_time, k, v, d, result.chunks, schedule))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_virtual_stages_are_searched_like_plans(seed):
+    profile = random_profile(np.random.default_rng(seed), 8)
+    # A cheap runner for virtual stages and a slow all-reduce: interleaving wins.
+    profile.meta["calibration"] = {"overhead_s": 2e-3, "virtual_overhead_s": 1e-4}
+    options = {"memory": 60_000, "allreduce_bandwidth": 10.0}
+    never = {"checkpoints": ("never",)}
+    flat = exhaustive(profile, 4, batch=8, schedules=("gpipe", "1f1b"), **never, **options)
+    interleaved = _interleaved_plans(profile, 4, 8, **options)
+    best = min([row[0] for row in flat] + [row[0] for row in interleaved])
+    found = search(profile, 4, batch=8, virtual_stages=(1, 2, 3), top=5, **never, **options)
+    assert found[0].step_time == pytest.approx(best, rel=1e-9)
+    assert found[0].virtual_stages > 1 and best < min(row[0] for row in flat)
+    assert "interleaved by replayed schedules" in found[0].notes[0]
+    for result in found:  # each plan is what plan() predicts for its configuration
+        again = plan(
+            profile,
+            result.num_stages,
+            chunks=result.chunks,
+            checkpoint="never",
+            schedule=result.schedule,
+            data_parallel=result.data_parallel,
+            batch=8,
+            virtual_stages=result.virtual_stages,
+            **options,
+        )
+        assert result.step_time == pytest.approx(again.step_time, rel=1e-9)
+        parts = breakdown(result)
+        assert sum(parts.values()) == pytest.approx(result.step_time, rel=1e-9)
+        assert min(parts.values()) >= -1e-9 * result.step_time
+    # Without a calibration of their own, virtual stages pay the single-stage overhead.
+    del profile.meta["calibration"]["virtual_overhead_s"]
+    slow = search(profile, 4, batch=8, virtual_stages=(1, 2), top=50, **never, **options)
+    assert all(s.overhead == 2e-3 for p in slow for s in p.stages)
+
+
+def test_virtual_stages_need_positive_counts():
+    profile = random_profile(np.random.default_rng(0), 4)
+    with pytest.raises(ValueError, match="virtual_stages must be positive integers"):
+        search(profile, 2, virtual_stages=(1, 0))
+
+
 def test_memory_pushes_to_pipelines_and_checkpointing():
     layers = 16
     profile = linear_profile(
