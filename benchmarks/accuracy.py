@@ -1,7 +1,8 @@
 """Predicted vs measured step time and peak memory of the plans ``autopipe.search`` ranks.
 
-For each bundled example (examples/mlp.py, examples/convnet.py) on this machine's CPU, one
-thread per process:
+For each bundled example (examples/mlp.py, examples/convnet.py; ``--examples gpt2`` adds
+the Hugging Face GPT-2 example, traced into units, on one device) on this machine's CPU,
+one thread per process:
 
 1. profile the layers at micro-batch sizes spanning the search's range, and calibrate
    (executor overhead, and the whole model's steps at several M against the profile,
@@ -23,7 +24,8 @@ benchmarks/results/accuracy.{json,md}.
 The benchmark re-runs itself with glibc malloc keeping freed memory (see
 benchmarks/stable_malloc.py), so that a step's time does not depend on the process's history.
 
-Usage: python -m benchmarks.accuracy [--repeats 15] [--top 6] [--examples mlp convnet]
+Usage: python -m benchmarks.accuracy [--repeats 15] [--top 6] [--examples mlp convnet gpt2]
+[--out DIR] [--stem NAME]
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ from profiler.measure import profile_model  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-EXAMPLES = ("mlp", "convnet")
+EXAMPLES = ("mlp", "convnet", "gpt2")
+DEFAULT_EXAMPLES = ("mlp", "convnet")
+# Examples the two-rank part runs (the GPT-2 example's traced units: one device only).
+TWO_RANK_EXAMPLES = ("mlp", "convnet")
 CHUNKS = 4  # the profile's M; the search varies it
 
 
@@ -86,12 +91,10 @@ def distinct(plans: list[Plan]) -> list[Plan]:
     return out
 
 
-def profile_and_calibrate(
-    name: str, repeats: int, device: str
-) -> tuple[Any, torch.Tensor, Profile]:
+def profile_and_calibrate(name: str, repeats: int, device: str) -> tuple[Any, Any, Profile]:
     model, sample = load_sequential(ROOT / "examples" / f"{name}.py")
-    assert isinstance(sample, torch.Tensor)
-    sizes = batch_sizes(sample.shape[0])
+    first = sample if isinstance(sample, torch.Tensor) else sample[0]
+    sizes = batch_sizes(first.shape[0])
     print(f"[{name}] profiling {len(model)} layers on {device} at batch sizes {sizes}", flush=True)
     profile = profile_model(
         model, sample, device=device, chunks=CHUNKS, batch_sizes=sizes, repeats=repeats
@@ -108,12 +111,16 @@ def profile_and_calibrate(
     return model, sample, profile
 
 
-def run_executor(
-    model: Any, x: torch.Tensor, plans: list[Plan], repeats: int, device: str
-) -> list[dict]:
+def _loss(output: Any) -> torch.Tensor:
+    """The mean of the (first) output: a step's backward starts from it."""
+    first = output if isinstance(output, torch.Tensor) else output[0]
+    return first.float().mean()
+
+
+def run_executor(model: Any, x: Any, plans: list[Plan], repeats: int, device: str) -> list[dict]:
     """Every plan on the GPipe executor on ``device``: medians of interleaved steps."""
     dev = torch.device(device)
-    x = x.to(dev)
+    x = x.to(dev) if isinstance(x, torch.Tensor) else tuple(t.to(dev) for t in x)
     runs = []
     for plan in plans:
         pipe = GPipe(
@@ -128,7 +135,7 @@ def run_executor(
     def stepper(pipe: GPipe, optimizer: torch.optim.Optimizer) -> Any:
         def step() -> float:
             optimizer.zero_grad(set_to_none=True)
-            return timed(lambda: pipe(x).float().mean().backward(), dev)
+            return timed(lambda: _loss(pipe(x)).backward(), dev)
 
         return step
 
@@ -136,7 +143,7 @@ def run_executor(
     medians = interleaved_medians(steps, repeats, warmup=3)
     rows = []
     for i, (plan, pipe, optimizer) in enumerate(runs):
-        step = lambda p=pipe: p(x).float().mean().backward()  # noqa: E731
+        step = lambda p=pipe: _loss(p(x)).backward()  # noqa: E731
         memory = stage_memory([pipe], optimizer, step, dev)
         rows.append(compare(plan, medians[str(i)], [memory]))
         pipe.close()
@@ -148,7 +155,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--top", type=int, default=6, help="ranked configurations to run")
-    parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=EXAMPLES)
+    parser.add_argument("--examples", nargs="+", default=list(DEFAULT_EXAMPLES), choices=EXAMPLES)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where to save the results")
+    parser.add_argument("--stem", default=None, help="file name of the results (no suffix)")
     parser.add_argument("--no-distributed", action="store_true")
     parser.add_argument(
         "--no-bind", action="store_true", help="let the two ranks float over all CPUs"
@@ -179,12 +188,12 @@ def main() -> None:
         "malloc": MALLOC,
         "bound_cpus": not args.no_bind,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "accuracy" if args.device == "cpu" else "accuracy_cuda"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.stem or ("accuracy" if args.device == "cpu" else "accuracy_cuda")
     data = {"meta": meta, "results": results, "runs": runs if args.runs > 1 else []}
-    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     text = write_report(meta, results)
-    (RESULTS / f"{stem}.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
 
 
@@ -203,7 +212,7 @@ def one_run(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
             "device_name": profile.device_name,
             "one_device": single,
         }
-        if distributed:
+        if distributed and name in TWO_RANK_EXAMPLES:
             from benchmarks.accuracy_dist import run_two_ranks
 
             print(f"[{name}] two devices: spawning 2 ranks", flush=True)
