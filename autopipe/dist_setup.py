@@ -295,7 +295,7 @@ def setup_on_rank0(
                     f"the profile has {len(profile.layers)} layers but the model has "
                     f"{len(sequential)}"
                 )
-            # The stages keep every activation (no re-computation), hence checkpoint=never.
+            # Unless asked for, the stages keep every activation (no re-computation).
             options = {"checkpoint": "never", **options}
             plan = make_plan(profile, num_stages, **options)
         else:

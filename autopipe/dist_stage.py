@@ -8,14 +8,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from profiler.precision import autocast_pass
 
 __all__ = [
+    "CHECKPOINTS",
     "LossRecorder",
     "StageModule",
     "TensorSpec",
+    "checkpoint_problem",
     "compare_fingerprints",
     "example_tensors",
     "fingerprint",
@@ -26,6 +29,16 @@ __all__ = [
 # (shape, dtype, requires_grad) of one tensor crossing a stage boundary; picklable, so it
 # can be broadcast from the rank that measured it.
 TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
+
+
+CHECKPOINTS = ("never", "always", "except_last", "auto")
+
+
+def checkpoint_problem(mode: str) -> str | None:
+    """Why ``mode`` is not a checkpoint mode the distributed runner takes, or ``None``."""
+    if mode in CHECKPOINTS:
+        return None
+    return f"unknown checkpoint mode {mode!r}: choose {', '.join(CHECKPOINTS)}"
 
 
 class StageModule(nn.Module):
@@ -39,19 +52,79 @@ class StageModule(nn.Module):
         layers: ``(name, layer)`` pairs in execution order.
         tuple_input: the stage's input is a tuple (the previous layer returned one); the
             pipeline delivers its tensors as separate arguments, which are packed back.
+        checkpoint: ``never``, ``always`` or ``except_last``: re-materialization of the
+            stage's micro-batches while training (GPipe's): a checkpointed micro-batch
+            keeps only its input, and its forward runs again in backward, with the same
+            random numbers and without updating batch-norm statistics a second time.
+        chunks: micro-batches per step; with ``except_last`` the last is not checkpointed
+            (its backward comes first).
     """
 
-    def __init__(self, layers: Iterable[tuple[str, nn.Module]], *, tuple_input: bool = False):
+    def __init__(
+        self,
+        layers: Iterable[tuple[str, nn.Module]],
+        *,
+        tuple_input: bool = False,
+        checkpoint: str = "never",
+        chunks: int = 1,
+    ):
         super().__init__()
         for name, layer in layers:
             self.add_module(name, layer)
+        if checkpoint not in ("never", "always", "except_last"):
+            raise ValueError(f"unknown checkpoint mode {checkpoint!r} for a stage")
         self.tuple_input = tuple_input
+        self.checkpoint = checkpoint
+        self.chunks = chunks
+        # Forwards run in micro-batch order on every stage: the count gives the index.
+        self.forwards = 0
+        self.checkpointed = 0
 
-    def forward(self, *args: Any) -> Any:
+    def _run(self, *args: Any) -> Any:
         value: Any = args if self.tuple_input else args[0]
         for layer in self.children():
             value = layer(value)
         return value
+
+    def forward(self, *args: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()) or self.checkpoint == "never":
+            return self._run(*args)
+        micro_batch = self.forwards % self.chunks
+        self.forwards += 1
+        if self.checkpoint == "except_last" and micro_batch == self.chunks - 1:
+            return self._run(*args)
+        self.checkpointed += 1
+        return torch.utils.checkpoint.checkpoint(
+            _Replay(self), *args, use_reentrant=False, preserve_rng_state=True
+        )
+
+
+class _Replay:
+    """A stage's forward for ``torch.utils.checkpoint``: the first call computes; a second
+    (the re-computation in backward) runs on copies of the stage's buffers, so batch-norm
+    running statistics are updated once, and the buffers themselves are not modified in
+    place (a micro-batch that was not re-computed may have saved them for its backward)."""
+
+    def __init__(self, stage: StageModule) -> None:
+        self.stage, self.calls = stage, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            return self.stage._run(*args)
+        originals = [
+            (module, name, buffer)
+            for module in self.stage.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        for module, name, buffer in originals:
+            module._buffers[name] = buffer.detach().clone()
+        try:
+            return self.stage._run(*args)
+        finally:
+            for module, name, buffer in originals:
+                module._buffers[name] = buffer
 
 
 def _as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:

@@ -112,6 +112,7 @@ def _stage_module(
     sample: Any,
     specs: Sequence[Any],
     micro: int,
+    chunks: int,
 ) -> tuple[StageModule, Sequence[TensorSpec]]:
     """Stage ``index``'s module and the specs of its input tensors (one micro-batch)."""
     stage = plan.stages[index]
@@ -122,7 +123,13 @@ def _stage_module(
         tuple_input = not isinstance(sample, Tensor)
     else:
         inputs, tuple_input = specs[stage.start - 1]
-    return StageModule(((n, layers[n]) for n in names), tuple_input=tuple_input), inputs
+    module = StageModule(
+        ((n, layers[n]) for n in names),
+        tuple_input=tuple_input,
+        checkpoint=stage.checkpoint or plan.checkpoint,
+        chunks=chunks,
+    )
+    return module, inputs
 
 
 def build_stages(
@@ -132,6 +139,7 @@ def build_stages(
     sample: Any,
     specs: Sequence[Any],
     micro: int,
+    chunks: int,
 ) -> tuple[nn.Module, list[tuple[int, StageModule, Sequence[TensorSpec], Sequence[TensorSpec]]]]:
     """This rank's module and, per stage, its index, module and input and output specs.
 
@@ -143,6 +151,8 @@ def build_stages(
         specs: per layer, the specs of its output on one micro-batch and whether it is a
             tuple (:func:`autopipe.dist_stage.layer_output_specs`).
         micro: samples per micro-batch.
+        chunks: micro-batches per step (a stage re-computes them as the plan's
+            ``checkpoint`` says).
 
     Returns:
         The rank's module, a :class:`StageModule` for one stage and a :class:`RankStages`
@@ -150,7 +160,7 @@ def build_stages(
     """
     stages = []
     for index in indices:
-        module, inputs = _stage_module(layers, plan, index, sample, specs, micro)
+        module, inputs = _stage_module(layers, plan, index, sample, specs, micro, chunks)
         outputs = specs[plan.stages[index].stop - 1][0]
         stages.append((index, module, inputs, outputs))
     if len(stages) == 1:

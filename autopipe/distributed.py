@@ -24,7 +24,7 @@ from autopipe.dist_setup import (
     setup_on_rank0,
     share_setup,
 )
-from autopipe.dist_stage import fingerprint, merge_state_dicts
+from autopipe.dist_stage import checkpoint_problem, fingerprint, merge_state_dicts
 from autopipe.dist_virtual import (
     SCHEDULES,
     RankStages,
@@ -122,6 +122,11 @@ class DistributedPipeline:
             boundaries get the dtypes autocast produces, and :meth:`step` runs under it.
             The stages exchange tensors of the dtypes measured here, so a step under the
             caller's own autocast needs this set to the same dtype.
+        checkpoint: re-materialization, as the plan models it: ``never`` (default; every
+            stage keeps its micro-batches' activations), ``always`` (a stage keeps only
+            each micro-batch's input and runs its forward again in backward),
+            ``except_last`` (all but the last micro-batch) or ``auto`` (each stage only
+            if it does not fit otherwise). A given plan's own modes are used instead.
 
     Raises:
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
@@ -145,6 +150,7 @@ class DistributedPipeline:
         data_parallel: int | None = None,
         virtual_stages: int = 1,
         autocast: str | None = None,
+        checkpoint: str = "never",
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -175,6 +181,7 @@ class DistributedPipeline:
             problem = check_arguments(layers, sample, chunks, schedule, loss_fn, plan)
             problem = problem or data_parallel_problem(self.data_parallel)
             problem = problem or virtual_problem(virtual_stages)
+            problem = problem or checkpoint_problem(checkpoint)
             check_autocast(autocast)
         except ValueError as exc:
             layers, problem = OrderedDict(), str(exc)
@@ -182,6 +189,7 @@ class DistributedPipeline:
         settings["data_parallel"] = self.data_parallel
         settings["virtual_stages"] = virtual_stages
         settings["autocast"] = autocast
+        settings["checkpoint"] = checkpoint
         agree(self.rank, world, problem, fingerprint(layers, **settings) if not problem else {})
         d, v = self.data_parallel, virtual_stages
         k = check_layout(world, d, data_parallel, plan)
@@ -193,6 +201,7 @@ class DistributedPipeline:
         self.stage_index, self.num_stages, self.replica_index = layout.stage, k, layout.replica
         replicas = {"data_parallel": d, "batch": d * self.batch_size} if d > 1 else {}
         options = {"chunks": chunks, "schedule": schedule, "memory": memory, **replicas}
+        options["checkpoint"] = checkpoint
         if v > 1:
             options["virtual_stages"] = v
         if self.batch_size % chunks:  # uneven micro-batches run padded to the largest
@@ -219,7 +228,7 @@ class DistributedPipeline:
         k, micro = self.num_stages, self._padding.rows
         self.stage_indices = stage_indices(self.stage_index, k, self.virtual_stages)
         self.module, stages = build_stages(
-            layers, self.plan, self.stage_indices, sample, specs, micro
+            layers, self.plan, self.stage_indices, sample, specs, micro, self.chunks
         )
         self._original = original_names(self.module, model)  # before moving replaces buffers
         self.module.to(self.device)
@@ -343,8 +352,10 @@ class DistributedPipeline:
         names = module.layer_names() if isinstance(module, RankStages) else list(module._modules)
         v = self.virtual_stages
         virtual = f", virtual_stages={v} {self.stage_indices}" if v > 1 else ""
+        modes = {self.plan.stage_checkpoints[i] for i in self.stage_indices} - {"never"}
+        checkpoint = f", checkpoint={'/'.join(sorted(modes))}" if modes else ""
         return (
             f"DistributedPipeline(stage {self.stage_index}/{self.num_stages}{virtual}, replica "
             f"{self.replica_index}/{self.data_parallel}, layers [{', '.join(names)}], "
-            f"{self.schedule_name}, chunks={self.chunks}, device={self.device})"
+            f"{self.schedule_name}, chunks={self.chunks}{checkpoint}, device={self.device})"
         )

@@ -104,6 +104,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global, across replicas")
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument(
+        "--checkpoint",
+        choices=["never", "always", "except_last", "auto"],
+        default="never",
+        help="re-compute activations in backward instead of keeping them (default: never)",
+    )
     parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
@@ -141,6 +147,7 @@ def main() -> None:
         data_parallel=args.data_parallel,
         virtual_stages=args.virtual_stages,
         profile=profile,
+        checkpoint=args.checkpoint,
     )
     rank = dist.get_rank()
     if rank == 0:

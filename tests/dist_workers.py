@@ -187,6 +187,30 @@ def _equal(rank: int, world: int) -> dict[str, Any]:
         results[f"wrapped {schedule}"] = _wrapped(schedule)
     results["calibration"] = _calibration()
     results["uneven"] = _uneven()
+    results["checkpointed"] = _checkpointed()
+    return results
+
+
+def _checkpointed() -> dict[str, Any]:
+    """Re-materialization in the stages (with BatchNorm): each mode and schedule."""
+    from autopipe.dist_stage import StageModule
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    for mode, schedule in (("always", "1f1b"), ("except_last", "gpipe"), ("auto", "1f1b")):
+        pipe = DistributedPipeline(make_model(), x, schedule=schedule, checkpoint=mode, **options)
+        result = _train(pipe, x, y)
+        result["state"] = pipe.gather_state_dict()
+        stages = [m for m in pipe.module.modules() if isinstance(m, StageModule)]
+        result["checkpointed"] = [(m.checkpoint, m.checkpointed) for m in stages]
+        result["plan"] = pipe.plan.checkpoint
+        results[f"{mode} {schedule}"] = result
+    try:
+        DistributedPipeline(make_model(), x, checkpoint="sometimes", **options)
+    except ValueError as exc:
+        results["error"] = str(exc)
     return results
 
 

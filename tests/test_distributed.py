@@ -88,6 +88,46 @@ def test_output_specs_under_autocast_have_its_dtypes() -> None:
     assert not torch.is_autocast_enabled("cpu")
 
 
+ORDERS = {  # a stage's forwards and backwards of 4 micro-batches, as schedules run them
+    "gpipe": [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1), ("B", 2), ("B", 3)],
+    "1f1b": [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
+}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_checkpointed_stage_module_equals_the_plain_one(mode: str, order: str) -> None:
+    from autopipe.dist_stage import StageModule
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3)]
+    xs = torch.randn(16, 8).chunk(4)
+    results = []
+    for checkpoint in ("never", mode):
+        stage = StageModule(
+            [(str(i), copy.deepcopy(layer)) for i, layer in enumerate(layers)],
+            checkpoint=checkpoint,
+            chunks=4,
+        )
+        torch.manual_seed(1)  # the same dropout masks; a re-computation replays its own
+        outputs = {}
+        for op, i in ORDERS[order]:
+            if op == "F":
+                outputs[i] = stage(xs[i])
+            else:
+                outputs[i].pow(2).sum().backward()
+        results.append((stage, torch.cat([outputs[i] for i in range(4)])))
+    (plain, out), (checkpointed, again) = results
+    torch.testing.assert_close(again, out)
+    for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values()):
+        torch.testing.assert_close(b, a, msg=name)  # batch-norm statistics updated once
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+    assert checkpointed.checkpointed == (4 if mode == "always" else 3)
+    with pytest.raises(ValueError, match="unknown checkpoint mode 'sometimes'"):
+        StageModule([], checkpoint="sometimes")
+
+
 def test_merge_state_dicts_rejects_overlap() -> None:
     merged = merge_state_dicts([{"0.weight": 1}, {"2.weight": 2}])
     assert list(merged) == ["0.weight", "2.weight"]
@@ -263,6 +303,36 @@ def test_loss_and_gradients_equal_one_process(equal_run: Any, schedule: str) -> 
             )
             seen[name] = grad
     assert sorted(seen) == sorted(once)  # every parameter lives on exactly one rank
+
+
+@pytest.mark.parametrize("key", ["always 1f1b", "except_last gpipe", "auto 1f1b"])
+def test_checkpointed_stages_equal_one_process(equal_run: Any, key: str) -> None:
+    world, results = equal_run
+    loss, once, twice, state = _reference()
+    runs = [rank["checkpointed"][key] for rank in results]
+    torch.testing.assert_close(runs[-1]["loss"], loss, rtol=1e-5, atol=1e-6)
+    for run in runs:
+        for name, grad in run["grads"].items():
+            torch.testing.assert_close(grad, once[name], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(run["twice"][name], twice[name], rtol=1e-5, atol=1e-6)
+    # Batch-norm statistics were updated once per micro-batch, not again when recomputed.
+    gathered = runs[0]["state"]
+    for name, value in state.items():
+        torch.testing.assert_close(gathered[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    mode = key.split()[0]
+    counts = [count for run in runs for _, count in run["checkpointed"]]
+    if mode == "always":  # every micro-batch of both steps, on every stage
+        assert counts == [2 * CHUNKS] * world
+    elif mode == "except_last":
+        assert counts == [2 * (CHUNKS - 1)] * world
+    else:  # no memory limit: auto needs no re-computation
+        assert runs[0]["plan"] == "auto" and counts == [0] * world
+
+
+def test_unknown_checkpoint_mode_is_refused(equal_run: Any) -> None:
+    _, results = equal_run
+    for rank in results:
+        assert "unknown checkpoint mode 'sometimes'" in rank["checkpointed"]["error"]
 
 
 def test_ranks_calibrate_links_and_runner_alike(equal_run: Any) -> None:
