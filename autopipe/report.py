@@ -176,6 +176,12 @@ def render_stages(plan: Plan) -> str:
     return _table(headers, rows, right)
 
 
+def device_memory(plan: Plan) -> list[float]:
+    """Each device's predicted peak bytes: with virtual stages, its stages' together."""
+    ranks = plan.num_stages // max(plan.virtual_stages, 1)
+    return [sum(s.memory for s in plan.stages[r::ranks]) for r in range(ranks)]
+
+
 def render_summary(plan: Plan) -> str:
     """The balance, bottleneck, predicted step time, bubble and pipeline efficiency."""
     stage = plan.stages[plan.bottleneck_stage]
@@ -197,6 +203,9 @@ def render_summary(plan: Plan) -> str:
         lines.insert(3, ("all-reduce", f"{format_time(plan.allreduce)} per step, in the step time"))
     if plan.throughput > 0 and plan.data_parallel > 1:
         lines.append(("throughput", format_rate(plan.throughput)))
+    if plan.virtual_stages > 1:
+        memory = ", ".join(format_bytes(m) for m in device_memory(plan))
+        lines.append(("memory", f"{memory} per device (its stages together)"))
     width = max(len(key) for key, _ in lines)
     return "\n".join(f"{key.ljust(width)}  {value}" for key, value in lines)
 
@@ -273,13 +282,11 @@ def render_search(plans: Sequence[Plan]) -> str:
     headers.append("vs the best")
     rows = []
     for rank, plan in enumerate(plans, start=1):
-        ranks = plan.num_stages // plan.virtual_stages
-        # A device holds stages k, k+K, ...: its memory is theirs together.
-        peak = max(sum(s.memory for s in plan.stages[r::ranks]) for r in range(ranks))
+        peak = max(device_memory(plan))
         rows.append(
             [
                 str(rank),
-                str(ranks),
+                str(plan.num_stages // plan.virtual_stages),
                 str(plan.data_parallel),
                 f"{plan.chunks} x {plan.micro_batch}",
                 checkpoint_label(plan).replace(" stages checkpoint", ""),

@@ -156,6 +156,7 @@ def test_virtual_stages(
     code, out, err = run(capsys, *argv, "--json", str(out_file))
     assert code == 0, err
     assert "16 layers on 4 stages [cpu] on 2 devices, 2 per device (interleaved)" in out
+    assert "per device (its stages together)" in out
     result = Plan.load(out_file)
     assert result.virtual_stages == 2 and result.num_devices == 2
     assert result.checkpoint == "never"  # torch's interleaved schedules keep activations
