@@ -73,6 +73,15 @@ def load_torchgpipe() -> Any:
     return TorchGPipe
 
 
+def torchgpipe_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchgpipe")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def measure(width: int, chunks: int, repeats: int) -> dict[str, Any]:
     torch.manual_seed(0)
     base = make_model(width)
@@ -119,6 +128,10 @@ def measure(width: int, chunks: int, repeats: int) -> dict[str, Any]:
         "fill_drain_ratio": med["fill_drain"] / med["floor"],
         "impl_overhead_us_per_microbatch": (med["gpipe"] - med["fill_drain"]) / micro * 1e6,
         "torchgpipe_ms": med["torchgpipe"] * 1e3 if "torchgpipe" in med else None,
+        "torchgpipe_ratio": med["torchgpipe"] / med["floor"] if "torchgpipe" in med else None,
+        "torchgpipe_us_per_microbatch": (med["torchgpipe"] - med["floor"]) / micro * 1e6
+        if "torchgpipe" in med
+        else None,
     }
 
 
@@ -148,7 +161,12 @@ def main() -> None:
     name = "gpipe_overhead_system_malloc" if args.system_malloc else "gpipe_overhead"
     torch.set_num_threads(args.threads)  # applies to GPipe's workers too
     has_torchgpipe = load_torchgpipe() is not None
-    columns = COLUMNS + ([("torchgpipe ms", "torchgpipe_ms", "{:.2f}")] if has_torchgpipe else [])
+    theirs = [
+        ("torchgpipe ms", "torchgpipe_ms", "{:.2f}"),
+        ("torchgpipe/floor", "torchgpipe_ratio", "{:.3f}"),
+        ("torchgpipe µs/mb vs floor", "torchgpipe_us_per_microbatch", "{:.0f}"),
+    ]
+    columns = COLUMNS + (theirs if has_torchgpipe else [])
     print("  ".join(title for title, _, _ in columns))
     rows = []
     for width in args.widths:
@@ -165,7 +183,7 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "torchgpipe": has_torchgpipe,
+        "torchgpipe": torchgpipe_version() if has_torchgpipe else None,
         "malloc": "glibc defaults" if args.system_malloc else MALLOC,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -184,7 +202,13 @@ def main() -> None:
         "",
         "floor: the plain model on each micro-batch by hand (forward, backward). fill-drain: the "
         "plain model by hand in GPipe's order (all forwards, one backward). µs/mb: extra time "
-        "per micro-batch.",
+        "per micro-batch."
+        + (
+            f" torchgpipe {meta['torchgpipe']}: its GPipe on the same model, balance, devices, "
+            "chunks and checkpoint, timed in the same rounds."
+            if has_torchgpipe
+            else ""
+        ),
         "",
         "| " + " | ".join(title for title, _, _ in columns) + " |",
         "|" + "---:|" * len(columns),
