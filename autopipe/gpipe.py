@@ -180,6 +180,13 @@ class GPipe(nn.Module):
                 "which holds more activations than the plan predicts",
                 stacklevel=2,
             )
+        if plan.virtual_stages > 1:
+            warnings.warn(
+                f"the plan interleaves {plan.virtual_stages} stages per device; GPipe runs its "
+                f"{plan.num_stages} stages as partitions in fill-drain order, not interleaved "
+                "(DistributedPipeline runs interleaved schedules)",
+                stacklevel=2,
+            )
         return cls(
             module,
             plan.balance,

@@ -499,6 +499,12 @@ def test_from_plan() -> None:
     assert pipe.devices == [torch.device("cpu")] * 2
     with pytest.warns(UserWarning, match="1f1b"):
         GPipe.from_plan(_model(), _plan("1f1b"))
+    interleaved = _plan()
+    interleaved.balance, interleaved.virtual_stages = [2, 2, 1, 1], 2
+    interleaved.devices = interleaved.devices * 2
+    with pytest.warns(UserWarning, match="interleaves 2 stages per device"):
+        pipe = GPipe.from_plan(_model(), interleaved)
+    assert pipe.balance == [2, 2, 1, 1]
 
 
 @needs_cuda
