@@ -56,8 +56,10 @@ class StageModule(nn.Module):
             stage's micro-batches while training (GPipe's): a checkpointed micro-batch
             keeps only its input, and its forward runs again in backward, with the same
             random numbers and without updating batch-norm statistics a second time.
-        chunks: micro-batches per step; with ``except_last`` the last is not checkpointed
-            (its backward comes first).
+        chunks: micro-batches per step.
+        spared: with ``except_last``, the micro-batch not checkpointed: the one whose
+            backward the schedule runs first (torch's schedules go backward in order, so
+            the first; looped BFS in reverse: the last).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class StageModule(nn.Module):
         tuple_input: bool = False,
         checkpoint: str = "never",
         chunks: int = 1,
+        spared: int | None = None,
     ):
         super().__init__()
         for name, layer in layers:
@@ -76,6 +79,7 @@ class StageModule(nn.Module):
         self.tuple_input = tuple_input
         self.checkpoint = checkpoint
         self.chunks = chunks
+        self.spared = chunks - 1 if spared is None else spared
         # Forwards run in micro-batch order on every stage: the count gives the index.
         self.forwards = 0
         self.checkpointed = 0
@@ -91,7 +95,7 @@ class StageModule(nn.Module):
             return self._run(*args)
         micro_batch = self.forwards % self.chunks
         self.forwards += 1
-        if self.checkpoint == "except_last" and micro_batch == self.chunks - 1:
+        if self.checkpoint == "except_last" and micro_batch == self.spared:
             return self._run(*args)
         self.checkpointed += 1
         return torch.utils.checkpoint.checkpoint(

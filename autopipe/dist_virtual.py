@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from autopipe.dist_stage import StageModule, TensorSpec, example_tensors
+from autopipe.interleaving import spared
 from autopipe.plans import Plan
 
 __all__ = [
@@ -113,6 +114,7 @@ def _stage_module(
     specs: Sequence[Any],
     micro: int,
     chunks: int,
+    spared: int,
 ) -> tuple[StageModule, Sequence[TensorSpec]]:
     """Stage ``index``'s module and the specs of its input tensors (one micro-batch)."""
     stage = plan.stages[index]
@@ -128,8 +130,17 @@ def _stage_module(
         tuple_input=tuple_input,
         checkpoint=stage.checkpoint or plan.checkpoint,
         chunks=chunks,
+        spared=spared,
     )
     return module, inputs
+
+
+def first_backward(ranks: int, virtual: int, chunks: int, schedule: str, stage: int) -> int:
+    """The micro-batch whose backward torch's schedule runs first on ``stage``: the first
+    under ScheduleGPipe, Schedule1F1B and interleaved 1F1B, the last under looped BFS."""
+    if virtual == 1:
+        return 0
+    return spared(ranks, virtual, chunks, schedule)[stage]
 
 
 def build_stages(
@@ -140,6 +151,7 @@ def build_stages(
     specs: Sequence[Any],
     micro: int,
     chunks: int,
+    schedule: str,
 ) -> tuple[nn.Module, list[tuple[int, StageModule, Sequence[TensorSpec], Sequence[TensorSpec]]]]:
     """This rank's module and, per stage, its index, module and input and output specs.
 
@@ -153,14 +165,18 @@ def build_stages(
         micro: samples per micro-batch.
         chunks: micro-batches per step (a stage re-computes them as the plan's
             ``checkpoint`` says).
+        schedule: ``gpipe`` or ``1f1b``: with ``except_last`` a stage spares the
+            micro-batch whose backward the schedule runs first.
 
     Returns:
         The rank's module, a :class:`StageModule` for one stage and a :class:`RankStages`
         of them for several, and the stages.
     """
     stages = []
+    ranks = plan.num_stages // len(indices)
     for index in indices:
-        module, inputs = _stage_module(layers, plan, index, sample, specs, micro, chunks)
+        first = first_backward(ranks, len(indices), chunks, schedule, index)
+        module, inputs = _stage_module(layers, plan, index, sample, specs, micro, chunks, first)
         outputs = specs[plan.stages[index].stop - 1][0]
         stages.append((index, module, inputs, outputs))
     if len(stages) == 1:

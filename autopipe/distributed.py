@@ -228,7 +228,14 @@ class DistributedPipeline:
         k, micro = self.num_stages, self._padding.rows
         self.stage_indices = stage_indices(self.stage_index, k, self.virtual_stages)
         self.module, stages = build_stages(
-            layers, self.plan, self.stage_indices, sample, specs, micro, self.chunks
+            layers,
+            self.plan,
+            self.stage_indices,
+            sample,
+            specs,
+            micro,
+            self.chunks,
+            self.schedule_name,
         )
         self._original = original_names(self.module, model)  # before moving replaces buffers
         self.module.to(self.device)

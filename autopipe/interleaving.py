@@ -26,6 +26,7 @@ passed its forward and not yet its backward (:func:`in_flight`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,6 +39,7 @@ __all__ = [
     "rank_order",
     "rank_stages",
     "rank_times",
+    "spared",
     "step_time",
     "step_times",
 ]
@@ -172,6 +174,26 @@ def rank_order(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) 
     stages = rank_stages(rank, ranks, virtual)
     forwards = [("F", s, i) for s in stages for i in range(chunks)]
     return forwards + [("B", s, i) for s in reversed(stages) for i in reversed(range(chunks))]
+
+
+@functools.lru_cache(maxsize=256)
+def spared(ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[int, ...]:
+    """Per stage, the micro-batch whose backward it runs first.
+
+    ``except_last`` checkpointing spares it: its activations are needed right after its
+    forward's turn ends, so re-computing them saves nothing. The single-process GPipe order
+    (and looped BFS) runs backwards in reverse, so that is the last micro-batch; torch's
+    1F1B, interleaved 1F1B and the distributed GPipe run them in order: the first.
+
+    Raises:
+        ValueError: as :func:`rank_order`.
+    """
+    first: dict[int, int] = {}
+    for rank in range(ranks):
+        for op, stage, micro_batch in rank_order(rank, ranks, virtual, chunks, schedule):
+            if op == "B":
+                first.setdefault(stage, micro_batch)
+    return tuple(first[stage] for stage in range(ranks * virtual))
 
 
 def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -> list[int]:

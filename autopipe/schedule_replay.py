@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from autopipe.interleaving import rank_order
+from autopipe.interleaving import rank_order, spared
 
 __all__ = [
     "ALL",
-    "ALL_BUT_LAST",
+    "ALL_BUT_ONE",
     "NONE",
     "RECOMPUTE_CODES",
     "Operation",
@@ -35,10 +35,11 @@ __all__ = [
     "replay_order",
 ]
 
-# Which micro-batches a stage re-computes, by checkpoint mode: none, all, all but the last
-# (whose backward comes first, while its activations are still there).
-NONE, ALL, ALL_BUT_LAST = 0, 1, 2
-RECOMPUTE_CODES = {"never": NONE, "always": ALL, "except_last": ALL_BUT_LAST}
+# Which micro-batches a stage re-computes, by checkpoint mode: none, all, or all but the one
+# whose backward the stage runs first (:func:`autopipe.interleaving.spared`: the last in
+# GPipe's reversed order, the first in 1F1B's).
+NONE, ALL, ALL_BUT_ONE = 0, 1, 2
+RECOMPUTE_CODES = {"never": NONE, "always": ALL, "except_last": ALL_BUT_ONE}
 # Floats per (splits × stages × micro-batches) array of one block of splits (32 MiB).
 _BLOCK_FLOATS = 1 << 22
 
@@ -60,9 +61,10 @@ class Operation:
     micro_batch: int
 
 
-def recomputes(code: int, micro_batch: int, chunks: int) -> bool:
-    """Whether a stage with re-computation ``code`` re-computes ``micro_batch``."""
-    return code == ALL or (code == ALL_BUT_LAST and micro_batch < chunks - 1)
+def recomputes(code: int, micro_batch: int, spared: int) -> bool:
+    """Whether a stage with re-computation ``code`` re-computes ``micro_batch``, ``spared``
+    being the micro-batch whose backward it runs first."""
+    return code == ALL or (code == ALL_BUT_ONE and micro_batch != spared)
 
 
 @functools.lru_cache(maxsize=64)
@@ -134,6 +136,7 @@ def makespans(
     if ranks < 1 or not stages or stages % ranks:
         raise ValueError(f"{stages} stages do not divide among {ranks} ranks")
     order = replay_order(ranks, stages // ranks, chunks, schedule)
+    first = spared(ranks, stages // ranks, chunks, schedule)
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in (backward, transfer)]
     codes = np.atleast_2d(np.asarray(recompute))
     out = np.empty(len(forward))
@@ -141,7 +144,7 @@ def makespans(
     for lo in range(0, len(forward), block):
         hi = lo + block
         out[lo:hi] = _replay(
-            order, forward[lo:hi], arrays[0][lo:hi], arrays[1][lo:hi], codes[lo:hi], ranks, chunks
+            order, forward[lo:hi], arrays[0][lo:hi], arrays[1][lo:hi], codes[lo:hi], ranks, first
         )
     return out
 
@@ -153,9 +156,10 @@ def _replay(
     transfer: NDArray[np.float64],
     codes: NDArray[np.int64],
     ranks: int,
-    chunks: int,
+    first: tuple[int, ...],
 ) -> NDArray[np.float64]:
     rows, stages = forward.shape
+    chunks = 1 + max(op.micro_batch for op in order)
     last = stages - 1
     sent = np.zeros((stages, chunks, rows))  # forward output of (stage, micro-batch) there
     grads = np.zeros((stages, chunks, rows))  # input gradient of (stage, micro-batch) there
@@ -163,7 +167,7 @@ def _replay(
     # Per stage and micro-batch: the re-computation before its backward, if any.
     again = {
         (s, i): np.where(
-            (codes[:, s] == ALL) | ((codes[:, s] == ALL_BUT_LAST) & (i < chunks - 1)),
+            (codes[:, s] == ALL) | ((codes[:, s] == ALL_BUT_ONE) & (i != first[s])),
             forward[:, s],
             0.0,
         )

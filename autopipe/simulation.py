@@ -10,7 +10,8 @@ spends:
 - ``f_k`` on a forward, then ``t_k`` sending its output to stage ``k+1`` (the stage is busy
   while it sends, as the cost model charges the send to the stage's time);
 - ``f_k`` on a recompute right before the backward of every checkpointed micro-batch
-  (``always``: all, ``except_last``: all but the last, ``never``: none);
+  (``always``: all, ``except_last``: all but the one whose backward comes first — the last
+  under GPipe's reversed backwards, the first under 1F1B's — ``never``: none);
 - ``b_k`` on a backward, whose input gradient arrives at stage ``k-1`` when it ends (the
   cost model charges one send per micro-batch, so the gradient's trip back is free here).
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autopipe.interleaving import spared
 from autopipe.plans import Plan
 from autopipe.schedule_replay import replay_order
 
@@ -107,14 +109,19 @@ class StageTimes:
 def checkpointed(plan: Plan, micro_batch: int, stage: int = 0) -> bool:
     """Whether ``micro_batch`` recomputes its forward in backward on ``stage``.
 
-    A plan with ``checkpoint="auto"`` chooses the mode per stage.
+    ``except_last`` spares the micro-batch whose backward the stage runs first
+    (:func:`autopipe.interleaving.spared`): the last under GPipe's reversed backwards,
+    the first under 1F1B's. A plan with ``checkpoint="auto"`` chooses the mode per stage.
     """
     modes = plan.stage_checkpoints if plan.stages else [plan.checkpoint]
     mode = modes[min(stage, len(modes) - 1)]
     if mode == "always":
         return True
     if mode == "except_last":
-        return micro_batch < plan.chunks - 1
+        virtual = max(plan.virtual_stages, 1)
+        ranks = max(plan.num_stages // virtual, 1)
+        first = spared(ranks, virtual, plan.chunks, plan.schedule)
+        return micro_batch != first[min(stage, len(first) - 1)]
     return False
 
 

@@ -199,14 +199,19 @@ def _checkpointed() -> dict[str, Any]:
     x, y = make_batch()
     results: dict[str, Any] = {}
     options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
-    for mode, schedule in (("always", "1f1b"), ("except_last", "gpipe"), ("auto", "1f1b")):
-        pipe = DistributedPipeline(make_model(), x, schedule=schedule, checkpoint=mode, **options)
+    runs = [("always", "1f1b", 1), ("except_last", "gpipe", 1), ("auto", "1f1b", 1)]
+    runs.append(("except_last", "gpipe", 2))  # looped BFS: backwards in reverse
+    for mode, schedule, v in runs:
+        pipe = DistributedPipeline(
+            make_model(), x, schedule=schedule, checkpoint=mode, virtual_stages=v, **options
+        )
         result = _train(pipe, x, y)
         result["state"] = pipe.gather_state_dict()
         stages = [m for m in pipe.module.modules() if isinstance(m, StageModule)]
         result["checkpointed"] = [(m.checkpoint, m.checkpointed) for m in stages]
+        result["spared"] = [m.spared for m in stages]
         result["plan"] = pipe.plan.checkpoint
-        results[f"{mode} {schedule}"] = result
+        results[f"{mode} {schedule}" + (f" x{v}" if v > 1 else "")] = result
     try:
         DistributedPipeline(make_model(), x, checkpoint="sometimes", **options)
     except ValueError as exc:

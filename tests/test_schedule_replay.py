@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from autopipe import schedule_replay
-from autopipe.interleaving import rank_order
+from autopipe.interleaving import rank_order, spared
 from autopipe.planner import evaluate
 from autopipe.plans import Plan
 from autopipe.schedule_replay import (
     ALL,
-    ALL_BUT_LAST,
+    ALL_BUT_ONE,
     NONE,
     RECOMPUTE_CODES,
     makespans,
@@ -54,10 +54,28 @@ def test_order_keeps_each_rank_order_and_puts_inputs_first(
 
 
 def test_recompute_codes() -> None:
-    assert RECOMPUTE_CODES == {"never": NONE, "always": ALL, "except_last": ALL_BUT_LAST}
-    assert [recomputes(ALL_BUT_LAST, i, 3) for i in range(3)] == [True, True, False]
-    assert all(recomputes(ALL, i, 3) for i in range(3))
-    assert not any(recomputes(NONE, i, 3) for i in range(3))
+    assert RECOMPUTE_CODES == {"never": NONE, "always": ALL, "except_last": ALL_BUT_ONE}
+    assert [recomputes(ALL_BUT_ONE, i, 2) for i in range(3)] == [True, True, False]
+    assert [recomputes(ALL_BUT_ONE, i, 0) for i in range(3)] == [False, True, True]
+    assert all(recomputes(ALL, i, 2) for i in range(3))
+    assert not any(recomputes(NONE, i, 2) for i in range(3))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("k", "v", "m"), SHAPES)
+def test_the_spared_micro_batch_is_each_stage_first_backward(
+    k: int, v: int, m: int, schedule: str
+) -> None:
+    first = spared(k, v, m, schedule)
+    for stage in range(k * v):
+        backwards = [
+            o.micro_batch
+            for o in replay_order(k, v, m, schedule)
+            if o.stage == stage and not o.forward
+        ]
+        assert first[stage] == backwards[0]
+    # GPipe's fill-drain and looped BFS go backward in reverse; 1F1B orders in order.
+    assert set(first) == ({m - 1} if schedule == "gpipe" else {0})
 
 
 PARTS = ("forward", "backward", "transfer")

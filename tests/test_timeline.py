@@ -308,10 +308,18 @@ def test_virtual_stages_must_divide_the_stages() -> None:
         simulate(plan)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(
-    ("checkpoint", "expected"),
-    [("always", [0, 1, 2, 3]), ("except_last", [0, 1, 2]), ("never", [])],
+    ("checkpoint", "schedule", "expected"),
+    [
+        ("always", "gpipe", [0, 1, 2, 3]),
+        ("always", "1f1b", [0, 1, 2, 3]),
+        # except_last spares the micro-batch whose backward comes first: GPipe goes
+        # backward in reverse, 1F1B in order.
+        ("except_last", "gpipe", [0, 1, 2]),
+        ("except_last", "1f1b", [1, 2, 3]),
+        ("never", "gpipe", []),
+        ("never", "1f1b", []),
+    ],
 )
 def test_recompute_exactly_for_checkpointed(
     checkpoint: str, expected: list[int], schedule: str
