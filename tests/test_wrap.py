@@ -366,3 +366,42 @@ def test_hugging_face_gpt2() -> None:
     assert "transformer.h.0" in wrapped.units and "lm_head" in wrapped.units
     assert list(wrapped.state_dict()) == list(model.state_dict())
     wrapped.close()
+
+
+def _hugging_face(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
+    """A small Hugging Face model from its config (random weights, no download)."""
+    transformers = pytest.importorskip("transformers")
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3}
+    small["num_attention_heads"] = 4
+    torch.manual_seed(0)
+    if name == "llama":
+        config = transformers.LlamaConfig(
+            **small, num_key_value_heads=2, vocab_size=50, max_position_embeddings=32
+        )
+        config.use_cache = False
+        cls, inputs = transformers.LlamaForCausalLM, (torch.randint(0, 50, (4, 8)),)
+    elif name == "bert":
+        config = transformers.BertConfig(
+            **small, vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        )
+        cls, inputs = transformers.BertForSequenceClassification, (torch.randint(0, 50, (4, 8)),)
+    else:
+        config = transformers.ViTConfig(
+            **small,
+            image_size=16,
+            patch_size=4,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        cls, inputs = transformers.ViTForImageClassification, (torch.randn(4, 3, 16, 16),)
+    config._attn_implementation = "eager"
+    return cls(config), inputs
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "vit"])
+def test_hugging_face_models(name: str) -> None:
+    model, inputs = _hugging_face(name)
+    wrapped, reference = _compare(model, inputs, stages=2, chunks=2)
+    assert len(wrapped.plan.balance) == 2
+    assert list(wrapped.state_dict()) == list(reference.state_dict())
+    wrapped.close()
