@@ -118,8 +118,9 @@ def search(
         even: only configurations whose replicas and micro-batches split the batch into
             equal parts, as :class:`autopipe.distributed.DistributedPipeline` needs for
             models with BatchNorm (it pads the micro-batches of other models).
-        virtual_stages: stages per device to consider (v); v > 1 plans K·v stages run by
-            torch's interleaved schedules (1F1B: interleaved 1F1B; gpipe: looped BFS),
+        virtual_stages: stages per device to consider (v): one stage per device is always
+            searched, and each v > 1 listed adds K·v stages run by torch's interleaved
+            schedules (1F1B: interleaved 1F1B; gpipe: looped BFS),
             without checkpointing, each valued by the replayed schedule
             (:mod:`autopipe.interleaved_balance`) with the runner's calibrated
             ``virtual_overhead_s`` when there is one.
