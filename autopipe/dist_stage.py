@@ -11,10 +11,10 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from autopipe.cost_model import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from profiler.precision import autocast_pass
 
 __all__ = [
-    "CHECKPOINTS",
     "LossRecorder",
     "StageModule",
     "TensorSpec",
@@ -31,14 +31,11 @@ __all__ = [
 TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
 
 
-CHECKPOINTS = ("never", "always", "except_last", "auto")
-
-
 def checkpoint_problem(mode: str) -> str | None:
     """Why ``mode`` is not a checkpoint mode the distributed runner takes, or ``None``."""
-    if mode in CHECKPOINTS:
+    if mode in CHECKPOINT_MODES:
         return None
-    return f"unknown checkpoint mode {mode!r}: choose {', '.join(CHECKPOINTS)}"
+    return f"unknown checkpoint mode {mode!r}: choose {', '.join(CHECKPOINT_MODES)}"
 
 
 class StageModule(nn.Module):
@@ -74,7 +71,7 @@ class StageModule(nn.Module):
         super().__init__()
         for name, layer in layers:
             self.add_module(name, layer)
-        if checkpoint not in ("never", "always", "except_last"):
+        if checkpoint not in FIXED_CHECKPOINT_MODES:
             raise ValueError(f"unknown checkpoint mode {checkpoint!r} for a stage")
         self.tuple_input = tuple_input
         self.checkpoint = checkpoint
