@@ -317,3 +317,47 @@ def test_speed_on_a_large_profile():
     found = search(profile, 64, memory=400_000, allreduce_bandwidth=1e5)
     elapsed = time.perf_counter() - start
     assert found and elapsed < 20  # seconds; a few on an idle laptop core
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    shape=st.sampled_from([(2, 2, 4), (2, 3, 2), (3, 2, 3), (2, 2, 1), (4, 2, 8)]),
+    replicas=st.sampled_from([1, 2]),
+    bandwidth=st.sampled_from([None, 300.0]),
+    overhead=st.sampled_from([0.0, 0.05]),
+)
+def test_virtual_stage_bound_is_below_every_split(seed, shape, replicas, bandwidth, overhead):
+    # The search prunes interleaved configurations by this bound: it must never exceed
+    # the replayed step of any split, or the search could miss the best one.
+    from autopipe.planner import evaluate
+    from autopipe.search_space import Config, Space
+
+    k, v, m = shape
+    rng = np.random.default_rng(seed)
+    profile = random_profile(rng, k * v + 3)
+    profile.meta["calibration"] = {"virtual_overhead_s": overhead}
+    batch = m * 2 * replicas
+    space = Space(
+        profile, capacity=None, bandwidth=bandwidth, allreduce_bandwidth=500.0, optimizer="adam"
+    )
+    for schedule in ("gpipe", "1f1b"):
+        config = Config(k, replicas, m, 2, "never", schedule, 2 * m, v)
+        bound, possible = space.bound(config)
+        assert possible
+        for _ in range(5):
+            cuts = sorted(rng.choice(np.arange(1, len(profile)), k * v - 1, replace=False))
+            balance = np.diff([0, *cuts, len(profile)]).tolist()
+            result = evaluate(
+                profile,
+                balance,
+                chunks=m,
+                checkpoint="never",
+                schedule=schedule,
+                virtual_stages=v,
+                data_parallel=replicas,
+                batch=batch,
+                bandwidth=bandwidth,
+                allreduce_bandwidth=500.0,
+            )
+            assert bound <= result.step_time * (1 + 1e-9)
