@@ -158,3 +158,20 @@ def test_every_split_in_one_call_matches_one_at_a_time() -> None:
         balance = [b - a for a, b in zip((0, *cuts), (*cuts, 7), strict=True)]
         plan = evaluate(profile, balance, **options)
         assert plan.step_time == pytest.approx(makespan(simulate(plan)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("k", "v", "m"), SHAPES)
+def test_a_slower_stage_never_shortens_the_step(k: int, v: int, m: int, schedule: str) -> None:
+    # Max-plus: every end time is a max of sums of durations, so it only grows with them.
+    rng = np.random.default_rng(k * 100 + v * 10 + m)
+    stages = k * v
+    f, b = rng.uniform(0.1, 2.0, (1, stages)), rng.uniform(0.2, 4.0, (1, stages))
+    t = rng.uniform(0.0, 0.5, (1, stages))
+    codes = rng.integers(0, 3, (1, stages))
+    base = makespans(f, b, t, codes, k, m, schedule)[0]
+    for s in range(stages):
+        for part in range(3):
+            times = [f.copy(), b.copy(), t.copy()]
+            times[part][0, s] += 0.7
+            assert makespans(*times, codes, k, m, schedule)[0] >= base - 1e-12
