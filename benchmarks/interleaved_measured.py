@@ -11,7 +11,7 @@ overhead, compute scales with both ranks busy), and are set against the measured
 (median of rounds of back-to-back steps, every split once per round).
 
 Run: ``python -m benchmarks.interleaved_measured [--width 1024] [--batch 64]``. Saves
-``benchmarks/results/interleaved_measured.{json,md}``.
+``benchmarks/results/interleaved_measured.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -134,6 +134,38 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def draw(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Each split's step relative to its schedule's even split: measured, replayed and
+    closed-form side by side (``False`` without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    even = {r["schedule"]: r for r in rows if r["split"] == str(list(SPLITS[0]))}
+    labels = [f"{r['schedule']}\n{r['split']}" for r in rows]
+    series = {
+        "measured": [r["measured_ms"] / even[r["schedule"]]["measured_ms"] for r in rows],
+        "replayed (planner)": [r["replay_ms"] / even[r["schedule"]]["replay_ms"] for r in rows],
+        "closed form": [r["closed_ms"] / even[r["schedule"]]["closed_ms"] for r in rows],
+    }
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(rows))], values, width, label=name)
+    ax.set_xticks([x + width for x in range(len(rows))], labels, fontsize=8)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylabel("step / same schedule's even split")
+    ax.set_title("Interleaved splits that give each rank the same work: who tells them apart")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -170,6 +202,8 @@ def main() -> None:
         json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
     )
     (args.out / "interleaved_measured.md").write_text(text)
+    if draw(rows, args.out / "interleaved_measured.png"):
+        print(f"picture: {args.out / 'interleaved_measured.png'}", file=sys.stderr)
 
 
 if __name__ == "__main__":
