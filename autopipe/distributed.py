@@ -252,6 +252,59 @@ class DistributedPipeline:
         self.stage = self.stages[0]
 
     # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1.
+    @classmethod
+    def from_search(
+        cls,
+        model: nn.Module,
+        sample: Tensor | tuple[Tensor, ...],
+        *,
+        loss_fn: Callable[[Any, Any], Tensor],
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        search_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> DistributedPipeline:
+        """A pipeline in the configuration :func:`autopipe.search` ranks first; a collective.
+
+        Rank 0 profiles the model and searches the pipeline depth K and data-parallel width
+        D with K·D the group's size, the micro-batches, checkpointing, schedule and (with
+        ``virtual_stages`` in ``search_options``) stages per device, among configurations
+        that split the batch evenly (:func:`autopipe.dist_search.search_plan`); every rank
+        then builds the pipeline from that plan.
+
+        Args:
+            model: as for the constructor.
+            sample: the global mini-batch a step takes.
+            loss_fn: as for the constructor.
+            group: the process group (default: the world).
+            device: this rank's device.
+            search_options: for :func:`autopipe.dist_search.search_plan` (``memory``,
+                ``schedules``, ``checkpoints``, ``virtual_stages``, ``calibrate``,
+                ``profile``, ``optimizer``).
+            **kwargs: more constructor arguments (``autocast``, ``plan_options`` are not
+                searched).
+
+        Raises:
+            ValueError: no configuration of the group's size fits (on every rank).
+        """
+        from autopipe.dist_search import search_plan
+
+        options = dict(search_options or {})
+        plan = search_plan(model, sample, group=group, device=device, **options)
+        return cls(
+            model,
+            sample,
+            loss_fn=loss_fn,
+            chunks=plan.chunks,
+            schedule=plan.schedule,
+            plan=plan,
+            group=group,
+            device=device,
+            data_parallel=plan.data_parallel,
+            virtual_stages=plan.virtual_stages,
+            **kwargs,
+        )
+
     @property
     def is_first(self) -> bool:
         """Whether this rank holds the first stage (and reads the inputs)."""

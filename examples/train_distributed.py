@@ -98,6 +98,26 @@ def calibrated_profile(
     return profile
 
 
+def configured(
+    model: nn.Sequential, sample: torch.Tensor, device: torch.device, args: argparse.Namespace
+) -> DistributedPipeline:
+    """The pipeline in the configuration the options give (planned by rank 0)."""
+    profile = calibrated_profile(model, sample, args) if args.calibrate else None
+    return DistributedPipeline(
+        model,
+        sample,
+        loss_fn=nn.functional.cross_entropy,
+        chunks=args.chunks,
+        schedule=args.schedule,
+        plan=Plan.load(args.plan) if args.plan else None,
+        device=device,
+        data_parallel=args.data_parallel,
+        virtual_stages=args.virtual_stages,
+        profile=profile,
+        checkpoint=args.checkpoint,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -125,6 +145,12 @@ def main() -> None:
         "--calibrate", action="store_true", help="measure links and compute before planning"
     )
     parser.add_argument(
+        "--search",
+        action="store_true",
+        help="let autopipe.search choose stages, replicas, micro-batches, checkpointing and "
+        "schedule for this world size (--virtual-stages V: also up to V stages per rank)",
+    )
+    parser.add_argument(
         "--bind-cpus",
         action="store_true",
         help="CPU ranks: bind each to its own share of the host's CPUs (faster messages)",
@@ -135,20 +161,20 @@ def main() -> None:
     device = init_distributed(timeout=timedelta(seconds=args.timeout), bind_cpus=args.bind_cpus)
     model = build_model()
     data = batches(args.steps, args.batch)
-    profile = calibrated_profile(model, data[0][0], args) if args.calibrate else None
-    pipe = DistributedPipeline(
-        model,
-        data[0][0],
-        loss_fn=nn.functional.cross_entropy,
-        chunks=args.chunks,
-        schedule=args.schedule,
-        plan=Plan.load(args.plan) if args.plan else None,
-        device=device,
-        data_parallel=args.data_parallel,
-        virtual_stages=args.virtual_stages,
-        profile=profile,
-        checkpoint=args.checkpoint,
-    )
+    if args.search:
+        searched = {
+            "calibrate": args.calibrate,
+            "virtual_stages": tuple(range(1, args.virtual_stages + 1)),
+        }
+        pipe = DistributedPipeline.from_search(
+            model,
+            data[0][0],
+            loss_fn=nn.functional.cross_entropy,
+            device=device,
+            search_options=searched,
+        )
+    else:
+        pipe = configured(model, data[0][0], device, args)
     rank = dist.get_rank()
     if rank == 0:
         plan = pipe.plan

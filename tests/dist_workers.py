@@ -188,7 +188,27 @@ def _equal(rank: int, world: int) -> dict[str, Any]:
     results["calibration"] = _calibration()
     results["uneven"] = _uneven()
     results["checkpointed"] = _checkpointed()
+    results["searched"] = _searched()
     return results
+
+
+def _searched() -> dict[str, Any]:
+    """The configuration the search ranks first, built on every rank."""
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    pipe = DistributedPipeline.from_search(make_model(), x, loss_fn=loss_fn)
+    result = _train(pipe, x, y)
+    plan = pipe.plan
+    result["config"] = (plan.num_devices, plan.data_parallel, plan.chunks, plan.virtual_stages)
+    result["notes"] = plan.notes
+    try:
+        DistributedPipeline.from_search(
+            make_model(), x, loss_fn=loss_fn, search_options={"memory": 100}
+        )
+    except ValueError as exc:
+        result["error"] = str(exc)
+    return result
 
 
 def _checkpointed() -> dict[str, Any]:
