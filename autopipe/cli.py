@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from autopipe.balance import STRATEGIES
 from autopipe.cli_plan import plan_command
 from autopipe.cli_search import add_calibrate_parser, add_search_options
-from autopipe.cost_model import CHECKPOINT_MODES, SCHEDULES, optimizer_factor
+from autopipe.cost_model import ALL_SCHEDULES, CHECKPOINT_MODES, optimizer_factor
 from autopipe.units import parse_bytes
 from profiler.precision import AUTOCAST_DTYPES, DTYPES, check_autocast, check_dtype
 
@@ -169,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan_parser.add_argument(
         "--schedule",
-        choices=SCHEDULES,
-        help="pipeline schedule (default: gpipe; with --search: both)",
+        choices=ALL_SCHEDULES,
+        help="pipeline schedule (default: gpipe; with --search: gpipe and 1f1b); zb is "
+        "torch's zero-bubble schedule (the distributed runner; checkpoint never)",
     )
     plan_parser.add_argument(
         "--virtual-stages",

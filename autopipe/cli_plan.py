@@ -81,7 +81,8 @@ def plan_command(args: argparse.Namespace) -> int:
         "chunks": chunks,
         "memory": memory,
         # Interleaved stages run on torch's schedules, which keep every activation.
-        "checkpoint": args.checkpoint or ("never" if virtual > 1 else "except_last"),
+        "checkpoint": args.checkpoint
+        or ("never" if virtual > 1 or args.schedule == "zb" else "except_last"),
         "schedule": args.schedule or "gpipe",
         "optimizer": optimizer,
         "bandwidth": bandwidth,

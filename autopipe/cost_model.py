@@ -48,10 +48,12 @@ from autopipe.layer_costs import OPTIMIZER_STATES, LayerCosts, ProfileLines, opt
 from autopipe.schedule_replay import RECOMPUTE_CODES
 
 __all__ = [
+    "ALL_SCHEDULES",
     "CHECKPOINT_MODES",
     "FIXED_CHECKPOINT_MODES",
     "OPTIMIZER_STATES",
     "SCHEDULES",
+    "WEIGHT_SHARE",
     "CostModel",
     "LayerCosts",
     "ProfileLines",
@@ -62,6 +64,13 @@ CHECKPOINT_MODES = ("always", "except_last", "never", "auto")
 # The fixed modes, fastest first; ``auto`` chooses from the first two.
 FIXED_CHECKPOINT_MODES = ("never", "except_last", "always")
 SCHEDULES = ("gpipe", "1f1b")
+# Every schedule a plan can be made for: ``zb`` (torch's ScheduleInterleavedZeroBubble)
+# runs on the distributed runner only and is valued by its replayed order.
+ALL_SCHEDULES = (*SCHEDULES, "zb")
+# Share of a layer's backward that computes its weights' gradients (zero bubble defers
+# it): for a linear layer the input's and the weights' gradients are one matrix product
+# each, so half; a layer without parameters has none.
+WEIGHT_SHARE = 0.5
 
 Array = NDArray[np.float64]
 Index = NDArray[np.int64]
@@ -127,8 +136,13 @@ class CostModel:
             raise ValueError(
                 f"unknown checkpoint mode {checkpoint!r}: choose {', '.join(CHECKPOINT_MODES)}"
             )
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(SCHEDULES)}")
+        if schedule not in ALL_SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(ALL_SCHEDULES)}")
+        if schedule == "zb" and checkpoint != "never":
+            raise ValueError(
+                f"zero bubble keeps every activation until its weights' gradients: plan it "
+                f"with checkpoint never, not {checkpoint!r}"
+            )
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
         if not overhead >= 0:
@@ -159,6 +173,7 @@ class CostModel:
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = _prefix(layers.forward)
         self._bwd = _prefix(layers.backward)
+        self._weight = _prefix(np.where(layers.params > 0, WEIGHT_SHARE * layers.backward, 0.0))
         # Saved bytes less what the previous layer also saves; a stage's first layer adds
         # its shared part back (its predecessor is not in the stage).
         self._shared = layers.shared_bytes
@@ -283,6 +298,12 @@ class CostModel:
         even = np.where(work > 0, 0.0, compute / (2.0 + fractions))
         codes = np.array([RECOMPUTE_CODES[mode] for mode in self.modes])[choice]
         return fwd * scale + even, bwd * scale + even, transfer, codes
+
+    def weight_share(self, s: Index, e: Index) -> Array:
+        """Share of layers ``[s, e)``'s backward that computes their weights' gradients."""
+        backward = self._bwd[e] - self._bwd[s]
+        weight = self._weight[e] - self._weight[s]
+        return np.where(backward > 0, weight / np.where(backward > 0, backward, 1.0), 0.0)
 
     def stage_checkpoint(self, k: int, s: int, e: int) -> str:
         """The checkpoint mode stage ``k`` runs with when it holds layers ``[s, e)``."""

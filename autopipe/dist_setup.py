@@ -38,7 +38,7 @@ __all__ = [
     "share_setup",
 ]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zb")
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
@@ -238,7 +238,7 @@ def check_sizes(
     if layers < k * v:
         per = "one per rank" if v == 1 else f"{v} per rank"
         raise ValueError(f"cannot split {layers} layers into {k * v} stages ({per})")
-    if v > 1:
+    if v > 1 or schedule == "zb":
         check_virtual(k, v, schedule, chunks)
     elif schedule == "1f1b" and chunks < k:
         per = "ranks" if d == 1 else "stages"

@@ -27,6 +27,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -53,6 +54,9 @@ SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1
 VIRTUAL_SCHEDULES: dict[str, type[PipelineScheduleMulti]] = {
     "gpipe": ScheduleLoopedBFS,
     "1f1b": ScheduleInterleaved1F1B,
+    # Zero bubble: backwards split into the input's and the weights' gradients, the
+    # latter run when the rank would wait; runs on the multi-stage runtime for any v.
+    "zb": ScheduleInterleavedZeroBubble,
 }
 
 
@@ -69,20 +73,22 @@ def stage_indices(position: int, ranks: int, virtual: int) -> list[int]:
 
 
 def check_virtual(ranks: int, virtual: int, schedule: str, chunks: int) -> None:
-    """Checks torch's constraints of the interleaved schedules; nothing to check for v = 1.
+    """Checks torch's constraints of the interleaved schedules (and zero bubble's).
 
-    ``ScheduleInterleaved1F1B`` runs the micro-batches in ``max(1, M // K)`` rounds of
-    equal size, so M must be a multiple of that; ``ScheduleLoopedBFS`` takes any M.
+    ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` run the micro-batches
+    in ``max(1, M // K)`` rounds of equal size, so M must be a multiple of that;
+    ``ScheduleLoopedBFS`` takes any M.
 
     Raises:
         ValueError: the schedule cannot run ``chunks`` micro-batches on ``ranks`` ranks.
     """
-    if virtual == 1 or schedule != "1f1b":
+    if schedule == "gpipe" or (virtual == 1 and schedule == "1f1b"):
         return
     rounds = max(1, chunks // ranks)
     if chunks % rounds:
+        name = "zero bubble" if schedule == "zb" else "interleaved 1f1b"
         raise ValueError(
-            f"interleaved 1f1b runs chunks in rounds of about K micro-batches and needs chunks "
+            f"{name} runs chunks in rounds of about K micro-batches and needs chunks "
             f"to be a multiple of the number of rounds (chunks // K = {rounds}); got chunks="
             f"{chunks} for K={ranks} ranks (use a multiple of {ranks}, or schedule='gpipe')"
         )
@@ -138,7 +144,7 @@ def _stage_module(
 def first_backward(ranks: int, virtual: int, chunks: int, schedule: str, stage: int) -> int:
     """The micro-batch whose backward torch's schedule runs first on ``stage``: the first
     under ScheduleGPipe, Schedule1F1B and interleaved 1F1B, the last under looped BFS."""
-    if virtual == 1:
+    if virtual == 1 and schedule in SCHEDULES:
         return 0
     return spared(ranks, virtual, chunks, schedule)[stage]
 
@@ -219,7 +225,7 @@ def make_schedule(
         )
         for index, module, inputs, outputs in stages
     ]
-    single = len(pipeline_stages) == 1
+    single = len(pipeline_stages) == 1 and name in SCHEDULES
     cls: type[Any] = (SCHEDULES if single else VIRTUAL_SCHEDULES)[name]
     # Scaling by 1/M in the loss rather than dividing .grad after the step keeps
     # gradients that were accumulated before the step untouched.

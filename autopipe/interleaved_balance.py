@@ -46,10 +46,12 @@ def _replayed(
     forward, backward, transfer = np.empty(shape), np.empty(shape), np.empty(shape)
     codes = np.empty(shape, dtype=np.int64)
     memory = np.empty(shape)
+    weight = np.empty(shape)
     fits = np.ones(len(bounds), dtype=bool)
     for k in range(stages):
         s, e = bounds[:, k], bounds[:, k + 1]
         forward[:, k], backward[:, k], transfer[:, k], codes[:, k] = model.stage_parts(k, s, e)
+        weight[:, k] = model.weight_share(s, e)
         memory[:, k] = model.stage_memory(k, s, e)
         fits &= memory[:, k] <= model.capacity(k)
     ranks = model.num_ranks
@@ -67,6 +69,7 @@ def _replayed(
             ranks,
             model.chunks,
             model.schedule,
+            weight[fits],
         )
     return times
 

@@ -149,10 +149,54 @@ def _interleaved_order(rank: int, ranks: int, virtual: int, chunks: int) -> list
     return order
 
 
+def _zero_bubble_order(rank: int, ranks: int, virtual: int, chunks: int) -> list[Action]:
+    """Torch's ScheduleInterleavedZeroBubble order for one rank (no-op slots left out).
+
+    Each backward is split in two: ``"I"`` computes the input's gradient (and sends it on),
+    ``"W"`` the weights' gradients, deferred to fill the pipeline's idle time.
+    """
+    per_round = _rounds(ranks, chunks)
+    if chunks % per_round:
+        raise ValueError(f"zero bubble needs chunks a multiple of {per_round}")
+    total = chunks * virtual
+    warmup = min((virtual - 1) * per_round + (ranks - 1 - rank), total)
+    counters = {op: [0] * virtual for op in "FIW"}
+    order: list[Action] = []
+
+    def add(op: str, local: int) -> None:
+        order.append((op, rank + local * ranks, counters[op][local]))
+        counters[op][local] += 1
+
+    def forward(step: int) -> None:
+        add("F", (step // per_round) % virtual)
+
+    def backward_local(step: int) -> int:
+        return virtual - 1 - ((step - warmup) // per_round) % virtual
+
+    backwards: list[int] = []
+    weights = 0
+    for step in range(total + warmup):
+        if step < warmup:
+            forward(step)
+            continue
+        if step < total:
+            forward(step)
+        add("I", backward_local(step))
+        backwards.append(step)
+        if step - warmup >= rank:  # the first ``rank`` weight passes wait for idle time
+            add("W", backward_local(backwards[weights]))
+            weights += 1
+    for step in backwards[weights:]:
+        add("W", backward_local(step))
+    return order
+
+
 def rank_order(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -> list[Action]:
     """The operations rank ``rank`` runs in one step, in order: ``(op, stage, micro-batch)``.
 
-    ``op`` is ``"F"`` (forward) or ``"B"`` (backward). One stage per rank: GPipe's
+    ``op`` is ``"F"`` (forward) or ``"B"`` (backward), or under ``zb`` (torch's
+    ``ScheduleInterleavedZeroBubble``, any v) ``"I"`` and ``"W"``: the backward split into
+    the input's gradient and the weights', which waits for idle time. One stage per rank: GPipe's
     fill–drain (backwards in reverse, as autograd runs them) or 1F1B (``K−1−r`` warm-up
     forwards, then a forward and a backward in turn). Virtual stages: ``gpipe`` is torch's
     ``ScheduleLoopedBFS`` (every forward of each local stage in turn, then the backwards
@@ -165,8 +209,10 @@ def rank_order(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) 
         ValueError: an unknown schedule, or interleaved 1F1B with M not a multiple of the
             rounds' count.
     """
-    if schedule not in ("gpipe", "1f1b"):
+    if schedule not in ("gpipe", "1f1b", "zb"):
         raise ValueError(f"unknown schedule {schedule!r}")
+    if schedule == "zb":
+        return _zero_bubble_order(rank, ranks, virtual, chunks)
     if virtual == 1:
         return _one_stage_order(rank, ranks, chunks, schedule)
     if schedule == "1f1b":
@@ -191,7 +237,7 @@ def spared(ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[int, .
     first: dict[int, int] = {}
     for rank in range(ranks):
         for op, stage, micro_batch in rank_order(rank, ranks, virtual, chunks, schedule):
-            if op == "B":
+            if op in ("B", "I"):
                 first.setdefault(stage, micro_batch)
     return tuple(first[stage] for stage in range(ranks * virtual))
 
@@ -210,6 +256,7 @@ def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -
     peak = [0] * virtual
     for op, stage, _ in rank_order(rank, ranks, virtual, chunks, schedule):
         local = stage // ranks
-        held[local] += 1 if op == "F" else -1
+        # A stage holds a micro-batch's activations until its weights' gradients are done.
+        held[local] += {"F": 1, "B": -1, "W": -1}.get(op, 0)
         peak[local] = max(peak[local], held[local])
     return peak

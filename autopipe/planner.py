@@ -188,7 +188,7 @@ def plan(
             f"cannot split {model.num_layers} layers into {model.num_stages} non-empty stages; "
             f"use at most {model.num_layers} stages"
         )
-    if strategy == "optimal" and virtual_stages > 1:
+    if strategy == "optimal" and replayed(model):
         balance = interleaved_balance(model)
     elif strategy == "optimal":
         balance = optimal_split(model)
@@ -207,6 +207,12 @@ def plan(
         )
     _check_ranks(result, strategy)
     return result
+
+
+def replayed(model: CostModel) -> bool:
+    """Whether the model's step is its schedule's order replayed (virtual stages, zero
+    bubble) rather than GPipe's formula."""
+    return model.virtual_stages > 1 or model.schedule == "zb"
 
 
 def interleaved_balance(model: CostModel) -> list[int]:
@@ -321,13 +327,14 @@ def describe(
                 overhead=model.overhead,
                 allreduce=float(model.allreduce_time(s, e)),
                 forward=float(model.stage_parts(k, s, e)[0]),
+                weight=float(model.stage_parts(k, s, e)[1] * model.weight_share(s, e)),
             )
         )
     times = np.array([stage.time for stage in stages])
     m, ranks = model.chunks, model.num_ranks
-    # Interleaved: the schedule's order replayed (the closed formula holds for balanced
-    # stages only).
-    pipeline = pipeline_time(model, balance) if model.virtual_stages > 1 else step_time(times, m)
+    # Interleaved and zero bubble: the schedule's order replayed (the closed formula holds
+    # for balanced stages only).
+    pipeline = pipeline_time(model, balance) if replayed(model) else step_time(times, m)
     allreduce = max(stage.allreduce for stage in stages)
     total = pipeline + allreduce
     # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.

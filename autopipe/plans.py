@@ -40,6 +40,8 @@ class StagePlan:
         allreduce: seconds per step to all-reduce the stage's gradients among replicas.
         forward: seconds of one forward per micro-batch, part of ``compute`` (its share of
             the overhead included); 0 in plans that predate it.
+        weight: of the backward, the seconds that compute the weights' gradients (zero
+            bubble runs them apart, when a device would otherwise wait).
     """
 
     index: int
@@ -60,6 +62,7 @@ class StagePlan:
     overhead: float = 0.0
     allreduce: float = 0.0
     forward: float = 0.0
+    weight: float = 0.0
 
     @property
     def size(self) -> int:

@@ -264,6 +264,9 @@ def format_rate(samples_per_second: float) -> str:
 
 def schedule_label(plan: Plan) -> str:
     """The schedule as torch names it, with the stages per device when there are several."""
+    if plan.schedule == "zb":
+        per = f", {plan.virtual_stages} stages per device" if plan.virtual_stages > 1 else ""
+        return f"zero bubble{per}"
     if plan.virtual_stages <= 1:
         return plan.schedule
     name = "interleaved 1f1b" if plan.schedule == "1f1b" else "looped bfs"

@@ -50,15 +50,20 @@ class Operation:
 
     Attributes:
         rank: the device that runs it (stage ``s`` runs on ``s mod K``).
-        forward: a forward (``True``) or a backward.
+        kind: ``"F"`` forward, ``"B"`` backward, or the backward's two halves under zero
+            bubble: ``"I"`` the input's gradient (sent on), ``"W"`` the weights'.
         stage: the stage.
         micro_batch: the micro-batch, from 0.
     """
 
     rank: int
-    forward: bool
+    kind: str
     stage: int
     micro_batch: int
+
+    @property
+    def forward(self) -> bool:
+        return self.kind == "F"
 
 
 def recomputes(code: int, micro_batch: int, spared: int) -> bool:
@@ -83,6 +88,7 @@ def replay_order(ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[
     """
     last = ranks * virtual - 1
     orders = [rank_order(r, ranks, virtual, chunks, schedule) for r in range(ranks)]
+    # Done: ("F", s, i) forwards (sent), ("G", s, i) input gradients (B or I).
     done: set[tuple[str, int, int]] = set()
     position = [0] * ranks
     out: list[Operation] = []
@@ -92,14 +98,17 @@ def replay_order(ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[
         for r in range(ranks):
             while position[r] < len(orders[r]):
                 op, stage, i = orders[r][position[r]]
+                needs: tuple[str, int, int] | None
                 if op == "F":
                     needs = ("F", stage - 1, i) if stage > 0 else None
+                elif op == "W":
+                    needs = ("G", stage, i)
                 else:
-                    needs = ("F", stage, i) if stage == last else ("B", stage + 1, i)
+                    needs = ("F", stage, i) if stage == last else ("G", stage + 1, i)
                 if needs is not None and needs not in done:
                     break  # waits on another device; come back on the next sweep
-                done.add((op, stage, i))
-                out.append(Operation(r, op == "F", stage, i))
+                done.add(("F" if op == "F" else ("G" if op in "BI" else "W"), stage, i))
+                out.append(Operation(r, op, stage, i))
                 position[r] += 1
                 remaining -= 1
                 progressed = True
@@ -116,6 +125,7 @@ def makespans(
     ranks: int,
     chunks: int,
     schedule: str,
+    weight: NDArray[np.float64] | None = None,
 ) -> NDArray[np.float64]:
     """Seconds of one step for every row (split) of per-stage times.
 
@@ -126,7 +136,9 @@ def makespans(
         recompute: (splits, K·v) :data:`RECOMPUTE_CODES` values.
         ranks: K; stage ``s`` runs on device ``s mod K``.
         chunks: M.
-        schedule: ``gpipe`` or ``1f1b``.
+        schedule: ``gpipe``, ``1f1b`` or ``zb``.
+        weight: (splits, K·v) share of each backward that computes the weights'
+            gradients, which ``zb`` defers (its ``W``); default none.
 
     Raises:
         ValueError: the stages do not divide among the ranks, or as :func:`replay_order`.
@@ -138,13 +150,21 @@ def makespans(
     order = replay_order(ranks, stages // ranks, chunks, schedule)
     first = spared(ranks, stages // ranks, chunks, schedule)
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in (backward, transfer)]
+    share = np.zeros_like(forward) if weight is None else np.atleast_2d(np.asarray(weight))
     codes = np.atleast_2d(np.asarray(recompute))
     out = np.empty(len(forward))
     block = max(1, _BLOCK_FLOATS // (stages * chunks))
     for lo in range(0, len(forward), block):
         hi = lo + block
         out[lo:hi] = _replay(
-            order, forward[lo:hi], arrays[0][lo:hi], arrays[1][lo:hi], codes[lo:hi], ranks, first
+            order,
+            forward[lo:hi],
+            arrays[0][lo:hi],
+            arrays[1][lo:hi],
+            share[lo:hi],
+            codes[lo:hi],
+            ranks,
+            first,
         )
     return out
 
@@ -154,6 +174,7 @@ def _replay(
     forward: NDArray[np.float64],
     backward: NDArray[np.float64],
     transfer: NDArray[np.float64],
+    weight: NDArray[np.float64],
     codes: NDArray[np.int64],
     ranks: int,
     first: tuple[int, ...],
@@ -177,13 +198,16 @@ def _replay(
     }
     for op in order:
         s, i, r = op.stage, op.micro_batch, op.rank
-        if op.forward:
+        if op.kind == "F":
             ready = sent[s - 1, i] if s > 0 else free[r]
             end = np.maximum(free[r], ready) + forward[:, s] + transfer[:, s]
             sent[s, i] = end
+        elif op.kind == "W":  # after its own input gradient, on this device
+            end = free[r] + backward[:, s] * weight[:, s]
         else:
             ready = sent[s, i] if s == last else grads[s + 1, i]
-            end = np.maximum(free[r], ready) + backward[:, s]
+            part = backward[:, s] if op.kind == "B" else backward[:, s] * (1.0 - weight[:, s])
+            end = np.maximum(free[r], ready) + part
             extra = again.get((s, i))
             if extra is not None:
                 end += extra

@@ -71,6 +71,11 @@ def _check(devices: int, top: int, schedules: Sequence[str], checkpoints: Sequen
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
     for schedule in schedules:
+        if schedule == "zb":
+            raise ValueError(
+                "the search weighs gpipe and 1f1b; plan zero bubble with "
+                "autopipe.plan(..., schedule='zb')"
+            )
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(SCHEDULES)}")
     for mode in checkpoints:

@@ -48,7 +48,7 @@ from autopipe.schedule_replay import replay_order
 
 __all__ = ["KINDS", "Event", "StageTimes", "checkpointed", "makespan", "simulate", "stage_times"]
 
-KINDS = ("forward", "recompute", "backward", "transfer")
+KINDS = ("forward", "recompute", "backward", "weight", "transfer")
 # Backward takes about twice the forward (gradients of inputs and of weights).
 _DEFAULT_BACKWARD_RATIO = 2.0
 
@@ -60,8 +60,9 @@ class Event:
     Attributes:
         stage: the stage that runs it.
         micro_batch: the micro-batch it works on, from 0.
-        kind: ``forward``, ``recompute``, ``backward`` or ``transfer`` (the stage sending
-            its forward output to the next stage).
+        kind: ``forward``, ``recompute``, ``backward`` (under zero bubble: the input's
+            gradient), ``weight`` (zero bubble's deferred weight gradients) or ``transfer``
+            (the stage sending its forward output to the next stage).
         start: seconds from the start of the step.
         end: seconds from the start of the step.
     """
@@ -88,12 +89,14 @@ class StageTimes:
         recompute_fraction: share of micro-batches recomputed, so that
             ``forward·(1 + recompute_fraction) + backward + transfer`` is the plan's
             stage time.
+        weight: of ``backward``, the weights' gradients (zero bubble runs them apart).
     """
 
     forward: float
     backward: float
     transfer: float
     recompute_fraction: float
+    weight: float = 0.0
 
     @property
     def recompute(self) -> float:
@@ -170,7 +173,8 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         r = _recompute_fraction(plan, stage.index)
         rest = stage.compute - stage.forward * (1.0 + r)
         if stage.forward > 0 and rest >= 0:
-            out.append(StageTimes(stage.forward, rest, stage.transfer, r))
+            weight = min(stage.weight, rest)
+            out.append(StageTimes(stage.forward, rest, stage.transfer, r, weight))
             continue
         f, b = 1.0, _DEFAULT_BACKWARD_RATIO
         if layers is not None:
@@ -214,8 +218,8 @@ def simulate(plan: Plan) -> list[Event]:
         ValueError: the plan's schedule is unknown, or its virtual stages do not divide
             its stages.
     """
-    if plan.schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"unknown schedule {plan.schedule!r}: choose gpipe or 1f1b")
+    if plan.schedule not in ("gpipe", "1f1b", "zb"):
+        raise ValueError(f"unknown schedule {plan.schedule!r}: choose gpipe, 1f1b or zb")
     virtual = max(plan.virtual_stages, 1)
     if plan.num_stages % virtual:
         raise ValueError(f"{plan.num_stages} stages do not divide into {virtual} per device")
@@ -237,12 +241,15 @@ def simulate(plan: Plan) -> list[Event]:
                 events.append(Event(k, i, "transfer", end, end + t.transfer))
                 end += t.transfer
             sent[(k, i)] = end
+        elif op.kind == "W":  # the weights' gradients, when zero bubble gets to them
+            end = free[r] + t.weight
+            events.append(Event(k, i, "weight", free[r], end))
         else:
             start = max(free[r], sent[(k, i)] if k == last else grads[(k + 1, i)])
             if checkpointed(plan, i, k):
                 events.append(Event(k, i, "recompute", start, start + t.forward))
                 start += t.forward
-            end = start + t.backward
+            end = start + (t.backward if op.kind == "B" else t.backward - t.weight)
             events.append(Event(k, i, "backward", start, end))
             grads[(k, i)] = end
         free[r] = end

@@ -49,6 +49,7 @@ COLORS = {
     "forward": "#4C72B0",
     "recompute": "#8172B3",
     "backward": "#DD8452",
+    "weight": "#55A868",
     "transfer": "#9A9A9A",
 }
 PICTURE_FORMATS = ("png", "svg")

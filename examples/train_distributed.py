@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64, help="global, across replicas")
     parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "zb"], default="1f1b")
     parser.add_argument(
         "--checkpoint",
         choices=["never", "always", "except_last", "auto"],

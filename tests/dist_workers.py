@@ -166,6 +166,9 @@ def _equal(rank: int, world: int) -> dict[str, Any]:
     given = evaluate(profile, balance, chunks=CHUNKS, schedule="1f1b")
     pipe = DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, plan=given)
     results["1f1b"] = _train(pipe, x, y)
+    # Zero bubble, one stage per rank: the backward split into input and weight gradients.
+    pipe = DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, schedule="zb")
+    results["zb"] = _train(pipe, x, y)
     # Mismatches, reported on every rank before the first step.
     errors = {}
     other = make_model(width=16 if rank == 0 else 12)
@@ -355,7 +358,7 @@ def _virtual(rank: int) -> dict[str, Any]:
     x, y = make_batch()
     results: dict[str, Any] = {}
     options: dict[str, Any] = {"loss_fn": loss_fn, "virtual_stages": 2}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb"):
         pipe = DistributedPipeline(make_model(), x, chunks=CHUNKS, schedule=schedule, **options)
         result = _train(pipe, x, y)
         result["state"] = pipe.gather_state_dict()

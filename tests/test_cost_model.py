@@ -111,7 +111,8 @@ def test_sum_invariance():
     ("kwargs", "message"),
     [
         ({"checkpoint": "sometimes"}, "unknown checkpoint mode"),
-        ({"schedule": "zb"}, "unknown schedule"),
+        ({"schedule": "zigzag"}, "unknown schedule"),
+        ({"schedule": "zb"}, "zero bubble keeps every activation"),
         ({"chunks": 0}, "chunks must be >= 1"),
     ],
 )

@@ -154,7 +154,7 @@ def test_loss_recorder_scales_and_averages() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"schedule": "zb"}, "unknown schedule"),
+        ({"schedule": "zigzag"}, "unknown schedule"),
         ({"chunks": 0}, "positive integer"),
         ({"chunks": 5}, "multiple of chunks=5 and layer '3' has BatchNorm"),
         ({"chunks": 17}, "batch size 16 is smaller than chunks=17; use at most 16"),
@@ -286,7 +286,7 @@ def _reference() -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], dict[str
     return loss, once, twice, model.state_dict()
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 def test_loss_and_gradients_equal_one_process(equal_run: Any, schedule: str) -> None:
     world, results = equal_run
     loss, once, twice, _ = _reference()
@@ -571,7 +571,7 @@ def virtual_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     return _results("virtual", 2, workdir, limit=60)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 def test_virtual_stages_equal_one_process(virtual_run: list[dict[str, Any]], schedule: str) -> None:
     loss, once, twice, state = _reference()
     seen: set[str] = set()

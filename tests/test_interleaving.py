@@ -192,3 +192,60 @@ def test_virtual_stages_plan_with_their_own_runner_overhead() -> None:
     assert [s.overhead for s in plan(profile, 4, **options).stages] == [0.25] * 4
     store_calibration(profile, virtual_overhead_s=None)  # type: ignore[arg-type]
     assert plan(profile, 4, virtual_stages=2, **options).stages[0].overhead == 0.25
+
+
+def _torch_zero_bubble(rank: int, k: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    from torch.distributed.pipelining.schedules import (
+        ScheduleInterleavedZeroBubble,
+        _ComputationType,
+    )
+
+    names = {
+        _ComputationType.FORWARD: "F",
+        _ComputationType.BACKWARD_INPUT: "I",
+        _ComputationType.BACKWARD_WEIGHT: "W",
+    }
+    torch_schedule = object.__new__(ScheduleInterleavedZeroBubble)  # no process group needed
+    torch_schedule.n_local_stages, torch_schedule.pp_group_size = v, k
+    torch_schedule._n_microbatches = m
+    torch_schedule.number_of_rounds = max(1, m // k)
+    torch_schedule.microbatches_per_round = m // torch_schedule.number_of_rounds
+    return [
+        (names[a.computation_type], a.stage_index, a.microbatch_index)
+        for a in torch_schedule._calculate_single_rank_operations(rank)
+        if a is not None
+    ]
+
+
+@pytest.mark.parametrize(("k", "v"), [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (2, 3), (4, 2)])
+def test_zero_bubble_order_replays_torch(k: int, v: int) -> None:
+    for m in range(1, 3 * k + 1):
+        if m % (m // max(1, m // k)):
+            with pytest.raises(ValueError, match="multiple of"):
+                rank_order(0, k, v, m, "zb")
+            continue
+        for r in range(k):
+            order = rank_order(r, k, v, m, "zb")
+            assert order == _torch_zero_bubble(r, k, v, m), (r, m)
+            # Activations stay until the weights' gradients: F to W.
+            held, peak = [0] * v, [0] * v
+            for op, stage, _ in order:
+                held[stage // k] += {"F": 1, "W": -1}.get(op, 0)
+                peak[stage // k] = max(peak[stage // k], held[stage // k])
+            assert in_flight(r, k, v, m, "zb") == peak
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_zero_bubble_plans_replay_their_schedule(v: int) -> None:
+    profile = _profile()
+    options = {"chunks": 4, "virtual_stages": v, "checkpoint": "never"}
+    zb = plan(profile, 2 * v, schedule="zb", **options)
+    assert zb.step_time == pytest.approx(makespan(simulate(zb)))
+    # The deferred weight gradients fill the bubble: never slower than 1F1B's split.
+    same = evaluate(profile, zb.balance, schedule="1f1b", **options)
+    assert zb.step_time <= same.step_time * (1 + 1e-9)
+    assert all(0 < s.weight < s.compute for s in zb.stages)  # every layer has parameters
+    events = simulate(zb)
+    assert sum(e.kind == "weight" for e in events) == 4 * 2 * v
+    with pytest.raises(ValueError, match="zero bubble keeps every activation"):
+        plan(profile, 2, chunks=4, schedule="zb", checkpoint="always")

@@ -299,7 +299,8 @@ def test_nothing_fits():
     [
         ({"devices": 0}, "devices must be a positive integer"),
         ({"top": 0}, "top must be a positive integer"),
-        ({"schedules": ("zb",)}, "unknown schedule"),
+        ({"schedules": ("zb",)}, "plan zero bubble with autopipe.plan"),
+        ({"schedules": ("zigzag",)}, "unknown schedule"),
         ({"checkpoints": ("sometimes",)}, "unknown checkpoint mode"),
         ({"batch": 0}, "batch must be a positive integer"),
     ],

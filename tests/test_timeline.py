@@ -573,3 +573,17 @@ def test_draw_timeline_with_virtual_stages(tmp_path: Path, schedule: str) -> Non
     assert "device 1" in text and "stages 1, 3, 5" in text  # one row per device
     name = "interleaved 1f1b" if schedule == "1f1b" else "looped bfs"
     assert name in text
+
+
+def test_draw_timeline_zero_bubble(tmp_path: Path) -> None:
+    profile = linear_profile([1.0, 2.0, 3.0, 1.0, 1.0, 4.0, 2.0, 1.0], params=[100] * 8)
+    plan = evaluate(profile, [2] * 4, chunks=4, schedule="zb", virtual_stages=2, checkpoint="never")
+    events = simulate(plan)
+    check_schedule(plan, [e for e in events if e.kind != "weight"])
+    weights = [e for e in events if e.kind == "weight"]
+    assert len(weights) == 2 * 2 * 4 and all(e.duration > 0 for e in weights)
+    assert makespan(events) == pytest.approx(plan.step_time)
+    picture = tmp_path / "zb.svg"
+    draw_timeline(plan, picture)
+    text = picture.read_text()
+    assert "zero bubble, 2 stages per device" in text and "weight" in text
