@@ -262,11 +262,11 @@ def calibrate_ranks(
         model: the profiled model (its layers as an ``nn.Sequential``): also measure the
             compute scales with every rank computing at once.
         sample: the profiled mini-batch, with ``model``.
-        virtual_stages: with more than 1, also measure the runner's overhead with that many
-            stages per rank under ``schedule`` (torch runs them on another runtime, whose
-            cost per operation differs), stored as ``virtual_overhead_s`` for plans with
-            virtual stages.
-        schedule: ``1f1b`` or ``gpipe``, for ``virtual_stages``.
+        virtual_stages: with more than 1 (or ``schedule="zb"``), also measure the runner's
+            overhead with that many stages per rank under ``schedule`` (torch runs them on
+            another runtime, whose cost per operation differs), stored as
+            ``virtual_overhead_s`` for plans with virtual stages or zero bubble.
+        schedule: ``1f1b``, ``gpipe`` or ``zb``, for ``virtual_stages``.
 
     Returns:
         The stored calibration (``latency_s``, ``bandwidth``, ``overhead_s``,
@@ -277,7 +277,7 @@ def calibrate_ranks(
     reduce = measure_allreduce(group, repeats=max(repeats // 2, 3))
     overhead = measure_runner_overhead(group, latency=link["latency_s"])
     extra: dict[str, Any] = {}
-    if virtual_stages > 1:
+    if virtual_stages > 1 or schedule == "zb":  # torch's multi-stage runtime
         virtual = measure_runner_overhead(
             group, latency=link["latency_s"], virtual_stages=virtual_stages, schedule=schedule
         )

@@ -91,17 +91,17 @@ def build_model(
         checkpoint,
         schedule,
         optimizer_factor(optimizer),
-        overhead=_overhead(measured, virtual_stages) if overhead is None else overhead,
+        overhead=_overhead(measured, virtual_stages, schedule) if overhead is None else overhead,
         data_parallel=data_parallel,
         allreduce_bandwidth=allreduce_bandwidth,
         virtual_stages=virtual_stages,
     )
 
 
-def _overhead(measured: dict[str, float], virtual_stages: int) -> float:
+def _overhead(measured: dict[str, float], virtual_stages: int, schedule: str) -> float:
     """The runner's calibrated seconds per stage and micro-batch: torch runs virtual
-    stages on another runtime, measured apart when calibrated for them."""
-    if virtual_stages > 1 and "virtual_overhead_s" in measured:
+    stages and zero bubble on another runtime, measured apart when calibrated for them."""
+    if (virtual_stages > 1 or schedule == "zb") and "virtual_overhead_s" in measured:
         return measured["virtual_overhead_s"]
     return measured.get("overhead_s", 0.0)
 

@@ -4,9 +4,9 @@ The model is 16 blocks of Linear(W, W) + GELU, batch B, M=8 micro-batches, MSE l
 ranks (gloo, one thread each) run :class:`autopipe.distributed.DistributedPipeline` with
 the 1F1B and GPipe schedules. Contenders, each timed over BURST back-to-back steps:
 
-* pipeline: ``DistributedPipeline.step`` (the slower rank's time counts), for 1F1B, GPipe
-  and interleaved 1F1B with two virtual stages per rank (four stages, predicted by
-  :mod:`autopipe.interleaving`);
+* pipeline: ``DistributedPipeline.step`` (the slower rank's time counts), for 1F1B, GPipe,
+  interleaved 1F1B with two virtual stages per rank (four stages) and zero bubble (the
+  last two predicted by replaying their order, :mod:`autopipe.schedule_replay`);
 * hand-made: a minimal 1F1B written with plain ``send``/``recv`` on the same stage modules,
   which shows what pipelining costs on this host whatever the implementation;
 * baseline: one process with one thread (rank 0 alone; rank 1 waits) running the same
@@ -65,7 +65,12 @@ BLOCKS, CHUNKS, WORLD = 16, 8, 2
 CONFIGS = [(512, 64), (1024, 64), (512, 512)]
 BURST = 5  # steps timed back to back
 # Contender name: (schedule, virtual stages per rank).
-SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "1f1b interleaved x2": ("1f1b", 2)}
+SCHEDULES = {
+    "1f1b": ("1f1b", 1),
+    "gpipe": ("gpipe", 1),
+    "1f1b interleaved x2": ("1f1b", 2),
+    "zero bubble": ("zb", 1),
+}
 
 
 def make_model(width: int) -> nn.Sequential:

@@ -190,6 +190,9 @@ def test_virtual_stages_plan_with_their_own_runner_overhead() -> None:
     virtual = plan(profile, 4, virtual_stages=2, **options)
     assert [s.overhead for s in virtual.stages] == [1.5] * 4
     assert [s.overhead for s in plan(profile, 4, **options).stages] == [0.25] * 4
+    # Zero bubble runs on the multi-stage runtime even with one stage per rank.
+    zero_bubble = plan(profile, 4, chunks=4, checkpoint="never", schedule="zb")
+    assert [s.overhead for s in zero_bubble.stages] == [1.5] * 4
     store_calibration(profile, virtual_overhead_s=None)  # type: ignore[arg-type]
     assert plan(profile, 4, virtual_stages=2, **options).stages[0].overhead == 0.25
 
