@@ -68,8 +68,9 @@ SCHEDULES = ("gpipe", "1f1b")
 # runs on the distributed runner only and is valued by its replayed order.
 ALL_SCHEDULES = (*SCHEDULES, "zb")
 # Share of a layer's backward that computes its weights' gradients (zero bubble defers
-# it): for a linear layer the input's and the weights' gradients are one matrix product
-# each, so half; a layer without parameters has none.
+# it), for profiles that did not time the input's gradient alone: for a linear layer the
+# input's and the weights' gradients are one matrix product each, so half; a layer
+# without parameters has none.
 WEIGHT_SHARE = 0.5
 
 Array = NDArray[np.float64]
@@ -173,7 +174,11 @@ class CostModel:
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = _prefix(layers.forward)
         self._bwd = _prefix(layers.backward)
-        self._weight = _prefix(np.where(layers.params > 0, WEIGHT_SHARE * layers.backward, 0.0))
+        if layers.backward_input is not None:  # measured: the rest is the weights'
+            weight = np.maximum(layers.backward - layers.backward_input, 0.0)
+        else:
+            weight = np.where(layers.params > 0, WEIGHT_SHARE * layers.backward, 0.0)
+        self._weight = _prefix(weight)
         # Saved bytes less what the previous layer also saves; a stage's first layer adds
         # its shared part back (its predecessor is not in the stage).
         self._shared = layers.shared_bytes

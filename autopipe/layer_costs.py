@@ -25,7 +25,7 @@ __all__ = [
 # Optimizer state bytes per parameter byte.
 OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 # The figures of a layer that scale with the micro-batch size.
-FIGURES = ("forward", "backward", "saved", "shared", "output", "peak")
+FIGURES = ("forward", "backward", "backward_input", "saved", "shared", "output", "peak")
 
 Array = NDArray[np.float64]
 
@@ -121,6 +121,8 @@ class LayerCosts:
     peak: Array
     input: float
     shared: Array | None = None
+    # Of ``backward``, the input's gradient alone (measured), or None: unknown.
+    backward_input: Array | None = None
 
     def __post_init__(self) -> None:
         if self.shared is None:  # frozen: set once, at construction
@@ -158,6 +160,7 @@ class ProfileLines:
         params: parameter bytes per layer.
         buffers: buffer bytes per layer.
         scale: ``(fixed_scale, compute_scale)`` applied to times.
+        split_backward: whether every layer's backward to its input alone was measured.
     """
 
     names: list[str]
@@ -167,6 +170,7 @@ class ProfileLines:
     params: Array
     buffers: Array
     scale: tuple[float, float] = (1.0, 1.0)
+    split_backward: bool = False
 
     @classmethod
     def from_profile(cls, profile: Profile, alone: bool = False) -> ProfileLines:
@@ -189,12 +193,13 @@ class ProfileLines:
             params=np.array([float(layer.param_bytes) for layer in profile.layers]),
             buffers=np.array([float(layer.buffer_bytes) for layer in profile.layers]),
             scale=compute_scale(profile, alone),
+            split_backward=all(layer.backward_input is not None for layer in profile.layers),
         )
 
     def figure(self, name: str, micro_batch: float) -> Array:
         """One figure of every layer at ``micro_batch`` samples (times calibrated)."""
         a, b = segments(self.sizes, self.values[name], micro_batch)
-        if name in ("forward", "backward"):
+        if name in ("forward", "backward", "backward_input"):
             a, b = a * self.scale[0], b * self.scale[1]
         return np.maximum(a + b * micro_batch, 0.0)
 
@@ -221,4 +226,9 @@ class ProfileLines:
             shared=np.minimum(
                 self.figure("shared", micro_batch), self.figure("saved", micro_batch)
             ),
+            backward_input=np.minimum(
+                self.figure("backward_input", when), self.figure("backward", when)
+            )
+            if self.split_backward
+            else None,
         )

@@ -37,6 +37,7 @@ class LayerFigures:
     peak: int | None
     input_saved: int = 0  # of ``saved``: the input's storages
     output_saved: int = 0  # of ``saved``: the output's storages
+    backward_input: float = 0.0  # of ``backward``: the input's gradient alone
 
 
 def as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
@@ -214,6 +215,22 @@ class _Pass:
         _synchronize(self.device)
         return t1 - t0, time.perf_counter() - t2
 
+    def timed_input(self) -> float:
+        """Seconds of a backward that computes the input's gradient only (no weights'), as
+        zero-bubble schedules run it; 0 when no input takes a gradient."""
+        args = self.arguments()
+        targets = self.forward(args)
+        wanted = [a for a in args if a.requires_grad]
+        if not targets or not wanted:
+            return 0.0
+        self.flush()
+        _synchronize(self.device)
+        start = time.perf_counter()
+        with self.region():
+            torch.autograd.grad(targets, wanted, self.grads, allow_unused=True)
+        _synchronize(self.device)
+        return time.perf_counter() - start
+
     def saved(self, exclude: AbstractSet[int]) -> tuple[int, int, int]:
         """Bytes autograd saves for backward during one forward (then runs the backward).
 
@@ -283,7 +300,8 @@ def measure_layer(
             (``bfloat16`` or ``float16``); ``None``: as the caller runs.
 
     Returns:
-        Median forward and backward seconds, saved bytes and, on CUDA, the peak.
+        Median forward and backward seconds (and of a backward to the input alone), saved
+        bytes and, on CUDA, the peak.
     """
     runs = _Pass(layer, inputs, device, label, flush, autocast)
     # The first pass counts saved tensors and allocates parameter gradients, so the
@@ -292,6 +310,8 @@ def measure_layer(
     for _ in range(warmup):
         runs.run()
     times = [runs.timed() for _ in range(repeats)]
+    # Timed apart, after the whole backwards: its own passes do not disturb theirs.
+    inputs_only = [runs.timed_input() for _ in range(repeats)]
     peak = runs.peak(fresh) if device.type == "cuda" else None
     return LayerFigures(
         forward=statistics.median(t[0] for t in times),
@@ -300,4 +320,5 @@ def measure_layer(
         peak=peak,
         input_saved=saved - fresh,
         output_saved=of_output,
+        backward_input=statistics.median(inputs_only),
     )

@@ -160,6 +160,7 @@ def _profile_layer(
         kind=type(layer).__name__,
         forward=[f.forward for f in figures],
         backward=[f.backward for f in figures],
+        backward_input=[min(f.backward_input, f.backward) for f in figures],
         saved=[f.saved for f in figures],
         output=[tensor_bytes(out) for out in outputs],
         param_bytes=params,

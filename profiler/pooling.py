@@ -89,11 +89,21 @@ def pool_identical(
         group = [layers[i] for i in members]
         forward = _median_lists([p.forward for p in group])
         backward = _median_lists([p.backward for p in group])
+        inputs = [p.backward_input for p in group]
+        backward_input = None
+        if all(i is not None for i in inputs):
+            backward_input = _median_lists([list(i or []) for i in inputs])
         peaks = [p.peak for p in group]
         peak = None
         if all(p is not None for p in peaks):
             peak = [int(v) for v in _median_lists([[float(x) for x in p or []] for p in peaks])]
         for i in members:
-            pooled[i] = replace(layers[i], forward=forward, backward=backward, peak=peak)
+            pooled[i] = replace(
+                layers[i],
+                forward=forward,
+                backward=backward,
+                peak=peak,
+                backward_input=backward_input,
+            )
         names.append([p.name for p in group])
     return pooled, names

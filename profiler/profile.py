@@ -41,6 +41,9 @@ class LayerProfile:
         shared: of ``saved``, the bytes of the layer's input that the layer before it also
             saves (as its output): one storage, held once by a stage that keeps both
             layers. ``None`` (older profiles) counts as zero.
+        backward_input: of ``backward``, the seconds of the input's gradient alone (the
+            rest computes the weights' gradients, which zero-bubble schedules run apart).
+            ``None`` (older profiles): unknown.
     """
 
     name: str
@@ -53,6 +56,7 @@ class LayerProfile:
     buffer_bytes: int = 0
     peak: list[int] | None = None
     shared: list[int] | None = None
+    backward_input: list[float] | None = None
 
     @property
     def state_bytes(self) -> int:

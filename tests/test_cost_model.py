@@ -223,3 +223,16 @@ def test_stage_parts_add_up_to_the_stage_time(checkpoint):
         # Forward and backward keep the layers' proportion (1:2 here), overhead included.
         assert backward[:4] == pytest.approx(2 * forward[:4])
         assert forward[4] > 0 and backward[4] > 0  # only overhead: shared out anyway
+
+
+def test_weight_share_is_measured_when_the_profile_has_it():
+    measured = costs(backward_input=np.array([1.0, 2.0, 6.0, 8.0]))  # backward 2, 4, 6, 8
+    m = CostModel(measured, [DeviceSpec(), DeviceSpec()], 4, checkpoint="never", schedule="zb")
+    # Weights' part: 1, 2, 0, 0 of 2, 4, 6, 8.
+    assert m.weight_share(at(0), at(2)) == pytest.approx(3 / 6)
+    assert m.weight_share(at(2), at(4)) == pytest.approx(0.0)
+    guessed = model(checkpoint="never", schedule="zb")  # every layer has parameters: half
+    assert guessed.weight_share(at(0), at(4)) == pytest.approx(0.5)
+    no_params = costs(params=np.zeros(4))
+    none = CostModel(no_params, [DeviceSpec(), DeviceSpec()], 4, checkpoint="never")
+    assert none.weight_share(at(0), at(4)) == pytest.approx(0.0)

@@ -193,6 +193,23 @@ def test_integer_inputs_get_no_gradient() -> None:
     assert embed.output == [b * 7 * 16 * F32 for b in (2, 4)]
 
 
+def test_backward_to_the_input_alone_is_timed() -> None:
+    ids = torch.randint(0, 50, (4, 7))
+    layers = [nn.Embedding(60, 16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 2)]
+    profile = profile_layers(layers, ids, batch_sizes=[2, 4], **FAST)
+    embed, *rest = profile.layers
+    assert embed.backward_input == [0.0, 0.0]  # token ids take no gradient: all weights'
+    for layer in rest:
+        assert layer.backward_input is not None and len(layer.backward_input) == 2
+        assert all(0 < i <= b for i, b in zip(layer.backward_input, layer.backward))
+    again = Profile.from_dict(profile.to_dict())
+    assert again.layers[1].backward_input == rest[0].backward_input
+    old = profile.to_dict()
+    for layer in old["layers"]:
+        del layer["backward_input"]
+    assert Profile.from_dict(old).layers[1].backward_input is None  # older profiles
+
+
 def test_default_batch_sizes() -> None:
     assert default_batch_sizes(1) == [1, 2]
     assert default_batch_sizes(2) == [1, 2]
