@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -57,6 +58,7 @@ __all__ = [
     "CostModel",
     "LayerCosts",
     "ProfileLines",
+    "StageParts",
     "optimizer_factor",
 ]
 
@@ -100,6 +102,16 @@ class RangeMax:
         # floor(log2(length)), exactly, from the binary exponent.
         level = np.frexp(e - s)[1] - 1
         return np.asarray(np.maximum(self.table[level, s], self.table[level, e - (1 << level)]))
+
+
+class StageParts(NamedTuple):
+    """A stage's times per micro-batch by part, its re-computation code and its memory."""
+
+    forward: Array
+    backward: Array
+    transfer: Array
+    recompute: Array
+    memory: Array
 
 
 class CostModel:
@@ -280,16 +292,16 @@ class CostModel:
             choice = np.where(take, i, choice)
         return time, memory, choice
 
-    def stage_parts(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Array, Array]:
-        """``(forward, backward, transfer, recompute)`` of stage ``k`` with layers ``[s, e)``.
+    def stage_parts(self, k: int, s: Index, e: Index) -> StageParts:
+        """Stage ``k``'s parts with layers ``[s, e)``, as the step replay takes them.
 
         One forward and one backward per micro-batch, the executor's overhead shared
         between them in their proportion (so that ``forward·(1 + r) + backward + transfer``
-        is :meth:`stage_time`, ``r`` the re-computed share), and the re-computation as a
-        :data:`autopipe.schedule_replay.RECOMPUTE_CODES` value, as the step replay takes
-        them.
+        is :meth:`stage_time`, ``r`` the re-computed share), the re-computation as a
+        :data:`autopipe.schedule_replay.RECOMPUTE_CODES` value, and the stage's memory
+        (:meth:`stage_memory`), all from one :meth:`stage_costs`.
         """
-        time, _, choice = self.stage_costs(k, s, e)
+        time, memory, choice = self.stage_costs(k, s, e)
         speed = self.devices[k].speed
         fwd = (self._fwd[e] - self._fwd[s]) / speed
         bwd = (self._bwd[e] - self._bwd[s]) / speed
@@ -302,7 +314,7 @@ class CostModel:
         scale = np.where(work > 0, compute / safe, 1.0)
         even = np.where(work > 0, 0.0, compute / (2.0 + fractions))
         codes = np.array([RECOMPUTE_CODES[mode] for mode in self.modes])[choice]
-        return fwd * scale + even, bwd * scale + even, transfer, codes
+        return StageParts(fwd * scale + even, bwd * scale + even, transfer, codes, memory)
 
     def weight_share(self, s: Index, e: Index) -> Array:
         """Share of layers ``[s, e)``'s backward that computes their weights' gradients."""

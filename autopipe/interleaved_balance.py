@@ -25,6 +25,7 @@ from autopipe.schedule_replay import makespans
 
 __all__ = [
     "EXHAUSTIVE",
+    "every_split",
     "exhaustive_split",
     "interleaved_cost",
     "interleaved_split",
@@ -50,9 +51,14 @@ def _replayed(
     fits = np.ones(len(bounds), dtype=bool)
     for k in range(stages):
         s, e = bounds[:, k], bounds[:, k + 1]
-        forward[:, k], backward[:, k], transfer[:, k], codes[:, k] = model.stage_parts(k, s, e)
+        parts = model.stage_parts(k, s, e)
+        forward[:, k], backward[:, k], transfer[:, k] = (
+            parts.forward,
+            parts.backward,
+            parts.transfer,
+        )
+        codes[:, k], memory[:, k] = parts.recompute, parts.memory
         weight[:, k] = model.weight_share(s, e)
-        memory[:, k] = model.stage_memory(k, s, e)
         fits &= memory[:, k] <= model.capacity(k)
     ranks = model.num_ranks
     for r in range(ranks):
@@ -100,14 +106,19 @@ def _moves(balance: list[int]) -> Iterable[list[int]]:
             step *= 2
 
 
+def every_split(layers: int, stages: int) -> NDArray[np.int64]:
+    """The stage bounds ``[0, c_1, …, layers]`` of every split into non-empty stages, one
+    row each (``C(layers − 1, stages − 1)`` rows)."""
+    cuts = np.array(list(itertools.combinations(range(1, layers), stages - 1)), dtype=np.int64)
+    cuts = cuts.reshape(-1, stages - 1)
+    ends = np.full((len(cuts), 1), layers, dtype=np.int64)
+    return np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
+
+
 def exhaustive_split(model: CostModel) -> list[int] | None:
     """The split with the least interleaved step time among all that fit, by evaluating
     every one (``None``: none fits). Only for at most :data:`EXHAUSTIVE` splits."""
-    n, stages = model.num_layers, model.num_stages
-    cuts = np.array(list(itertools.combinations(range(1, n), stages - 1)), dtype=np.int64)
-    cuts = cuts.reshape(-1, stages - 1)
-    ends = np.full((len(cuts), 1), n, dtype=np.int64)
-    bounds = np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
+    bounds = every_split(model.num_layers, model.num_stages)
     cost = _replayed(model, bounds)
     if not np.isfinite(cost).any():
         return None

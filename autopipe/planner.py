@@ -305,6 +305,7 @@ def describe(
     for k in range(model.num_stages):
         s, e = np.array(bounds[k]), np.array(bounds[k + 1])
         time, memory, _ = model.stage_costs(k, s, e)
+        parts = model.stage_parts(k, s, e)
         transfer = float(model.transfer_time(k, e))
         state = float(model.state_memory(s, e))
         stages.append(
@@ -326,8 +327,8 @@ def describe(
                 recompute=float(model.recompute_time(k, s, e)),
                 overhead=model.overhead,
                 allreduce=float(model.allreduce_time(s, e)),
-                forward=float(model.stage_parts(k, s, e)[0]),
-                weight=float(model.stage_parts(k, s, e)[1] * model.weight_share(s, e)),
+                forward=float(parts.forward),
+                weight=float(parts.backward * model.weight_share(s, e)),
             )
         )
     times = np.array([stage.time for stage in stages])

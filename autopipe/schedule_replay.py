@@ -164,6 +164,7 @@ def makespans(
             share[lo:hi],
             codes[lo:hi],
             ranks,
+            chunks,
             first,
         )
     return out
@@ -177,10 +178,10 @@ def _replay(
     weight: NDArray[np.float64],
     codes: NDArray[np.int64],
     ranks: int,
+    chunks: int,
     first: tuple[int, ...],
 ) -> NDArray[np.float64]:
     rows, stages = forward.shape
-    chunks = 1 + max(op.micro_batch for op in order)
     last = stages - 1
     sent = np.zeros((stages, chunks, rows))  # forward output of (stage, micro-batch) there
     grads = np.zeros((stages, chunks, rows))  # input gradient of (stage, micro-batch) there

@@ -26,6 +26,7 @@ import numpy as np
 
 from autopipe.cost_model import CostModel
 from autopipe.devices import DeviceSpec
+from autopipe.interleaved_balance import every_split
 from autopipe.interleaving import step_times
 from autopipe.layer_costs import LayerCosts
 from autopipe.schedule_replay import makespans
@@ -62,12 +63,6 @@ def _costs(forward: np.ndarray) -> LayerCosts:
     )
 
 
-def _every_split(layers: int, stages: int) -> np.ndarray:
-    cuts = np.array(list(itertools.combinations(range(1, layers), stages - 1)), dtype=np.int64)
-    ends = np.full((len(cuts), 1), layers, dtype=np.int64)
-    return np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
-
-
 def compare(forward: np.ndarray, k: int, v: int, m: int, schedule: str) -> dict[str, float]:
     """Both estimates over every split of one profile."""
     model = CostModel(
@@ -78,7 +73,7 @@ def compare(forward: np.ndarray, k: int, v: int, m: int, schedule: str) -> dict[
         schedule=schedule,
         virtual_stages=v,
     )
-    bounds = _every_split(len(forward), k * v)
+    bounds = every_split(len(forward), k * v)
     parts = [model.stage_parts(s, bounds[:, s], bounds[:, s + 1]) for s in range(k * v)]
     f, b, t, codes = (np.stack([p[i] for p in parts], axis=1) for i in range(4))
     replayed = makespans(f, b, t, codes, k, m, schedule)

@@ -213,8 +213,9 @@ def test_stage_parts_add_up_to_the_stage_time(checkpoint):
     m = model(devices, checkpoint=checkpoint, overhead=0.25)
     s, e = np.array([0, 0, 1, 3, 2]), np.array([1, 2, 4, 4, 2])  # the last holds no layer
     for k in range(2):
-        forward, backward, transfer, codes = m.stage_parts(k, s, e)
-        time, _, choice = m.stage_costs(k, s, e)
+        forward, backward, transfer, codes, memory = m.stage_parts(k, s, e)
+        time, expected_memory, choice = m.stage_costs(k, s, e)
+        assert memory == pytest.approx(expected_memory)
         modes = [m.modes[i] for i in choice]
         fraction = np.array([m.fraction(mode) for mode in modes])
         assert forward * (1 + fraction) + backward + transfer == pytest.approx(time)
