@@ -22,22 +22,17 @@ from autopipe.dist_setup import collective
 from autopipe.dist_wrap import prepare_model
 from autopipe.errors import PlanningError
 from autopipe.plans import Plan
+from profiler.measure import doubling_batch_sizes
 from profiler.profile import Profile
 
 __all__ = ["search_plan"]
 
 
 def _sizes(batch: int, model: nn.Module) -> list[int]:
-    """Micro-batch sizes from 1 to the whole batch, doubling: the search's range (from 2
-    with batch norm, which cannot train on one sample)."""
-    smallest = (
-        2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
-    )
-    sizes, size = [], min(smallest, batch)
-    while size < batch:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, batch]
+    """The search's range of micro-batch sizes (from 2 with batch norm, which cannot train
+    on one sample)."""
+    norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return doubling_batch_sizes(batch, 2 if norm else 1)
 
 
 def search_plan(

@@ -59,7 +59,7 @@ from benchmarks.accuracy_runs import combine  # noqa: E402
 from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
 from profiler.calibrate import store_calibration  # noqa: E402
 from profiler.in_context import measure_compute_scale  # noqa: E402
-from profiler.measure import profile_model  # noqa: E402
+from profiler.measure import doubling_batch_sizes, profile_model  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,15 +68,6 @@ DEFAULT_EXAMPLES = ("mlp", "convnet")
 # Examples the two-rank part runs (the GPT-2 example's traced units: one device only).
 TWO_RANK_EXAMPLES = ("mlp", "convnet")
 CHUNKS = 4  # the profile's M; the search varies it
-
-
-def batch_sizes(batch: int) -> list[int]:
-    """Micro-batch sizes from 1 to the whole batch, doubling: the search's range."""
-    sizes, size = [], 1
-    while size < batch:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, batch]
 
 
 def distinct(plans: list[Plan]) -> list[Plan]:
@@ -94,7 +85,7 @@ def distinct(plans: list[Plan]) -> list[Plan]:
 def profile_and_calibrate(name: str, repeats: int, device: str) -> tuple[Any, Any, Profile]:
     model, sample = load_sequential(ROOT / "examples" / f"{name}.py")
     first = sample if isinstance(sample, torch.Tensor) else sample[0]
-    sizes = batch_sizes(first.shape[0])
+    sizes = doubling_batch_sizes(first.shape[0])
     print(f"[{name}] profiling {len(model)} layers on {device} at batch sizes {sizes}", flush=True)
     profile = profile_model(
         model, sample, device=device, chunks=CHUNKS, batch_sizes=sizes, repeats=repeats

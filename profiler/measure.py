@@ -29,6 +29,16 @@ def default_batch_sizes(micro_batch: int) -> list[int]:
     return [1, 2]
 
 
+def doubling_batch_sizes(batch: int, smallest: int = 1) -> list[int]:
+    """Micro-batch sizes from ``smallest`` to the whole batch, doubling: every size a
+    search over the micro-batch count may plan for lies between two of them."""
+    sizes, size = [], min(smallest, batch)
+    while size < batch:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, batch]
+
+
 def _sample_tensors(sample: Any) -> Inputs:
     """The sample as a tuple of tensors sharing a non-zero batch dimension."""
     if isinstance(sample, Tensor):

@@ -447,3 +447,11 @@ def test_autocast_profile_survives_json(tmp_path: object) -> None:
     profile.save(path)
     assert Profile.load(path) == profile
     assert Profile.load(path).autocast == "bfloat16"
+
+
+def test_doubling_batch_sizes_span_the_batch() -> None:
+    from profiler.measure import doubling_batch_sizes
+
+    assert doubling_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert doubling_batch_sizes(12, smallest=2) == [2, 4, 8, 12]
+    assert doubling_batch_sizes(1, smallest=2) == [1]
