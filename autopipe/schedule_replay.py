@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -66,10 +67,11 @@ class Operation:
         return self.kind == "F"
 
 
-def recomputes(code: int, micro_batch: int, spared: int) -> bool:
+def recomputes(code: Any, micro_batch: int, spared: int) -> Any:
     """Whether a stage with re-computation ``code`` re-computes ``micro_batch``, ``spared``
-    being the micro-batch whose backward it runs first."""
-    return code == ALL or (code == ALL_BUT_ONE and micro_batch != spared)
+    being the micro-batch whose backward it runs first (element-wise for an array of
+    codes)."""
+    return (code == ALL) | ((code == ALL_BUT_ONE) & (micro_batch != spared))
 
 
 @functools.lru_cache(maxsize=64)
@@ -188,11 +190,7 @@ def _replay(
     free = np.zeros((ranks, rows))
     # Per stage and micro-batch: the re-computation before its backward, if any.
     again = {
-        (s, i): np.where(
-            (codes[:, s] == ALL) | ((codes[:, s] == ALL_BUT_ONE) & (i != first[s])),
-            forward[:, s],
-            0.0,
-        )
+        (s, i): np.where(recomputes(codes[:, s], i, first[s]), forward[:, s], 0.0)
         for s in range(stages)
         for i in range(chunks)
         if np.any(codes[:, s] != NONE)

@@ -44,7 +44,13 @@ from dataclasses import dataclass
 
 from autopipe.interleaving import spared
 from autopipe.plans import Plan
-from autopipe.schedule_replay import replay_order
+from autopipe.schedule_replay import (
+    ALL_BUT_ONE,
+    NONE,
+    RECOMPUTE_CODES,
+    recomputes,
+    replay_order,
+)
 
 __all__ = ["KINDS", "Event", "StageTimes", "checkpointed", "makespan", "simulate", "stage_times"]
 
@@ -118,14 +124,12 @@ def checkpointed(plan: Plan, micro_batch: int, stage: int = 0) -> bool:
     """
     modes = plan.stage_checkpoints if plan.stages else [plan.checkpoint]
     mode = modes[min(stage, len(modes) - 1)]
-    if mode == "always":
-        return True
-    if mode == "except_last":
-        virtual = max(plan.virtual_stages, 1)
-        ranks = max(plan.num_stages // virtual, 1)
-        first = spared(ranks, virtual, plan.chunks, plan.schedule)
-        return micro_batch != first[min(stage, len(first) - 1)]
-    return False
+    code = RECOMPUTE_CODES.get(mode, NONE)
+    if code != ALL_BUT_ONE:  # the spared micro-batch matters only to except_last
+        return bool(recomputes(code, micro_batch, -1))
+    virtual = max(plan.virtual_stages, 1)
+    first = spared(max(plan.num_stages // virtual, 1), virtual, plan.chunks, plan.schedule)
+    return bool(recomputes(code, micro_batch, first[min(stage, len(first) - 1)]))
 
 
 def _recompute_fraction(plan: Plan, stage: int) -> float:
