@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +13,38 @@ __all__ = ["read_json", "write_json"]
 
 
 def write_json(path: str | os.PathLike[str], kind: str, data: dict[str, Any]) -> None:
-    """Writes ``data`` tagged with ``kind``; a failure leaves no half-written file."""
+    """Writes ``data`` tagged with ``kind``; a failure leaves no half-written file.
+
+    The text goes to a temporary file of its own in the target's folder and is renamed
+    over the target once on disk, so concurrent writers to one path each leave a whole
+    file (the last rename wins) and an interrupted write leaves the old file as it was.
+    """
     target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
+    text = json.dumps({"kind": kind, **data}, indent=1)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        tmp.write_text(json.dumps({"kind": kind, **data}, indent=1))
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        # mkstemp makes the file private (0600); give it the mode open() would.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    except BaseException:  # KeyboardInterrupt too: no temporary file is left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system can."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # elsewhere: set and restore at once
+    os.umask(mask)
+    return mask
 
 
 def read_json(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
@@ -28,9 +54,11 @@ def read_json(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
         ValueError: the file is missing, is not JSON or holds another kind of data.
     """
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"cannot read {kind} file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text; is it an autopipe {kind}?") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
