@@ -27,8 +27,10 @@ __all__ = [
     "SCHEDULE_NAMES",
     "LossRecorder",
     "agree",
+    "agree_on_step",
     "batch_tensors",
     "check_arguments",
+    "check_like_sample",
     "check_sizes",
     "collective",
     "default_device",
@@ -115,6 +117,73 @@ def agree(rank: int, world: int, problem: str | None, fingerprint: Mapping[str, 
     difference = compare_fingerprints([print_ for _, print_ in everyone])
     if difference:
         raise ValueError(f"the ranks were given different configurations: {difference}")
+
+
+def agree_on_step(
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    step: int,
+    problem: str | None,
+) -> None:
+    """Every rank's verdict on its part of a step, exchanged before the step sends anything.
+
+    A collective: one all-reduce of three integers (whether this rank's arguments are
+    invalid, and its step count as a maximum and a minimum), and only when some rank
+    found a problem, a gather of the messages. A step refused on one rank is so refused
+    on every rank, and the pipeline stays usable; without it the other ranks would run
+    the step and pair its messages with the next one's.
+
+    Raises:
+        ValueError: some rank's part of the step is invalid (on every rank, with that
+            rank's message).
+        RuntimeError: the ranks have run different numbers of steps, or another rank
+            failed (after the process group's timeout).
+    """
+    on = device if device.type == "cuda" else torch.device("cpu")
+    flags = torch.tensor([problem is not None, step, -step], dtype=torch.int64, device=on)
+    what = "agree on the step with the other ranks"
+    collective(rank, what, dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=group)
+    failed, latest, earliest = (int(v) for v in flags.tolist())
+    earliest = -earliest
+    if latest != earliest:
+        raise RuntimeError(
+            f"the ranks are out of step: this rank has run {step} steps, another "
+            f"{earliest if step == latest else latest}; call step() on every rank alike"
+        )
+    if not failed:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    what = "share the step's problems"
+    collective(rank, what, dist.all_gather_object, everyone, problem, group=group)
+    for other, error in enumerate(everyone):
+        if error:
+            raise ValueError(error if other == rank else f"rank {other}: {error}")
+
+
+def check_like_sample(tensors: tuple[Tensor, ...], sample: Any, what: str) -> None:
+    """Checks that a step's tensors have the sample's shapes past dim 0 and its dtypes.
+
+    The stages' buffers were measured on the sample, so anything else would fail on one
+    rank mid-step (the others waiting) or exchange tensors of the wrong size.
+
+    Raises:
+        ValueError: another count, shape or dtype.
+    """
+    expected = (sample,) if isinstance(sample, Tensor) else tuple(sample)
+    if len(tensors) != len(expected):
+        count = len(expected)
+        raise ValueError(f"{what} must be {count} tensors, as the sample; got {len(tensors)}")
+    for index, (tensor, like) in enumerate(zip(tensors, expected, strict=True)):
+        if tensor.shape[1:] != like.shape[1:] or tensor.dtype != like.dtype:
+            name = what if len(expected) == 1 else f"{what}[{index}]"
+            want = ("N", *like.shape[1:])
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype} but the "
+                f"pipeline was built for shape ({', '.join(map(str, want))}) and dtype "
+                f"{like.dtype}, the sample's; give every step inputs shaped as the sample, "
+                "or build the pipeline with such a sample"
+            )
 
 
 def batch_tensors(value: Any, batch: int, device: torch.device, what: str) -> tuple[Tensor, ...]:

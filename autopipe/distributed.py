@@ -14,8 +14,10 @@ from autopipe.dist_padding import MicroBatchPadding
 from autopipe.dist_setup import (
     LossRecorder,
     agree,
+    agree_on_step,
     batch_tensors,
     check_arguments,
+    check_like_sample,
     check_sizes,
     collective,
     default_device,
@@ -332,32 +334,30 @@ class DistributedPipeline:
 
         Raises:
             ValueError: a mini-batch of another size than the sample's (or, with replicas,
-                than the global and the per-replica batch), or a step under another
-                autocast than the pipeline's (its stages would exchange tensors of the
-                wrong dtype).
+                than the global and the per-replica batch), inputs of other shapes past
+                dim 0 or dtypes than the sample's, or a step under another autocast than
+                the pipeline's (its stages would exchange tensors of the wrong dtype). The
+                ranks agree on it before the step sends anything: a step refused on one
+                rank is refused on every rank (the message names the rank), and the
+                pipeline can run the next one.
             RuntimeError: a step failed on this or another rank before (the pipeline's
                 ranks are out of step then), or the process group timed out.
         """
         if self._broken:
             raise RuntimeError("an earlier step failed; this pipeline cannot run again")
-        found = current_autocast(self.device.type)
-        if found not in (None, self.autocast):
-            raise ValueError(
-                f"the step runs under autocast {found} but the pipeline was built for "
-                f"{self.autocast or 'none'}: pass autocast={found!r} to DistributedPipeline"
-            )
-        layout, batch = self.layout, self.batch_size
-        args: tuple[Tensor, ...] = ()
-        if self.is_first:
-            flat = take_shard(self._model.flatten(inputs), layout, batch, "inputs")
-            args = self._padding.pad(batch_tensors(flat, batch, self.device, "inputs"))
-        kwargs: dict[str, Any] = dict(self._step_extra)
-        if self.is_last:
-            if isinstance(target, (tuple, list)):
-                raise ValueError("target must be a single tensor")
-            target = take_shard(target, layout, batch, "a target")
-            target = batch_tensors(target, batch, self.device, "a target")[0]
-            kwargs["target"] = self._padding.pad_target(target)
+        problem: str | None = None
+        try:
+            args, kwargs = self._arguments(inputs, target)
+        except (ValueError, TypeError) as exc:
+            args, kwargs, problem = (), {}, str(exc)
+        # Every rank learns whether any rank refuses the step before it sends anything: a
+        # rank that went ahead alone would pair this step's messages with the next one's.
+        try:
+            agree_on_step(self.rank, self.group, self.device, self._steps, problem)
+        except RuntimeError:
+            self._broken = True
+            raise
+        layout = self.layout
         self._loss.values.clear()
         try:
             with self._sync.step(), autocast_pass(self.device.type, self.autocast):
@@ -375,6 +375,34 @@ class DistributedPipeline:
             raise
         self._steps += 1
         return loss
+
+    def _arguments(self, inputs: Any, target: Any) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+        """What this rank's stages take from a step's arguments, checked; sends nothing.
+
+        Raises:
+            ValueError: what :meth:`step` refuses.
+        """
+        found = current_autocast(self.device.type)
+        if found not in (None, self.autocast):
+            raise ValueError(
+                f"the step runs under autocast {found} but the pipeline was built for "
+                f"{self.autocast or 'none'}: pass autocast={found!r} to DistributedPipeline"
+            )
+        layout, batch = self.layout, self.batch_size
+        args: tuple[Tensor, ...] = ()
+        if self.is_first:
+            flat = take_shard(self._model.flatten(inputs), layout, batch, "inputs")
+            tensors = batch_tensors(flat, batch, self.device, "inputs")
+            check_like_sample(tensors, self._model.sample, "inputs")
+            args = self._padding.pad(tensors)
+        kwargs: dict[str, Any] = dict(self._step_extra)
+        if self.is_last:
+            if isinstance(target, (tuple, list)):
+                raise ValueError("target must be a single tensor")
+            target = take_shard(target, layout, batch, "a target")
+            target = batch_tensors(target, batch, self.device, "a target")[0]
+            kwargs["target"] = self._padding.pad_target(target)
+        return args, kwargs
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their names in the original model."""

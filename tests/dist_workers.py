@@ -439,6 +439,44 @@ def _failing(rank: int, world: int, stay: bool) -> None:
         raise
 
 
+def _validity(rank: int) -> dict[str, Any]:
+    """Steps refused on one rank or on every rank: each is refused on every rank before it
+    sends anything, and the next good step is exact. A short group timeout turns a rank
+    left waiting on a refused step into a failure instead of a long hang."""
+    from autopipe.distributed import DistributedPipeline
+    from profiler.measure import profile_model
+
+    x, y = make_batch()
+    x2, y2 = make_batch(seed=2)
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    options["group"] = dist.new_group([0, 1], timeout=timedelta(seconds=STUCK_TIMEOUT))
+    options["profile"] = profile_model(make_model(), x, chunks=CHUNKS, repeats=1)
+    results: dict[str, Any] = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = DistributedPipeline(make_model(), x, schedule=schedule, **options)
+        last = pipe.is_last
+        cases = {
+            "bad batch on rank 0": (x[:5] if rank == 0 else x, y),
+            "wrong feature size": (x[:, :5], y),
+            "wrong dtype": (x.double(), y),
+            "bad target on the last rank": (x, y[:5] if last else y),
+            "target tuple on the last rank": (x, (y, y) if last else y),
+        }
+        errors: dict[str, str | None] = {}
+        losses = []
+        for name, (inputs, target) in cases.items():
+            try:
+                pipe.step(inputs, target)
+                errors[name] = None
+            except ValueError as exc:
+                errors[name] = str(exc)
+            if name == "bad batch on rank 0":  # the next step, as a caller would retry
+                losses.append(pipe.step(x2, y2))
+        losses.append(pipe.step(x2, y2))
+        results[schedule] = {"errors": errors, "losses": losses, "grads": _grads(pipe)}
+    return results
+
+
 def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     init_rank(workdir, rank, world, minutes=1.0)  # one thread, gloo, file store
     if scenario == "equal":
@@ -449,6 +487,8 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         torch.save(_autocast(), workdir / f"rank{rank}.pt")
     elif scenario == "replicas":
         torch.save(_replicas(rank, world), workdir / f"rank{rank}.pt")
+    elif scenario == "validity":
+        torch.save(_validity(rank), workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):
         _failing(rank, world, stay=scenario == "stuck")
     # Every rank leaves together and closes the group: a gloo group torn down by interpreter

@@ -469,6 +469,42 @@ def test_a_stuck_rank_times_out_the_others(tmp_path: Path) -> None:
     assert runs[0].seconds < 30 + STUCK_TIMEOUT
 
 
+@pytest.fixture(scope="module")
+def validity_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _results("validity", 2, tmp_path_factory.mktemp("validity"), limit=90)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_step_refused_on_one_rank_is_refused_on_every_rank(
+    validity_run: list[dict[str, Any]], schedule: str
+) -> None:
+    runs = [rank[schedule] for rank in validity_run]
+    expected = {
+        "bad batch on rank 0": (0, "inputs must have batch size 16"),
+        "wrong feature size": (0, "inputs has shape (16, 5) and dtype torch.float32 but"),
+        "wrong dtype": (0, "dtype torch.float64 but the pipeline was built for shape (N, 8)"),
+        "bad target on the last rank": (1, "a target must have batch size 16"),
+        "target tuple on the last rank": (1, "target must be a single tensor"),
+    }
+    for name, (culprit, message) in expected.items():
+        for rank, run in enumerate(runs):
+            error = run["errors"][name]
+            assert error is not None and message in error, (name, rank, error)
+            assert error.startswith(f"rank {culprit}: ") == (rank != culprit), error
+    # The step after a refused one is exact, and refused steps left no gradient behind.
+    model = make_model()
+    x, y = make_batch(seed=2)
+    loss = reference_step(model, x, y)
+    reference_step(model, x, y)
+    assert runs[0]["losses"] == [None, None]
+    for value in runs[1]["losses"]:
+        torch.testing.assert_close(value, loss, rtol=1e-5, atol=1e-6)
+    for run in runs:
+        for name, grad in run["grads"].items():
+            expected_grad = model.get_parameter(name).grad
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ---------------------------------------------------------------- replicas: K·D ranks
 
 
