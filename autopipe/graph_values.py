@@ -10,7 +10,16 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-__all__ = ["ValueInfo", "record_values", "run_quietly", "same_results"]
+from autopipe.grad_modes import grad_mode_of
+
+__all__ = [
+    "GradModeInterpreter",
+    "ValueInfo",
+    "gradient_flow",
+    "record_values",
+    "run_quietly",
+    "same_results",
+]
 
 _SIMPLE = (
     int,
@@ -64,12 +73,13 @@ def _is_simple(value: Any) -> bool:
 
 
 def run_quietly(
-    module: nn.Module, function: Callable[..., Any], *tensors: Tensor
+    module: nn.Module, function: Callable[..., Any], *tensors: Tensor, grad: bool = False
 ) -> tuple[Any, dict[int, Tensor]]:
     """Calls ``function`` on copies of ``tensors`` without leaving a trace.
 
-    No autograd graph is recorded, random numbers come from a forked generator (two calls
-    draw the same ones), and the module's buffers (batch-norm statistics) are put back.
+    No autograd graph is recorded (unless ``grad``), random numbers come from a forked
+    generator (two calls draw the same ones), and the module's buffers (batch-norm
+    statistics) are put back.
 
     Returns:
         What ``function`` returned, and copies of the module's buffers as the call left
@@ -77,13 +87,64 @@ def run_quietly(
     """
     buffers = list(module.buffers())
     saved = [b.detach().clone() for b in buffers]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad):
         try:
             result = function(*(t.clone() for t in tensors))
             return result, {id(b): b.detach().clone() for b in buffers}
         finally:
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
+            with torch.no_grad():
+                for buffer, value in zip(buffers, saved):
+                    buffer.copy_(value)
+
+
+class GradModeInterpreter(fx.Interpreter):
+    """Runs a traced graph with each node in the grad mode the model's code set for it."""
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self.outer = torch.is_grad_enabled()
+        return super().run(*args, **kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        mode = grad_mode_of(n)
+        with torch.set_grad_enabled(self.outer if mode is None else mode):
+            return super().run_node(n)
+
+
+def gradient_flow(
+    module: nn.Module, function: Callable[..., Any], tensors: tuple[Tensor, ...]
+) -> dict[str, bool] | None:
+    """Which outputs of ``function`` require a gradient, and which of the module's
+    parameters and of the floating-point ``tensors`` receive one from its outputs' sum.
+
+    Runs like :func:`run_quietly`, with autograd on.
+
+    Returns:
+        ``{"output 0": ..., "input 0": ..., "<parameter name>": ...}``, or ``None`` when
+        the call or its backward raises.
+    """
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def run(*copies: Tensor) -> dict[str, bool]:
+        leaves = [c.requires_grad_() if c.is_floating_point() else c for c in copies]
+        # In-place code may not modify a leaf that requires grad: pass copies of the leaves.
+        outputs = function(*(c.clone() for c in leaves))
+        tensors = [o for o in outputs if isinstance(o, Tensor)]
+        flow = {f"output {i}": o.requires_grad for i, o in enumerate(tensors)}
+        wanted = [o.float().sum() for o in tensors if o.requires_grad]
+        targets = [p for _, p in params] + [c for c in leaves if c.requires_grad]
+        names = [n for n, _ in params] + [
+            f"input {i}" for i, c in enumerate(leaves) if c.requires_grad
+        ]
+        grads = torch.autograd.grad(wanted, targets, allow_unused=True) if wanted else ()
+        got = list(grads) or [None] * len(targets)
+        flow.update((name, g is not None) for name, g in zip(names, got))
+        return flow
+
+    try:
+        flow, _ = run_quietly(module, run, *tensors, grad=True)
+    except Exception:
+        return None
+    return flow
 
 
 def record_values(
@@ -98,7 +159,7 @@ def record_values(
     """
     values: dict[str, ValueInfo] = {}
 
-    class Recorder(fx.Interpreter):
+    class Recorder(GradModeInterpreter):
         def run_node(self, n: fx.Node) -> Any:
             result = super().run_node(n)
             values[n.name] = ValueInfo.of(result)

@@ -10,6 +10,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from autopipe.grad_modes import insert_grad_modes
 from autopipe.liveness import UnitIO
 from autopipe.tracing import PREFIX, Traced
 
@@ -70,6 +71,7 @@ def build_graph_module(traced: Traced, io: UnitIO, name: str = "Unit") -> fx.Gra
             copy.kwargs = fx.node.map_aggregate(copy.kwargs, retarget)
         env[node] = copy
     graph.output(tuple(env[value] for value in io.outputs))
+    insert_grad_modes(graph)  # the unit's part of each no_grad / enable_grad region
     module = fx.GraphModule(traced.root, graph, class_name=name)
     _install_owners(module, traced.model)
     return module

@@ -14,7 +14,15 @@ from torch import Tensor, nn
 
 from autopipe.export_graph import check_symbolic_batch, export_graph, strip_checks
 from autopipe.flat_io import FlatSpec, check_batch_major
-from autopipe.graph_values import ValueInfo, record_values, run_quietly, same_results
+from autopipe.grad_modes import KEY, inline_grad_regions, tracking
+from autopipe.graph_values import (
+    GradModeInterpreter,
+    ValueInfo,
+    gradient_flow,
+    record_values,
+    run_quietly,
+    same_results,
+)
 
 __all__ = [
     "METHODS",
@@ -71,8 +79,9 @@ class Traced:
     device: torch.device | None = None
 
     def code(self) -> str:
-        """The graph's Python code, to compare traces."""
-        return self.graph.python_code("self").src
+        """The graph's Python code, to compare traces, with the grad mode of its nodes."""
+        modes = [f"{n.name}={n.meta[KEY]}" for n in self.graph.nodes if n.meta.get(KEY) is not None]
+        return self.graph.python_code("self").src + "".join(f"\n# grad {m}" for m in modes)
 
 
 class _FlatModel(nn.Module):
@@ -219,13 +228,16 @@ def _trace(
     root: nn.Module
     for name in ("fx", "export") if method == "auto" else (method,):
         try:
-            if name == "fx":
-                root, graph = flat, _trace_fx(flat, len(tensors), leaves)
-            else:
-                root, graph = export_graph(flat, tensors)
+            with tracking():  # keeps the model's no_grad / enable_grad regions
+                if name == "fx":
+                    root, graph = flat, _trace_fx(flat, len(tensors), leaves)
+                else:
+                    root, graph = export_graph(flat, tensors)
+                    inline_grad_regions(root, graph)
             strip_checks(graph)
             values, output, buffers = record_values(root, graph, tensors)
             _verify(flat, tensors, (output, buffers), name)
+            _verify_gradients(flat, root, graph, tensors, name)
             break
         except Exception as exc:
             errors.append((name, exc))
@@ -269,6 +281,38 @@ def _verify(
     warnings.warn(f"wrap(): {message}", stacklevel=4)
 
 
+class _GradientMismatch(ValueError):
+    """The graph gives gradients elsewhere than the model."""
+
+
+def _verify_gradients(
+    flat: _FlatModel, root: nn.Module, graph: fx.Graph, tensors: tuple[Tensor, ...], name: str
+) -> None:
+    """Checks that the graph's outputs require a gradient, and its parameters and inputs
+    receive one, exactly where the model's do (a lost ``torch.no_grad()`` region would
+    train what the model freezes).
+
+    Raises:
+        ValueError: they differ; the message names the first difference.
+    """
+    expected = gradient_flow(flat, flat, tensors)
+    if expected is None:  # the model itself cannot back-propagate on the sample
+        return
+    got = gradient_flow(flat, GradModeInterpreter(root, graph=graph).run, tensors)
+    if got == expected:
+        return
+    if got is None:
+        raise _GradientMismatch(f"the {name} graph cannot back-propagate on the sample")
+    where = next(k for k in expected if got.get(k) != expected[k])
+    verb = "requires" if where.startswith("output") else "receives"
+    ours = f"{verb} a gradient" if got.get(where) else f"does not {verb[:-1]} a gradient"
+    raise _GradientMismatch(
+        f"{where.removeprefix(PREFIX + '.')} {ours} in the {name} graph, unlike in the model: "
+        "the graph lost a grad-mode region of its code (a torch.no_grad() or enable_grad() "
+        "block the tracer did not see)"
+    )
+
+
 def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
     parts = []
     hint = (
@@ -277,6 +321,11 @@ def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
     )
     for name, exc in errors:
         where = getattr(exc, "autopipe_module", None)
+        if isinstance(exc, _GradientMismatch):
+            hint = (
+                "change the grad mode with torch.no_grad(), torch.enable_grad(), "
+                "torch.set_grad_enabled() or torch.inference_mode(), which the tracers keep"
+            )
         if name == "fx":
             place = f" in {where[0]} ({where[1]})" if where else ""
             parts.append(f"torch.fx failed{place}: {_one_line(exc)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 __all__ = [
     "DataDependent",
     "DropoutBatchNorm",
+    "GradRegion",
     "KeywordModel",
     "MaskedBlocks",
     "ResidualMLP",
@@ -339,3 +341,47 @@ class MaskedBlocks(nn.Module):
             if self.count:
                 self.calls.add_(1)
         return x
+
+
+GRAD_FORMS = ("no_grad", "set_grad_enabled", "inference_mode", "enable_grad")
+
+
+class GradRegion(nn.Module):
+    """Four layers (units stem, a, b, c), the first ones under a grad-mode manager.
+
+    ``no_grad``, ``set_grad_enabled`` (False) and ``inference_mode`` freeze the stem, and
+    with ``span`` a and b too: a region across the middle cut. ``enable_grad`` computes a
+    (and b with ``span``) with gradients inside a no_grad block around the stem.
+    """
+
+    def __init__(self, form: str, span: bool = False) -> None:
+        super().__init__()
+        self.form = form
+        self.span = span
+        self.stem = nn.Linear(4, 6)
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 3)
+
+    def _region(self) -> Any:
+        if self.form == "no_grad":
+            return torch.no_grad()
+        if self.form == "set_grad_enabled":
+            return torch.set_grad_enabled(False)
+        return torch.inference_mode()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.form == "enable_grad":
+            with torch.no_grad():
+                h = self.stem(x)
+                with torch.enable_grad():
+                    h = self.a(h)
+                    if self.span:
+                        h = self.b(h)
+            return self.c(h if self.span else self.b(h))
+        with self._region():
+            h = self.stem(x)
+            if self.span:
+                h = self.b(self.a(h))
+        h = h.clone()  # a normal tensor again after inference_mode
+        return self.c(h if self.span else self.b(self.a(h)))
