@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 from torch import nn
 
+from autopipe.graph_values import ValueInfo
 from autopipe.tracing import PREFIX
 
 __all__ = [
@@ -109,48 +111,99 @@ def module_path(node: fx.Node) -> str:
     return ""
 
 
-def _key(node: fx.Node, paths: set[str]) -> str | None:
-    path = module_path(node)
+def _prefixes(path: str) -> list[str]:
+    """``a``, ``a.b``, ``a.b.c`` for ``a.b.c``; none for the model itself."""
     parts = path.split(".") if path else []
-    for i in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:i])
-        if prefix in paths:
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _silent(compute: Sequence[fx.Node], paths: set[str]) -> set[str]:
+    """Modules whose code runs in the graph while none of the unit modules inside them is
+    ever called (``nn.MultiheadAttention`` reads its ``out_proj`` weights without calling
+    it); their code is a unit of its own rather than glue of the next call."""
+    own = {module_path(node) for node in compute}
+    seen = {prefix for path in own for prefix in _prefixes(path)}
+    silent: set[str] = set()
+    for path in own - paths - {""}:
+        inside = [p for p in paths if p.startswith(path + ".")]
+        if inside and not any(p in seen for p in inside):
+            silent.add(path)
+    return silent
+
+
+def _key(node: fx.Node, paths: set[str], silent: set[str]) -> str | None:
+    path = module_path(node)
+    for prefix in _prefixes(path):  # outermost first
+        if prefix in paths or prefix in silent:
             return prefix
     # A module called as one opaque node that would have been opened up is a unit itself.
     return path if node.op == "call_module" and path else None
 
 
-def split_units(graph: fx.Graph, paths: set[str]) -> list[Unit]:
+def _unpacks(node: fx.Node, values: Mapping[str, ValueInfo]) -> fx.Node | None:
+    """The structure ``node`` takes a part of, when it is pure unpacking: ``out[0]`` or
+    ``out.last_hidden_state`` with a constant key, on a tuple, list, dict or dataclass."""
+    if node.op != "call_function" or node.target not in (operator.getitem, getattr):
+        return None
+    if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return None
+    source = node.args[0]
+    # A key computed in the graph (``out[i]``) may come from a later unit than ``out``.
+    if node.all_input_nodes != [source]:
+        return None
+    info = values.get(source.name)
+    return source if info is not None and info.kind == "other" else None
+
+
+def split_units(graph: fx.Graph, paths: set[str], values: Mapping[str, ValueInfo]) -> list[Unit]:
     """Splits the graph's compute nodes into one unit per module call (see :class:`Unit`).
+
+    Unpacking a module's tuple, dict or dataclass result (``out, state = lstm(x)``) joins
+    the unit that made it, wherever the graph does it, so that a cut after the module sends
+    the tensors used later rather than the structure, which cannot cross.
 
     Args:
         graph: the traced graph, whose nodes carry ``nn_module_stack`` metadata.
         paths: the modules whose calls are units (see :func:`unit_paths`).
+        values: what each node held on the sample, by node name.
     """
+    order = {node: i for i, node in enumerate(graph.nodes)}
     units: list[Unit] = []
     keys: list[str] = []
+    owner: dict[fx.Node, int] = {}
     calls: Counter[str] = Counter()
     pending: list[fx.Node] = []
-    for node in graph.nodes:
-        if node.op in _SKIPPED:
-            continue
-        key = _key(node, paths)
-        if key is None:
+
+    def close(unit: int, nodes: list[fx.Node]) -> None:
+        units[unit].nodes.extend(nodes)
+        owner.update((n, unit) for n in nodes)
+
+    compute = [node for node in graph.nodes if node.op not in _SKIPPED]
+    silent = _silent(compute, paths)
+    for node in compute:
+        key = _key(node, paths, silent)
+        # fx records ``out.attr`` where it is first used, in the next module's code.
+        source = _unpacks(node, values)
+        if source is not None and source in owner:
+            close(owner[source], [node])
+        elif key is None:
             pending.append(node)
         elif keys and keys[-1] == key:
-            units[-1].nodes.extend([*pending, node])
+            close(len(units) - 1, [*pending, node])
             pending = []
         else:
             calls[key] += 1
             label = key if calls[key] == 1 else f"{key}#{calls[key]}"
-            units.append(Unit([label or "forward"], [*pending, node]))
+            units.append(Unit([label or "forward"]))
             keys.append(key)
+            close(len(units) - 1, [*pending, node])
             pending = []
     if pending:
-        if units:
-            units[-1].nodes.extend(pending)
-        else:
-            units.append(Unit(["forward"], pending))
+        if not units:
+            units.append(Unit(["forward"]))
+        close(len(units) - 1, pending)
+    for unit in units:
+        unit.nodes.sort(key=order.__getitem__)
     return units
 
 

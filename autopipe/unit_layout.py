@@ -125,7 +125,7 @@ def layout_model(
     be cut (a non-tensor value crosses, in any mode) and between adjacent units that share
     a parameter."""
     paths = unit_paths(model, granularity)
-    runs = {mode: split_units(t.graph, paths) for mode, t in traced.items()}
+    runs = {mode: split_units(t.graph, paths, t.values) for mode, t in traced.items()}
     primary = next(iter(traced))
     layout: list[Unit] = runs[primary]
     merged: list[str] = []

@@ -10,6 +10,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from autopipe.graph_units import (
+    GRANULARITIES,
     Unit,
     merge_units,
     module_path,
@@ -17,7 +18,20 @@ from autopipe.graph_units import (
     split_units,
     unit_paths,
 )
+from autopipe.liveness import analyze
 from autopipe.tracing import trace
+from tests.tuple_models import (
+    AttentionStack,
+    DataclassBlock,
+    DataclassBlocks,
+    DictBlock,
+    DictBlocks,
+    GRUStack,
+    LSTMStack,
+    NestedLSTM,
+    StateBlock,
+    StateSkip,
+)
 from tests.wrap_models import DataDependent, ResidualMLP, TinyGPT, UNet
 
 
@@ -76,19 +90,19 @@ def test_unknown_granularity() -> None:
 def test_units_follow_module_calls_in_order() -> None:
     model = ResidualMLP(depth=2)
     traced = trace(model, (torch.randn(3, 5),))
-    units = split_units(traced.graph, unit_paths(model, "blocks"))
+    units = split_units(traced.graph, unit_paths(model, "blocks"), traced.values)
     assert _names(units) == ["inp", "blocks.0", "blocks.1", "out"]
     order = {node: i for i, node in enumerate(traced.graph.nodes)}
     flat = [order[node] for unit in units for node in unit.nodes]
     assert flat == sorted(flat)  # contiguous, topological
-    leaves = split_units(traced.graph, unit_paths(model, "leaves"))
+    leaves = split_units(traced.graph, unit_paths(model, "leaves"), traced.values)
     assert _names(leaves)[:4] == ["inp", "blocks.0.norm", "blocks.0.up", "blocks.0.down"]
 
 
 def test_glue_code_joins_the_next_call() -> None:
     model = UNet(levels=2)
     traced = trace(model, (torch.randn(2, 3, 8, 8),))
-    units = split_units(traced.graph, unit_paths(model, "blocks"))
+    units = split_units(traced.graph, unit_paths(model, "blocks"), traced.values)
     assert _names(units) == ["down.0", "down.1", "mid", "ups.0", "up.0", "ups.1", "up.1", "head"]
     by_name = {unit.name: unit for unit in units}
     # max_pool2d after down.0 runs in down.1; the concatenation with the skip in up.0.
@@ -109,7 +123,7 @@ class _Twice(nn.Module):
 def test_a_module_called_twice_makes_two_units() -> None:
     model = _Twice()
     traced = trace(model, (torch.randn(2, 4),))
-    units = split_units(traced.graph, unit_paths(model))
+    units = split_units(traced.graph, unit_paths(model), traced.values)
     assert _names(units) == ["shared", "other", "shared#2"]
 
 
@@ -125,7 +139,7 @@ def test_an_opaque_call_is_a_unit_even_when_it_would_be_opened() -> None:
 
     model = Outer()
     traced = trace(model, (torch.randn(2, 5),), leaf_modules=["inner"])
-    units = split_units(traced.graph, unit_paths(model, "blocks"))
+    units = split_units(traced.graph, unit_paths(model, "blocks"), traced.values)
     assert _names(units) == ["inner", "head"]
 
 
@@ -164,11 +178,94 @@ def test_a_single_unit_when_nothing_is_a_module() -> None:
             return torch.relu(x) * 2
 
     traced = trace(Functional(), (torch.randn(2, 3),))
-    units = split_units(traced.graph, unit_paths(Functional()))
+    units = split_units(traced.graph, unit_paths(Functional()), traced.values)
     assert _names(units) == ["forward"] and len(units[0].nodes) == 2
 
 
 def test_leaf_gate_is_a_unit() -> None:
     model = DataDependent()
     traced = trace(model, (torch.randn(2, 4),), leaf_modules=["gate"])
-    assert _names(split_units(traced.graph, unit_paths(model))) == ["a", "gate", "b"]
+    assert _names(split_units(traced.graph, unit_paths(model), traced.values)) == ["a", "gate", "b"]
+
+
+_TUPLE_UNITS = {
+    "lstm": ["lstm1", "lstm2", "lstm3", "head"],
+    "gru": ["gru1", "gru2", "head"],
+    "nested": ["lstm", "mid", "head"],
+    "attention": ["attns.0", "attns.1", "attns.2", "head"],
+}
+
+
+def _tuple_model(name: str) -> tuple[nn.Module, Tensor]:
+    if name == "lstm":
+        return LSTMStack(), torch.randn(2, 5, 4)
+    if name == "gru":
+        return GRUStack(), torch.randn(2, 5, 4)
+    if name == "nested":
+        return NestedLSTM(), torch.randn(2, 1, 4)
+    return AttentionStack(), torch.randn(2, 5, 8)
+
+
+@pytest.mark.parametrize("granularity", ["blocks", "leaves"])
+@pytest.mark.parametrize("method", ["fx", "export"])
+@pytest.mark.parametrize("name", list(_TUPLE_UNITS))
+def test_modules_returning_tuples_are_units(name: str, method: str, granularity: str) -> None:
+    model, x = _tuple_model(name)
+    traced = trace(model, (x,), method=method)
+    units = split_units(traced.graph, unit_paths(model, granularity), traced.values)
+    assert _names(units) == _TUPLE_UNITS[name]
+    # Unpacking the result (the getitem nodes) stays with the module that made it.
+    owner = {node: k for k, unit in enumerate(units) for node in unit.nodes}
+    for node in traced.graph.nodes:
+        if node.target is operator.getitem and traced.values[node.args[0].name].kind == "other":
+            assert owner[node] == owner[node.args[0]], node.name
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_boundaries_after_a_tuple_result_can_be_cut(granularity: str) -> None:
+    model = LSTMStack()
+    traced = trace(model, (torch.randn(2, 5, 4),), method="fx")
+    units = split_units(traced.graph, unit_paths(model, granularity), traced.values)
+    assert _names(units) == ["lstm1", "lstm2", "lstm3", "head"]
+    live = analyze(traced.graph, units, traced.values)
+    # Only each LSTM's output crosses; its unused final state stays behind.
+    assert not live.invalid and [len(crossing) for crossing in live.crossing] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("build", "leaf", "expected"),
+    [
+        (StateSkip, StateBlock, [f"blocks.{k}" for k in range(4)] + ["head"]),
+        (DictBlocks, DictBlock, [f"blocks.{k}" for k in range(4)] + ["head"]),
+        (DataclassBlocks, DataclassBlock, [f"blocks.{k}" for k in range(3)] + ["head"]),
+    ],
+)
+def test_unpacking_an_opaque_block_joins_it(
+    build: type[nn.Module], leaf: type[nn.Module], expected: list[str]
+) -> None:
+    # fx records ``block(x).last_hidden_state`` in the next module's code, and a tuple's
+    # getitem in the model's: either way, it belongs to the block.
+    model = build()
+    traced = trace(model, (torch.randn(2, 6),), method="fx", leaf_modules=[leaf])
+    units = split_units(traced.graph, unit_paths(model, "blocks"), traced.values)
+    assert _names(units) == expected
+    for unit in units:
+        unpacking = [n for n in unit.nodes if n.target in (operator.getitem, getattr)]
+        assert all(n.args[0] in unit.nodes for n in unpacking), unit.name
+
+
+def test_a_computed_key_is_not_unpacking() -> None:
+    class Pick(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(4, 4, batch_first=True)
+            self.index = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            out = self.lstm(x)
+            return self.index(out[x.dim() - 3])  # the key comes from the graph
+
+    traced = trace(Pick(), (torch.randn(2, 3, 4),), method="fx")
+    units = split_units(traced.graph, unit_paths(Pick(), "blocks"), traced.values)
+    (pick,) = (n for n in traced.graph.nodes if n.target is operator.getitem)
+    assert pick in units[1].nodes

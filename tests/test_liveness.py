@@ -65,10 +65,16 @@ def test_profile_output_is_the_bytes_crossing() -> None:
     assert outputs[:-1] == layout.boundary_bytes()
 
 
+class _CatWhole(nn.Module):
+    def forward(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.cat(parts, dim=-1)  # the tuple itself, not its parts
+
+
 def test_a_tuple_crossing_a_boundary_makes_it_invalid() -> None:
     model = SplitJoin()
+    model.join = _CatWhole()
     traced = trace(model, (torch.randn(3, 4),))
-    units = split_units(traced.graph, unit_paths(model))
+    units = split_units(traced.graph, unit_paths(model), traced.values)
     live = analyze(traced.graph, units, traced.values)
     assert [u.name for u in units] == ["a", "split", "join", "b"]
     assert set(live.invalid) == {1}
@@ -76,6 +82,14 @@ def test_a_tuple_crossing_a_boundary_makes_it_invalid() -> None:
     layout = _layout(model, torch.randn(3, 4))
     assert layout.names == ["a", "split+join", "b"]
     assert layout.merged == ["split | join: non-tensor values cross it: chunk (tuple)"]
+
+
+def test_a_tuple_unpacked_by_the_next_module_crosses_as_its_parts() -> None:
+    model = SplitJoin()  # join reads parts[1] and parts[0]
+    layout = _layout(model, torch.randn(3, 4))
+    assert layout.names == ["a", "split", "join", "b"] and not layout.merged
+    live = layout.liveness["any"]
+    assert [layout.traced["any"].values[n.name].kind for n in live.crossing[1]] == ["tensor"] * 2
 
 
 def test_sizes_are_recomputed_not_sent() -> None:

@@ -13,9 +13,22 @@ from torch.utils import _pytree as pytree
 
 from autopipe.gpipe import GPipe
 from autopipe.plans import Plan
+from autopipe.stage_modules import UnitModule
 from autopipe.tracing import TracingError
-from autopipe.wrapping import WrappedPipeline, wrap
+from autopipe.wrapping import WrappedPipeline, prepare, wrap
 from profiler.profile import Profile
+from tests.tuple_models import (
+    AttentionStack,
+    DataclassBlock,
+    DataclassBlocks,
+    DictBlock,
+    DictBlocks,
+    GRUStack,
+    LSTMStack,
+    NestedLSTM,
+    StateBlock,
+    StateSkip,
+)
 from tests.wrap_models import (
     DataDependent,
     DropoutBatchNorm,
@@ -405,3 +418,122 @@ def test_hugging_face_models(name: str) -> None:
     assert len(wrapped.plan.balance) == 2
     assert list(wrapped.state_dict()) == list(reference.state_dict())
     wrapped.close()
+
+
+def _train_like_the_original(
+    model: nn.Module, x: Tensor, units: int, **options: Any
+) -> WrappedPipeline:
+    """Wraps ``model``, checks its units, outputs and gradients, then one optimizer step."""
+    wrapped, reference = _compare(model, (x,), **options)
+    assert sum(wrapped.plan.balance) == units
+    assert list(wrapped.state_dict()) == list(reference.state_dict())
+    for net in (wrapped, reference):
+        torch.optim.SGD(net.parameters(), lr=0.1).step()
+        net.zero_grad()
+    _assert_close(wrapped(x), reference(x))
+    return wrapped
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_stacked_lstms_are_cut_between(method: str, stages: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 4)
+    wrapped = _train_like_the_original(
+        LSTMStack(), x, 4, stages=stages, chunks=2, method=method
+    )
+    assert len(wrapped.plan.balance) == stages
+    wrapped.close()
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+@pytest.mark.parametrize(
+    ("build", "shape", "units"),
+    [
+        (GRUStack, (4, 5, 4), 3),
+        (NestedLSTM, (4, 1, 4), 3),  # its final hidden state is used after the next layer
+        (AttentionStack, (4, 5, 8), 4),  # the attention weights are never used
+    ],
+)
+def test_modules_returning_tuples_are_cut_between(
+    build: Callable[[], nn.Module], shape: tuple[int, ...], units: int, method: str
+) -> None:
+    torch.manual_seed(0)
+    wrapped = _train_like_the_original(
+        build(), torch.randn(*shape), units, stages=units, chunks=2, method=method
+    )
+    wrapped.close()
+
+
+def test_attention_blocks_at_leaf_granularity_through_export() -> None:
+    torch.manual_seed(0)
+    # MultiheadAttention reads its out_proj's weights without calling it.
+    x = torch.randn(4, 5, 8)
+    options = {"method": "export", "granularity": "leaves"}
+    wrapped = _train_like_the_original(AttentionStack(), x, 4, stages=4, chunks=2, **options)
+    names = [m.name for m in wrapped.pipeline.modules() if isinstance(m, UnitModule)]
+    assert names == ["attns.0", "attns.1", "attns.2", "head"]
+    wrapped.close()
+
+
+@pytest.mark.parametrize(
+    ("build", "options"),
+    [
+        (StateSkip, {"method": "fx"}),
+        (StateSkip, {"method": "export"}),
+        (StateSkip, {"method": "fx", "leaf_modules": [StateBlock]}),
+        (DictBlocks, {"method": "fx", "leaf_modules": [DictBlock]}),
+        (DictBlocks, {"method": "export"}),
+        (DataclassBlocks, {"method": "fx", "leaf_modules": [DataclassBlock]}),
+        (DataclassBlocks, {"method": "export"}),
+    ],
+)
+def test_blocks_returning_structures_are_cut_between(
+    build: Callable[[], nn.Module], options: dict[str, Any]
+) -> None:
+    torch.manual_seed(0)
+    model = build()
+    units = len(list(model.get_submodule("blocks"))) + 1
+    x = torch.randn(4, 6)
+    wrapped = _train_like_the_original(model, x, units, stages=units, chunks=2, **options)
+    wrapped.close()
+
+
+@pytest.mark.parametrize("leaves", [[], [StateBlock]])
+def test_a_state_used_two_blocks_later_is_carried(leaves: list[type[nn.Module]]) -> None:
+    layout = prepare(StateSkip(), torch.randn(4, 6), method="fx", leaf_modules=leaves)
+    assert layout.names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    # The first block's state crosses the second block to the third; the unused states of
+    # the second and fourth blocks cross nothing.
+    assert [len(crossing) for crossing in layout.liveness["any"].crossing] == [2, 2, 2, 1]
+    assert layout.boundary_bytes() == [2 * 4 * 6 * 8] * 3 + [4 * 6 * 8]
+
+
+def test_too_few_units_advises_only_what_can_help() -> None:
+    x = torch.randn(4, 5)
+    with pytest.raises(ValueError, match=r"at most 3 stages or granularity='leaves' \(5 units\)"):
+        wrap(ResidualMLP(depth=1), (x,), stages=4)
+    with pytest.raises(ValueError, match="too few for 6 stages; use at most 3 stages$"):
+        wrap(ResidualMLP(depth=1), (x,), stages=6)
+
+    class Split(nn.Module):
+        def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+            return x.chunk(2, dim=-1)
+
+    class Join(nn.Module):
+        def forward(self, parts: tuple[Tensor, ...]) -> Tensor:
+            return torch.cat(parts, dim=-1)  # the tuple itself crosses
+
+    class SplitJoin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 4), nn.Linear(4, 4)
+            self.split, self.join = Split(), Join()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.join(self.split(self.a(x))))
+
+    merged = r"at most 3 stages; boundaries that cannot be cut were merged \(split \| join: non-t"
+    for granularity in ("children", "blocks", "leaves"):
+        with pytest.raises(ValueError, match=merged):
+            wrap(SplitJoin(), (x,), stages=4, granularity=granularity)
