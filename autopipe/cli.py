@@ -11,12 +11,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
+from autopipe import __version__
 from autopipe.balance import STRATEGIES
 from autopipe.cli_plan import plan_command
 from autopipe.cli_search import add_calibrate_parser, add_search_options
 from autopipe.cost_model import ALL_SCHEDULES, CHECKPOINT_MODES, optimizer_factor
+from autopipe.planner import CHUNKS_PER_STAGE, default_chunks
 from autopipe.units import parse_bytes
 from profiler.precision import AUTOCAST_DTYPES, DTYPES, check_autocast, check_dtype
 
@@ -27,17 +29,27 @@ if TYPE_CHECKING:
     from autopipe.plans import Plan
     from profiler.profile import Profile
 
-__all__ = ["build_parser", "main"]
+__all__ = ["add_tracing_options", "build_parser", "default_chunks", "main"]
 
 PROG = "autopipe"
-# GPipe's rule of thumb: M >= 4K micro-batches keeps the bubble under about 20%.
-CHUNKS_PER_STAGE = 4
+# autopipe.graph_units.GRANULARITIES, which imports torch; the tests keep both equal.
+GRANULARITIES = ("children", "blocks", "leaves")
 
 _MODEL_HELP = (
-    "model.py must define `model`, an nn.Sequential (or a function returning one), and "
-    "`sample`, the mini-batch to plan for: a tensor or tuple of tensors with the batch in "
-    "dim 0 (or a function returning one). See examples/mlp.py."
+    "model.py must define `model`, any nn.Module (or a function returning one: an "
+    "nn.Sequential is split between its children, any other module is traced and cut into "
+    "units), and `sample`, the mini-batch to plan for: a tensor or tuple of positional input "
+    "tensors with the batch in dim 0 (or a function returning one); it may define `kwargs`, "
+    "the model's keyword inputs (a dict, or a function returning one). See examples/mlp.py."
 )
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        line = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {line} (see {self.prog} --help)\n")
 
 
 def _gpu_count() -> int:
@@ -59,11 +71,6 @@ def default_device() -> str:
     return "cuda:0" if _gpu_count() > 0 else "cpu"
 
 
-def default_chunks(stages: int, batch_size: int) -> int:
-    """``4 × stages`` micro-batches, at most one per sample of the mini-batch."""
-    return max(1, min(CHUNKS_PER_STAGE * stages, batch_size))
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -82,6 +89,33 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return value
+
+
+def _names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected module names such as a,b.c, got {text!r}")
+    return names
+
+
+def add_tracing_options(parser: argparse.ArgumentParser) -> None:
+    """``--granularity`` and ``--leaf-modules``: how a model that is no nn.Sequential is cut."""
+    parser.add_argument(
+        "--granularity",
+        choices=GRANULARITIES,
+        help="where a traced model (not an nn.Sequential) may be cut: between its direct "
+        "children (children), between repeated blocks such as a transformer's layers and "
+        "the modules around them (blocks, the default), or between all modules without "
+        "children (leaves)",
+    )
+    parser.add_argument(
+        "--leaf-modules",
+        type=_names,
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="submodules of a traced model, by path (e.g. encoder.layer.0), that torch.fx "
+        "keeps as single calls, for code it cannot trace through",
+    )
 
 
 def _add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> None:
@@ -121,12 +155,13 @@ def _add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``autopipe`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Automatic pipeline-parallel training for PyTorch: profile a model "
         "layer by layer and split it into balanced pipeline stages.",
         epilog=_MODEL_HELP,
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     plan_parser = commands.add_parser(
@@ -141,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         metavar="MODEL.py",
-        help="the model file; optional with --profile, and not loaded then",
+        help="the model file; optional with --profile, and then checked against it",
     )
     plan_parser.add_argument(
         "--stages",
@@ -152,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_measure_options(
         plan_parser,
         f"micro-batches per mini-batch (default: {CHUNKS_PER_STAGE} x stages, GPipe's rule "
-        "of thumb for a small bubble, at most the batch size)",
+        "of thumb for a small bubble, with at least 2 samples each where the batch allows)",
     )
     plan_parser.add_argument(
         "--memory",
@@ -220,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw every strategy's stage times side by side, to see how balanced "
         "each split is (.png or .svg; needs matplotlib)",
     )
+    add_tracing_options(plan_parser)
     add_search_options(plan_parser)
     plan_parser.set_defaults(func=plan_command)
 
@@ -238,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_measure_options(
         profile_parser,
         f"micro-batches the profile is made for (default: {CHUNKS_PER_STAGE} x the default "
-        "stage count, at most the batch size)",
+        "stage count, with at least 2 samples each where the batch allows)",
     )
+    add_tracing_options(profile_parser)
     profile_parser.set_defaults(func=_profile_command)
     return parser
 
@@ -317,10 +354,15 @@ def _save(obj: Plan | Profile, path: str, what: str) -> None:
 
 
 def _check_precision(args: argparse.Namespace) -> None:
-    """Fails early, before loading the model, on a bad ``--autocast`` or ``--dtype``."""
+    """Fails early, before loading the model, on a bad ``--autocast``, ``--dtype`` or
+    ``--device`` (checked when the layers are to be measured, not with ``--profile``)."""
     check_autocast(args.autocast, "--autocast")
     if args.dtype is not None:
         check_dtype(args.dtype, "--dtype")
+    if args.device is not None and not getattr(args, "profile", None):
+        from autopipe.cli_checks import check_device
+
+        args.device = check_device(args.device)
 
 
 def _load_profile(args: argparse.Namespace) -> Profile:
@@ -341,10 +383,31 @@ def _load_profile(args: argparse.Namespace) -> Profile:
     return profile
 
 
-def _load(path: str, dtype: str | None = None) -> tuple[nn.Sequential, Sample]:
+def _load(
+    args: argparse.Namespace, dtype: str | None = None, path: str | None = None
+) -> tuple[nn.Sequential, Sample]:
+    """The model file (``path``, default ``args.model``) split as ``--granularity`` says."""
     from autopipe.model_file import load_sequential
 
-    return load_sequential(path, dtype)
+    return load_sequential(
+        path or args.model,
+        dtype,
+        granularity=args.granularity,
+        leaf_modules=args.leaf_modules,
+    )
+
+
+def _load_matching(
+    args: argparse.Namespace, profile: Profile, profile_path: str, path: str
+) -> tuple[nn.Sequential, Sample]:
+    """The model file ``path``, cast as the profile was, refused if it has other layers."""
+    from autopipe.cli_checks import check_profile_matches
+
+    # A profile made with --dtype measured the cast model: compare with that one.
+    cast = profile.dtype if profile.dtype in DTYPES and profile.dtype != "float32" else None
+    model, sample = _load(args, cast, path)
+    check_profile_matches(profile, model, profile_path, path)
+    return model, sample
 
 
 def _measure(
@@ -397,7 +460,7 @@ def _profile_command(args: argparse.Namespace) -> int:
 
     _check_precision(args)
     _check_writable(args.output, "profile")
-    model, sample = _load(args.model, args.dtype)
+    model, sample = _load(args, args.dtype)
     chunks = args.chunks or default_chunks(default_stages(), _batch_size(sample))
     profile = _measure(model, sample, args, chunks)
     _save(profile, args.output, "profile")
@@ -426,15 +489,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 on success, 2 for bad input (usage errors included), with a
         one-line ``autopipe: error:`` message on stderr; 130 when interrupted.
     """
-    parser = build_parser()
+    # Everything runs inside the handlers, the parser and the lazy imports of torch and
+    # scipy included: a Ctrl-C at any point is one line, and files are written atomically.
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse has reported
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, or a usage error argparse has reported
+            return exc.code if isinstance(exc.code, int) else 2
         status: int = args.func(args)
     except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        # A progress line may be open on a terminal: end it first.
+        start = "\n" if sys.stderr.isatty() else ""
+        print(f"{start}{PROG}: interrupted", file=sys.stderr)
         return 130
     except (ValueError, OSError) as exc:  # ModelFileError and PlanningError included
         return _fail(str(exc))

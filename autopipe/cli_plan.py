@@ -63,9 +63,11 @@ def plan_command(args: argparse.Namespace) -> int:
 
     if args.profile:
         profile = cli._load_profile(args)
+        if args.model:
+            cli._load_matching(args, profile, args.profile, args.model)
         chunks = args.chunks or cli.default_chunks(stages, args.batch or profile.batch_size)
     elif args.model:
-        model, sample = cli._load(args.model, args.dtype)
+        model, sample = cli._load(args, args.dtype)
         if stages * virtual > len(model):
             raise PlanningError(
                 f"cannot split {len(model)} layers into {stages * virtual} non-empty stages; "

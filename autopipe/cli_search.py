@@ -82,6 +82,9 @@ def add_calibrate_parser(commands: Any) -> None:
         help="the profiled model file: also time its whole training step and store how much "
         "longer its layers run there than alone (compute_scale)",
     )
+    from autopipe.cli import add_tracing_options
+
+    add_tracing_options(parser)
     parser.set_defaults(func=calibrate_command)
 
 
@@ -114,8 +117,10 @@ def search_command(args: argparse.Namespace) -> int:
         cli._check_picture(args.timeline, "timeline")
     if args.profile:
         profile = cli._load_profile(args)
+        if args.model:
+            cli._load_matching(args, profile, args.profile, args.model)
     elif args.model:
-        model, sample = cli._load(args.model, args.dtype)
+        model, sample = cli._load(args, args.dtype)
         chunks = args.chunks or cli.default_chunks(devices, cli._batch_size(sample))
         profile = cli._measure(model, sample, args, chunks)
     else:
@@ -158,22 +163,16 @@ def calibrate_command(args: argparse.Namespace) -> int:
     output = args.output or args.profile
     cli._check_writable(output, "profile")
     profile = Profile.load(args.profile)
-    devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
+    devices = None
+    if args.devices is not None:
+        from autopipe.cli_checks import check_device_list
+
+        devices = check_device_list(args.devices)
     from autopipe.calibration import calibrate
 
     model = sample = None
-    if args.model:
-        from autopipe.model_file import load_sequential
-        from profiler.precision import DTYPES
-
-        # A profile made with --dtype measured the cast model: time that one too.
-        cast = profile.dtype if profile.dtype in DTYPES and profile.dtype != "float32" else None
-        model, sample = load_sequential(args.model, cast)
-        if len(model) != len(profile):
-            raise ValueError(
-                f"{args.model} has {len(model)} layers but the profile has {len(profile)}: "
-                "pass the model file the profile was made from"
-            )
+    if args.model:  # timed as it was profiled: cast to the profile's dtype
+        model, sample = cli._load_matching(args, profile, args.profile, args.model)
     if sys.stderr.isatty():  # progress for a person; errors stay one line in logs
         what = "executor overhead, link" + (f", whole steps of {args.model}" if model else "")
         print(f"calibrating: {what} ({args.repeats} repeats each)...", file=sys.stderr)

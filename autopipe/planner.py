@@ -21,9 +21,27 @@ from autopipe.plans import Plan, StagePlan
 from autopipe.units import format_bytes
 from profiler.profile import Profile
 
-__all__ = ["build_model", "calibration", "describe", "evaluate", "interleaved_balance", "plan"]
+__all__ = [
+    "build_model",
+    "calibration",
+    "default_chunks",
+    "describe",
+    "evaluate",
+    "interleaved_balance",
+    "plan",
+]
 
 MemorySpec = int | str | Sequence[int | str | None] | None
+
+# GPipe's rule of thumb: M >= 4K micro-batches keeps the bubble under about 20%.
+CHUNKS_PER_STAGE = 4
+
+
+def default_chunks(stages: int, batch_size: int) -> int:
+    """The micro-batch count ``wrap`` and the command line use unless told: ``4 × stages``,
+    with at least two samples per micro-batch where the mini-batch has two (batch norm
+    cannot train on micro-batches of one sample)."""
+    return max(1, min(CHUNKS_PER_STAGE * stages, batch_size // 2))
 
 
 def _batch(profile: Profile, batch: int | None, data_parallel: int) -> int:

@@ -23,6 +23,8 @@ __all__ = [
 ]
 
 BAR_WIDTH = 20
+# Step times closer than this (relative) tie: the cost model is not that exact.
+TIE_TOLERANCE = 0.005
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -219,7 +221,9 @@ def render_comparison(plan: Plan, baseline: Plan | str, name: str = "uniform") -
         name: the baseline's strategy, used when ``baseline`` is a message.
 
     Returns:
-        e.g. ``uniform [4, 4]: step 12.3 ms, bottleneck 1.8 ms — optimal is 1.42x faster``.
+        e.g. ``uniform [4, 4]: step 12.3 ms, bottleneck 1.8 ms — optimal is 1.42x faster``,
+        or ``... — as fast as optimal`` when the step times are within
+        :data:`TIE_TOLERANCE` of each other.
     """
     if isinstance(baseline, str):
         return f"vs {name}: {baseline}"
@@ -233,6 +237,8 @@ def render_comparison(plan: Plan, baseline: Plan | str, name: str = "uniform") -
     if plan.step_time <= 0 or baseline.step_time <= 0:
         return figures
     ratio = baseline.step_time / plan.step_time
+    if abs(ratio - 1) <= TIE_TOLERANCE:  # "1.00x faster" would read as a win
+        return f"{figures} — as fast as {plan.strategy}"
     verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
     return f"{figures} — {plan.strategy} is {verdict}"
 
@@ -256,10 +262,12 @@ def format_rate(samples_per_second: float) -> str:
     """Samples per second with three significant digits, e.g. ``1.23k samples/s``."""
     value, unit = samples_per_second, ""
     for prefix in ("k", "M", "G"):
-        if value < 1000:
+        # Compared once rounded: 999.6 is written 1k, not 1e+03.
+        if float(f"{value:.3g}") < 1000:
             break
         value, unit = value / 1000, prefix
-    return f"{value:.3g}{unit} samples/s"
+    text = f"{value:.0f}" if value >= 999.5 else f"{value:.3g}"  # no exponent past 1000G
+    return f"{text}{unit} samples/s"
 
 
 def schedule_label(plan: Plan) -> str:

@@ -59,8 +59,12 @@ def format_bytes(n: float) -> str:
 
 def format_time(seconds: float) -> str:
     """Formats a duration with a unit that keeps three significant digits."""
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
+    # Thresholds once rounded, so that 999.6 µs is 1 ms, never 1e+03 µs.
+    if seconds >= 0.9995:
+        value, unit = seconds, "s"
+    elif seconds >= 0.9995e-3:
+        value, unit = seconds * 1e3, "ms"
+    else:
+        value, unit = seconds * 1e6, "µs"
+    text = f"{value:.0f}" if value >= 999.5 else f"{value:.3g}"  # long runs: no exponent
+    return f"{text} {unit}"

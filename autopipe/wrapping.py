@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -10,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from autopipe.flat_io import FlatSpec
 from autopipe.gpipe import GPipe
-from autopipe.graph_units import GRANULARITIES
-from autopipe.planner import MemorySpec
+from autopipe.planner import MemorySpec, default_chunks
 from autopipe.planner import plan as make_plan
 from autopipe.sharing import check_placement
 from autopipe.unit_layout import Layout, layout_model, stage_of_units, trace_modes
@@ -51,27 +50,10 @@ def _normalize(
     return args, dict(sorted((kwargs or {}).items()))
 
 
-def _too_few(model: nn.Module, layout: Layout, granularity: str, stages: int) -> str:
-    """Why the model has fewer units than stages, and the ways out that exist."""
-    count = len(layout.names)
-    text = (
-        f"the model has {count} unit{'s' if count != 1 else ''} at granularity "
-        f"{granularity!r} ({', '.join(layout.names)}), too few for {stages} stages; "
-        f"use at most {count} stage{'s' if count != 1 else ''}"
-    )
-    # Advise another granularity only where it gives enough units on this very trace.
-    others: dict[str, int] = {}
-    for other in GRANULARITIES:
-        if other != granularity:
-            with contextlib.suppress(ValueError):
-                others[other] = len(layout_model(model, layout.traced, other).names)
-    fits = [g for g, n in others.items() if n >= stages]
-    if fits:
-        best = max(fits, key=others.__getitem__)
-        return f"{text} or granularity={best!r} ({others[best]} units)"
-    if layout.merged:
-        return f"{text}; boundaries that cannot be cut were merged ({layout.merged[0]})"
-    return text
+def _batch_size(sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None) -> int:
+    """Dim 0 of the first input tensor (tracing checks that all of them agree), else 1."""
+    _, tensors = FlatSpec.of(_normalize(sample, kwargs))
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
 
 
 def prepare(
@@ -130,7 +112,7 @@ def wrap(
     kwargs: dict[str, Any] | None = None,
     stages: int | None = None,
     devices: Sequence[Device] | None = None,
-    chunks: int = 1,
+    chunks: int | None = None,
     checkpoint: str = "except_last",
     memory: MemorySpec = None,
     strategy: str = "optimal",
@@ -160,7 +142,9 @@ def wrap(
         kwargs: keyword inputs of the sample.
         stages: the number of stages (default: ``len(devices)``, or 2).
         devices: one device per stage (default: the GPUs, or the CPU for every stage).
-        chunks: micro-batches per mini-batch.
+        chunks: micro-batches per mini-batch (default: 4 per stage, each of at least 2
+            samples where the batch allows, as ``autopipe plan`` chooses; see
+            :func:`autopipe.planner.default_chunks`).
         checkpoint: ``always``, ``except_last`` or ``never``.
         memory: device capacity for the planner (bytes, ``"16GiB"``, or one per device).
         strategy: the planner's strategy (``optimal``, ``uniform``, ...).
@@ -184,7 +168,8 @@ def wrap(
             units for the stages, or a shared parameter that the plan puts on two devices.
         autopipe.PlanningError: no split fits the memory.
     """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    bad_chunks = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
+    if chunks is not None and bad_chunks:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     check_autocast(autocast)
     if profile is not None and autocast is not None and profile.autocast != autocast:
@@ -192,6 +177,8 @@ def wrap(
             f"the profile was made with autocast {profile.autocast or 'none'}, not {autocast}"
         )
     names = _device_names(stages, devices)
+    if chunks is None:
+        chunks = default_chunks(len(names), _batch_size(sample, kwargs))
     layout = prepare(
         model,
         sample,
@@ -202,7 +189,11 @@ def wrap(
     )
     units = layout.modules()
     if len(units) < len(names):
-        raise ValueError(_too_few(model, layout, granularity, len(names)))
+        raise ValueError(
+            f"the model has {len(units)} units at granularity {granularity!r} "
+            f"({', '.join(layout.names)}), too few for {len(names)} stages; use fewer stages "
+            "or a finer granularity"
+        )
     traced = layout.traced[layout.primary]
     if profile is None:
         tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.optimize import nnls
 
 __all__ = ["fit_linear", "segments"]
 
@@ -27,6 +26,9 @@ def fit_linear(batches: Sequence[int], values: Sequence[float]) -> tuple[float, 
     design = np.stack([np.ones_like(x), x], axis=1)
     # Relative weighting: small batches matter as much as large ones.
     scale = np.maximum(np.abs(y), 1e-30)
+    # Imported here: scipy takes longer to load than the rest of the planner together.
+    from scipy.optimize import nnls
+
     coef, _ = nnls(design / scale[:, None], y / scale)
     return float(coef[0]), float(coef[1])
 

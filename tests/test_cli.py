@@ -190,7 +190,8 @@ def test_subprocess() -> None:
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_chunks(2, 32) == 8
-    assert default_chunks(4, 8) == 8
+    assert default_chunks(4, 8) == 4  # micro-batches of 2: batch norm cannot train on 1
+    assert default_chunks(2, 3) == 1
     assert default_chunks(3, 1) == 1
     monkeypatch.setattr(cli, "_gpu_count", lambda: 0)
     assert cli.default_stages() == 2 and cli.default_device() == "cpu"
@@ -203,6 +204,34 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "plan", "--help")
     assert code == 0 and "--stages" in out and "nn.Sequential" in out
+    for option in ("--granularity", "--leaf-modules", "--warmup", "--virtual-stages"):
+        assert option in out
+    code, out, _ = run(capsys, "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "any nn.Module" in text and "`kwargs`" in text
+    assert "an nn.Sequential (or a function returning one)" not in text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--version")
+    assert (code, out, err) == (0, f"autopipe {autopipe.__version__}\n", "")
+    assert autopipe.__version__ == "0.1.0"
+
+
+def test_granularities_match_the_tracer() -> None:
+    from autopipe.graph_units import GRANULARITIES
+
+    assert cli.GRANULARITIES == GRANULARITIES
+
+
+def test_wrap_defaults_to_the_command_lines_chunks() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+    wrapped = autopipe.wrap(model, torch.randn(32, 4), stages=2)
+    try:
+        assert wrapped.plan.chunks == default_chunks(2, 32) == 8
+    finally:
+        wrapped.close()
 
 
 # ----------------------------------------------------------------------------------------
@@ -333,7 +362,41 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str]) -> No
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert out == "" and "Traceback" not in err
-    assert "error:" in err
+    # One line, like every other error, with where to read more instead of the usage.
+    (line,) = err.splitlines()
+    command = f"autopipe {argv[0]}" if argv[:1] in (["plan"], ["profile"]) else "autopipe"
+    assert line.startswith(f"{command}: error: ") and line.endswith(f"(see {command} --help)")
+
+
+def test_interrupted_anywhere_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before any command runs: while the parser is built (and torch or scipy imported).
+    def interrupt(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cli, "build_parser", interrupt)
+        code, out, err = run(capsys, "plan", MLP)
+    assert (code, out, err) == (130, "", "autopipe: interrupted\n")
+
+
+def test_interrupted_while_saving_leaves_no_file(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    profile_file: Path,
+    tmp_path: Path,
+) -> None:
+    from profiler import jsonfile
+
+    def interrupt(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jsonfile.os, "replace", interrupt)
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", "--profile", str(profile_file), "--json", str(out_file))
+    assert (code, out, err) == (130, "", "autopipe: interrupted\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_plan_non_sequential_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -431,11 +494,27 @@ def test_calibrate_with_the_model_scales_compute(
     assert not (tmp_path / "x.json").exists()
 
 
-def test_calibrate_bad_device(
-    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("devices", "expected"),
+    [
+        ("nope", "--devices 'nope' is not a device"),
+        ("", "--devices lists no devices"),
+        (" , ", "--devices lists no devices"),
+        ("cpu,", "--devices 'cpu,' has an empty entry"),
+        ("cpu,meta", "--devices meta: meta tensors hold no data"),
+    ],
+)
+def test_calibrate_bad_devices(
+    capsys: pytest.CaptureFixture[str],
+    profile_file: Path,
+    tmp_path: Path,
+    devices: str,
+    expected: str,
 ) -> None:
-    argv = ["calibrate", str(profile_file), "-o", str(tmp_path / "x.json"), "--devices", "nope"]
-    assert_error(*run(capsys, *argv), "calibration failed")
+    out_file = tmp_path / "x.json"
+    argv = ["calibrate", str(profile_file), "-o", str(out_file), "--devices", devices]
+    assert_error(*run(capsys, *argv), expected)
+    assert not out_file.exists()
 
 
 def test_plan_batch_and_auto(capsys: pytest.CaptureFixture[str], profile_file: Path) -> None:

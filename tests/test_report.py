@@ -7,6 +7,7 @@ import pytest
 from autopipe.planner import evaluate, plan
 from autopipe.report import (
     bar,
+    format_rate,
     layer_range,
     precision_label,
     render_comparison,
@@ -15,6 +16,7 @@ from autopipe.report import (
     render_stages,
     render_summary,
 )
+from autopipe.units import format_time
 from profiler.profile import LayerProfile, Profile
 
 COSTS = [1.0, 1.0, 6.0, 6.0, 1.0, 1.0, 1.0, 1.0]
@@ -143,6 +145,59 @@ def test_comparison_same_split_and_message() -> None:
     assert render_comparison(best, best).endswith("the same split as optimal")
     line = render_comparison(best, "the uniform split [4, 4] does not fit", "uniform")
     assert line == "vs uniform: the uniform split [4, 4] does not fit"
+
+
+def test_comparison_within_tolerance_is_a_tie() -> None:
+    # Two splits whose step times differ by 0.1%: neither "1.00x faster" nor "slower".
+    costs = [1.0, 1.0, 0.001, 1.0, 1.0005]
+    layers = [
+        LayerProfile(
+            name=str(i),
+            kind="Linear",
+            forward=[1e-3 * c, 2e-3 * c],
+            backward=[2e-3 * c, 4e-3 * c],
+            saved=[0, 0],
+            output=[0, 0],
+        )
+        for i, c in enumerate(costs)
+    ]
+    profile = Profile(layers=layers, batch_sizes=[2, 4], input=[0, 0], batch_size=16, chunks=4)
+    first, second = evaluate(profile, [3, 2]), evaluate(profile, [2, 3])
+    assert first.step_time != second.step_time
+    assert abs(second.step_time / first.step_time - 1) < 0.005
+    assert render_comparison(first, second).endswith(f"— as fast as {first.strategy}")
+    assert render_comparison(second, first).endswith(f"— as fast as {second.strategy}")
+
+
+@pytest.mark.parametrize(
+    ("rate", "text"),
+    [
+        (0.5, "0.5 samples/s"),
+        (12.34, "12.3 samples/s"),
+        (999.4, "999 samples/s"),
+        (999.6, "1k samples/s"),
+        (1031.0, "1.03k samples/s"),
+        (999_600.0, "1M samples/s"),
+        (2.5e9, "2.5G samples/s"),
+        (1.234e12, "1234G samples/s"),
+    ],
+)
+def test_format_rate_has_no_exponent(rate: float, text: str) -> None:
+    assert format_rate(rate) == text
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (999.6e-6, "1 ms"),
+        (17.24e-3, "17.2 ms"),
+        (0.9996, "1 s"),
+        (1234.5, "1234 s"),
+        (0.5e-6, "0.5 µs"),
+    ],
+)
+def test_format_time_has_no_exponent(seconds: float, text: str) -> None:
+    assert format_time(seconds) == text
 
 
 @pytest.mark.parametrize("baseline", [None, "uniform does not fit"])
