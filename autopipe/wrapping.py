@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 
 from autopipe.flat_io import FlatSpec
 from autopipe.gpipe import GPipe
+from autopipe.graph_units import GRANULARITIES
 from autopipe.planner import MemorySpec, default_chunks
 from autopipe.planner import plan as make_plan
 from autopipe.sharing import check_placement
@@ -48,6 +50,29 @@ def _normalize(
     """The positional inputs as a tuple and the keyword inputs in a fixed (sorted) order."""
     args = sample if isinstance(sample, tuple) else (sample,)
     return args, dict(sorted((kwargs or {}).items()))
+
+
+def _too_few(model: nn.Module, layout: Layout, granularity: str, stages: int) -> str:
+    """Why the model has fewer units than stages, and the ways out that exist."""
+    count = len(layout.names)
+    text = (
+        f"the model has {count} unit{'s' if count != 1 else ''} at granularity "
+        f"{granularity!r} ({', '.join(layout.names)}), too few for {stages} stages; "
+        f"use at most {count} stage{'s' if count != 1 else ''}"
+    )
+    # Advise another granularity only where it gives enough units on this very trace.
+    others: dict[str, int] = {}
+    for other in GRANULARITIES:
+        if other != granularity:
+            with contextlib.suppress(ValueError):
+                others[other] = len(layout_model(model, layout.traced, other).names)
+    fits = [g for g, n in others.items() if n >= stages]
+    if fits:
+        best = max(fits, key=others.__getitem__)
+        return f"{text} or granularity={best!r} ({others[best]} units)"
+    if layout.merged:
+        return f"{text}; boundaries that cannot be cut were merged ({layout.merged[0]})"
+    return text
 
 
 def _batch_size(sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None) -> int:
@@ -189,11 +214,7 @@ def wrap(
     )
     units = layout.modules()
     if len(units) < len(names):
-        raise ValueError(
-            f"the model has {len(units)} units at granularity {granularity!r} "
-            f"({', '.join(layout.names)}), too few for {len(names)} stages; use fewer stages "
-            "or a finer granularity"
-        )
+        raise ValueError(_too_few(model, layout, granularity, len(names)))
     traced = layout.traced[layout.primary]
     if profile is None:
         tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")
