@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+
+from autopipe.traced_shapes import InputShapes
 
 __all__ = ["check_symbolic_batch", "export_graph", "is_symbolic", "strip_checks"]
 
@@ -44,32 +47,102 @@ def _quiet() -> Iterator[None]:
         shapes.disabled = disabled
 
 
-def export_graph(module: nn.Module, tensors: tuple[Tensor, ...]) -> tuple[nn.Module, fx.Graph]:
+def export_graph(
+    module: nn.Module,
+    tensors: tuple[Tensor, ...],
+    dynamic: Sequence[Mapping[int, Any]] | None = None,
+    names: Sequence[tuple[str | int, str]] | None = None,
+) -> tuple[nn.Module, fx.Graph, InputShapes]:
     """Exports ``module(*tensors)`` with dim 0 of every input dynamic.
+
+    Args:
+        module: the module, called on the flat tensors.
+        tensors: the sample.
+        dynamic: for each tensor, further dims to keep symbolic (dim -> ``torch.export.Dim``
+            or ``Dim.AUTO``); every other size is fixed at the sample's.
+        names: each tensor's key and readable name (see
+            :func:`autopipe.traced_shapes.input_names`), for the messages.
 
     Returns:
         The unlifted module, which holds the model's parameters and buffers (the same
         tensors) under plain containers next to the constants export lifted out of the
-        code, and its graph.
+        code, its graph, and what the graph assumes of its inputs.
 
     Raises:
-        ValueError: export made the batch size a constant: the code depends on it.
+        ValueError: export made the batch size, or a dim declared dynamic, a constant: the
+            code depends on it.
         Exception: whatever torch.export raises when it cannot trace the module.
     """
-    dims = tuple({0: torch.export.Dim.AUTO} for _ in tensors)
+    extra = list(dynamic or [{} for _ in tensors])
+    dims = tuple({0: torch.export.Dim.AUTO, **more} for more in extra)
     with _quiet():
         program = torch.export.export(module, tensors, strict=False, dynamic_shapes=(dims,))
     unlifted = program.module()
     graph = unlifted.graph
-    for node in graph.find_nodes(op="placeholder"):
-        size = node.meta["val"].shape[0]
-        if not is_symbolic(size):
+    placeholders = graph.find_nodes(op="placeholder")
+    labels = [name for _, name in names] if names else [n.name for n in placeholders]
+    for node, label, more in zip(placeholders, labels, extra):
+        shape = node.meta["val"].shape
+        if not is_symbolic(shape[0]):
             raise ValueError(
-                f"torch.export made the batch size of input {node.name} the constant {size}: "
+                f"torch.export made the batch size of input {label} the constant {shape[0]}: "
                 "the model's code depends on the exact batch size (pass a sample with a "
                 "batch of at least 2, and avoid reshapes with a hard-coded batch size)"
             )
-    return unlifted, graph
+        for dim in sorted(more):
+            if not is_symbolic(shape[dim]):
+                raise ValueError(
+                    f"dim {dim} of input {label} was declared dynamic, but torch.export fixed "
+                    f"it at {shape[dim]}: the model's code needs that exact size (a reshape "
+                    "or a table of that size); leave it out of dynamic="
+                )
+    named = list(names) if names else [(n.name, n.name) for n in placeholders]
+    return unlifted, graph, _input_shapes(program, unlifted, tensors, named)
+
+
+def _bound(value: Any) -> int | None:
+    """A range end as an int, ``None`` when infinite (torch's ``int_oo`` claims to be finite)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _input_shapes(
+    program: torch.export.ExportedProgram,
+    unlifted: nn.Module,
+    tensors: tuple[Tensor, ...],
+    names: list[tuple[str | int, str]],
+) -> InputShapes:
+    """What the exported graph assumes of its inputs, read before its checks are dropped."""
+    graph = unlifted.graph
+    assert isinstance(graph, fx.Graph)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    values = [node.meta["val"] for node in placeholders]
+    dims = [
+        tuple(s.node.expr if is_symbolic(s) else int(s) for s in value.shape) for value in values
+    ]
+    batch = dims[0][0] if dims else None
+    ranges = {
+        symbol: (int(r.lower), _bound(r.upper))
+        for symbol, r in program.range_constraints.items()
+        if symbol != batch
+    }
+    # Export's guard function checks what the code branched on; strip_checks drops its
+    # call from the graph (a stage sees other inputs), so the wrapper calls it instead.
+    calls = list(graph.find_nodes(op="call_module", target="_guards_fn"))
+    guards = unlifted.get_submodule("_guards_fn") if calls else None
+    return InputShapes(
+        names=names,
+        sample=[tuple(t.shape) for t in tensors],
+        dims=dims,
+        dtypes=[value.dtype for value in values],
+        batch=batch,
+        ranges=ranges,
+        guards=guards,
+        guard_inputs=[placeholders.index(a) for a in calls[0].args] if calls else [],
+        placeholders=[node.name for node in placeholders],
+    )
 
 
 def check_symbolic_batch(graph: fx.Graph, labels: Sequence[str]) -> None:

@@ -23,6 +23,7 @@ from autopipe.graph_values import (
     run_quietly,
     same_results,
 )
+from autopipe.traced_shapes import DynamicSpec, InputShapes, dynamic_dims, input_names
 
 __all__ = [
     "METHODS",
@@ -65,6 +66,8 @@ class Traced:
         training: the mode the model was traced in.
         device: a device that export baked into the graph (the sample's) and that each stage
             must replace by its own, or ``None``.
+        shapes: the input shapes and dtypes an export graph holds (``None`` for fx, whose
+            graph keeps every size symbolic), to check each call's inputs against.
     """
 
     model: nn.Module
@@ -77,6 +80,7 @@ class Traced:
     batch: int
     training: bool
     device: torch.device | None = None
+    shapes: InputShapes | None = None
 
     def code(self) -> str:
         """The graph's Python code, to compare traces, with the grad mode of its nodes."""
@@ -186,6 +190,7 @@ def trace(
     *,
     leaf_modules: Iterable[str | type[nn.Module]] = (),
     method: str = "auto",
+    dynamic: DynamicSpec | None = None,
 ) -> Traced:
     """Traces ``model(*args, **kwargs)`` into a graph over its tensor inputs and outputs.
 
@@ -199,6 +204,8 @@ def trace(
         kwargs: its keyword inputs, treated like ``args``.
         leaf_modules: submodule names or classes that torch.fx keeps as single opaque calls.
         method: ``auto``, ``fx`` or ``export``.
+        dynamic: the dims besides the batch that may vary, by input (see
+            :func:`autopipe.wrap`); export fixes every other size at the sample's.
 
     Raises:
         TracingError: neither tracer could trace the model; the message names the
@@ -211,8 +218,10 @@ def trace(
     labels = [inputs.label(i) for i in range(len(tensors))]
     batch = check_batch_major([tuple(t.shape) for t in tensors], labels, "inputs")
     flat = _FlatModel(model, inputs)
+    names = input_names(model, inputs)
+    dims = (dynamic_dims(model, inputs, tensors, dynamic), names)
     with torch.enable_grad():
-        return _trace(model, flat, tensors, inputs, batch, list(leaf_modules), method)
+        return _trace(model, flat, tensors, inputs, batch, list(leaf_modules), method, dims)
 
 
 def _trace(
@@ -223,16 +232,18 @@ def _trace(
     batch: int,
     leaves: list[Any],
     method: str,
+    dynamic: tuple[list[dict[int, Any]], list[tuple[str | int, str]]],
 ) -> Traced:
     errors: list[tuple[str, BaseException]] = []
     root: nn.Module
+    exported: InputShapes | None = None
     for name in ("fx", "export") if method == "auto" else (method,):
         try:
             with tracking():  # keeps the model's no_grad / enable_grad regions
                 if name == "fx":
                     root, graph = flat, _trace_fx(flat, len(tensors), leaves)
                 else:
-                    root, graph = export_graph(flat, tensors)
+                    root, graph, exported = export_graph(flat, tensors, *dynamic)
                     inline_grad_regions(root, graph)
             strip_checks(graph)
             values, output, buffers = record_values(root, graph, tensors)
@@ -255,7 +266,11 @@ def _trace(
     if name == "export":
         check_symbolic_batch(graph, out_labels)
     device = tensors[0].device if name == "export" else None
-    return Traced(model, root, graph, name, inputs, outputs, values, batch, model.training, device)
+    training = model.training
+    exported = exported if name == "export" else None
+    return Traced(
+        model, root, graph, name, inputs, outputs, values, batch, training, device, exported
+    )
 
 
 def _verify(

@@ -15,6 +15,7 @@ from autopipe.tracing import PREFIX
 if TYPE_CHECKING:
     from autopipe.gpipe import GPipe
     from autopipe.plans import Plan
+    from autopipe.traced_shapes import InputShapes
 
 __all__ = ["WrappedPipeline"]
 
@@ -49,6 +50,7 @@ class WrappedPipeline(nn.Module):
         inputs: FlatSpec,
         outputs: Mapping[str, FlatSpec],
         method: str,
+        shapes: Mapping[str, InputShapes | None] | None = None,
     ) -> None:
         super().__init__()
         reserved = set(dir(type(self))) | {"method"}
@@ -81,6 +83,7 @@ class WrappedPipeline(nn.Module):
         state["_autopipe_inputs"] = inputs
         state["_autopipe_outputs"] = dict(outputs)
         state["method"] = method
+        state["_autopipe_shapes"] = dict(shapes or {})
         self._sync_buffers()
 
     @property
@@ -101,14 +104,22 @@ class WrappedPipeline(nn.Module):
         """Runs the model's inputs through the pipeline.
 
         Tensor inputs must have the batch along dim 0; non-tensor inputs must equal the
-        values the model was traced with.
+        values the model was traced with. A model traced by torch.export also needs the
+        traced dtypes and, besides the batch and the dims passed as ``dynamic=``, the
+        traced sizes.
+
+        Raises:
+            ValueError: the inputs differ from the traced ones where the graph fixed them.
         """
         inputs: FlatSpec = self.__dict__["_autopipe_inputs"]
         tensors = inputs.flatten((args, dict(sorted(kwargs.items()))), "inputs")
-        output = self.pipeline(tensors[0] if len(tensors) == 1 else tensors)
-        flat = (output,) if isinstance(output, Tensor) else tuple(output)
         outputs: dict[str, FlatSpec] = self.__dict__["_autopipe_outputs"]
         key = "any" if "any" in outputs else ("train" if self.training else "eval")
+        shapes = self.__dict__["_autopipe_shapes"].get(key)
+        if shapes is not None:
+            shapes.check(tensors)
+        output = self.pipeline(tensors[0] if len(tensors) == 1 else tensors)
+        flat = (output,) if isinstance(output, Tensor) else tuple(output)
         return outputs[key].rebuild(flat)
 
     def train(self, mode: bool = True) -> WrappedPipeline:

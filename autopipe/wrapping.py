@@ -16,6 +16,7 @@ from autopipe.graph_units import GRANULARITIES
 from autopipe.planner import MemorySpec, default_chunks
 from autopipe.planner import plan as make_plan
 from autopipe.sharing import check_placement
+from autopipe.traced_shapes import DynamicSpec
 from autopipe.unit_layout import Layout, layout_model, stage_of_units, trace_modes
 from autopipe.wrapped import WrappedPipeline
 from profiler.measure import profile_layers
@@ -89,6 +90,7 @@ def prepare(
     granularity: str = "blocks",
     leaf_modules: Iterable[str | type[nn.Module]] = (),
     method: str = "auto",
+    dynamic: DynamicSpec | None = None,
 ) -> Layout:
     """Traces the model (in both modes) and splits it into units that can be cut between.
 
@@ -96,7 +98,9 @@ def prepare(
     (``layout.names``, ``layout.liveness``, ``layout.merged``) without planning.
     """
     args, inputs = _normalize(sample, kwargs)
-    traced = trace_modes(model, args, inputs, leaf_modules=list(leaf_modules), method=method)
+    traced = trace_modes(
+        model, args, inputs, leaf_modules=list(leaf_modules), method=method, dynamic=dynamic
+    )
     return layout_model(model, traced, granularity)
 
 
@@ -146,6 +150,7 @@ def wrap(
     leaf_modules: Iterable[str | type[nn.Module]] = (),
     method: str = "auto",
     autocast: str | None = None,
+    dynamic: DynamicSpec | None = None,
 ) -> WrappedPipeline:
     """Splits any model into balanced pipeline stages and returns it ready to train.
 
@@ -181,6 +186,21 @@ def wrap(
         autocast: ``bfloat16`` or ``float16`` to profile the units under
             ``torch.autocast``, for a model trained under it (the pipeline itself runs
             under the caller's autocast); a given ``profile`` must have been made so.
+        dynamic: the dims besides the batch whose size may vary between calls, by input:
+            the name of a keyword input or of a ``forward`` parameter, or a position,
+            mapped to a dim, a list of dims, or ``{dim: torch.export.Dim(...)}``, e.g.
+            ``{"input_ids": 1, "attention_mask": 1}``. Only torch.export fixes sizes
+            (torch.fx keeps them all symbolic): without ``dynamic`` it fixes every dim but
+            the batch at the sample's, and each call's inputs are checked against the
+            traced shapes and dtypes. Conditions the code branched on are checked on every
+            call, so that no call takes another path than the traced one. The units, the
+            bytes crossing each cut and the plan are those of the sample.
+        deferred_batch_norm: update each BatchNorm's running statistics once per
+            mini-batch, from all the inputs it saw, as the plain model does (each
+            micro-batch is still normalized with its own statistics). ``None`` (default):
+            on when the model has a BatchNorm with running statistics and ``chunks > 1``;
+            ``False`` updates them once per micro-batch, with a warning. The model's own
+            modules are not converted: the pipeline runs deferred views of them.
 
     Returns:
         A :class:`WrappedPipeline`: call it like the model; ``.plan`` and ``.pipeline``
@@ -211,6 +231,7 @@ def wrap(
         granularity=granularity,
         leaf_modules=leaf_modules,
         method=method,
+        dynamic=dynamic,
     )
     units = layout.modules()
     if len(units) < len(names):
@@ -239,4 +260,5 @@ def wrap(
     check_placement(layout.shared, stage_of_units(plan.balance), names, layout.names)
     pipeline = GPipe.from_plan(nn.Sequential(*units), plan)
     outputs = {mode: t.outputs for mode, t in layout.traced.items()}
-    return WrappedPipeline(model, pipeline, plan, traced.inputs, outputs, traced.method)
+    shapes = {mode: t.shapes for mode, t in layout.traced.items()}
+    return WrappedPipeline(model, pipeline, plan, traced.inputs, outputs, traced.method, shapes)
