@@ -195,12 +195,6 @@ def wrap(
             traced shapes and dtypes. Conditions the code branched on are checked on every
             call, so that no call takes another path than the traced one. The units, the
             bytes crossing each cut and the plan are those of the sample.
-        deferred_batch_norm: update each BatchNorm's running statistics once per
-            mini-batch, from all the inputs it saw, as the plain model does (each
-            micro-batch is still normalized with its own statistics). ``None`` (default):
-            on when the model has a BatchNorm with running statistics and ``chunks > 1``;
-            ``False`` updates them once per micro-batch, with a warning. The model's own
-            modules are not converted: the pipeline runs deferred views of them.
 
     Returns:
         A :class:`WrappedPipeline`: call it like the model; ``.plan`` and ``.pipeline``
