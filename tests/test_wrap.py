@@ -439,9 +439,7 @@ def _train_like_the_original(
 def test_stacked_lstms_are_cut_between(method: str, stages: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(4, 5, 4)
-    wrapped = _train_like_the_original(
-        LSTMStack(), x, 4, stages=stages, chunks=2, method=method
-    )
+    wrapped = _train_like_the_original(LSTMStack(), x, 4, stages=stages, chunks=2, method=method)
     assert len(wrapped.plan.balance) == stages
     wrapped.close()
 
@@ -537,3 +535,34 @@ def test_too_few_units_advises_only_what_can_help() -> None:
     for granularity in ("children", "blocks", "leaves"):
         with pytest.raises(ValueError, match=merged):
             wrap(SplitJoin(), (x,), stages=4, granularity=granularity)
+
+
+@pytest.mark.parametrize("leaf", [True, False])
+def test_blocks_returning_a_hugging_face_model_output(leaf: bool) -> None:
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(6, 6)
+
+        def forward(self, x: Tensor) -> Any:
+            y = self.inner(x)
+            return outputs.BaseModelOutput(last_hidden_state=y.tanh(), hidden_states=(y, y.sin()))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.head = nn.Linear(6, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                out = block(x)  # read by attribute, by index and through a nested tuple
+                x = out.last_hidden_state + out[0] * out.hidden_states[1]
+            return self.head(x)
+
+    torch.manual_seed(0)
+    options = {"method": "fx", "leaf_modules": [Block] if leaf else []}
+    wrapped = _train_like_the_original(Model(), torch.randn(4, 6), 4, stages=4, chunks=2, **options)
+    wrapped.close()
