@@ -160,7 +160,8 @@ def split_units(graph: fx.Graph, paths: set[str], values: Mapping[str, ValueInfo
 
     Unpacking a module's tuple, dict or dataclass result (``out, state = lstm(x)``) joins
     the unit that made it, wherever the graph does it, so that a cut after the module sends
-    the tensors used later rather than the structure, which cannot cross.
+    the tensors used later rather than the structure, which cannot cross. A module whose
+    code runs while none of the unit modules inside it is called is a unit itself.
 
     Args:
         graph: the traced graph, whose nodes carry ``nn_module_stack`` metadata.
