@@ -203,7 +203,8 @@ class InputShapes:
             raise ValueError(
                 f"input {name!r} has dtype {tensor.dtype} but the model was traced with "
                 f"{self.dtypes[i]}, which torch.export fixes in the graph; pass "
-                f"{self.dtypes[i]} or wrap the model again with a sample of this dtype"
+                f"{self.dtypes[i]}, or convert the model and wrap it again with a sample of "
+                "this dtype"
             )
         shape, dims = tuple(tensor.shape), self.dims[i]
         fixed = [d for d, want in enumerate(dims) if isinstance(want, int)]

@@ -93,6 +93,18 @@ class ShapeReshape(nn.Module):
         return self.second(h)
 
 
+class TwoInputs(nn.Module):
+    """Adds two inputs, so their sequence lengths must agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.second(self.first(x) + y)
+
+
 def _llama(layers: int = 2) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -182,6 +194,32 @@ def test_a_branch_on_the_batch_size_follows_the_mini_batch() -> None:
         torch.testing.assert_close(wrapped(x), reference(x))
     with pytest.raises(ValueError, match=r"condition on shapes .*'x'.size\(\)\[0\] >= 5"):
         wrapped(torch.randn(4, 16, 4))
+
+
+def test_sizes_export_ties_must_agree() -> None:
+    model = TwoInputs()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16, 4), torch.randn(8, 16, 4)
+    wrapped = wrap(
+        model, (x, y), stages=2, chunks=2, method="export", dynamic={"x": 1, "y": [1]}
+    )
+    x, y = torch.randn(8, 5, 4), torch.randn(8, 5, 4)
+    torch.testing.assert_close(wrapped(x, y), reference(x, y))
+    # Broadcasting would run it, with another result than the plain model's error.
+    with pytest.raises(ValueError, match="dim 1 of input 'y' is 1 but dim 1 of input 'x' is 5"):
+        wrapped(x, torch.randn(8, 1, 4))
+
+
+def test_a_given_dim_range_is_kept() -> None:
+    model = SequenceBranch()
+    with pytest.raises(TracingError, match="Constraints violated"):  # the branch narrows it
+        _wrap(model, torch.randn(8, 16, 4), dynamic={"x": {1: torch.export.Dim("s", min=4)}})
+    seq = torch.export.Dim("seq", min=13, max=32)
+    wrapped = _wrap(model, torch.randn(8, 16, 4), dynamic={"x": {1: seq}})
+    x = torch.randn(8, 32, 4)
+    torch.testing.assert_close(wrapped(x), copy.deepcopy(model)(x))
+    with pytest.raises(ValueError, match="dim 1 of input 'x' is 33, .*sizes 13 to 32"):
+        wrapped(torch.randn(8, 33, 4))
 
 
 def test_dtype_baked_in_by_export_is_checked() -> None:
