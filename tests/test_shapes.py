@@ -200,9 +200,7 @@ def test_sizes_export_ties_must_agree() -> None:
     model = TwoInputs()
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 16, 4), torch.randn(8, 16, 4)
-    wrapped = wrap(
-        model, (x, y), stages=2, chunks=2, method="export", dynamic={"x": 1, "y": [1]}
-    )
+    wrapped = wrap(model, (x, y), stages=2, chunks=2, method="export", dynamic={"x": 1, "y": [1]})
     x, y = torch.randn(8, 5, 4), torch.randn(8, 5, 4)
     torch.testing.assert_close(wrapped(x, y), reference(x, y))
     # Broadcasting would run it, with another result than the plain model's error.
