@@ -80,17 +80,19 @@ class FixedWidth(nn.Module):
 
 
 class ShapeReshape(nn.Module):
-    """Reads the sequence length from the input, as torch.fx records symbolically."""
+    """Reads the sequence length in one unit and uses it in another, as torch.fx records."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.first = nn.Linear(4, 8)
-        self.second = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, length = x.shape[0], x.shape[1]
-        h = self.first(x).reshape(batch, length * 2, 4)
-        return self.second(h)
+        length = x.size(1)
+        h = self.c(self.b(self.a(x)))
+        positions = torch.arange(length * 2, dtype=h.dtype).reshape(1, -1, 1)
+        return h.reshape(x.shape[0], length * 2, 2) + positions
 
 
 class TwoInputs(nn.Module):
@@ -249,8 +251,8 @@ def test_bad_dynamic_is_refused(dynamic: Any, message: str) -> None:
 def test_fx_keeps_shapes_symbolic() -> None:
     model = ShapeReshape()
     reference = copy.deepcopy(model)
-    wrapped = wrap(model, (torch.randn(8, 16, 4),), stages=2, chunks=2)
-    assert wrapped.method == "fx"
+    wrapped = wrap(model, (torch.randn(8, 16, 4),), stages=3, chunks=2, granularity="children")
+    assert wrapped.method == "fx" and wrapped.plan.balance == [1, 1, 1]
     for length in (16, 7):
         x = torch.randn(6, length, 4)
         torch.testing.assert_close(wrapped(x), reference(x))
