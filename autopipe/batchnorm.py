@@ -8,6 +8,8 @@ the unsplit layer would.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from autopipe.checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "deferred_copy", "resolve_deferred", "tracks_statistics"]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -98,35 +100,115 @@ class DeferredBatchNorm(_BatchNorm):
         self.running_var.mul_(1 - factor).add_(var, alpha=factor)
         self._reset_pending()
 
+    def pending(self) -> tuple[int, Tensor | None, Tensor | None]:
+        """The statistics gathered since the last commit: count, mean and sum of squared
+        deviations per channel (float64; ``None`` before the first input)."""
+        return self._count, self._mean, self._m2
+
+    def set_pending(self, count: int, mean: Tensor | None, m2: Tensor | None) -> None:
+        """Replaces the gathered statistics (with those merged over replicas, say)."""
+        self._count, self._mean, self._m2 = count, mean, m2
+
+    @classmethod
+    def view(cls, module: _BatchNorm) -> DeferredBatchNorm:
+        """A deferred layer over ``module``'s own parameters and buffers.
+
+        It shares ``module``'s parameter and buffer dictionaries, not only their tensors:
+        moving either module (``.to(device)`` replaces buffers) moves both, and the state
+        dict keys are the same. ``module`` itself is left as it is.
+        """
+        deferred = cls(
+            module.num_features,
+            eps=module.eps,
+            momentum=module.momentum,
+            affine=module.affine,
+            track_running_stats=True,
+            device=module.running_mean.device if module.running_mean is not None else None,
+            dtype=module.running_mean.dtype if module.running_mean is not None else None,
+        )
+        deferred.__dict__["_parameters"] = module._parameters
+        deferred.__dict__["_buffers"] = module._buffers
+        deferred.__dict__["_non_persistent_buffers_set"] = module._non_persistent_buffers_set
+        deferred.train(module.training)
+        return deferred
+
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
         """Replaces every batch-norm layer in ``module`` (in place) with a deferred one.
 
-        The new layers share the original parameters and buffers. Returns ``module``, or the
-        replacement if ``module`` itself is a batch-norm layer.
+        The new layers share the original parameters and buffers (see :meth:`view`).
+        Returns ``module``, or the replacement if ``module`` itself is a batch-norm layer.
         """
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
-            if not module.track_running_stats:
-                return module
-            deferred = cls(
-                module.num_features,
-                eps=module.eps,
-                momentum=module.momentum,
-                affine=module.affine,
-                track_running_stats=True,
-                device=module.running_mean.device if module.running_mean is not None else None,
-                dtype=module.running_mean.dtype if module.running_mean is not None else None,
-            )
-            if module.affine:
-                deferred.weight = module.weight
-                deferred.bias = module.bias
-            deferred.running_mean = module.running_mean
-            deferred.running_var = module.running_var
-            deferred.num_batches_tracked = module.num_batches_tracked
-            deferred.train(module.training)
-            return deferred
+            return cls.view(module) if module.track_running_stats else module
         for name, child in module.named_children():
             replacement = cls.convert(child)
             if replacement is not child:
                 setattr(module, name, replacement)
         return module
+
+
+def tracks_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule is a batch-norm layer with running statistics."""
+    return any(
+        isinstance(m, _BatchNorm) and m.track_running_stats and not isinstance(m, DeferredBatchNorm)
+        for m in module.modules()
+    )
+
+
+def deferred_copy(module: nn.Module, cache: dict[int, nn.Module] | None = None) -> nn.Module:
+    """``module`` with its batch-norm layers deferred, leaving ``module`` itself unchanged.
+
+    A batch-norm layer becomes its :meth:`DeferredBatchNorm.view`; a module holding one
+    becomes a shallow copy whose children are converted likewise, sharing the original's
+    parameters, buffers and hooks; any other module is returned as is. ``cache`` (by
+    ``id`` of the original) makes a module used twice map to one copy.
+    """
+    cache = {} if cache is None else cache
+    found = cache.get(id(module))
+    if found is not None:
+        return found
+    if not tracks_statistics(module):
+        return module
+    copied: nn.Module
+    if isinstance(module, _BatchNorm):
+        copied = DeferredBatchNorm.view(module)
+    else:
+        copied = copy.copy(module)  # a new __dict__ whose values are the original's
+        children = [(name, deferred_copy(c, cache)) for name, c in module._modules.items()]
+        copied.__dict__["_modules"] = dict(children)
+    cache[id(module)] = copied
+    return copied
+
+
+def resolve_deferred(
+    deferred: bool | None, model: nn.Module, chunks: int, replicas: int = 1
+) -> tuple[bool, str | None]:
+    """Whether to defer the model's batch-norm statistics, and a warning to give, if any.
+
+    Args:
+        deferred: the ``deferred_batch_norm`` argument; ``None`` means on when the model
+            has a batch-norm layer with running statistics and a step splits the batch
+            (into micro-batches or over replicas).
+        model: the model.
+        chunks: micro-batches per step (per replica).
+        replicas: data-parallel replicas.
+
+    Raises:
+        ValueError: ``deferred`` is not ``None``, ``True`` or ``False``.
+    """
+    if deferred is not None and not isinstance(deferred, bool):
+        raise ValueError(f"deferred_batch_norm must be True, False or None, got {deferred!r}")
+    split = chunks > 1 or replicas > 1
+    norms = tracks_statistics(model)
+    if deferred is None:
+        return norms and split, None
+    if deferred or not (norms and split):
+        return deferred, None
+    averaged = f", then averaged over the {replicas} replicas" if replicas > 1 else ""
+    return False, (
+        f"deferred_batch_norm=False: BatchNorm running statistics advance once per "
+        f"micro-batch ({chunks} updates per step, num_batches_tracked included{averaged}) "
+        "instead of once from the whole mini-batch as in the plain model; leave "
+        "deferred_batch_norm unset for one update per step"
+    )

@@ -11,6 +11,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from autopipe.checkpoint import _recomputing
 from autopipe.cost_model import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from profiler.precision import autocast_pass
 
@@ -104,7 +105,9 @@ class _Replay:
     """A stage's forward for ``torch.utils.checkpoint``: the first call computes; a second
     (the re-computation in backward) runs on copies of the stage's buffers, so batch-norm
     running statistics are updated once, and the buffers themselves are not modified in
-    place (a micro-batch that was not re-computed may have saved them for its backward)."""
+    place (a micro-batch that was not re-computed may have saved them for its backward).
+    It runs marked as a re-computation, so deferred batch-norm layers do not count the
+    micro-batch a second time."""
 
     def __init__(self, stage: StageModule) -> None:
         self.stage, self.calls = stage, 0
@@ -122,7 +125,8 @@ class _Replay:
         for module, name, buffer in originals:
             module._buffers[name] = buffer.detach().clone()
         try:
-            return self.stage._run(*args)
+            with _recomputing():
+                return self.stage._run(*args)
         finally:
             for module, name, buffer in originals:
                 module._buffers[name] = buffer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -10,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from autopipe.batchnorm import resolve_deferred
+from autopipe.batchnorm_units import defer_layers
 from autopipe.dist_padding import MicroBatchPadding
 from autopipe.dist_setup import (
     LossRecorder,
@@ -129,6 +132,14 @@ class DistributedPipeline:
             each micro-batch's input and runs its forward again in backward),
             ``except_last`` (all but the last micro-batch) or ``auto`` (each stage only
             if it does not fit otherwise). A given plan's own modes are used instead.
+        deferred_batch_norm: update each BatchNorm's running statistics once per step
+            from all the inputs it saw: the whole mini-batch, with replicas the global one
+            (their counts, means and squared deviations merged exactly), as the plain
+            model does; each micro-batch is still normalized with its own statistics.
+            ``None`` (default): on when the model has a BatchNorm with running statistics
+            and a step splits the batch; ``False`` updates them once per micro-batch (and
+            averages them over replicas), with a warning. The model's own modules are not
+            converted: the stages run deferred views of them.
 
     Raises:
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
@@ -153,6 +164,7 @@ class DistributedPipeline:
         virtual_stages: int = 1,
         autocast: str | None = None,
         checkpoint: str = "never",
+        deferred_batch_norm: bool | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -174,6 +186,7 @@ class DistributedPipeline:
         self.batch_size = 0
         self._steps = 0
         self._broken = False
+        self._deferred, warning = False, None
         # Exchange what must agree before anything can hang on a disagreement; a rank with
         # bad arguments still joins, so that every rank raises instead of waiting.
         try:
@@ -185,6 +198,12 @@ class DistributedPipeline:
             problem = problem or virtual_problem(virtual_stages)
             problem = problem or checkpoint_problem(checkpoint)
             check_autocast(autocast)
+            if not problem:
+                self._deferred, warning = resolve_deferred(
+                    deferred_batch_norm, model, chunks, self.data_parallel
+                )
+            if self._deferred:  # the stages run these; the model is left as it is
+                layers = defer_layers(layers, model)
         except ValueError as exc:
             layers, problem = OrderedDict(), str(exc)
         settings = {} if problem else fingerprint_settings(sample, chunks, schedule, plan, profile)
@@ -192,7 +211,10 @@ class DistributedPipeline:
         settings["virtual_stages"] = virtual_stages
         settings["autocast"] = autocast
         settings["checkpoint"] = checkpoint
+        settings["deferred_batch_norm"] = self._deferred
         agree(self.rank, world, problem, fingerprint(layers, **settings) if not problem else {})
+        if warning:
+            warnings.warn(warning, stacklevel=2)
         d, v = self.data_parallel, virtual_stages
         k = check_layout(world, d, data_parallel, plan)
         check_sizes(k, len(layers), plan, schedule, chunks, data_parallel=d, virtual_stages=v)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from autopipe.batchnorm import DeferredBatchNorm
 from autopipe.plans import Plan
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "check_layout",
     "data_parallel_problem",
     "make_layout",
+    "merge_batch_norm",
     "replica_batch",
     "replica_sample",
     "resolve_data_parallel",
@@ -229,6 +231,47 @@ def all_reduce_mean(tensors: Sequence[Tensor], group: dist.ProcessGroup, size: i
     _flat(tensors, mean)
 
 
+def merge_batch_norm(norms: Sequence[DeferredBatchNorm], group: dist.ProcessGroup) -> None:
+    """Replaces each layer's gathered statistics with those of every rank of ``group``; a
+    collective (the ranks pass their stage's layers in the same order).
+
+    The merge is exact, as if one layer had seen every rank's inputs, not an average of
+    running statistics: counts and sums first, giving the global mean, then each rank's
+    squared deviations from its own mean plus ``n_r·(mean_r − mean)²``. Every rank ends
+    with the same statistics.
+    """
+    if not norms:
+        return
+    sizes = [norm.num_features for norm in norms]
+    device = next(iter(norms[0].buffers())).device
+    counts = torch.zeros(len(norms), dtype=torch.float64, device=device)
+    means, m2s = [], []
+    for index, norm in enumerate(norms):
+        count, mean, m2 = norm.pending()
+        zeros = torch.zeros(norm.num_features, dtype=torch.float64, device=device)
+        counts[index] = count
+        means.append(zeros if mean is None else mean)
+        m2s.append(zeros if m2 is None else m2)
+    # Counts travel as float64: exact for any count a batch can have.
+    sums = torch.cat([counts, *[m * c for m, c in zip(means, counts)]])
+    dist.all_reduce(sums, group=group)
+    totals = sums[: len(norms)]
+    centers = [
+        part / max(float(total), 1.0)
+        for part, total in zip(sums[len(norms) :].split(sizes), totals)
+    ]
+    squares = torch.cat(
+        [
+            m2 + (mean - center) ** 2 * count
+            for m2, mean, center, count in zip(m2s, means, centers, counts)
+        ]
+    )
+    dist.all_reduce(squares, group=group)
+    for norm, total, center, m2 in zip(norms, totals, centers, squares.split(sizes)):
+        count = int(total.item())
+        norm.set_pending(count, center if count else None, m2 if count else None)
+
+
 class ReplicaSync:
     """Keeps one stage's D replicas identical: start state, gradients and buffers.
 
@@ -240,11 +283,16 @@ class ReplicaSync:
       ``earlier + mean(this step)``, as one process would, even where earlier gradients
       differ between replicas. A parameter left without gradient by the step counts as
       zero (it then has a zero ``.grad``, as with DDP).
-    * Floating-point buffers (BatchNorm running statistics) are averaged after each step,
-      so every replica keeps the same statistics, those of all the replicas' data.
-      Integer buffers (counters) advance alike on every replica and are left alone.
+    * Deferred batch-norm layers (:class:`~autopipe.batchnorm.DeferredBatchNorm`) commit
+      their statistics after each step, merged over the replicas first
+      (:func:`merge_batch_norm`): the running statistics are those of the global
+      mini-batch, and equal on every replica. A failed step discards them.
+    * Other floating-point buffers (BatchNorm running statistics updated per micro-batch)
+      are averaged after each step, so every replica keeps the same statistics, those of
+      all the replicas' data. Integer buffers (counters) advance alike on every replica
+      and are left alone.
 
-    With one replica (no replica group) every method leaves everything as it is.
+    With one replica (no replica group) only deferred batch-norm layers are committed.
 
     Args:
         module: this rank's stage.
@@ -256,7 +304,11 @@ class ReplicaSync:
         self.size = layout.data_parallel
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.state = [*module.parameters(), *module.buffers()]
-        self.buffers = [b for b in module.buffers() if b.is_floating_point()]
+        self.norms = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+        merged = {id(b) for norm in self.norms for b in norm.buffers()}
+        self.buffers = [
+            b for b in module.buffers() if b.is_floating_point() and id(b) not in merged
+        ]
 
     def broadcast_state(self) -> None:
         """Copies replica 0's parameters and buffers to the other replicas; a collective."""
@@ -267,9 +319,16 @@ class ReplicaSync:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Around one pipeline step: average its gradients and the buffers afterwards."""
+        """Around one pipeline step: average its gradients and the buffers afterwards, and
+        commit the deferred batch-norm statistics."""
         if self.group is None:
-            yield
+            try:
+                yield
+            except BaseException:
+                self._discard_statistics()
+                raise
+            for norm in self.norms:
+                norm.commit()
             return
         earlier = [p.grad for p in self.params]
         for p in self.params:
@@ -277,14 +336,23 @@ class ReplicaSync:
         try:
             yield
         except BaseException:
+            self._discard_statistics()
             self._add(earlier, [p.grad for p in self.params])  # no peer may be listening
             raise
         fresh = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         try:
             all_reduce_mean(fresh, self.group, self.size)
             all_reduce_mean(self.buffers, self.group, self.size)
+            merge_batch_norm(self.norms, self.group)
+            for norm in self.norms:
+                norm.commit()
         finally:
+            self._discard_statistics()  # committed, or never to be: a failed step's
             self._add(earlier, fresh)
+
+    def _discard_statistics(self) -> None:
+        for norm in self.norms:
+            norm.set_pending(0, None, None)
 
     def _add(self, earlier: Sequence[Tensor | None], fresh: Sequence[Tensor | None]) -> None:
         with torch.no_grad():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from autopipe.batchnorm import resolve_deferred
+from autopipe.batchnorm_units import defer_layers
 from autopipe.flat_io import FlatSpec
 from autopipe.gpipe import GPipe
 from autopipe.graph_units import GRANULARITIES
@@ -151,6 +154,7 @@ def wrap(
     method: str = "auto",
     autocast: str | None = None,
     dynamic: DynamicSpec | None = None,
+    deferred_batch_norm: bool | None = None,
 ) -> WrappedPipeline:
     """Splits any model into balanced pipeline stages and returns it ready to train.
 
@@ -195,6 +199,12 @@ def wrap(
             traced shapes and dtypes. Conditions the code branched on are checked on every
             call, so that no call takes another path than the traced one. The units, the
             bytes crossing each cut and the plan are those of the sample.
+        deferred_batch_norm: update each BatchNorm's running statistics once per
+            mini-batch, from all the inputs it saw, as the plain model does (each
+            micro-batch is still normalized with its own statistics). ``None`` (default):
+            on when the model has a BatchNorm with running statistics and ``chunks > 1``;
+            ``False`` updates them once per micro-batch, with a warning. The model's own
+            modules are not converted: the pipeline runs deferred views of them.
 
     Returns:
         A :class:`WrappedPipeline`: call it like the model; ``.plan`` and ``.pipeline``
@@ -210,14 +220,17 @@ def wrap(
     bad_chunks = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
     if chunks is not None and bad_chunks:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    names = _device_names(stages, devices)
+    if chunks is None:
+        chunks = default_chunks(len(names), _batch_size(sample, kwargs))
     check_autocast(autocast)
+    deferred, warning = resolve_deferred(deferred_batch_norm, model, chunks)
+    if warning:
+        warnings.warn(warning, stacklevel=2)
     if profile is not None and autocast is not None and profile.autocast != autocast:
         raise ValueError(
             f"the profile was made with autocast {profile.autocast or 'none'}, not {autocast}"
         )
-    names = _device_names(stages, devices)
-    if chunks is None:
-        chunks = default_chunks(len(names), _batch_size(sample, kwargs))
     layout = prepare(
         model,
         sample,
@@ -230,6 +243,8 @@ def wrap(
     units = layout.modules()
     if len(units) < len(names):
         raise ValueError(_too_few(model, layout, granularity, len(names)))
+    if deferred:  # the units' own graphs are rewritten; the model is left as it is
+        defer_layers(OrderedDict(zip(layout.names, units)), model)
     traced = layout.traced[layout.primary]
     if profile is None:
         tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from benchmarks.ranks import init_rank
 
@@ -58,11 +61,45 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
     return nn.functional.mse_loss(output, target)
 
 
+@contextlib.contextmanager
+def whole_batch_statistics(model: nn.Module) -> Iterator[None]:
+    """Runs the block with the model's BatchNorm running statistics updated once, at the
+    end, from every input each layer saw in it: the plain layer's own update on them all.
+
+    The block runs the model micro-batch by micro-batch (each normalized with its own
+    statistics, as in a pipeline), and its backward (which checks that the statistics
+    it saved are unchanged); the layers' per-call updates are undone, then each layer
+    runs once on the concatenation of its inputs, without gradients.
+    """
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    seen: dict[int, list[Tensor]] = {id(m): [] for m in norms}
+    saved = [{k: v.clone() for k, v in m._buffers.items() if v is not None} for m in norms]
+
+    def record(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if module.training:
+            seen[id(module)].append(args[0].detach())
+
+    hooks = [m.register_forward_pre_hook(record) for m in norms]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with torch.no_grad():
+        for norm, state in zip(norms, saved):
+            for key, value in state.items():
+                norm.get_buffer(key).copy_(value)
+            if seen[id(norm)]:
+                norm(torch.cat(seen[id(norm)]))
+
+
 def reference_step(model: nn.Module, x: Tensor, y: Tensor, chunks: int = CHUNKS) -> Tensor:
-    """Single-process reference: the mean of per-micro-batch losses, back-propagated."""
+    """Single-process reference: the mean of per-micro-batch losses, back-propagated, and
+    BatchNorm statistics updated once from the whole mini-batch."""
     pairs = zip(x.tensor_split(chunks), y.tensor_split(chunks))
-    loss = torch.stack([loss_fn(model(xb), yb) for xb, yb in pairs]).mean()
-    loss.backward()
+    with whole_batch_statistics(model):
+        loss = torch.stack([loss_fn(model(xb), yb) for xb, yb in pairs]).mean()
+        loss.backward()
     return loss.detach()
 
 
@@ -477,6 +514,113 @@ def _validity(rank: int) -> dict[str, Any]:
     return results
 
 
+class BatchNormCNN(nn.Module):
+    """Conv-BatchNorm-ReLU blocks with a residual, and a BatchNorm1d head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.block = nn.Sequential(
+            nn.Conv2d(6, 6, 3, padding=1),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.Conv2d(6, 6, 3, padding=1),
+            nn.BatchNorm2d(6, momentum=None),  # a cumulative average
+        )
+        self.head = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.stem(x)
+        y = torch.relu(y + self.block(y))
+        return self.head(y.mean((2, 3)))
+
+
+def make_bn_cnn() -> BatchNormCNN:
+    torch.manual_seed(0)
+    return BatchNormCNN()
+
+
+def image_batches(steps: int = 3) -> list[tuple[Tensor, Tensor]]:
+    """One mini-batch of BATCH 3×6×6 images and targets per step, each of another scale."""
+    generator = torch.Generator().manual_seed(2)
+    return [
+        (
+            torch.randn(BATCH, 3, 6, 6, generator=generator) * (1 + step) + step,
+            torch.randn(BATCH, 3, generator=generator),
+        )
+        for step in range(steps)
+    ]
+
+
+def _batchnorm(world: int) -> dict[str, Any]:
+    """Deferred BatchNorm statistics on each schedule, re-computed, turned off, and with
+    D=2 replicas (on 4 ranks: momentum=None, re-computed, the global mini-batch)."""
+    import warnings
+
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    if world == 4:
+        model = make_model()
+        model[3].momentum = None
+        pipe = DistributedPipeline(
+            model,
+            x,
+            loss_fn=loss_fn,
+            chunks=REPLICA_CHUNKS,
+            schedule="1f1b",
+            checkpoint="always",
+            data_parallel=2,
+        )
+        pipe.step(x, y)
+        pipe.step(x * 2 + 1, y)
+        own = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        results["replicas"] = {"state": pipe.gather_state_dict(), "own": own}
+        return results
+    runs = {"gpipe": ("gpipe", "never"), "1f1b": ("1f1b", "never")}
+    runs["1f1b always"] = ("1f1b", "always")
+    for key, (schedule, mode) in runs.items():
+        pipe = DistributedPipeline(
+            make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule, checkpoint=mode
+        )
+        result = _train(pipe, x, y)
+        result["state"] = pipe.gather_state_dict()
+        results[key] = result
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = DistributedPipeline(
+            model, x, loss_fn=loss_fn, chunks=CHUNKS, deferred_batch_norm=False
+        )
+    pipe.step(x, y)
+    results["per micro-batch"] = {
+        "state": pipe.gather_state_dict(),
+        "warnings": [str(w.message) for w in caught],
+        "classes": [type(m).__name__ for m in model.modules()],
+    }
+    return results
+
+
+def _batchnorm_training() -> dict[str, Any]:
+    """The BatchNorm CNN trained 3 SGD steps with momentum, in 4 micro-batches and in 1."""
+    from autopipe.distributed import DistributedPipeline
+
+    batches = image_batches()
+    results: dict[str, Any] = {}
+    for chunks, schedule in ((CHUNKS, "1f1b"), (1, "gpipe")):
+        pipe = DistributedPipeline(
+            make_bn_cnn(), batches[0][0], loss_fn=loss_fn, chunks=chunks, schedule=schedule
+        )
+        optimizer = torch.optim.SGD(pipe.module.parameters(), lr=0.05, momentum=0.9)
+        for x, y in batches:
+            pipe.step(x, y)
+            optimizer.step()
+            optimizer.zero_grad()
+        results[f"chunks={chunks}"] = pipe.gather_state_dict()
+    return results
+
+
 def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     init_rank(workdir, rank, world, minutes=1.0)  # one thread, gloo, file store
     if scenario == "equal":
@@ -489,6 +633,10 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         torch.save(_replicas(rank, world), workdir / f"rank{rank}.pt")
     elif scenario == "validity":
         torch.save(_validity(rank), workdir / f"rank{rank}.pt")
+    elif scenario == "batchnorm":
+        torch.save(_batchnorm(world), workdir / f"rank{rank}.pt")
+    elif scenario == "batchnorm-training":
+        torch.save(_batchnorm_training(), workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):
         _failing(rank, world, stay=scenario == "stuck")
     # Every rank leaves together and closes the group: a gloo group torn down by interpreter

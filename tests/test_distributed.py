@@ -37,6 +37,7 @@ from tests.dist_workers import (
     make_model,
     make_residual,
     reference_step,
+    whole_batch_statistics,
 )
 from tests.planning_cases import linear_profile
 from tests.wrap_models import ResidualMLP
@@ -317,7 +318,7 @@ def test_checkpointed_stages_equal_one_process(equal_run: Any, key: str) -> None
         for name, grad in run["grads"].items():
             torch.testing.assert_close(grad, once[name], rtol=1e-5, atol=1e-6, msg=name)
             torch.testing.assert_close(run["twice"][name], twice[name], rtol=1e-5, atol=1e-6)
-    # Batch-norm statistics were updated once per micro-batch, not again when recomputed.
+    # Batch-norm statistics were updated once per step, not again when recomputed.
     gathered = runs[0]["state"]
     for name, value in state.items():
         torch.testing.assert_close(gathered[name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -519,8 +520,8 @@ def _replica_reference(d: int = 2) -> tuple[Tensor, dict[str, Tensor], dict[str,
     """One process: loss and gradients after one step, gradients and state after two.
 
     Gradients: the mean over all D·M micro-batch losses, replica r's micro-batches being
-    ``x[r*b:(r+1)*b].tensor_split(M)``, back-propagated once per step. Buffers: each
-    replica's own updates from the step's start, then their mean (floats) or replica 0's.
+    ``x[r*b:(r+1)*b].tensor_split(M)``, back-propagated once per step. BatchNorm
+    statistics: one update per step from the global mini-batch.
     """
     model = make_model()
     x, y = make_batch()
@@ -528,20 +529,12 @@ def _replica_reference(d: int = 2) -> tuple[Tensor, dict[str, Tensor], dict[str,
     shards = [(x[r * b : (r + 1) * b], y[r * b : (r + 1) * b]) for r in range(d)]
 
     def step() -> Tensor:
-        start = copy.deepcopy(model)
         m = REPLICA_CHUNKS
         split = [(xs.tensor_split(m), ys.tensor_split(m)) for xs, ys in shards]
         pairs = [pair for xs, ys in split for pair in zip(xs, ys)]
-        loss = torch.stack([loss_fn(model(xb), yb) for xb, yb in pairs]).mean()
-        loss.backward()
-        replicas = [copy.deepcopy(start) for _ in range(d)]
-        with torch.no_grad():
-            for replica, (xs, _) in zip(replicas, shards):
-                for xb in xs.tensor_split(m):
-                    replica(xb)
-            for name, buffer in model.named_buffers():
-                values = torch.stack([r.get_buffer(name) for r in replicas])
-                buffer.copy_(values.mean(0) if buffer.is_floating_point() else values[0])
+        with whole_batch_statistics(model):
+            loss = torch.stack([loss_fn(model(xb), yb) for xb, yb in pairs]).mean()
+            loss.backward()
         return loss.detach()
 
     loss = step()
