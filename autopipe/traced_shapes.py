@@ -176,7 +176,8 @@ class InputShapes:
             if expr.free_symbols <= sizes.keys() and expr.subs(sizes) != size:
                 raise ValueError(
                     f"dim {dim} of input {name!r} is {size}, but the traced graph needs "
-                    f"{expr.subs(sizes)} there ({expr} in torch.export's sizes)"
+                    f"{expr.subs(sizes)} there ({expr} in torch.export's sizes); pass sizes "
+                    "that agree, or wrap the model again with a sample of these shapes"
                 )
         for symbol, (size, name, dim) in values.items():
             low, high = self.ranges.get(symbol, (0, None))
@@ -207,11 +208,16 @@ class InputShapes:
                 "this dtype"
             )
         shape, dims = tuple(tensor.shape), self.dims[i]
+        if len(shape) != len(dims):
+            raise ValueError(
+                f"input {name!r} has shape {_shape(shape)} but the model was traced at "
+                f"{_shape(self.sample[i])}: pass a tensor of {len(dims)} dims"
+            )
         fixed = [d for d, want in enumerate(dims) if isinstance(want, int)]
-        if len(shape) != len(dims) or any(shape[d] != dims[d] for d in fixed):
+        if any(shape[d] != dims[d] for d in fixed):
             free = [d for d in range(1, len(dims)) if d not in fixed]
             which = ", ".join(["0 (the batch)", *map(str, free)])
-            vary = [d for d in fixed if d < len(shape) and shape[d] != dims[d]] or [1]
+            vary = [d for d in fixed if shape[d] != dims[d]]
             hint = vary[0] if len(vary) == 1 else vary
             raise ValueError(
                 f"input {name!r} has shape {_shape(shape)} but the model was traced at "
@@ -242,7 +248,7 @@ class InputShapes:
             for i, placeholder in enumerate(self.placeholders):
                 text = re.sub(rf"\b{re.escape(placeholder)}\b", repr(self.names[i][1]), text)
             raise ValueError(
-                f"the inputs break a condition on shapes that the model's code branched on "
-                f"when traced ({text}), so the traced graph would take the wrong path; pass "
-                "inputs that meet it or wrap the model again with such a sample"
+                f"the inputs break a condition on shapes that the traced graph relies on "
+                f"({text}; the model's code branched or reshaped on it); pass inputs that "
+                "meet it or wrap the model again with such a sample"
             ) from None
