@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,7 +197,9 @@ def trace(
 
     torch.fx's symbolic tracing is tried first; when it fails (Python control flow on
     tensor values or shapes...), torch.export in non-strict mode, with a dynamic batch
-    dimension. The model is traced in the mode it is in and left unchanged.
+    dimension. The model is traced in the mode it is in and left unchanged; a Hugging Face
+    model is traced with its cache off (``config.use_cache`` is ``False`` for the trace):
+    the graph returns no ``past_key_values``.
 
     Args:
         model: the model.
@@ -220,8 +223,25 @@ def trace(
     flat = _FlatModel(model, inputs)
     names = input_names(model, inputs)
     dims = (dynamic_dims(model, inputs, tensors, dynamic), names)
-    with torch.enable_grad():
+    with torch.enable_grad(), _without_cache(model):
         return _trace(model, flat, tensors, inputs, batch, list(leaf_modules), method, dims)
+
+
+@contextlib.contextmanager
+def _without_cache(model: nn.Module) -> Iterator[None]:
+    """Turns the key/value cache of Hugging Face models off for the trace, then back on.
+
+    Training needs no cache, and a cache object cannot leave a graph.
+    """
+    found = (getattr(m, "config", None) for m in model.modules())
+    configs = {id(c): c for c in found if getattr(c, "use_cache", None) is True}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
 
 
 def _trace(
@@ -352,4 +372,6 @@ def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
                 )
         else:
             parts.append(f"torch.export (non-strict) failed: {_one_line(exc)}")
+            if "Cache'> in output" in str(exc):
+                hint = "pass use_cache=False (training needs no key/value cache)"
     return f"cannot trace {type(model).__name__}: " + "; ".join(parts) + f". Fix: {hint}"

@@ -233,3 +233,33 @@ def test_mode_dependent_code_traces_differently() -> None:
     # F.dropout(x, p, self.training) bakes the mode into the graph.
     assert train.code() != evaluation.code()
     assert not evaluation.training
+
+
+def _tiny_llama() -> nn.Module:
+    """A Hugging Face Llama with its default config, the cache on, and tiny sizes."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_hugging_face_models_are_traced_without_their_cache() -> None:
+    model = _tiny_llama()
+    assert model.config.use_cache
+    traced = trace(model, (torch.randint(0, 50, (4, 8)),))
+    assert traced.outputs.labels == ["['logits']"]  # no past_key_values
+    assert model.config.use_cache  # the model is left as it was
+
+
+def test_a_cache_asked_for_is_refused_with_the_fix() -> None:
+    model = _tiny_llama()
+    ids = torch.randint(0, 50, (4, 8))
+    with pytest.raises(TracingError, match=r"Cache.*Fix: pass use_cache=False"):
+        trace(model, (ids,), {"use_cache": True})
