@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import itertools
+import re
 import sys
 import tokenize
 import traceback
@@ -316,6 +317,13 @@ def as_sequential(
                 f"`model`{where} is an nn.Sequential, split between its children: "
                 "--granularity and --leaf-modules apply to traced models only; leave them out"
             )
+        own_forward = type(model).forward is not nn.Sequential.forward
+        if isinstance(sample, tuple) and len(sample) > 1 and not own_forward:
+            raise ModelFileError(
+                f"`model`{where} is an nn.Sequential, which takes one input, but `sample` "
+                f"holds {len(sample)} tensors (the sample is the model's positional inputs, "
+                "model(*sample)): make `model` a module whose forward takes them"
+            )
         return model, sample
     _check_leaves(model, leaves, where)
     from autopipe.tracing import TracingError
@@ -333,8 +341,20 @@ def as_sequential(
     except (TracingError, ValueError) as exc:
         raise ModelFileError(
             f"cannot split `model`{where} ({type(model).__name__}) into stages automatically: "
-            f"{_one_line(str(exc))}"
+            f"{_as_options(_one_line(str(exc)))}"
         ) from None
+
+
+def _as_options(message: str) -> str:
+    """The tracer's advice in the command line's words: ``--leaf-modules a,b``."""
+
+    def leaves(match: re.Match[str]) -> str:
+        names = re.findall(r"'([^']*)'", match.group(1))
+        return f"--leaf-modules {','.join(names)}" if names else match.group(0)
+
+    message = re.sub(r"leaf_modules=\[([^\]]*)\]", leaves, message)
+    message = re.sub(r"\bleaf_modules=", "--leaf-modules", message)
+    return re.sub(r"granularity='(\w+)'", r"--granularity \1", message)
 
 
 def load_sequential(

@@ -259,7 +259,8 @@ def wrap(
             batch_sizes=[micro, 2 * micro],
             autocast=autocast,
         )
-    elif profile.names != layout.names:
+    # A profile of unit_sequential (`autopipe profile`) writes module paths with "/".
+    elif [name.replace("/", ".") for name in profile.names] != layout.names:
         raise ValueError(
             f"the profile's layers {profile.names} are not the model's units {layout.names}"
         )

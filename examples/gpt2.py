@@ -1,8 +1,9 @@
 """A GPT-2-shaped Hugging Face model, for ``autopipe plan examples/gpt2.py --stages 4``.
 
 Built from a config with random weights (nothing is downloaded); needs ``transformers``.
-It is not an ``nn.Sequential``: autopipe traces it and cuts it between its blocks (the
-token and position embeddings, each transformer block, the final norm and the LM head).
+It is not an ``nn.Sequential``: autopipe traces it (with transformers 5 torch.fx cannot,
+so torch.export does, in non-strict mode) and cuts it between its blocks (the token and
+position embeddings, each transformer block, the final norm and the LM head).
 """
 
 import torch
@@ -21,7 +22,7 @@ def model() -> torch.nn.Module:
         eos_token_id=0,
         use_cache=False,
     )
-    config._attn_implementation = "eager"  # plain ops that torch.fx traces
+    config._attn_implementation = "eager"  # plain attention ops, which torch.export traces
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -638,3 +639,164 @@ def test_bad_precision_options(
     code, out, _ = run(capsys, argv[0], "--help")
     assert code == 0 and "--autocast {bfloat16,float16}" in out
     assert "--dtype {float32,bfloat16,float16}" in out
+
+
+# ----------------------------------------------------------------------------------------
+# A profile checked against its model, devices checked up front, tracing options, kwargs.
+
+OTHER = GOOD.replace("nn.Linear(8, 2)", "nn.Linear(8, 3)")
+
+# A submodule torch.fx cannot trace through, and a keyword input the model requires.
+GATED_MODEL = """import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else x
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.gate = Gate()
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x, *, scale):
+        return self.out(self.gate(self.inp(x) * scale))
+
+
+model = Gated()
+sample = torch.randn(8, 4)
+kwargs = lambda: {"scale": torch.full((8, 1), 2.0)}
+"""
+
+
+@pytest.fixture(scope="module")
+def good_profile(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("good")
+    model, profile = folder / "good.py", folder / "good.json"
+    model.write_text(GOOD)
+    assert cli.main(["profile", str(model), "-o", str(profile), *FAST]) == 0
+    return model, profile
+
+
+@pytest.mark.parametrize("search", [[], ["--search", "--devices", "2"]])
+def test_profile_of_another_model_is_refused(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    good_profile: tuple[Path, Path],
+    profile_file: Path,
+    search: list[str],
+) -> None:
+    model, profile = good_profile
+    code, _, err = run(capsys, "plan", str(model), "--profile", str(profile), *search)
+    assert code == 0, err
+    other = tmp_path / "other.py"
+    other.write_text(OTHER)
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", str(other), "--profile", str(profile), "--json", str(out_file), *search]
+    expected = f"{profile} does not match {other}: layer 2 is '2' (Linear, 72 B of parameters)"
+    assert_error(*run(capsys, *argv), expected)
+    argv = ["plan", str(other), "--profile", str(profile_file), *search]
+    assert_error(*run(capsys, *argv), "the profile has 16 layers, the model 3")
+    assert not out_file.exists()
+
+
+def test_profile_mismatch_names_both_figures(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, good_profile: tuple[Path, Path]
+) -> None:
+    _, profile = good_profile
+    other = tmp_path / "other.py"
+    other.write_text(OTHER)
+    code, out, err = run(capsys, "plan", str(other), "--profile", str(profile))
+    assert_error(code, out, err, "in the profile but '2' (Linear, 108 B of parameters) in the")
+    assert f"profile {other} again (autopipe profile {other} -o {profile})" in err
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("meta", "--device meta: meta tensors hold no data"),
+        ("nonsense", "--device 'nonsense' is not a device: use cpu, cuda or cuda:N"),
+        ("", "--device '' is not a device"),
+        ("cuda:x", "--device 'cuda:x' is not a device"),
+    ],
+)
+def test_device_is_checked_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, device: str, expected: str
+) -> None:
+    # The model file would fail to import: the device is refused first.
+    path = tmp_path / "raises.py"
+    path.write_text("raise RuntimeError('imported')\n")
+    out_file = tmp_path / "out.json"
+    argv = ["plan", str(path), "--device", device, "--json", str(out_file)]
+    assert_error(*run(capsys, *argv), expected)
+    assert_error(*run(capsys, "profile", str(path), "--device", device, "-o", str(out_file)))
+    assert not out_file.exists()
+
+
+def test_kwargs_and_leaf_modules(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "gated.py"
+    path.write_text(GATED_MODEL)
+    # torch.fx cannot trace Gate, nor torch.export: the advice names the option.
+    code, out, err = run(capsys, "plan", str(path), *FAST)
+    assert_error(code, out, err, "(--leaf-modules gate)")
+    plan_file = tmp_path / "plan.json"
+    argv = ["plan", str(path), "--leaf-modules", "gate", "--json", str(plan_file), *FAST]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    plan = Plan.load(plan_file)
+    assert [name for stage in plan.stages for name in stage.layers] == ["inp", "gate", "out"]
+    # The keyword input is an input of the profile: two tensors of 8 x 4 and 8 x 1 floats.
+    profile = Profile.from_dict(plan.profile)
+    micro = profile.batch_sizes[-1]
+    assert profile.input[-1] == micro * (4 + 1) * 4
+    argv = ["plan", str(path), "--leaf-modules", "gate,nosuch", *FAST]
+    assert_error(*run(capsys, *argv), "has no submodule 'nosuch'")
+
+
+def test_granularity(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "residual.py"
+    path.write_text(RESIDUAL_MODEL)
+    counts = {}
+    for granularity in ("children", "blocks"):
+        plan_file = tmp_path / f"{granularity}.json"
+        argv = ["plan", str(path), "--granularity", granularity, "--json", str(plan_file)]
+        code, _, err = run(capsys, *argv, *FAST)
+        assert code == 0, err
+        counts[granularity] = sum(Plan.load(plan_file).balance)
+    assert counts == {"children": 3, "blocks": 6}  # inp, blocks, out; or each block apart
+    sequential = tmp_path / "good.py"
+    sequential.write_text(GOOD)
+    argv = ["plan", str(sequential), "--granularity", "leaves", *FAST]
+    assert_error(*run(capsys, *argv), "apply to traced models only")
+    code, _, err = run(capsys, "plan", str(path), "--granularity", "rows")
+    assert code == 2 and "invalid choice: 'rows'" in err
+
+
+def test_wrap_takes_the_profile_of_autopipe_profile(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "residual.py"
+    path.write_text(RESIDUAL_MODEL)
+    profile_path = tmp_path / "residual.json"
+    assert run(capsys, "profile", str(path), "-o", str(profile_path), *FAST)[0] == 0
+    from autopipe.model_file import load_model_file
+
+    loaded = load_model_file(path)
+    reference = copy.deepcopy(loaded.model)
+    profile = Profile.load(profile_path)
+    wrapped = autopipe.wrap(loaded.model, loaded.sample, stages=2, profile=profile)
+    try:
+        assert wrapped.plan.chunks == profile.chunks == default_chunks(2, 8)
+        assert sum(wrapped.plan.balance) == 6
+        expected = torch.cat([reference(part) for part in loaded.sample.tensor_split(4)])
+        torch.testing.assert_close(wrapped(loaded.sample), expected)
+    finally:
+        wrapped.close()

@@ -218,3 +218,131 @@ def test_as_sequential() -> None:
     assert as_sequential(model, sample) == (model, sample)
     with pytest.raises(ModelFileError, match="empty nn.Sequential"):
         as_sequential(nn.Sequential(), sample)
+
+
+TWO_INPUTS = """
+import torch
+from torch import nn
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Bilinear(4, 3, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, a, b):
+        return self.head(torch.tanh(self.first(a, b)))
+
+model = Pair()
+sample = (torch.randn(6, 4), torch.randn(6, 3))
+"""
+
+
+def test_sample_is_the_models_positional_inputs(tmp_path: Path) -> None:
+    from profiler import profile_model
+
+    # One tensor in a tuple is the nn.Sequential's one input, model(*sample).
+    one = GOOD.replace("randn(6, 4)", "randn(6, 4),")
+    model, sample = load_sequential(write(tmp_path, one))
+    assert isinstance(sample, tuple) and len(sample) == 1
+    assert len(profile_model(model, sample, warmup=0, repeats=1).layers) == 3
+    # Two inputs: an nn.Sequential cannot take them; a model whose forward does is traced.
+    two = GOOD.replace("randn(6, 4)", "randn(6, 4), torch.ones(6)")
+    with pytest.raises(ModelFileError, match="nn.Sequential, which takes one input, but `sample`"):
+        load_sequential(write(tmp_path, two))
+    loaded = load_model_file(write(tmp_path, TWO_INPUTS))
+    units, flat = as_sequential(loaded.model, loaded.sample)
+    torch.testing.assert_close(units(*flat)[0], loaded.model(*loaded.sample))
+    assert len(profile_model(units, flat, warmup=0, repeats=1).layers) == len(units)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b'import torch\nname = "caf\xe9"\n', "is not UTF-8 Python source: byte 0xe9 on line 2"),
+        (b"\xff\xfeimport torch\n", "is not UTF-8 Python source: byte 0xff on line 1"),
+        (b"# coding: latin-1\nname = '\x81\x8d'\n\xff\xfe\x00", "it holds null bytes"),
+    ],
+)
+def test_source_that_does_not_decode(tmp_path: Path, data: bytes, expected: str) -> None:
+    path = tmp_path / "model.py"
+    path.write_bytes(data)
+    message = error_of(path)
+    assert expected in message and str(path) in message
+    assert "codec" not in message
+
+
+def test_declared_encoding_is_read(tmp_path: Path) -> None:
+    text = "# -*- coding: latin-1 -*-\n# café\n" + GOOD
+    path = tmp_path / "model.py"
+    path.write_bytes(text.encode("latin-1"))
+    assert isinstance(load_model_file(path).model, nn.Sequential)
+
+
+KWARGS_MODEL = """
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x, *, scale, shift=0.0):
+        return self.b(self.a(x) * scale + shift)
+
+
+model = Scaled()
+sample = torch.randn(6, 4)
+"""
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        'kwargs = {"scale": torch.full((6, 1), 3.0), "shift": 1.0}',
+        'def kwargs():\n    return {"scale": torch.full((6, 1), 3.0), "shift": 1.0}',
+    ],
+)
+def test_kwargs_reach_the_traced_model(tmp_path: Path, kwargs: str) -> None:
+    path = write(tmp_path, KWARGS_MODEL + kwargs + "\n")
+    loaded = load_model_file(path)
+    assert set(loaded.kwargs) == {"scale", "shift"}
+    assert len(load_sequential(path)[1]) == 2  # x and scale; the float is a constant
+    layers, flat = as_sequential(loaded.model, loaded.sample, kwargs=loaded.kwargs)
+    assert len(layers) == 2
+    out = layers(*flat)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(out, loaded.model(loaded.sample, **loaded.kwargs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ("kwargs = [1, 2]", "`kwargs` in {path} must be a dict of keyword inputs"),
+        ("kwargs = {1: torch.ones(6)}", "must map argument names to inputs, got the key 1"),
+        ('kwargs = {"scale": torch.ones(5, 1)}', "must have the sample's batch size 6 in dim 0"),
+        ('kwargs = {"scale": torch.tensor(2.0)}', "got a 0-d tensor"),
+        ("def kwargs(n):\n    return {}", "`kwargs` must be a value or a function taking no"),
+    ],
+)
+def test_bad_kwargs(tmp_path: Path, kwargs: str, expected: str) -> None:
+    path = write(tmp_path, KWARGS_MODEL + kwargs + "\n")
+    assert expected.format(path=path) in error_of(path)
+
+
+def test_sequential_takes_no_kwargs_or_tracing_options(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD + 'kwargs = {"mask": torch.ones(6)}\n')
+    assert "takes no keyword inputs" in error_of(path, sequential=True)
+    with pytest.raises(ModelFileError, match="apply to traced models only"):
+        load_sequential(write(tmp_path, GOOD, "plain.py"), granularity="leaves")
+
+
+def test_tracing_advice_in_the_command_lines_words() -> None:
+    from autopipe.model_file import _as_options
+
+    message = "mark it as a leaf (leaf_modules=['gate', 'a.b']) or granularity='children'"
+    expected = "mark it as a leaf (--leaf-modules gate,a.b) or --granularity children"
+    assert _as_options(message) == expected
