@@ -135,8 +135,9 @@ def gradient_flow(
         names = [n for n, _ in params] + [
             f"input {i}" for i, c in enumerate(leaves) if c.requires_grad
         ]
-        grads = torch.autograd.grad(wanted, targets, allow_unused=True) if wanted else ()
-        got = list(grads) or [None] * len(targets)
+        got: list[Tensor | None] = [None] * len(targets)
+        if wanted and targets:
+            got = list(torch.autograd.grad(wanted, targets, allow_unused=True))
         flow.update((name, g is not None) for name, g in zip(names, got))
         return flow
 

@@ -129,5 +129,12 @@ def gather(outputs: list[Batch]) -> TensorOrTensors:
         )
     if len(outputs) == 1:
         return first.value
-    joined = tuple(torch.cat([b[k] for b in outputs]) for k in range(len(first)))
+    joined = tuple(_cat([b[k] for b in outputs]) for k in range(len(first)))
     return joined[0] if first.atomic else joined
+
+
+def _cat(pieces: list[Tensor]) -> Tensor:
+    # Under the caller's no_grad, a torch.enable_grad() region at the end of the model
+    # makes outputs that require grad, as the model's own output does: keep that.
+    with torch.set_grad_enabled(torch.is_grad_enabled() or any(p.requires_grad for p in pieces)):
+        return torch.cat(pieces)

@@ -233,7 +233,7 @@ def _without_cache(model: nn.Module) -> Iterator[None]:
 
     Training needs no cache, and a cache object cannot leave a graph.
     """
-    found = (getattr(m, "config", None) for m in model.modules())
+    found: Iterator[Any] = (getattr(m, "config", None) for m in model.modules())
     configs = {id(c): c for c in found if getattr(c, "use_cache", None) is True}
     for config in configs.values():
         config.use_cache = False

@@ -94,3 +94,30 @@ def test_the_trace_check_compares_which_parameters_get_gradients() -> None:
     assert wrapped.method == "export"
     _assert_same_training(wrapped, reference, x)
     wrapped.close()
+
+
+class _EnabledHead(nn.Module):
+    """Ends in an enable_grad() block: its output requires grad even under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.body(x)
+        with torch.enable_grad():
+            return self.head(h)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_an_enable_grad_region_under_the_callers_no_grad(method: str) -> None:
+    model = _EnabledHead()
+    x = torch.randn(4, 4)
+    wrapped = wrap(model, (x,), stages=2, chunks=2, method=method)
+    with torch.no_grad():
+        output, expected = wrapped(x), model(x)
+    assert output.requires_grad and expected.requires_grad
+    output.sum().backward()
+    assert model.body.weight.grad is None and model.head.weight.grad is not None
+    wrapped.close()
