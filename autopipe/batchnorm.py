@@ -175,8 +175,10 @@ def deferred_copy(module: nn.Module, cache: dict[int, nn.Module] | None = None) 
         copied = DeferredBatchNorm.view(module)
     else:
         copied = copy.copy(module)  # a new __dict__ whose values are the original's
-        children = [(name, deferred_copy(c, cache)) for name, c in module._modules.items()]
-        copied.__dict__["_modules"] = dict(children)
+        copied.__dict__["_modules"] = {
+            name: None if child is None else deferred_copy(child, cache)
+            for name, child in module._modules.items()
+        }
     cache[id(module)] = copied
     return copied
 

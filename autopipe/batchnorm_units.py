@@ -18,8 +18,8 @@ __all__ = ["defer_layers"]
 
 _BATCH_NORM = torch.ops.aten.batch_norm.default
 # aten.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, ...)
-_ARGUMENTS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum")
-_ARGUMENTS += ("eps",)
+_ARGUMENTS: tuple[str, ...] = ("input", "weight", "bias", "running_mean", "running_var")
+_ARGUMENTS += ("training", "momentum", "eps")
 
 
 def _argument(node: fx.Node, index: int) -> Any:
@@ -75,8 +75,8 @@ class _Rewriter:
             owner_path = str(running.target).rpartition(".")[0]
         owner = graph.get_submodule(owner_path) if owner_path else None
         same = (
-            owner is not None
-            and _tracked(owner)
+            isinstance(owner, _BatchNorm)
+            and owner.track_running_stats
             and id(owner) in self.names
             and _argument(node, 6) == owner.momentum
             and _argument(node, 7) == owner.eps
