@@ -83,7 +83,7 @@ def search_plan(
 
         found = profile_model(
             prepared.sequential,
-            prepared.sample,
+            (prepared.sample,),  # the first layer's one argument
             device=here,
             batch_sizes=_sizes(batch, prepared.sequential),
         )
@@ -100,7 +100,7 @@ def search_plan(
             profile,
             group,
             model=prepared.sequential,
-            sample=prepared.sample,
+            sample=(prepared.sample,),
             virtual_stages=max(virtual_stages),
         )
     result: list[Any] = [None]

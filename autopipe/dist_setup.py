@@ -349,8 +349,9 @@ def setup_on_rank0(
     try:
         if plan is None:
             if profile is None:
+                # The sample is the first layer's one argument: a tensor, or a tuple.
                 profile = profile_model(
-                    sequential, sample, device=device, chunks=chunks, autocast=autocast
+                    sequential, (sample,), device=device, chunks=chunks, autocast=autocast
                 )
             elif not isinstance(profile, Profile):
                 profile = Profile.from_dict(dict(profile))

@@ -41,20 +41,49 @@ class Prepared:
     wrapped: bool = False
 
 
+def _one_input(inputs: Any, what: str) -> Any:
+    """A plain ``nn.Sequential``'s one input, from the positional inputs ``inputs``.
+
+    Like any model's, a sample (and a step's inputs) is the model's positional inputs,
+    ``model(*sample)``, and ``nn.Sequential`` takes one: ``x`` or ``(x,)`` is ``x``, and
+    ``((a, b),)`` gives the first layer the tuple ``(a, b)`` as one value.
+
+    Raises:
+        ValueError: several positional inputs, which ``nn.Sequential`` cannot take.
+    """
+    if not isinstance(inputs, (tuple, list)):
+        return inputs
+    if len(inputs) > 1:
+        verb = "are" if what.endswith("s") else "is"
+        raise ValueError(
+            f"an nn.Sequential takes one input, not {len(inputs)} (the {what} {verb} the "
+            f"model's positional inputs, model(*{what})): pass ((a, b),) to give its first "
+            "layer the tuple as one value, or a model whose forward takes the inputs"
+        )
+    return inputs[0] if inputs else inputs
+
+
 def prepare_model(model: nn.Module, sample: Any) -> Prepared:
     """The model as an ``nn.Sequential``: itself, or its units through :mod:`autopipe.wrapping`.
 
+    :attr:`Prepared.sample` is what the first layer takes as its one argument: a plain
+    ``nn.Sequential``'s one input, or the flat input tensors of a wrapped model's units.
+
     Raises:
-        ValueError: the model is not an ``nn.Sequential`` and cannot be wrapped.
+        ValueError: the model is not an ``nn.Sequential`` and cannot be wrapped, or an
+            ``nn.Sequential`` is given several inputs.
     """
     if isinstance(model, nn.Sequential):
-        return Prepared(model, sample)
+        if type(model).forward is not nn.Sequential.forward:
+            return Prepared(model, sample)  # a forward of its own: the layers take the tuple
+        return Prepared(model, _one_input(sample, "sample"), lambda x: _one_input(x, "inputs"))
     advice = "pass an nn.Sequential whose children are the layers to split"
     if not isinstance(sample, (Tensor, tuple)):
         raise ValueError(
             f"cannot wrap {type(model).__name__} with a {type(sample).__name__} sample; {advice}"
         )
     try:
+        from autopipe.stage_modules import UnitSequential
         from autopipe.wrapping import prepare
     except ImportError as exc:  # auto-wrapping is optional
         raise ValueError(
@@ -71,7 +100,7 @@ def prepare_model(model: nn.Module, sample: Any) -> Prepared:
     outputs = {mode: t.outputs for mode, t in layout.traced.items()}
     # Unit names are module paths; a child name of nn.Sequential cannot hold a dot.
     names = [name.replace(".", "/") for name in layout.names]
-    sequential = nn.Sequential(OrderedDict(zip(names, layout.modules())))
+    sequential = UnitSequential(OrderedDict(zip(names, layout.modules())))
 
     def flatten(inputs: Any) -> tuple[Tensor, ...]:
         positional = inputs if isinstance(inputs, tuple) else (inputs,)

@@ -212,8 +212,12 @@ class GPipe(nn.Module):
     def __getitem__(self, index: int) -> nn.Module:
         return list(self)[index]
 
-    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
+    def forward(self, input: TensorOrTensors, *more: Any) -> TensorOrTensors:
         """Runs a mini-batch through the pipeline.
+
+        Called as the ``nn.Sequential`` is, with one input (a model's sample ``(x,)`` is
+        the call ``pipe(x)``); a tuple is that one input, which the first layer takes as
+        one value, as do the layers after a layer that returns one.
 
         Args:
             input: a tensor or tuple of tensors with the batch along dim 0; moved to the
@@ -221,7 +225,16 @@ class GPipe(nn.Module):
 
         Returns:
             The module's output for the whole mini-batch, on the last device.
+
+        Raises:
+            TypeError: more than one input, or not tensors.
         """
+        if more:
+            raise TypeError(
+                f"GPipe takes one input, as nn.Sequential does, not {1 + len(more)}: pass "
+                "a tuple of tensors as one value for a first layer that takes a tuple, or "
+                "split a model whose forward takes several inputs with autopipe.wrap"
+            )
         check(input)
         first = self.devices[0]
         if isinstance(input, torch.Tensor):

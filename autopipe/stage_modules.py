@@ -14,7 +14,7 @@ from autopipe.grad_modes import insert_grad_modes
 from autopipe.liveness import UnitIO
 from autopipe.tracing import PREFIX, Traced
 
-__all__ = ["UnitModule", "build_graph_module"]
+__all__ = ["UnitModule", "UnitSequential", "build_graph_module"]
 
 
 def _install_owners(module: fx.GraphModule, model: nn.Module) -> None:
@@ -131,3 +131,18 @@ class UnitModule(nn.Module):
     def cost_repr(self) -> str:
         """What of :meth:`extra_repr` changes the cost (the profiler pools by it): nothing."""
         return ""
+
+
+class UnitSequential(nn.Sequential):
+    """A wrapped model's units in order, called with the model's flattened input tensors.
+
+    ``nn.Sequential`` takes one input; the first unit takes every input tensor, so this
+    one is called as ``units(*tensors)`` (a sample of several tensors is its positional
+    inputs, like any model's), and passes each unit's tuple on as one value.
+    """
+
+    def forward(self, *tensors: Any) -> Any:
+        value: Any = tensors
+        for unit in self:
+            value = unit(value)
+        return value

@@ -19,6 +19,7 @@ from autopipe.graph_units import GRANULARITIES
 from autopipe.planner import MemorySpec, default_chunks
 from autopipe.planner import plan as make_plan
 from autopipe.sharing import check_placement
+from autopipe.stage_modules import UnitSequential
 from autopipe.traced_shapes import DynamicSpec
 from autopipe.unit_layout import Layout, layout_model, stage_of_units, trace_modes
 from autopipe.wrapped import WrappedPipeline
@@ -134,7 +135,7 @@ def unit_sequential(
     tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")
     # Unit names are module paths; a child name of nn.Sequential cannot hold a dot.
     names = [name.replace(".", "/") for name in layout.names]
-    return nn.Sequential(OrderedDict(zip(names, layout.modules()))), tuple(tensors)
+    return UnitSequential(OrderedDict(zip(names, layout.modules()))), tuple(tensors)
 
 
 def wrap(

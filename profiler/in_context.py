@@ -14,6 +14,7 @@ from scipy.optimize import nnls
 from torch import Tensor, nn
 
 from profiler.layer import as_tensors
+from profiler.measure import sample_arguments, sequential_inputs_problem
 from profiler.precision import autocast_pass
 from profiler.profile import Profile
 
@@ -32,19 +33,24 @@ def _step(
     micro_batches: list[tuple[Tensor, ...]],
     device: torch.device,
     autocast: str | None = None,
+    packed: bool = False,
 ) -> None:
     """Forward and backward of each micro-batch in turn, as a plain training loop does.
 
-    Under ``autocast`` each forward and backward runs in its own region, as the profile
-    measured them.
+    The first layer takes the micro-batch's tensors as arguments (as one tuple when
+    ``packed``), each later one the previous output as one value, as ``nn.Sequential``
+    passes it. Under ``autocast`` each forward and backward runs in its own region, as
+    the profile measured them.
     """
     for inputs in micro_batches:
         values: tuple[Tensor, ...] = tuple(
             t.detach().requires_grad_(t.is_floating_point()) for t in inputs
         )
         with autocast_pass(device.type, autocast):
-            for layer in layers:
-                values = as_tensors(layer(*values), "a layer's output")
+            value: Any = layers[0](values) if packed else layers[0](*values)
+            for layer in layers[1:]:
+                value = layer(value)
+            values = as_tensors(value, "a layer's output")
         targets = [t for t in values if t.requires_grad]
         if targets:
             with autocast_pass(device.type, autocast):
@@ -70,7 +76,7 @@ def chunk_counts(batch: int, profiled: int) -> list[int]:
 
 def measure_compute_scale(
     model: nn.Sequential,
-    sample: Tensor | tuple[Tensor, ...],
+    sample: Tensor | tuple[Any, ...],
     profile: Profile,
     *,
     chunks: Sequence[int] | None = None,
@@ -93,7 +99,7 @@ def measure_compute_scale(
 
     Args:
         model: the profiled model (left untouched: a copy runs).
-        sample: the profiled mini-batch.
+        sample: the profiled mini-batch, as :func:`profiler.measure.profile_model` takes it.
         profile: its profile.
         chunks: the micro-batch counts to time (default: :func:`chunk_counts`).
         repeats: timed steps per count; the median is kept.
@@ -121,7 +127,10 @@ def measure_compute_scale(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     device = torch.device(profile.device if device is None else device)
-    tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
+    problem = sequential_inputs_problem(model, sample)
+    if problem:
+        raise ValueError(problem)
+    tensors, packed = sample_arguments(sample)
     batch = tensors[0].shape[0]
     counts = chunk_counts(batch, profile.chunks) if chunks is None else sorted(set(chunks))
     runs = {m: _micro_batches(tensors, m, device) for m in counts}
@@ -136,7 +145,7 @@ def measure_compute_scale(
                 if sync is not None:
                     sync()
                 start = time.perf_counter()
-                _step(layers, runs[m], device, profile.autocast)
+                _step(layers, runs[m], device, profile.autocast, packed)
                 _synchronize(device)
                 if i >= warmup:
                     samples[m].append(time.perf_counter() - start)

@@ -17,7 +17,13 @@ from profiler.pooling import layer_signature, pool_identical
 from profiler.precision import autocast_pass, check_autocast, current_autocast
 from profiler.profile import LayerProfile, Profile
 
-__all__ = ["default_batch_sizes", "profile_layers", "profile_model"]
+__all__ = [
+    "default_batch_sizes",
+    "profile_layers",
+    "profile_model",
+    "sample_arguments",
+    "sequential_inputs_problem",
+]
 
 Inputs = tuple[Tensor, ...]
 
@@ -37,6 +43,22 @@ def doubling_batch_sizes(batch: int, smallest: int = 1) -> list[int]:
         sizes.append(size)
         size *= 2
     return [*sizes, batch]
+
+
+def sample_arguments(sample: Any) -> tuple[Inputs, bool]:
+    """The sample's tensors, and whether the first layer takes them as one tuple.
+
+    The sample is the model's positional inputs, ``model(*sample)``; a tensor is one
+    input. A single input that is itself a tuple of tensors (``((a, b),)``) reaches the
+    first layer as one value, as ``nn.Sequential`` passes its input on.
+
+    Raises:
+        ValueError: not tensors sharing a non-zero batch dimension.
+    """
+    packed = (
+        isinstance(sample, (tuple, list)) and len(sample) == 1 and isinstance(sample[0], tuple)
+    )
+    return _sample_tensors(sample[0] if packed else sample), packed
 
 
 def _sample_tensors(sample: Any) -> Inputs:
@@ -62,6 +84,35 @@ def _sample_tensors(sample: Any) -> Inputs:
     if sizes[0] == 0:
         raise ValueError("sample has an empty batch (dim 0 is 0); it needs at least one sample")
     return tensors
+
+
+def sequential_inputs_problem(model: nn.Module, sample: Any) -> str | None:
+    """Why ``model(*sample)`` cannot run for an ``nn.Sequential``, or ``None``.
+
+    ``nn.Sequential`` takes one input (a subclass may define a ``forward`` of its own), so
+    a sample of several tensors has no plain call; a tuple for the first layer is the
+    sample's one input: ``((a, b),)``.
+    """
+    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
+        return None
+    if not isinstance(sample, (tuple, list)) or len(sample) < 2:
+        return None
+    return (
+        f"an nn.Sequential takes one input, not {len(sample)} (the sample is the model's "
+        "positional inputs, model(*sample)): pass ((a, b),) to give its first layer the "
+        "tuple as one value, or a model whose forward takes the inputs"
+    )
+
+
+class _OneValue(nn.Module):
+    """A layer called with its inputs as one tuple, as ``nn.Sequential`` passes a tuple."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *inputs: Tensor) -> Any:
+        return self.layer(inputs)
 
 
 def _resize(tensors: Inputs, size: int, device: torch.device) -> Inputs:
@@ -123,23 +174,28 @@ def _profile_layer(
     previous: list[int] | None,
     flush: CacheFlush | None,
     autocast: str | None,
-) -> tuple[LayerProfile, list[Inputs], list[int]]:
+    packed: bool = False,
+) -> tuple[LayerProfile, list[Inputs], list[int], bool]:
     """Measures a copy of ``layer`` at every batch size.
 
     Args:
         previous: per batch size, the bytes of its output that the layer before saves
             (``None`` for the first layer).
+        packed: call the layer with its inputs as one tuple (the previous layer returned
+            one) rather than as separate arguments.
 
     Returns:
-        The layer's profile, its outputs, and the bytes of them that it saves itself.
+        The layer's profile, its outputs, the bytes of them that it saves itself, and
+        whether they are a tuple (which the next layer takes as one value).
     """
     replica = copy.deepcopy(layer).to(device)
     label = f"layer {name} ({type(layer).__name__})"
+    call: nn.Module = _OneValue(replica) if packed else replica
     try:
         exclude = state_storages(replica)
         figures = [
             measure_layer(
-                replica,
+                call,
                 x,
                 device,
                 exclude=exclude,
@@ -153,11 +209,14 @@ def _profile_layer(
         ]
         # Under autocast the next layer gets what the model passes it: half-precision outputs.
         with torch.no_grad(), autocast_pass(device.type, autocast):
-            outputs = [as_tensors(replica(*x), f"the output of {label}") for x in inputs]
+            raw = [call(*x) for x in inputs]
+        outputs = [as_tensors(out, f"the output of {label}") for out in raw]
+        returns_tuple = not isinstance(raw[0], Tensor)
+        del raw
         params = sum(p.numel() * p.element_size() for p in replica.parameters())
         buffers = sum(b.numel() * b.element_size() for b in replica.buffers())
     finally:
-        del replica
+        del replica, call
         if device.type == "cuda":
             torch.cuda.empty_cache()
     peaks = [f.peak for f in figures if f.peak is not None]
@@ -177,12 +236,12 @@ def _profile_layer(
         buffer_bytes=buffers,
         peak=peaks if len(peaks) == len(figures) else None,
     )
-    return profile, outputs, [f.output_saved for f in figures]
+    return profile, outputs, [f.output_saved for f in figures], returns_tuple
 
 
 def profile_layers(
     layers: Sequence[nn.Module],
-    sample: Tensor | tuple[Tensor, ...],
+    sample: Tensor | tuple[Any, ...],
     *,
     device: str | torch.device = "cpu",
     chunks: int = 1,
@@ -203,8 +262,13 @@ def profile_layers(
     Layers are measured in the mode they are in (``train()`` for training profiles).
 
     Args:
-        layers: the layers in execution order; a tuple output is passed on as ``*args``.
-        sample: one mini-batch, a tensor or a tuple of tensors; dim 0 is the batch.
+        layers: the layers in execution order. The first is called with the sample's
+            inputs, ``layers[0](*sample)``; each later one with the previous one's
+            output as its one argument, a tuple as one tuple, as ``nn.Sequential``
+            passes it on.
+        sample: one mini-batch, the first layer's positional inputs: a tensor or a
+            tuple of tensors, or ``((a, b),)`` for a first layer that takes one tuple;
+            dim 0 is the batch.
         device: where to measure.
         chunks: micro-batches per mini-batch; sets the default batch sizes.
         batch_sizes: micro-batch sizes to measure at; default: around
@@ -243,7 +307,7 @@ def profile_layers(
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     check_autocast(autocast)
-    tensors = _sample_tensors(sample)
+    tensors, packed = sample_arguments(sample)
     batch = tensors[0].shape[0]
     sizes = _batch_sizes(batch_sizes, math.ceil(batch / chunks))
     layer_names = [str(i) for i in range(len(layers))] if names is None else list(names)
@@ -271,8 +335,8 @@ def profile_layers(
         input_bytes = [tensor_bytes(x) for x in inputs]
         for i, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
             signatures.append(layer_signature(layer, inputs))
-            result, inputs, previous = _profile_layer(
-                layer, name, inputs, dev, warmup, repeats, previous, flush, autocast
+            result, inputs, previous, packed = _profile_layer(
+                layer, name, inputs, dev, warmup, repeats, previous, flush, autocast, packed
             )
             results.append(result)
             if progress is not None:
@@ -300,20 +364,28 @@ def profile_layers(
 
 
 def profile_model(
-    model: nn.Sequential, sample: Tensor | tuple[Tensor, ...], **kwargs: Any
+    model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwargs: Any
 ) -> Profile:
     """Profiles the children of an ``nn.Sequential``; see :func:`profile_layers`.
 
-    Layer names are the children's names and kinds their class names.
+    The sample is the model's positional inputs, as ``model(*sample)`` takes them: for
+    ``nn.Sequential`` itself one tensor (``x`` or ``(x,)``), or ``((a, b),)`` for a first
+    layer that takes a tuple. Between the layers a tuple is one value, as
+    ``nn.Sequential`` passes it on. Layer names are the children's names and kinds their
+    class names.
 
     Raises:
-        ValueError: ``model`` is not an ``nn.Sequential`` or has no children.
+        ValueError: ``model`` is not an ``nn.Sequential``, has no children, or cannot
+            take the sample.
     """
     if not isinstance(model, nn.Sequential):
         raise ValueError(
             f"profile_model needs an nn.Sequential, got {type(model).__name__}; wrap the "
             "layers in nn.Sequential or call profile_layers"
         )
+    problem = sequential_inputs_problem(model, sample)
+    if problem:
+        raise ValueError(problem)
     children = list(model.named_children())
     kwargs.setdefault("names", [name for name, _ in children])
     return profile_layers([child for _, child in children], sample, **kwargs)

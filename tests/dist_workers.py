@@ -476,6 +476,57 @@ def _failing(rank: int, world: int, stay: bool) -> None:
         raise
 
 
+class TwoInputs(nn.Module):
+    """Two positional inputs, both taken by its first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Bilinear(8, 3, 16)
+        self.act = nn.Tanh()
+        self.hidden = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.out(self.act(self.hidden(self.act(self.first(a, b)))))
+
+
+class Concat(nn.Module):
+    """Takes a tuple as its one argument, as nn.Sequential passes it."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return torch.cat(pair, dim=1)
+
+
+def make_concat() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Concat(), nn.Linear(11, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _samples(options: dict[str, Any]) -> dict[str, Any]:
+    """Samples are the model's positional inputs, model(*sample), on every kind of model;
+    each model is profiled on rank 0."""
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    b = make_batch(seed=3)[1]
+    results: dict[str, Any] = {}
+    runs = {
+        "one tensor in a tuple": (make_model(), (x,), [(x,), x]),
+        "two inputs": (TwoInputs(), (x, b), [(x, b)]),
+        "one tuple": (make_concat(), ((x, b),), [((x, b),)]),
+    }
+    for name, (model, sample, steps) in runs.items():
+        pipe = DistributedPipeline(model, sample, **options)
+        losses = [pipe.step(inputs, y) for inputs in steps]
+        results[name] = {"losses": losses, "grads": _grads(pipe)}
+    try:
+        DistributedPipeline(make_model(), (x, b), **options)
+    except ValueError as exc:
+        results["several inputs"] = str(exc)
+    return results
+
+
 def _validity(rank: int) -> dict[str, Any]:
     """Steps refused on one rank or on every rank: each is refused on every rank before it
     sends anything, and the next good step is exact. A short group timeout turns a rank
@@ -511,6 +562,7 @@ def _validity(rank: int) -> dict[str, Any]:
                 losses.append(pipe.step(x2, y2))
         losses.append(pipe.step(x2, y2))
         results[schedule] = {"errors": errors, "losses": losses, "grads": _grads(pipe)}
+    results["samples"] = _samples({"loss_fn": loss_fn, "chunks": CHUNKS})  # the world group
     return results
 
 

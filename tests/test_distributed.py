@@ -506,6 +506,52 @@ def test_a_step_refused_on_one_rank_is_refused_on_every_rank(
             torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _plain_step(model: nn.Module, args: tuple[Any, ...], y: Tensor) -> Tensor:
+    """The plain model called as model(*args) on each micro-batch; the mean loss, backward."""
+
+    def split(value: Any) -> list[Any]:
+        if isinstance(value, Tensor):
+            return list(value.tensor_split(CHUNKS))
+        return list(zip(*(split(v) for v in value)))
+
+    pieces = [split(value) for value in args]
+    losses = [
+        loss_fn(model(*(part[i] for part in pieces)), target)
+        for i, target in enumerate(y.tensor_split(CHUNKS))
+    ]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def test_samples_are_the_models_positional_inputs(validity_run: list[dict[str, Any]]) -> None:
+    from tests.dist_workers import TwoInputs, make_concat
+
+    x, y = make_batch()
+    b = make_batch(seed=3)[1]
+    cases = {
+        "one tensor in a tuple": (make_model(), [(x,), (x,)]),  # step((x,)) and step(x)
+        "two inputs": (TwoInputs(), [(x, b)]),
+        "one tuple": (make_concat(), [((x, b),)]),
+    }
+    for name, (model, steps) in cases.items():
+        runs = [rank["samples"][name] for rank in validity_run]
+        losses = [_plain_step(model, args, y) for args in steps]
+        assert runs[0]["losses"] == [None] * len(steps), name
+        for found, loss in zip(runs[1]["losses"], losses, strict=True):
+            torch.testing.assert_close(found, loss, rtol=1e-5, atol=1e-6, msg=name)
+        seen = set()
+        for run in runs:
+            for key, grad in run["grads"].items():
+                reference = model.get_parameter(key).grad
+                torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6, msg=key)
+                seen.add(key)
+        assert seen == {key for key, _ in model.named_parameters()}, name
+    for rank in validity_run:
+        message = rank["samples"]["several inputs"]
+        assert "an nn.Sequential takes one input, not 2" in message and "((a, b),)" in message
+
+
 # ---------------------------------------------------------------- replicas: K·D ranks
 
 

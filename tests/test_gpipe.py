@@ -251,6 +251,34 @@ def test_tensor_to_tuple_output() -> None:
     assert isinstance(out, tuple) and torch.equal(out[1], torch.arange(4.0).square())
 
 
+class _Join(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return pair[0] * pair[1]
+
+
+def test_sample_is_the_call_and_tuples_pass_as_one_value() -> None:
+    """A sample holds the positional inputs, ``model(*sample)``, and between layers a tuple is
+    one value: profiled, planned and run alike, equal to the plain model."""
+    import autopipe
+    from profiler import profile_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Split(), _Join(), nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    sample = (torch.randn(6, 4, dtype=torch.float64),)
+    profile = profile_model(model, sample, chunks=2, warmup=0, repeats=1)
+    plan = autopipe.plan(profile, ["cpu", "cpu"], chunks=2, checkpoint="never")
+    with GPipe.from_plan(model, plan) as pipe:
+        out = pipe(*sample)
+        out.sum().backward()
+        expected = reference(*sample)
+        expected.sum().backward()
+        _assert_same([out.detach()], [expected.detach()])
+        _assert_same(_grads(pipe), _grads(reference))
+        with pytest.raises(TypeError, match="GPipe takes one input, as nn.Sequential does, not 2"):
+            pipe(*sample, *sample)
+
+
 def _bn_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(

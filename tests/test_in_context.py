@@ -100,11 +100,12 @@ def test_planner_scales_intercepts_and_slopes_apart() -> None:
 
 def test_tuple_sample_and_mismatched_model() -> None:
     class Pair(nn.Module):
-        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return a * b
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return pair[0] * pair[1]
 
+    # nn.Sequential takes one input: here a tuple, which its first layer takes as one value.
     model = nn.Sequential(Pair(), nn.Linear(4, 2))
-    sample = (torch.randn(8, 4), torch.randn(8, 4))
+    sample = ((torch.randn(8, 4), torch.randn(8, 4)),)
     profile = profile_model(model, sample, chunks=2, warmup=0, repeats=1)
     assert measure_compute_scale(model, sample, profile, repeats=1)["compute_scale"] > 0
     with pytest.raises(ValueError, match="the profile has 2 layers but the model has 1"):

@@ -22,7 +22,7 @@ F32 = 4
 
 
 class Split(nn.Module):
-    """Returns two tensors, passed on as two arguments."""
+    """Returns two tensors, passed on as one tuple."""
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x * 2, x[:, :1] + 1
@@ -30,6 +30,14 @@ class Split(nn.Module):
 
 class Join(nn.Module):
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return a * b
+
+
+class JoinPair(nn.Module):
+    """Takes a tuple as its one argument, as nn.Sequential passes a tuple output on."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        a, b = pair
         return a * b
 
 
@@ -165,19 +173,54 @@ def test_existing_gradients_are_kept() -> None:
     assert torch.equal(layer.weight.grad, grad)
 
 
-def test_tuple_outputs_pass_on_as_arguments() -> None:
-    profile = profile_layers([Split(), Join(), Twice()], torch.randn(4, 3), batch_sizes=[2, 4])
+def test_tuple_outputs_pass_on_as_one_value() -> None:
+    # Between layers a tuple is one value, as nn.Sequential passes it.
+    x = torch.randn(4, 3)
+    nn.Sequential(Split(), JoinPair(), Twice())(x)
+    profile = profile_layers([Split(), JoinPair(), Twice()], x, batch_sizes=[2, 4])
     split, join, twice = profile.layers
     assert split.output == [b * 3 * F32 + b * 1 * F32 for b in (2, 4)]
     assert join.output == [b * 3 * F32 for b in (2, 4)]
     assert twice.output == [b * 3 * F32 for b in (2, 4)]  # the same tensor twice, once
+    assert all(t > 0 for t in join.backward)
+    # A layer that takes the tuple's tensors as separate arguments fails in both alike.
+    with pytest.raises(TypeError, match="missing 1 required positional argument"):
+        nn.Sequential(Split(), Join())(x)
+    with pytest.raises(TypeError, match="missing 1 required positional argument"):
+        profile_layers([Split(), Join()], x, batch_sizes=[2, 4])
 
 
 def test_tuple_sample() -> None:
+    # profile_layers calls the first layer with the sample's inputs as arguments.
     sample = (torch.randn(4, 3), torch.randn(4, 1))
     profile = profile_layers([Join(), nn.Linear(3, 2)], sample, batch_sizes=[1, 4], **FAST)
     assert profile.input == [b * 4 * F32 for b in (1, 4)]
     assert profile.layers[1].output == [b * 2 * F32 for b in (1, 4)]
+
+
+def test_sample_is_the_models_positional_inputs() -> None:
+    x = torch.randn(4, 3)
+    model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+    one, single = (profile_model(model, s, batch_sizes=[2, 4], **FAST) for s in ((x,), x))
+    assert one.input == single.input == [b * 3 * F32 for b in (2, 4)]
+    assert one.layers[0].output == single.layers[0].output
+    # nn.Sequential takes one input: model(a, b) has no plain call.
+    a, b = torch.randn(4, 3), torch.randn(4, 1)
+    with pytest.raises(ValueError, match=r"an nn.Sequential takes one input, not 2 \(the sample"):
+        profile_model(nn.Sequential(Join(), nn.Linear(3, 2)), (a, b))
+    # A first layer that takes a tuple gets it as the sample's one input, as in model((a, b)).
+    pairwise = nn.Sequential(JoinPair(), nn.Linear(3, 2))
+    pairwise((a, b))
+    profile = profile_model(pairwise, ((a, b),), batch_sizes=[2, 4], **FAST)
+    assert profile.input == [n * 4 * F32 for n in (2, 4)]
+    assert profile.layers[0].output == [n * 3 * F32 for n in (2, 4)]
+
+    class Both(nn.Sequential):  # a forward of its own takes both inputs
+        def forward(self, a: Tensor, b: Tensor) -> Tensor:  # type: ignore[override]
+            return self[1](self[0](a, b))
+
+    both = profile_model(Both(Join(), nn.Linear(3, 2)), (a, b), batch_sizes=[2, 4], **FAST)
+    assert both.layers[1].output == [n * 2 * F32 for n in (2, 4)]
 
 
 def test_integer_inputs_get_no_gradient() -> None:

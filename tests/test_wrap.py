@@ -566,3 +566,27 @@ def test_blocks_returning_a_hugging_face_model_output(leaf: bool) -> None:
     options = {"method": "fx", "leaf_modules": [Block] if leaf else []}
     wrapped = _train_like_the_original(Model(), torch.randn(4, 6), 4, stages=4, chunks=2, **options)
     wrapped.close()
+
+
+@pytest.mark.parametrize("kind", ["sequential", "two inputs", "one tuple"])
+def test_sample_is_the_models_positional_inputs(kind: str) -> None:
+    from tests.dist_workers import TwoInputs, make_concat
+
+    a, b = torch.randn(8, 8), torch.randn(8, 3)
+    models: dict[str, tuple[nn.Module, tuple[Any, ...]]] = {
+        "sequential": (nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), (a,)),
+        "two inputs": (TwoInputs(), (a, b)),  # its first layer takes both
+        "one tuple": (make_concat(), ((a, b),)),  # its first layer takes the tuple
+    }
+    model, sample = models[kind]
+    reference = copy.deepcopy(model)
+    wrapped = wrap(model, sample, stages=2, chunks=2)
+    out = wrapped(*sample)
+    expected = reference(*sample)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    wrapped.close()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
