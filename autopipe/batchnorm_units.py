@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -35,8 +36,37 @@ def _reads(value: Any, path: str, name: str, affine: bool) -> bool:
     )
 
 
+def _other_update(node: fx.Node) -> bool:
+    """Whether ``node`` is some other batch-norm call that updates running statistics: the
+    functional form (the fx path traces it through custom modules) or another aten op."""
+    if node.op != "call_function" or node.target is _BATCH_NORM:
+        return False
+    if node.target is F.batch_norm:
+        names = ["input", "running_mean", "running_var", "weight", "bias", "training"]
+    elif isinstance(node.target, torch._ops.OpOverload):
+        names = [argument.name for argument in node.target._schema.arguments]
+    else:
+        return False
+    if "running_mean" not in names or "training" not in names:
+        return False
+
+    def given(name: str) -> Any:
+        index = names.index(name)
+        return node.args[index] if index < len(node.args) else node.kwargs.get(name)
+
+    return given("training") is True and given("running_mean") is not None
+
+
 def _tracked(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm) and module.track_running_stats
+
+
+def _cannot_defer(node: fx.Node) -> ValueError:
+    return ValueError(
+        f"a batch_norm call in training ({node.name}) does not use one BatchNorm layer's own "
+        "parameters and statistics, so its running statistics cannot be deferred; pass "
+        "deferred_batch_norm=False"
+    )
 
 
 class _Rewriter:
@@ -84,11 +114,7 @@ class _Rewriter:
             and _reads(_argument(node, 2), owner_path, "bias", owner.affine)
         )
         if not same or owner is None:
-            raise ValueError(
-                f"a batch_norm call in training ({node.name}) does not use one BatchNorm "
-                "layer's own parameters and statistics, so its running statistics cannot be "
-                "deferred; pass deferred_batch_norm=False"
-            )
+            raise _cannot_defer(node)
         self._count(owner)
         self._install(graph, owner_path)
         with graph.graph.inserting_before(node):
@@ -127,6 +153,8 @@ class _Rewriter:
                 and _argument(node, 3) is not None
             ):
                 self._defer_call(graph, node)
+            elif _other_update(node):
+                raise _cannot_defer(node)
         self._drop_counting(graph)
         graph.graph.lint()
         graph.recompile()

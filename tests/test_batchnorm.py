@@ -201,6 +201,25 @@ class _Twice(nn.Module):
         return self.bn(self.fc(self.bn(x)))
 
 
+class _Functional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.head = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bn = self.bn  # its state, with another momentum than its own
+        y = nn.functional.batch_norm(
+            self.fc(x), bn.running_mean, bn.running_var, bn.weight, bn.bias, self.training, 0.5
+        )
+        return self.head(y)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_wrap_refuses_functional_batch_norm(method: str) -> None:
+    with pytest.raises(ValueError, match="running statistics cannot be deferred"):
+        wrap(_Functional(), torch.randn(8, 4), stages=2, chunks=2, method=method)
+
+
 def test_wrap_refuses_what_it_cannot_defer() -> None:
     x = torch.randn(8, 4)
     with pytest.raises(ValueError, match="BatchNorm 'bn' runs 2 times per forward"):
