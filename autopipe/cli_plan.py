@@ -63,8 +63,9 @@ def plan_command(args: argparse.Namespace) -> int:
 
     if args.profile:
         profile = cli._load_profile(args)
-        if args.model:
-            cli._load_matching(args, profile, args.profile, args.model)
+        if args.model:  # the plan is for its sample's batch, unless --batch says otherwise
+            _, sample = cli._load_matching(args, profile, args.profile, args.model)
+            args.batch = args.batch or cli._batch_size(sample)
         chunks = args.chunks or cli.default_chunks(stages, args.batch or profile.batch_size)
     elif args.model:
         model, sample = cli._load(args, args.dtype)

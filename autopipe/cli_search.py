@@ -117,8 +117,9 @@ def search_command(args: argparse.Namespace) -> int:
         cli._check_picture(args.timeline, "timeline")
     if args.profile:
         profile = cli._load_profile(args)
-        if args.model:
-            cli._load_matching(args, profile, args.profile, args.model)
+        if args.model:  # the plan is for its sample's batch, unless --batch says otherwise
+            _, sample = cli._load_matching(args, profile, args.profile, args.model)
+            args.batch = args.batch or cli._batch_size(sample)
     elif args.model:
         model, sample = cli._load(args, args.dtype)
         chunks = args.chunks or cli.default_chunks(devices, cli._batch_size(sample))

@@ -719,6 +719,26 @@ def test_profile_mismatch_names_both_figures(
     assert f"profile {other} again (autopipe profile {other} -o {profile})" in err
 
 
+@pytest.mark.parametrize("search", [[], ["--search", "--devices", "2"]])
+def test_plan_from_a_profile_is_for_the_models_batch(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    good_profile: tuple[Path, Path],
+    search: list[str],
+) -> None:
+    _, profile = good_profile
+    larger = tmp_path / "larger.py"
+    larger.write_text(GOOD.replace("torch.randn(8, 4)", "torch.randn(16, 4)"))
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", str(larger), "--profile", str(profile), "--json", str(out_file), *search]
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+    assert Plan.load(out_file).batch_size == 16 and Profile.load(profile).batch_size == 8
+    code, _, err = run(capsys, *argv, "--batch", "8")
+    assert code == 0, err
+    assert Plan.load(out_file).batch_size == 8
+
+
 @pytest.mark.parametrize(
     ("device", "expected"),
     [
