@@ -222,12 +222,16 @@ def test_wrap_refuses_functional_batch_norm(method: str) -> None:
 
 def test_wrap_refuses_what_it_cannot_defer() -> None:
     x = torch.randn(8, 4)
+    model = _Twice()
+    before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match="BatchNorm 'bn' runs 2 times per forward"):
-        wrap(_Twice(), x, stages=2, chunks=2)
+        wrap(model, x, stages=2, chunks=2)
     with pytest.raises(ValueError, match="deferred_batch_norm must be True, False or None"):
         wrap(_Twice(), x, stages=2, chunks=2, deferred_batch_norm="yes")  # type: ignore[arg-type]
-    model = _Twice()
-    assert type(model.bn) is nn.BatchNorm1d  # a refused model is left as it was
+    # A refused model is left as it was: its own layers, its state.
+    assert type(model.bn) is nn.BatchNorm1d and list(model.bn._modules) == []
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
 
 
 # ---------------------------------------------------------------- distributed stages
