@@ -93,8 +93,10 @@ class DistributedPipeline:
     Args:
         model: an ``nn.Sequential`` (or a model to auto-wrap); its layers are shared with
             the stages, and this rank's layers are moved to ``device``.
-        sample: one mini-batch of inputs (a tensor or a tuple of tensors, the positional
-            inputs), as later passed to :meth:`step`, of at least ``chunks`` rows. A batch
+        sample: one mini-batch of inputs, the model's positional inputs as
+            ``model(*sample)`` takes them (a tensor is one input; an ``nn.Sequential``
+            takes one: ``x`` or ``(x,)``, or ``((a, b),)`` for a first layer that takes a
+            tuple), as later passed to :meth:`step`, of at least ``chunks`` rows. A batch
             that is not a multiple of ``chunks`` is split as by ``tensor_split`` (sizes
             ⌈N/M⌉ and ⌊N/M⌋) and the smaller micro-batches are padded to the larger size
             for torch's stages and cut before the loss (:mod:`autopipe.dist_padding`; not
@@ -343,7 +345,8 @@ class DistributedPipeline:
         """Runs forward and backward of one mini-batch through the pipeline.
 
         Call it on every rank with the same mini-batch; only the first stage reads
-        ``inputs`` and only the last reads ``target`` (others may pass ``None``). Gradients
+        ``inputs`` (the model's positional inputs, as the sample) and only the last reads
+        ``target`` (others may pass ``None``). Gradients
         are added to the ``.grad`` of :attr:`module`'s parameters, as ``backward`` would.
         With D replicas, each argument is either the global mini-batch (D·b rows, of which
         replica r takes rows ``[r*b, (r+1)*b)``) or this replica's shard (b rows, as a
