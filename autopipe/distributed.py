@@ -371,16 +371,23 @@ class DistributedPipeline:
         if self._broken:
             raise RuntimeError("an earlier step failed; this pipeline cannot run again")
         problem: str | None = None
+        failure: Exception | None = None
         try:
             args, kwargs = self._arguments(inputs, target)
         except (ValueError, TypeError) as exc:
             args, kwargs, problem = (), {}, str(exc)
+        except Exception as exc:  # e.g. out of memory moving the batch: still tell the others
+            args, kwargs, problem, failure = (), {}, f"{type(exc).__name__}: {exc}", exc
         # Every rank learns whether any rank refuses the step before it sends anything: a
         # rank that went ahead alone would pair this step's messages with the next one's.
         try:
             agree_on_step(self.rank, self.group, self.device, self._steps, problem)
         except RuntimeError:
             self._broken = True
+            raise
+        except ValueError:
+            if failure is not None:
+                raise failure from None
             raise
         layout = self.layout
         self._loss.values.clear()

@@ -55,9 +55,7 @@ def sample_arguments(sample: Any) -> tuple[Inputs, bool]:
     Raises:
         ValueError: not tensors sharing a non-zero batch dimension.
     """
-    packed = (
-        isinstance(sample, (tuple, list)) and len(sample) == 1 and isinstance(sample[0], tuple)
-    )
+    packed = isinstance(sample, (tuple, list)) and len(sample) == 1 and isinstance(sample[0], tuple)
     return _sample_tensors(sample[0] if packed else sample), packed
 
 
@@ -363,9 +361,7 @@ def profile_layers(
     )
 
 
-def profile_model(
-    model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwargs: Any
-) -> Profile:
+def profile_model(model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwargs: Any) -> Profile:
     """Profiles the children of an ``nn.Sequential``; see :func:`profile_layers`.
 
     The sample is the model's positional inputs, as ``model(*sample)`` takes them: for

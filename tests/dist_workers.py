@@ -527,6 +527,16 @@ def _samples(options: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+class Unmovable(Tensor):
+    """A tensor that fails to move to a device, as a batch may (out of memory)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is Tensor.to:
+            raise RuntimeError("deliberate failure moving the inputs")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def _validity(rank: int) -> dict[str, Any]:
     """Steps refused on one rank or on every rank: each is refused on every rank before it
     sends anything, and the next good step is exact. A short group timeout turns a rank
@@ -545,19 +555,20 @@ def _validity(rank: int) -> dict[str, Any]:
         last = pipe.is_last
         cases = {
             "bad batch on rank 0": (x[:5] if rank == 0 else x, y),
+            "failure moving the inputs on rank 0": (x.as_subclass(Unmovable), y),
             "wrong feature size": (x[:, :5], y),
             "wrong dtype": (x.double(), y),
             "bad target on the last rank": (x, y[:5] if last else y),
             "target tuple on the last rank": (x, (y, y) if last else y),
         }
-        errors: dict[str, str | None] = {}
+        errors: dict[str, tuple[str, str] | None] = {}
         losses = []
         for name, (inputs, target) in cases.items():
             try:
                 pipe.step(inputs, target)
                 errors[name] = None
-            except ValueError as exc:
-                errors[name] = str(exc)
+            except (ValueError, RuntimeError) as exc:
+                errors[name] = (type(exc).__name__, str(exc))
             if name == "bad batch on rank 0":  # the next step, as a caller would retry
                 losses.append(pipe.step(x2, y2))
         losses.append(pipe.step(x2, y2))

@@ -489,9 +489,14 @@ def test_a_step_refused_on_one_rank_is_refused_on_every_rank(
     }
     for name, (culprit, message) in expected.items():
         for rank, run in enumerate(runs):
-            error = run["errors"][name]
-            assert error is not None and message in error, (name, rank, error)
+            assert run["errors"][name] is not None, (name, rank)
+            kind, error = run["errors"][name]
+            assert kind == "ValueError" and message in error, (name, rank, error)
             assert error.startswith(f"rank {culprit}: ") == (rank != culprit), error
+    # An error of another kind reaches its own rank as it is, and the others as ValueError.
+    failed = [run["errors"]["failure moving the inputs on rank 0"] for run in runs]
+    assert failed[0] == ("RuntimeError", "deliberate failure moving the inputs")
+    assert failed[1] == ("ValueError", "rank 0: RuntimeError: deliberate failure moving the inputs")
     # The step after a refused one is exact, and refused steps left no gradient behind.
     model = make_model()
     x, y = make_batch(seed=2)
