@@ -9,10 +9,13 @@ import numpy as np
 
 from autopipe.errors import PlanningError
 from autopipe.minmax import minmax_partition
+from autopipe.units import parse_bytes
 
 __all__ = ["STRATEGIES", "partition"]
 
 STRATEGIES = ("optimal", "uniform", "parameters", "blockpartition")
+
+Capacity = float | str | Sequence[float | str] | None
 
 
 def partition(
@@ -20,7 +23,7 @@ def partition(
     stages: int,
     *,
     memory: Sequence[float] | None = None,
-    capacity: float | Sequence[float] | None = None,
+    capacity: Capacity = None,
     strategy: str = "optimal",
 ) -> list[int]:
     """Splits layers into contiguous stages, minimizing the largest stage cost.
@@ -29,7 +32,8 @@ def partition(
         costs: non-negative cost of each layer (e.g. seconds per micro-batch).
         stages: number of stages; each gets at least one layer.
         memory: non-negative memory of each layer (bytes); needed with ``capacity``.
-        capacity: memory limit per stage: one number for all or one per stage.
+        capacity: memory limit per stage in bytes (or a size such as ``16GiB``): one for
+            all stages or one per stage.
         strategy: ``optimal`` (exact, memory-aware, the default), ``uniform`` (equal layer
             counts), ``parameters`` (balances ``memory``, DeepSpeed's default) or
             ``blockpartition`` (torchgpipe's heuristic). Only ``optimal`` searches under the
@@ -96,18 +100,30 @@ def _weights(values: Sequence[float], what: str) -> np.ndarray:
     return array
 
 
-def _capacities(capacity: float | Sequence[float] | None, stages: int) -> np.ndarray | None:
+def _capacities(capacity: Capacity, stages: int) -> np.ndarray | None:
     if capacity is None:
         return None
-    if isinstance(capacity, (int, float, np.number)):
-        caps = np.full(stages, float(capacity))
-    else:
-        caps = np.asarray(capacity, dtype=float)
+    if isinstance(capacity, (str, int, float, np.number)):
+        caps = np.full(stages, _capacity(capacity))
+    elif isinstance(capacity, (Sequence, np.ndarray)):
+        caps = np.array([_capacity(c) for c in capacity])
         if caps.shape != (stages,):
             raise ValueError(f"capacity has {caps.size} entries but there are {stages} stages")
-    if np.any(np.isnan(caps)) or np.any(caps < 0):
-        raise ValueError("capacity must be non-negative")
+    else:
+        raise TypeError(f"capacity must be a size such as 16GiB or one per stage, got {capacity!r}")
     return caps
+
+
+def _capacity(value: object) -> float:
+    # Strings parse as plan() parses its memory; numbers stay exact (they may be fractions
+    # of any unit) and may be inf, no limit.
+    if isinstance(value, str):
+        return float(parse_bytes(value, "capacity"))
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"capacity must be bytes or a size such as 16GiB, got {value!r}")
+    if np.isnan(value) or value < 0:
+        raise ValueError(f"capacity must be non-negative, got {value!r}")
+    return float(value)
 
 
 def _stage_overflow(balance: Sequence[int], memory: np.ndarray, caps: np.ndarray) -> np.ndarray:

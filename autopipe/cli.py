@@ -19,7 +19,7 @@ from autopipe.cli_plan import plan_command
 from autopipe.cli_search import add_calibrate_parser, add_search_options
 from autopipe.cost_model import ALL_SCHEDULES, CHECKPOINT_MODES, optimizer_factor
 from autopipe.planner import CHUNKS_PER_STAGE, default_chunks
-from autopipe.units import parse_bytes
+from autopipe.units import parse_bytes, parse_rate
 from profiler.precision import AUTOCAST_DTYPES, DTYPES, check_autocast, check_dtype
 
 if TYPE_CHECKING:
@@ -296,17 +296,7 @@ def _memory(text: str | None) -> int | list[int] | None:
 def _bandwidth(text: str | None) -> float | None:
     if text is None:
         return None
-    value = text.strip()
-    value = value[:-2] if value.lower().endswith("/s") else value
-    try:
-        rate = float(parse_bytes(value))
-    except ValueError:
-        raise ValueError(
-            f"cannot parse bandwidth {text!r}: use bytes per second such as 10GB, 10GB/s or 1e10"
-        ) from None
-    if rate <= 0:
-        raise ValueError(f"bandwidth must be positive, got {text!r}")
-    return rate
+    return parse_rate(text)
 
 
 def _optimizer(text: str) -> str | float:

@@ -37,6 +37,7 @@ The stages' rings use disjoint devices and run at once, so a step costs ``max_k 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -104,6 +105,11 @@ class RangeMax:
         return np.asarray(np.maximum(self.table[level, s], self.table[level, e - (1 << level)]))
 
 
+def _finite_non_negative(value: object) -> bool:
+    number = float(value) if isinstance(value, numbers.Real) else math.nan
+    return not isinstance(value, bool) and math.isfinite(number) and number >= 0
+
+
 class StageParts(NamedTuple):
     """A stage's times per micro-batch by part, its re-computation code and its memory."""
 
@@ -158,8 +164,13 @@ class CostModel:
             )
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
-        if not overhead >= 0:
-            raise ValueError(f"overhead must be >= 0, got {overhead}")
+        if not _finite_non_negative(overhead):
+            raise ValueError(f"overhead must be finite seconds >= 0, got {overhead!r}")
+        if not _finite_non_negative(optimizer):
+            raise ValueError(
+                f"optimizer state factor must be a finite number >= 0, got {optimizer!r}; "
+                "convert a name with optimizer_factor()"
+            )
         if data_parallel < 1:
             raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
         if virtual_stages < 1 or len(devices) % virtual_stages:

@@ -90,10 +90,18 @@ def compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]:
 
 def optimizer_factor(optimizer: str | float) -> float:
     """Optimizer state bytes per parameter byte, from a name or a number."""
-    if isinstance(optimizer, (int, float)):
-        if optimizer < 0:
-            raise ValueError(f"optimizer state factor must be >= 0, got {optimizer}")
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        if not (math.isfinite(optimizer) and optimizer >= 0):
+            raise ValueError(
+                f"optimizer state factor must be a finite number >= 0 (state bytes per "
+                f"parameter byte, e.g. 2 for Adam), got {optimizer}"
+            )
         return float(optimizer)
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"optimizer must be a name such as 'adam' or state bytes per parameter byte, "
+            f"got {optimizer!r}"
+        )
     try:
         return OPTIMIZER_STATES[optimizer.lower()]
     except KeyError:

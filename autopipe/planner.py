@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
+from os import PathLike
 from typing import Any
 
 import numpy as np
@@ -18,12 +19,13 @@ from autopipe.interleaved_balance import interleaved_split, pipeline_time
 from autopipe.interleaving import rank_stages
 from autopipe.layer_costs import calibration
 from autopipe.plans import Plan, StagePlan
-from autopipe.units import format_bytes
+from autopipe.units import format_bytes, parse_rate
 from profiler.profile import Profile
 
 __all__ = [
     "build_model",
     "calibration",
+    "check_profile",
     "default_chunks",
     "describe",
     "evaluate",
@@ -42,6 +44,29 @@ def default_chunks(stages: int, batch_size: int) -> int:
     with at least two samples per micro-batch where the mini-batch has two (batch norm
     cannot train on micro-batches of one sample)."""
     return max(1, min(CHUNKS_PER_STAGE * stages, batch_size // 2))
+
+
+def check_profile(profile: object, caller: str) -> None:
+    """Refuses anything but a :class:`Profile` where ``caller()`` takes one.
+
+    Raises:
+        TypeError: ``profile`` is a path, a dict or anything else.
+    """
+    if isinstance(profile, Profile):
+        return
+    if isinstance(profile, (str, PathLike)):
+        raise TypeError(
+            f"{caller}() takes a Profile, not the path {str(profile)!r}; load it with "
+            f"Profile.load({str(profile)!r})"
+        )
+    if isinstance(profile, dict):
+        raise TypeError(
+            f"{caller}() takes a Profile, not a dict; convert it with Profile.from_dict(data)"
+        )
+    raise TypeError(
+        f"{caller}() takes a Profile, got {type(profile).__name__}; measure one with "
+        "profiler.profile_model(model, sample) or load one with Profile.load('file.json')"
+    )
 
 
 def _batch(profile: Profile, batch: int | None, data_parallel: int) -> int:
@@ -67,20 +92,22 @@ def build_model(
     checkpoint: str = "except_last",
     schedule: str = "gpipe",
     optimizer: str | float = "adam",
-    bandwidth: float | None = None,
+    bandwidth: float | str | None = None,
     data_parallel: int = 1,
     batch: int | None = None,
-    allreduce_bandwidth: float | None = None,
+    allreduce_bandwidth: float | str | None = None,
     overhead: float | None = None,
     virtual_stages: int = 1,
     padded: bool = False,
 ) -> CostModel:
     """The cost model :func:`plan` optimizes, for the same arguments."""
+    check_profile(profile, "plan")
     measured = calibration(profile)
-    if bandwidth is None:
-        bandwidth = measured.get("bandwidth")
+    bandwidth = measured.get("bandwidth") if bandwidth is None else parse_rate(bandwidth)
     if allreduce_bandwidth is None:
         allreduce_bandwidth = measured.get("allreduce_bandwidth", bandwidth)
+    else:
+        allreduce_bandwidth = parse_rate(allreduce_bandwidth, "allreduce_bandwidth")
     specs = make_devices(
         devices,
         memory=memory,
@@ -134,10 +161,10 @@ def plan(
     schedule: str = "gpipe",
     strategy: str = "optimal",
     optimizer: str | float = "adam",
-    bandwidth: float | None = None,
+    bandwidth: float | str | None = None,
     data_parallel: int = 1,
     batch: int | None = None,
-    allreduce_bandwidth: float | None = None,
+    allreduce_bandwidth: float | str | None = None,
     overhead: float | None = None,
     virtual_stages: int = 1,
     padded: bool = False,
@@ -158,8 +185,8 @@ def plan(
             ``parameters``, ``blockpartition``.
         optimizer: optimizer whose state is counted (``adam``, ``sgd``, ...) or state bytes
             per parameter byte.
-        bandwidth: link bandwidth in bytes/s for devices without one (default: the
-            profile's calibrated bandwidth, else free).
+        bandwidth: link bandwidth in bytes/s (or a rate such as ``10GB/s``) for devices
+            without one (default: the profile's calibrated bandwidth, else free).
         data_parallel: replicas of the pipeline (D); each runs ``ceil(batch / D)`` samples
             and all-reduces its stages' gradients with the others once per step.
         batch: samples per step across all replicas (default: the profile's batch size).
@@ -179,6 +206,8 @@ def plan(
         PlanningError: no split fits, or the chosen strategy's split does not fit; the
             message names the stage or layer (or rank) and the bytes missing.
         ValueError: invalid arguments.
+        TypeError: ``profile`` is not a :class:`Profile` (e.g. a path: load it with
+            :meth:`Profile.load`), or another argument is of the wrong kind.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
@@ -283,6 +312,11 @@ def evaluate(
     Takes the same keyword arguments as :func:`plan`; ``devices`` defaults to
     ``len(balance)`` stages.
     """
+    check_profile(profile, "evaluate")
+    if not isinstance(balance, Sequence) or any(
+        isinstance(b, bool) or not isinstance(b, int) for b in balance
+    ):
+        raise ValueError(f"balance must be a list of layer counts per stage, got {balance!r}")
     model = build_model(
         profile, len(balance) if devices is None else devices, optimizer=optimizer, **kwargs
     )

@@ -43,12 +43,12 @@ from autopipe.errors import PlanningError
 from autopipe.exact import solve_split, split_value
 from autopipe.interleaved_balance import pipeline_time
 from autopipe.intervals import IntervalSolver
-from autopipe.planner import describe, interleaved_balance
+from autopipe.planner import check_profile, describe, interleaved_balance
 from autopipe.plans import Plan
 from autopipe.screening import Relaxation
 from autopipe.search_notes import annotate, explain_infeasible
 from autopipe.search_space import Config, Space, chunk_options, configurations
-from autopipe.units import parse_bytes
+from autopipe.units import parse_bytes, parse_rate
 from profiler.profile import Profile
 
 __all__ = ["SEARCH_CHECKPOINTS", "Config", "chunk_options", "search"]
@@ -96,8 +96,8 @@ def search(
     schedules: Sequence[str] = ("gpipe", "1f1b"),
     checkpoints: Sequence[str] = SEARCH_CHECKPOINTS,
     optimizer: str | float = "adam",
-    bandwidth: float | None = None,
-    allreduce_bandwidth: float | None = None,
+    bandwidth: float | str | None = None,
+    allreduce_bandwidth: float | str | None = None,
     top: int = 10,
     max_chunks: int | None = None,
     even: bool = False,
@@ -114,8 +114,8 @@ def search(
         checkpoints: checkpoint modes to consider (``never``, ``except_last``,
             ``always``, ``auto``).
         optimizer: optimizer whose state is counted, or state bytes per parameter byte.
-        bandwidth: link bandwidth between stages in bytes/s (default: the profile's
-            calibrated bandwidth, else free).
+        bandwidth: link bandwidth between stages in bytes/s (or a rate such as
+            ``10GB/s``; default: the profile's calibrated bandwidth, else free).
         allreduce_bandwidth: bytes/s of the gradient all-reduce (default: the profile's
             calibrated one, else ``bandwidth``).
         top: how many configurations to return.
@@ -140,16 +140,23 @@ def search(
         PlanningError: no configuration fits; the message gives the closest one.
         ValueError: invalid arguments.
     """
+    check_profile(profile, "search")
     _check(devices, top, schedules, checkpoints)
     total_batch = profile.batch_size if batch is None else batch
     if isinstance(total_batch, bool) or not isinstance(total_batch, int) or total_batch < 1:
         raise ValueError(f"batch must be a positive integer, got {total_batch!r}")
+    if max_chunks is not None and (
+        isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1
+    ):
+        raise ValueError(f"max_chunks must be a positive integer or None, got {max_chunks!r}")
     capacity = None if memory is None else parse_bytes(memory)
     space = Space(
         profile,
         capacity=capacity,
-        bandwidth=bandwidth,
-        allreduce_bandwidth=allreduce_bandwidth,
+        bandwidth=None if bandwidth is None else parse_rate(bandwidth),
+        allreduce_bandwidth=None
+        if allreduce_bandwidth is None
+        else parse_rate(allreduce_bandwidth, "allreduce_bandwidth"),
         optimizer=optimizer,
     )
     if not virtual_stages or any(

@@ -71,3 +71,26 @@ def test_no_split_fits_names_stage_and_bytes():
 def test_baseline_strategy_that_does_not_fit_is_reported():
     with pytest.raises(PlanningError, match="stage 0 .* needs 10 more bytes"):
         partition([1, 1, 1, 1], 2, memory=[10, 10, 1, 1], capacity=10, strategy="uniform")
+
+
+def test_capacity_takes_the_size_strings_plan_takes():
+    costs, memory = [1, 1, 1, 1], [2**30] * 4
+    assert partition(costs, 2, memory=memory, capacity="2GiB") == [2, 2]
+    assert partition(costs, 2, memory=memory, capacity=["1GiB", 3 * 2**30]) == [1, 3]
+    with pytest.raises(PlanningError):
+        partition(costs, 2, memory=memory, capacity="1GiB")
+
+
+@pytest.mark.parametrize(
+    ("capacity", "error", "message"),
+    [
+        ("lots", ValueError, "cannot parse capacity size 'lots'"),
+        ("1e999", ValueError, "capacity '1e999' is not a finite size"),
+        (float("nan"), ValueError, "capacity must be non-negative, got nan"),
+        ([None, 5], TypeError, "capacity must be bytes or a size such as 16GiB, got None"),
+        ({"a": 1}, TypeError, "capacity must be a size such as 16GiB or one per stage"),
+    ],
+)
+def test_bad_capacity(capacity, error, message):
+    with pytest.raises(error, match=message):
+        partition([1, 1, 1], 2, memory=[1, 1, 1], capacity=capacity)

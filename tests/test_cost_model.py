@@ -114,6 +114,11 @@ def test_sum_invariance():
         ({"schedule": "zigzag"}, "unknown schedule"),
         ({"schedule": "zb"}, "zero bubble keeps every activation"),
         ({"chunks": 0}, "chunks must be >= 1"),
+        ({"optimizer": float("nan")}, "optimizer state factor must be a finite number >= 0"),
+        ({"optimizer": float("inf")}, "optimizer state factor must be a finite number >= 0"),
+        ({"optimizer": "adam"}, "convert a name with optimizer_factor"),
+        ({"overhead": float("inf")}, "overhead must be finite seconds >= 0, got inf"),
+        ({"overhead": "1ms"}, "overhead must be finite seconds >= 0, got '1ms'"),
     ],
 )
 def test_bad_arguments(kwargs, message):
@@ -126,6 +131,11 @@ def test_optimizer_factor():
     assert optimizer_factor(1.5) == 1.5
     with pytest.raises(ValueError, match="unknown optimizer"):
         optimizer_factor("lion2")
+    for value in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="must be a finite number >= 0"):
+            optimizer_factor(value)
+    with pytest.raises(TypeError, match="optimizer must be a name such as 'adam'"):
+        optimizer_factor(None)  # type: ignore[arg-type]
 
 
 def test_auto_takes_the_fastest_mode_that_fits():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,6 +162,56 @@ def test_evaluate_checks_the_balance():
         evaluate(profile, [3, 2])
     with pytest.raises(ValueError, match="unknown strategy"):
         plan(profile, 2, strategy="best")
+
+
+@pytest.mark.parametrize(
+    ("profile", "message"),
+    [
+        (None, "plan\\(\\) takes a Profile, got NoneType; measure one with"),
+        ("model.json", "not the path 'model.json'; load it with Profile.load\\('model.json'\\)"),
+        (Path("model.json"), "not the path 'model.json'"),
+        ({"layers": []}, "not a dict; convert it with Profile.from_dict"),
+    ],
+)
+def test_plan_takes_a_profile(profile, message):
+    with pytest.raises(TypeError, match=message):
+        plan(profile, 2)
+    with pytest.raises(TypeError, match="evaluate\\(\\) takes a Profile"):
+        evaluate(profile, [1, 1])
+
+
+def test_rates_parse_like_the_command_line():
+    profile = linear_profile([1.0] * 4, output=[1000] * 4)
+    assert plan(profile, 2, bandwidth="1kB/s") == plan(profile, 2, bandwidth=1000.0)
+    reduce = plan(profile, 2, data_parallel=2, allreduce_bandwidth="1GB")
+    assert reduce == plan(profile, 2, data_parallel=2, allreduce_bandwidth=1e9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"devices": 2.5}, TypeError, "devices must be a stage count or a list"),
+        ({"bandwidth": "fast"}, ValueError, "cannot parse bandwidth 'fast'"),
+        ({"bandwidth": "1e999"}, ValueError, "bandwidth '1e999' is not a finite rate"),
+        ({"bandwidth": 0}, ValueError, "bandwidth must be positive"),
+        ({"allreduce_bandwidth": float("nan")}, ValueError, "allreduce_bandwidth nan is not"),
+        ({"memory": "1e999"}, ValueError, "memory '1e999' is not a finite size"),
+        ({"memory": float("inf")}, ValueError, "memory inf is not a finite size"),
+        ({"optimizer": float("nan")}, ValueError, "optimizer state factor must be a finite"),
+        ({"optimizer": float("inf")}, ValueError, "optimizer state factor must be a finite"),
+        ({"optimizer": None}, TypeError, "optimizer must be a name such as 'adam'"),
+        ({"overhead": float("inf")}, ValueError, "overhead must be finite seconds >= 0"),
+    ],
+)
+def test_plan_refuses_bad_arguments(kwargs, error, message):
+    profile = linear_profile([1.0] * 4)
+    with pytest.raises(error, match=message):
+        plan(profile, **{"devices": 2, **kwargs})
+
+
+def test_evaluate_refuses_fractional_balances():
+    with pytest.raises(ValueError, match="balance must be a list of layer counts per stage"):
+        evaluate(linear_profile([1.0] * 4), [2.0, 2.0])
 
 
 # ----------------------------------------------------------------------------------------

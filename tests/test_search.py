@@ -303,12 +303,29 @@ def test_nothing_fits():
         ({"schedules": ("zigzag",)}, "unknown schedule"),
         ({"checkpoints": ("sometimes",)}, "unknown checkpoint mode"),
         ({"batch": 0}, "batch must be a positive integer"),
+        ({"max_chunks": 0}, "max_chunks must be a positive integer or None, got 0"),
+        ({"bandwidth": "1e999"}, "bandwidth '1e999' is not a finite rate"),
+        ({"allreduce_bandwidth": "fast"}, "cannot parse allreduce_bandwidth 'fast'"),
+        ({"memory": "1e999"}, "memory '1e999' is not a finite size"),
+        ({"optimizer": float("nan")}, "optimizer state factor must be a finite number"),
     ],
 )
 def test_bad_arguments(kwargs, message):
     profile = linear_profile([1.0] * 4)
     with pytest.raises(ValueError, match=message):
         search(profile, **{"devices": 2, **kwargs})
+
+
+@pytest.mark.parametrize("profile", [None, "model.json", {"layers": []}])
+def test_search_takes_a_profile(profile):
+    with pytest.raises(TypeError, match="search\\(\\) takes a Profile"):
+        search(profile, 2)
+
+
+def test_rates_parse_like_the_command_line():
+    profile = linear_profile([1.0] * 4, output=[1000] * 4)
+    given = search(profile, 2, bandwidth="1kB/s", allreduce_bandwidth="1kB/s", top=2)
+    assert given == search(profile, 2, bandwidth=1000.0, allreduce_bandwidth=1000.0, top=2)
 
 
 def test_speed_on_a_large_profile():
