@@ -6,6 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from autopipe.cost_model import ALL_SCHEDULES, CHECKPOINT_MODES
 from autopipe.devices import DeviceSpec
 from profiler.jsonfile import read_json, write_json
 
@@ -163,11 +164,13 @@ class Plan:
         # Version 1 had one checkpoint mode for all stages.
         stages = [{"checkpoint": data["checkpoint"], **s} for s in data["stages"]]
         fields["version"] = PLAN_VERSION
-        return cls(
+        plan = cls(
             stages=[StagePlan(**s) for s in stages],
             devices=[DeviceSpec.from_dict(d) for d in data["devices"]],
             **fields,
         )
+        _check_plan(plan)
+        return plan
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the plan as JSON, atomically."""
@@ -183,5 +186,64 @@ class Plan:
         data = read_json(path, "plan")
         try:
             return cls.from_dict(data)
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path} is not a valid autopipe plan: {exc}") from None
+        except ValueError as exc:  # name the file: the message names the field
+            raise ValueError(f"{path}: {exc}") from None
+
+
+_REMAKE = "re-create the plan with `autopipe plan`"
+
+
+def _count(value: object, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where} is {value!r}; it must be an integer >= 1")
+    return value
+
+
+def _check_plan(plan: Plan) -> None:
+    """The balance, the stages and the devices describe one split (a loaded file may
+    have been edited so that they contradict each other)."""
+    if not isinstance(plan.balance, list) or not plan.balance:
+        raise ValueError(f"balance is {plan.balance!r}; it must be a non-empty list")
+    for k, size in enumerate(plan.balance):
+        _count(size, f"balance[{k}]")
+    for what in ("chunks", "micro_batch", "data_parallel", "virtual_stages"):
+        _count(getattr(plan, what), what)
+    if len(plan.stages) != len(plan.balance):
+        raise ValueError(
+            f"balance {plan.balance} has {len(plan.balance)} stages but stages lists "
+            f"{len(plan.stages)}; {_REMAKE}"
+        )
+    start = 0
+    for k, (stage, size) in enumerate(zip(plan.stages, plan.balance)):
+        span = (stage.index, stage.start, stage.stop)
+        if span != (k, start, start + size) or len(stage.layers) != size:
+            raise ValueError(
+                f"stages[{k}] (index {stage.index}, start {stage.start}, stop {stage.stop}, "
+                f"{len(stage.layers)} layer names) contradicts balance {plan.balance}, by "
+                f"which stage {k} holds layers {start} to {start + size - 1}; {_REMAKE}"
+            )
+        start += size
+    if len(plan.devices) != len(plan.stages):
+        raise ValueError(
+            f"devices lists {len(plan.devices)} devices for {len(plan.stages)} stages; {_REMAKE}"
+        )
+    if len(plan.stages) % plan.virtual_stages:
+        raise ValueError(
+            f"{len(plan.stages)} stages do not split into virtual_stages "
+            f"{plan.virtual_stages} per device; {_REMAKE}"
+        )
+    if plan.schedule not in ALL_SCHEDULES:
+        raise ValueError(f"schedule is {plan.schedule!r}; choose {', '.join(ALL_SCHEDULES)}")
+    for k, mode in enumerate(plan.stage_checkpoints):
+        if mode not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"stages[{k}].checkpoint is {mode!r}; choose {', '.join(CHECKPOINT_MODES)}"
+            )
+    layers = plan.profile.get("layers") if isinstance(plan.profile, dict) else None
+    if isinstance(layers, list) and len(layers) != start:
+        raise ValueError(
+            f"balance {plan.balance} splits {start} layers but the plan's profile has "
+            f"{len(layers)}; {_REMAKE}"
+        )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import numbers
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -64,6 +66,57 @@ class LayerProfile:
         return self.param_bytes + self.buffer_bytes
 
 
+_TIMES = "times must be finite numbers of seconds >= 0"
+_BYTES = "byte counts must be finite numbers >= 0"
+_LAYER_TIMES = ("forward", "backward", "backward_input")
+_LAYER_BYTES = ("saved", "output", "peak", "shared")
+
+
+def _check_count(value: object, where: str, what: str) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where} is {value!r}; {what} must be an integer >= 1")
+
+
+def _check_amount(value: object, where: str, rule: str) -> None:
+    number = float(value) if isinstance(value, numbers.Real) else math.nan
+    if isinstance(value, bool) or not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"{where} is {value!r}; {rule}")
+
+
+def _check_figures(values: object, where: str, n: int, rule: str) -> None:
+    """One figure per batch size, each finite and non-negative."""
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != n:
+        raise ValueError(f"{where} must be a list of one figure per batch size ({n})")
+    for j, value in enumerate(values):
+        _check_amount(value, f"{where}[{j}]", rule)
+
+
+def _check_layer(layer: LayerProfile, where: str, n: int) -> None:
+    """Validates one layer's figures against ``n`` batch sizes (``where`` names it)."""
+    for what in ("name", "kind"):
+        if not isinstance(getattr(layer, what), str):
+            raise ValueError(f"{where}.{what} must be a string, got {getattr(layer, what)!r}")
+    for figures, rule in ((_LAYER_TIMES, _TIMES), (_LAYER_BYTES, _BYTES)):
+        for what in figures:
+            values = getattr(layer, what)
+            if values is not None or what in ("forward", "backward", "saved", "output"):
+                _check_figures(values, f"{where}.{what}", n, rule)
+    for what in ("param_bytes", "buffer_bytes"):
+        _check_amount(getattr(layer, what), f"{where}.{what}", _BYTES)
+
+
+def _check_fields(kind: type, data: dict[str, Any], where: str) -> None:
+    """Every field the dataclass ``kind`` requires is in ``data``, and no other."""
+    known = {f.name: f for f in fields(kind)}
+    for name in data:
+        if name not in known:
+            raise ValueError(f"not a valid autopipe profile: {where} has unknown field {name!r}")
+    for name, spec in known.items():
+        required = spec.default is MISSING and spec.default_factory is MISSING
+        if required and name not in data:
+            raise ValueError(f"not a valid autopipe profile: {where} lacks field {name!r}")
+
+
 @dataclass
 class Profile:
     """Measurements of every layer of a model on one device.
@@ -99,25 +152,30 @@ class Profile:
     autocast: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.layers:
+        if not isinstance(self.layers, Sequence) or not self.layers:
             raise ValueError("a profile needs at least one layer")
         check_autocast(self.autocast)
-        if sorted(set(self.batch_sizes)) != sorted(self.batch_sizes) or not self.batch_sizes:
-            raise ValueError(f"batch sizes must be distinct and non-empty: {self.batch_sizes}")
-        n = len(self.batch_sizes)
-        if len(self.input) != n:
-            raise ValueError("profile input needs one entry per batch size")
-        for layer in self.layers:
-            lists: list[Sequence[float]] = [
-                layer.forward,
-                layer.backward,
-                layer.saved,
-                layer.output,
-            ]
-            if layer.peak is not None:
-                lists.append(layer.peak)
-            if any(len(values) != n for values in lists):
-                raise ValueError(f"layer {layer.name}: needs one figure per batch size ({n})")
+        sizes = self.batch_sizes
+        if not isinstance(sizes, Sequence) or not sizes:
+            raise ValueError(f"batch_sizes must be a non-empty list of integers, got {sizes!r}")
+        for j, size in enumerate(sizes):
+            _check_count(size, f"batch_sizes[{j}]", "each batch size")
+        # The fits interpolate between neighbouring sizes: they must ascend.
+        if any(a >= b for a, b in itertools.pairwise(sizes)):
+            raise ValueError(f"batch sizes must be distinct and ascending, got {list(sizes)}")
+        _check_count(self.batch_size, "batch_size", "the batch size")
+        _check_count(self.chunks, "chunks", "the micro-batch count")
+        for what in ("device", "device_name", "torch_version", "dtype"):
+            if not isinstance(getattr(self, what), str):
+                raise ValueError(f"{what} must be a string, got {getattr(self, what)!r}")
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"meta must be an object, got {self.meta!r}")
+        n = len(sizes)
+        _check_figures(self.input, "input", n, _BYTES)
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerProfile):
+                raise ValueError(f"layers[{i}] must be a LayerProfile, got {layer!r}")
+            _check_layer(layer, f"layers[{i}]", n)
 
         self._fits: dict[tuple[int, str], tuple[float, float]] = {}
 
@@ -195,9 +253,18 @@ class Profile:
                 f"profile format version {version!r} is not supported (expected "
                 f"{PROFILE_VERSION}); re-create it with `autopipe profile`"
             )
-        fields = {k: v for k, v in data.items() if k not in ("layers", "fits")}
-        layers = [LayerProfile(**layer) for layer in data["layers"]]
-        return cls(layers=layers, **fields)
+        given = {k: v for k, v in data.items() if k != "fits"}  # fits are derived
+        _check_fields(cls, given, "the profile")
+        found = given.pop("layers")
+        if not isinstance(found, list):
+            raise ValueError(f"not a valid autopipe profile: layers must be a list, got {found!r}")
+        layers = []
+        for i, layer in enumerate(found):
+            if not isinstance(layer, dict):
+                raise ValueError(f"layers[{i}] must be an object, got {layer!r}")
+            _check_fields(LayerProfile, layer, f"layers[{i}]")
+            layers.append(LayerProfile(**layer))
+        return cls(layers=layers, **given)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the profile as JSON, atomically (no half-written file on failure)."""
@@ -208,10 +275,11 @@ class Profile:
         """Reads a profile written by :meth:`save`.
 
         Raises:
-            ValueError: the file is not a profile of a supported version.
+            ValueError: the file is not a profile of a supported version, or a field is
+                missing or invalid; the message names the file and the field.
         """
         data = read_json(path, "profile")
         try:
             return cls.from_dict(data)
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{path} is not a valid autopipe profile: {exc}") from None
+        except ValueError as exc:  # name the file: the message names the field
+            raise ValueError(f"{path}: {exc}") from None

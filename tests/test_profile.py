@@ -195,3 +195,68 @@ def test_planner_predicts_measured_sizes_exactly() -> None:
     profile.meta["calibration"] = {"fixed_scale": 2.0, "compute_scale": 3.0}
     scaled = ProfileLines.from_profile(profile).at(12)
     assert scaled.forward[0] == pytest.approx(2.0 * 0.0 + 3.0 * 0.25 * 12)
+
+
+def _edited(tmp_path: Path, edit) -> Path:
+    path = tmp_path / "model.profile.json"
+    make_profile().save(path)
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: d["layers"][2]["forward"].__setitem__(1, -0.5),
+            "layers[2].forward[1] is -0.5; times must be finite numbers of seconds >= 0",
+        ),
+        (lambda d: d["layers"][0]["backward"].__setitem__(0, float("nan")), "backward[0] is nan"),
+        (lambda d: d["layers"][1]["saved"].__setitem__(0, "400"), "saved[0] is '400'; byte"),
+        (lambda d: d["layers"][1].__setitem__("param_bytes", -1), "layers[1].param_bytes is -1"),
+        (lambda d: d["layers"][0].__setitem__("name", 0), "layers[0].name must be a string"),
+        (lambda d: d["layers"][0].__setitem__("forward", "1.0"), "layers[0].forward must be a"),
+        (lambda d: d["layers"][0].__setitem__("shared", [1]), "layers[0].shared must be a list"),
+        (lambda d: d["layers"][0].__setitem__("backward_input", [0]), "backward_input must be"),
+        (lambda d: d.__setitem__("batch_sizes", [0, -1]), "batch_sizes[0] is 0; each batch"),
+        (lambda d: d.__setitem__("batch_sizes", [4, 2]), "must be distinct and ascending"),
+        (lambda d: d.__setitem__("batch_size", 0), "batch_size is 0; the batch size must be"),
+        (lambda d: d.__setitem__("chunks", "2"), "chunks is '2'; the micro-batch count"),
+        (lambda d: d.__setitem__("input", [-1, 2]), "input[0] is -1; byte counts"),
+        (lambda d: d.__setitem__("meta", []), "meta must be an object"),
+        (lambda d: d["layers"][1].pop("forward"), "layers[1] lacks field 'forward'"),
+        (lambda d: d["layers"][1].__setitem__("speed", 1), "layers[1] has unknown field 'speed'"),
+        (lambda d: d.pop("batch_sizes"), "the profile lacks field 'batch_sizes'"),
+        (lambda d: d.__setitem__("layers", {}), "layers must be a list"),
+        (lambda d: d["layers"].__setitem__(0, 3), "layers\\[0\\] must be an object, got 3"),
+    ],
+)
+def test_load_names_the_file_and_the_bad_field(tmp_path: Path, edit, message: str) -> None:
+    path = _edited(tmp_path, edit)
+    with pytest.raises(ValueError) as caught:
+        Profile.load(path)
+    text = str(caught.value)
+    assert text.startswith(f"{path}: ") and "\n" not in text
+    assert message.replace("\\", "") in text
+
+
+def test_profiles_built_in_code_are_checked() -> None:
+    good = make_profile()
+    layer = good.layers[0]
+    with pytest.raises(ValueError, match="layers\\[0\\].forward\\[0\\] is -0.5"):
+        Profile(
+            layers=[LayerProfile("a", "Linear", [-0.5, 1], [1, 1], [1, 1], [1, 1])],
+            batch_sizes=[2, 4],
+            input=[1, 2],
+            batch_size=8,
+        )
+    with pytest.raises(ValueError, match="batch_sizes\\[1\\] is -1"):
+        Profile(layers=[layer], batch_sizes=[1, -1], input=[1, 2], batch_size=8)
+    with pytest.raises(ValueError, match="batch_size is 0"):
+        Profile(layers=[layer], batch_sizes=[2, 4], input=[1, 2], batch_size=0)
+    with pytest.raises(ValueError, match="batch_size is 2.5"):
+        Profile(layers=[layer], batch_sizes=[2, 4], input=[1, 2], batch_size=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layers\\[0\\] must be a LayerProfile"):
+        Profile(layers=[{"name": "a"}], batch_sizes=[2, 4], input=[1, 2], batch_size=8)  # type: ignore[list-item]
