@@ -22,7 +22,7 @@ def partition(
     costs: Sequence[float],
     stages: int,
     *,
-    memory: Sequence[float] | None = None,
+    memory: Sequence[float] | Sequence[float | str] | None = None,
     capacity: Capacity = None,
     strategy: str = "optimal",
 ) -> list[int]:
@@ -31,7 +31,8 @@ def partition(
     Args:
         costs: non-negative cost of each layer (e.g. seconds per micro-batch).
         stages: number of stages; each gets at least one layer.
-        memory: non-negative memory of each layer (bytes); needed with ``capacity``.
+        memory: non-negative memory of each layer (bytes, or sizes such as ``16GiB``);
+            needed with ``capacity``.
         capacity: memory limit per stage in bytes (or a size such as ``16GiB``): one for
             all stages or one per stage.
         strategy: ``optimal`` (exact, memory-aware, the default), ``uniform`` (equal layer
@@ -88,7 +89,14 @@ def baseline_balance(
     raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
 
 
-def _weights(values: Sequence[float], what: str) -> np.ndarray:
+def _weights(values: Sequence[float] | Sequence[float | str], what: str) -> np.ndarray:
+    if not isinstance(values, str) and isinstance(values, Sequence):
+        # numpy would read "2" as 2.0: only memory takes strings, sizes such as 16GiB.
+        sizes: tuple[type, ...] = (str,) if what == "memory" else ()
+        bad = [v for v in values if isinstance(v, str | bytes) and not isinstance(v, sizes)]
+        if bad:
+            raise ValueError(f"{what} must be a sequence of numbers, got {bad[0]!r}")
+        values = [parse_bytes(v, what) if isinstance(v, str) else v for v in values]
     try:
         array = np.asarray(values, dtype=float)
     except (TypeError, ValueError):

@@ -94,3 +94,13 @@ def test_capacity_takes_the_size_strings_plan_takes():
 def test_bad_capacity(capacity, error, message):
     with pytest.raises(error, match=message):
         partition([1, 1, 1], 2, memory=[1, 1, 1], capacity=capacity)
+
+
+def test_layer_memory_takes_sizes_but_costs_take_numbers():
+    memory = ["1GiB", "1GiB", 2**30, "1GiB"]
+    assert partition([1, 1, 1, 1], 2, memory=memory, capacity="2GiB") == [2, 2]
+    # numpy would read these as 1.0 and 2.0.
+    with pytest.raises(ValueError, match="costs must be a sequence of numbers, got '1'"):
+        partition(["1", "2"], 1)
+    with pytest.raises(ValueError, match="memory must be a sequence of numbers, got b'2'"):
+        partition([1, 1], 1, memory=[1, b"2"])
