@@ -9,6 +9,7 @@ from typing import Any
 from autopipe.cost_model import ALL_SCHEDULES, CHECKPOINT_MODES
 from autopipe.devices import DeviceSpec
 from profiler.jsonfile import read_json, write_json
+from profiler.profile import Profile
 
 __all__ = ["PLAN_VERSION", "Plan", "StagePlan"]
 
@@ -241,9 +242,16 @@ def _check_plan(plan: Plan) -> None:
             raise ValueError(
                 f"stages[{k}].checkpoint is {mode!r}; choose {', '.join(CHECKPOINT_MODES)}"
             )
-    layers = plan.profile.get("layers") if isinstance(plan.profile, dict) else None
-    if isinstance(layers, list) and len(layers) != start:
+    if not isinstance(plan.profile, dict):
+        raise ValueError(f"profile must be an object, got {plan.profile!r}")
+    if not plan.profile:  # plans may be saved without their profile
+        return
+    try:  # the report and the simulation read it
+        layers = len(Profile.from_dict(plan.profile))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"profile: {exc}") from None
+    if layers != start:
         raise ValueError(
             f"balance {plan.balance} splits {start} layers but the plan's profile has "
-            f"{len(layers)}; {_REMAKE}"
+            f"{layers}; {_REMAKE}"
         )

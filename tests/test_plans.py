@@ -64,6 +64,10 @@ def _edited_plan(tmp_path, edit):
         (lambda d: d["stages"][0].__setitem__("checkpoint", "often"), "stages[0].checkpoint is"),
         (lambda d: d["profile"]["layers"].pop(), "splits 4 layers but the plan's profile has 3"),
         (lambda d: d["devices"][0].__setitem__("memory", "lots"), "cannot parse memory size"),
+        (
+            lambda d: d["profile"]["layers"][1]["forward"].__setitem__(0, -1.0),
+            "profile: layers[1].forward[0] is -1.0; times must be finite",
+        ),
     ],
 )
 def test_load_refuses_a_plan_that_contradicts_itself(tmp_path, edit, message):
