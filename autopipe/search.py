@@ -70,6 +70,11 @@ def _check(devices: int, top: int, schedules: Sequence[str], checkpoints: Sequen
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
+    for what, given in (("schedules", schedules), ("checkpoints", checkpoints)):
+        # A string is a sequence too: "gpipe" would be read as five schedules.
+        if isinstance(given, str) or not isinstance(given, Sequence):
+            hint = f"; pass [{given!r}]" if isinstance(given, str) else ""
+            raise TypeError(f"{what} must be a list of names, got {given!r}{hint}")
     for schedule in schedules:
         if schedule == "zb":
             raise ValueError(
@@ -159,6 +164,11 @@ def search(
         else parse_rate(allreduce_bandwidth, "allreduce_bandwidth"),
         optimizer=optimizer,
     )
+    if isinstance(virtual_stages, int):
+        raise TypeError(
+            f"virtual_stages lists the stages per device to weigh, e.g. (1, {virtual_stages}), "
+            f"got {virtual_stages!r}"
+        )
     if not virtual_stages or any(
         isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in virtual_stages
     ):

@@ -316,6 +316,26 @@ def test_bad_arguments(kwargs, message):
         search(profile, **{"devices": 2, **kwargs})
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"schedules": "gpipe"},
+            "schedules must be a list of names, got 'gpipe'; pass \\['gpipe'\\]",
+        ),
+        ({"checkpoints": "auto"}, "checkpoints must be a list of names, got 'auto'"),
+        ({"checkpoints": None}, "checkpoints must be a list of names, got None$"),
+        (
+            {"virtual_stages": 2},
+            "virtual_stages lists the stages per device to weigh, e.g. \\(1, 2\\)",
+        ),
+    ],
+)
+def test_lists_given_as_one_value(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        search(linear_profile([1.0] * 4), 2, **kwargs)
+
+
 @pytest.mark.parametrize("profile", [None, "model.json", {"layers": []}])
 def test_search_takes_a_profile(profile):
     with pytest.raises(TypeError, match="search\\(\\) takes a Profile"):
