@@ -122,8 +122,14 @@ def build_model(
     micro = math.ceil(replica / m)
     # A mini-batch smaller than M yields fewer, single-sample micro-batches.
     effective = math.ceil(replica / micro)
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+    if (
+        isinstance(virtual_stages, bool)
+        or not isinstance(virtual_stages, int)
+        or virtual_stages < 1
+    ):
         raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    if not isinstance(padded, bool):  # "no" would read as True
+        raise TypeError(f"padded must be True or False, got {padded!r}")
     alone = len(specs) // max(virtual_stages, 1) * data_parallel == 1
     lines = ProfileLines.from_profile(profile, alone)
     # Micro-batches of uneven size take the mean size's time in all, unless the runner pads

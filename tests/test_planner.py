@@ -201,6 +201,8 @@ def test_rates_parse_like_the_command_line():
         ({"optimizer": float("inf")}, ValueError, "optimizer state factor must be a finite"),
         ({"optimizer": None}, TypeError, "optimizer must be a name such as 'adam'"),
         ({"overhead": float("inf")}, ValueError, "overhead must be finite seconds >= 0"),
+        ({"virtual_stages": 0}, ValueError, "virtual_stages must be a positive integer, got 0"),
+        ({"padded": "no"}, TypeError, "padded must be True or False, got 'no'"),
     ],
 )
 def test_plan_refuses_bad_arguments(kwargs, error, message):
