@@ -9,14 +9,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import autopipe
 from autopipe import cli
 from autopipe.cli import default_chunks
+from autopipe.layer_costs import ProfileLines
 from autopipe.planner import evaluate
 from autopipe.plans import Plan
+from profiler.fit import segments
 from profiler.profile import Profile
 from tests.cli_support import (
     FAST,
@@ -485,9 +488,19 @@ def test_calibrate_with_the_model_scales_compute(
     assert calibration["compute_scale"] > 0 and calibration["fixed_scale"] > 0
     plain = autopipe.plan(Profile.load(profile_file), 2)
     scaled = autopipe.plan(Profile.load(out_file), 2, overhead=0.0, bandwidth=1e30)
-    low, high = sorted([calibration["compute_scale"], calibration["fixed_scale"]])
-    ratio = sum(s.compute for s in scaled.stages) / sum(s.compute for s in plain.stages)
-    assert low * (1 - 1e-6) <= ratio <= high * (1 + 1e-6)
+    # Each layer time a + b·size becomes fixed_scale·a + compute_scale·b·size. (A ratio of
+    # totals need not lie between the two scales: a segment's a can be negative.)
+    size = plain.batch_size / plain.chunks
+    base = ProfileLines.from_profile(Profile.load(profile_file))
+    lines = ProfileLines.from_profile(Profile.load(out_file))
+    for figure in ("forward", "backward"):
+        a, b = segments(base.sizes, base.values[figure], size)
+        expected = np.maximum(
+            calibration["fixed_scale"] * a + calibration["compute_scale"] * b * size, 0.0
+        )
+        np.testing.assert_allclose(lines.figure(figure, size), expected, rtol=1e-9)
+    forward = lines.figure("forward", size).sum()
+    assert sum(s.forward for s in scaled.stages) == pytest.approx(forward, rel=1e-9)
     other = tmp_path / "other.py"
     other.write_text(GOOD)
     argv = ["calibrate", str(profile_file), "-o", str(tmp_path / "x.json"), "--model", str(other)]
