@@ -1,26 +1,24 @@
 """autopipe: automatic, provably balanced pipeline parallelism for PyTorch.
 
-The planner (``partition``, ``plan``, ``Plan``) imports no torch; the executors load torch
-only when first used.
+Layers, each a subpackage, from the bottom up: :mod:`autopipe.planning` (pure numbers, no
+torch), :mod:`autopipe.graph` (any module cut into units), :mod:`autopipe.microbatching` (what
+both runners need to train micro-batches like the whole batch), :mod:`autopipe.gpipe` (one
+process) and :mod:`autopipe.distributed` (torch pipelining), and :mod:`autopipe.cli`. Every
+name below loads on first use, so ``import autopipe`` costs nothing and planning never
+imports torch.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
-
-from autopipe.balance import partition
-from autopipe.devices import DeviceSpec, make_devices
-from autopipe.errors import PlanningError
-from autopipe.planner import plan
-from autopipe.plans import Plan, StagePlan
-from autopipe.search import search
-from profiler.profile import LayerProfile, Profile
 
 if TYPE_CHECKING:
     from autopipe.distributed import DistributedPipeline
-    from autopipe.gpipe import GPipe
-    from autopipe.wrapped import WrappedPipeline
-    from autopipe.wrapping import wrap
+    from autopipe.errors import PlanningError
+    from autopipe.gpipe import GPipe, WrappedPipeline, wrap
+    from autopipe.planning import DeviceSpec, Plan, StagePlan, make_devices, partition, plan, search
+    from profiler.profile import LayerProfile, Profile
 
 __version__ = "0.1.0"
 
@@ -41,18 +39,31 @@ __all__ = [
     "wrap",
 ]
 
-_LAZY = {
+_HOMES = {
+    "DeviceSpec": "autopipe.planning",
     "DistributedPipeline": "autopipe.distributed",
     "GPipe": "autopipe.gpipe",
-    "WrappedPipeline": "autopipe.wrapped",
-    "wrap": "autopipe.wrapping",
+    "LayerProfile": "profiler.profile",
+    "Plan": "autopipe.planning",
+    "PlanningError": "autopipe.errors",
+    "Profile": "profiler.profile",
+    "StagePlan": "autopipe.planning",
+    "WrappedPipeline": "autopipe.gpipe",
+    "make_devices": "autopipe.planning",
+    "partition": "autopipe.planning",
+    "plan": "autopipe.planning",
+    "search": "autopipe.planning",
+    "wrap": "autopipe.gpipe",
 }
 
 
 def __getattr__(name: str) -> Any:
-    # Torch-backed parts load on first use so that planning never imports torch.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     raise AttributeError(f"module 'autopipe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

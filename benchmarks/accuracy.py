@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autopipe import GPipe, search  # noqa: E402
-from autopipe.calibration import measure_overhead  # noqa: E402
-from autopipe.model_file import load_sequential  # noqa: E402
-from autopipe.plans import Plan  # noqa: E402
+from autopipe.cli.model_file import load_sequential  # noqa: E402
+from autopipe.gpipe.calibration import measure_overhead  # noqa: E402
+from autopipe.planning.plans import Plan  # noqa: E402
 from benchmarks.accuracy_measure import (  # noqa: E402
     compare,
     interleaved_medians,

@@ -1,6 +1,6 @@
 """Two-rank half of benchmarks/accuracy.py: the search's plans on the distributed runner.
 
-Each rank calibrates the links with :func:`autopipe.dist_calibration.calibrate_ranks`,
+Each rank calibrates the links with :func:`autopipe.distributed.calibration.calibrate_ranks`,
 rank 0 runs ``search(profile, devices=2)`` (checkpoint ``never``: the runner keeps every
 activation) and broadcasts the ranked plans, and every configuration is timed round-robin:
 plans on two devices with :class:`autopipe.distributed.DistributedPipeline` (two stages,
@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autopipe import GPipe, search  # noqa: E402
-from autopipe.dist_calibration import calibrate_ranks, slowest_seconds  # noqa: E402
+from autopipe.cli.model_file import load_sequential  # noqa: E402
 from autopipe.distributed import DistributedPipeline  # noqa: E402
-from autopipe.model_file import load_sequential  # noqa: E402
-from autopipe.plans import Plan  # noqa: E402
+from autopipe.distributed.calibration import calibrate_ranks, slowest_seconds  # noqa: E402
+from autopipe.planning.plans import Plan  # noqa: E402
 from benchmarks.accuracy_measure import compare, stage_memory  # noqa: E402
 from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
 from profiler.profile import Profile  # noqa: E402

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from autopipe import Plan, PlanningError, plan
-from autopipe.model_file import as_sequential
-from autopipe.timeline import checkpointed
+from autopipe.cli.model_file import as_sequential
+from autopipe.planning.timeline import checkpointed
 from benchmarks.balance_report import MEMORY_LABEL, noise_summary, render
 from benchmarks.memory_limit import MARGIN, MemoryLimit, choose_limit, peak_memory
 from benchmarks.models import ZOO
@@ -129,7 +129,7 @@ def _row(
 
 def _draw(name: str, out: Path, bars: dict[str, Plan]) -> dict[str, str]:
     """Stage bars of every plan and the optimal plan's timeline; none without matplotlib."""
-    from autopipe.timeline import draw_stage_bars, draw_timeline
+    from autopipe.planning.timeline import draw_stage_bars, draw_timeline
 
     pictures: dict[str, str] = {}
     try:

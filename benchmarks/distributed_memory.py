@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autopipe.distributed import DistributedPipeline  # noqa: E402
-from autopipe.planner import evaluate  # noqa: E402
+from autopipe.planning.planner import evaluate  # noqa: E402
 from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
 from profiler.measure import profile_model  # noqa: E402
 

@@ -6,7 +6,7 @@ the 1F1B and GPipe schedules. Contenders, each timed over BURST back-to-back ste
 
 * pipeline: ``DistributedPipeline.step`` (the slower rank's time counts), for 1F1B, GPipe,
   interleaved 1F1B with two virtual stages per rank (four stages) and zero bubble (the
-  last two predicted by replaying their order, :mod:`autopipe.schedule_replay`);
+  last two predicted by replaying their order, :mod:`autopipe.planning.schedule_replay`);
 * hand-made: a minimal 1F1B written with plain ``send``/``recv`` on the same stage modules,
   which shows what pipelining costs on this host whatever the implementation;
 * baseline: one process with one thread (rank 0 alone; rank 1 waits) running the same
@@ -52,9 +52,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autopipe.dist_calibration import calibrate_ranks, slowest_seconds  # noqa: E402
 from autopipe.distributed import DistributedPipeline  # noqa: E402
-from autopipe.planner import evaluate  # noqa: E402
+from autopipe.distributed.calibration import calibrate_ranks, slowest_seconds  # noqa: E402
+from autopipe.planning.planner import evaluate  # noqa: E402
 from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
 from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
@@ -125,7 +125,7 @@ def handmade_step(stage: nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor)
 def calibrate(
     profile: Profile, model: nn.Sequential, x: torch.Tensor, schedule: str = "1f1b"
 ) -> Profile:
-    """A calibrated copy of the profile (:func:`autopipe.dist_calibration.calibrate_ranks`).
+    """A calibrated copy of the profile (:func:`autopipe.distributed.calibration.calibrate_ranks`).
 
     The pipeline runs with both ranks computing, which on one host slows each down; the
     one-process baseline runs alone. The calibration measures both, and the planner gives
@@ -330,7 +330,8 @@ def main() -> None:
         "process alone). other load: CPUs kept busy by other processes while timing (0 on a "
         "quiet machine). glibc malloc keeps freed memory (benchmarks/stable_malloc.py). "
         + (
-            "Each rank is bound to its own CPU (autopipe.cpu_binding; the baseline runs on "
+            "Each rank is bound to its own CPU (autopipe.distributed.cpu_binding; the baseline "
+            "runs on "
             "rank 0's)."
             if not args.no_bind
             else "The ranks float over all CPUs (--no-bind)."

@@ -2,8 +2,8 @@
 
 For random lognormal layer costs (mixed layers, and near-identical blocks), every split of L
 layers into K·v stages is evaluated two ways: the closed form
-``M·max_r C_r + (Σc − max_r C_r)/v`` (:func:`autopipe.interleaving.step_time`) and the
-replay of torch's own order of operations (:mod:`autopipe.schedule_replay`, what the
+``M·max_r C_r + (Σc − max_r C_r)/v`` (:func:`autopipe.planning.interleaving.step_time`) and the
+replay of torch's own order of operations (:mod:`autopipe.planning.schedule_replay`, what the
 planner uses). The tables give how far the closed form is from the replay on the splits
 it picks, and how much slower (replayed) its best split is than the replay's best.
 
@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from autopipe.cost_model import CostModel
-from autopipe.devices import DeviceSpec
-from autopipe.interleaved_balance import every_split
-from autopipe.interleaving import step_times
-from autopipe.layer_costs import LayerCosts
-from autopipe.schedule_replay import makespans
+from autopipe.planning.cost_model import CostModel
+from autopipe.planning.devices import DeviceSpec
+from autopipe.planning.interleaved_balance import every_split
+from autopipe.planning.interleaving import step_times
+from autopipe.planning.layer_costs import LayerCosts
+from autopipe.planning.schedule_replay import makespans
 
 RESULTS = Path(__file__).parent / "results"
 # (K, v, M, schedule): M a multiple of interleaved 1F1B's rounds.

@@ -4,7 +4,7 @@ Two gloo ranks (one thread each, bound to their own CPUs) run 16 identical block
 Linear(W, W) + GELU as four stages, two per rank, with interleaved 1F1B and looped BFS
 (``schedule="gpipe"`` with virtual stages), M=8. Every split below gives each rank 8
 blocks, so the closed form ``M·max_r C_r + (Σc − max_r C_r)/v`` predicts them all alike;
-the replay of torch's order of operations (:mod:`autopipe.schedule_replay`, what the
+the replay of torch's order of operations (:mod:`autopipe.planning.schedule_replay`, what the
 planner uses) does not: a heavy stage early in the pipeline starves the stages after it.
 Both estimates come from the calibrated profile (``calibrate_ranks``: link, runner
 overhead, compute scales with both ranks busy), and are set against the measured step
@@ -32,10 +32,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autopipe.dist_calibration import measure_runner_overhead, slowest_seconds  # noqa: E402
 from autopipe.distributed import DistributedPipeline  # noqa: E402
-from autopipe.interleaving import step_time as closed_form  # noqa: E402
-from autopipe.planner import evaluate  # noqa: E402
+from autopipe.distributed.calibration import measure_runner_overhead, slowest_seconds  # noqa: E402
+from autopipe.planning.interleaving import step_time as closed_form  # noqa: E402
+from autopipe.planning.planner import evaluate  # noqa: E402
 from benchmarks.distributed_speedup import BLOCKS, CHUNKS, WORLD, calibrate, make_model  # noqa: E402
 from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
 from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402

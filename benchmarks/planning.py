@@ -121,7 +121,7 @@ def strategy_quality(quick: bool) -> list[dict[str, Any]]:
 
 def example_quality(repeats: int) -> list[dict[str, Any]]:
     """Bottleneck and step time of each strategy on the bundled examples, profiled on CPU."""
-    from autopipe.model_file import load_sequential
+    from autopipe.cli.model_file import load_sequential
     from profiler import profile_model
 
     rows = []

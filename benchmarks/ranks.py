@@ -21,7 +21,7 @@ def init_rank(
     """Joins the benchmark's gloo group through a file store in ``workdir``.
 
     With ``bind``, each rank gets its own share of the host's CPUs
-    (:mod:`autopipe.cpu_binding`); one torch thread either way.
+    (:mod:`autopipe.distributed.cpu_binding`); one torch thread either way.
     """
     import torch
 

@@ -41,9 +41,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from autopipe.dist_calibration import calibrate_ranks
 from autopipe.distributed import DistributedPipeline, init_distributed
-from autopipe.plans import Plan
+from autopipe.distributed.calibration import calibrate_ranks
+from autopipe.planning.plans import Plan
 from profiler.measure import profile_model
 from profiler.profile import Profile
 

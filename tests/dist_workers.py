@@ -187,7 +187,7 @@ def _wrapped(schedule: str) -> dict[str, Any]:
 
 def _equal(rank: int, world: int) -> dict[str, Any]:
     from autopipe.distributed import DistributedPipeline
-    from autopipe.planner import evaluate
+    from autopipe.planning.planner import evaluate
     from profiler.profile import Profile
 
     x, y = make_batch()
@@ -253,8 +253,8 @@ def _searched() -> dict[str, Any]:
 
 def _checkpointed() -> dict[str, Any]:
     """Re-materialization in the stages (with BatchNorm): each mode and schedule."""
-    from autopipe.dist_stage import StageModule
     from autopipe.distributed import DistributedPipeline
+    from autopipe.distributed.stage import StageModule
 
     x, y = make_batch()
     results: dict[str, Any] = {}
@@ -282,7 +282,7 @@ def _checkpointed() -> dict[str, Any]:
 def _uneven() -> dict[str, Any]:
     """Micro-batches of unequal size (padded for torch's stages), and BatchNorm refused."""
     from autopipe.distributed import DistributedPipeline
-    from autopipe.planner import evaluate
+    from autopipe.planning.planner import evaluate
     from profiler.profile import Profile
 
     x, y = make_batch()
@@ -311,8 +311,8 @@ def _uneven() -> dict[str, Any]:
 
 
 def _calibration() -> dict[str, Any]:
-    from autopipe.dist_calibration import calibrate_ranks
-    from autopipe.planner import plan
+    from autopipe.distributed.calibration import calibrate_ranks
+    from autopipe.planning.planner import plan
     from profiler.measure import profile_model
 
     torch.manual_seed(0)
@@ -344,7 +344,7 @@ def _replica_train(pipe: Any, x: Tensor, y: Tensor, rows: slice) -> dict[str, An
 def _replicas(rank: int, world: int) -> dict[str, Any]:
     """D=2 replicas of a K=world/2 stage pipeline."""
     from autopipe.distributed import DistributedPipeline
-    from autopipe.planner import evaluate
+    from autopipe.planning.planner import evaluate
     from profiler.profile import Profile
 
     d, k = 2, world // 2
@@ -388,8 +388,8 @@ def _replicas(rank: int, world: int) -> dict[str, Any]:
 def _virtual(rank: int) -> dict[str, Any]:
     """Two virtual stages per rank (K·v stages), both schedules, and the checks of v."""
     from autopipe.distributed import DistributedPipeline
-    from autopipe.planner import evaluate
-    from autopipe.simulation import makespan, simulate
+    from autopipe.planning.planner import evaluate
+    from autopipe.planning.simulation import makespan, simulate
     from profiler.profile import Profile
 
     x, y = make_batch()

@@ -6,7 +6,7 @@ import pytest
 
 import autopipe
 from autopipe import PlanningError, partition
-from autopipe.minmax import bottleneck
+from autopipe.planning.minmax import bottleneck
 
 
 def test_exported_and_default_is_optimal():

@@ -12,7 +12,7 @@ from planning_cases import linear_profile
 from torch import nn
 
 from autopipe import PlanningError, plan
-from autopipe.planner import evaluate
+from autopipe.planning.planner import evaluate
 from benchmarks import balance
 from benchmarks.memory_limit import choose_limit, least_capacity, peak_memory
 from benchmarks.models import ZOO

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from autopipe import wrap
-from autopipe.batchnorm import DeferredBatchNorm, deferred_copy
-from autopipe.batchnorm_units import defer_layers
-from autopipe.checkpoint import _recomputing
-from autopipe.dist_stage import StageModule
+from autopipe.distributed.stage import StageModule
+from autopipe.microbatching.batchnorm import DeferredBatchNorm, deferred_copy
+from autopipe.microbatching.batchnorm_units import defer_layers
+from autopipe.microbatching.recomputation import recomputing
 from tests.dist_workers import (
     CHUNKS,
     REPLICA_CHUNKS,
@@ -78,7 +78,7 @@ def test_state_dict_keys_and_sharing() -> None:
 def test_no_tracking_in_eval_or_recompute_and_untracked_kept() -> None:
     _, deferred = _pair(0.1, 2)
     before = deferred.running_mean.clone()  # type: ignore[union-attr]
-    with _recomputing():
+    with recomputing():
         deferred(torch.randn(4, 3, dtype=torch.float64))
     deferred.commit()
     deferred.eval()

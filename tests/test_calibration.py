@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from autopipe import plan
-from autopipe.calibration import calibrate, measure_overhead
+from autopipe.gpipe.calibration import calibrate, measure_overhead
 from profiler.calibrate import measure_bandwidth, store_calibration
 from tests.planning_cases import linear_profile
 

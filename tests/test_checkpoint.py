@@ -7,8 +7,8 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from autopipe.checkpoint import RNGState, checkpoint, is_recomputing
-from autopipe.microbatch import Batch
+from autopipe.gpipe.checkpoint import RNGState, checkpoint, is_recomputing
+from autopipe.gpipe.microbatch import Batch
 
 CPU = torch.device("cpu")
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import autopipe
-from autopipe import cli
-from autopipe.cli import default_chunks
-from autopipe.layer_costs import ProfileLines
-from autopipe.planner import evaluate
-from autopipe.plans import Plan
+from autopipe.cli import app as cli
+from autopipe.cli.app import default_chunks
+from autopipe.planning.layer_costs import ProfileLines
+from autopipe.planning.planner import evaluate
+from autopipe.planning.plans import Plan
 from profiler.fit import segments
 from profiler.profile import Profile
 from tests.cli_support import (
@@ -223,7 +223,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_granularities_match_the_tracer() -> None:
-    from autopipe.graph_units import GRANULARITIES
+    from autopipe.graph.units import GRANULARITIES
 
     assert cli.GRANULARITIES == GRANULARITIES
 
@@ -607,8 +607,7 @@ def test_dtype_casts_models_that_are_traced(
 def test_calibrate_casts_the_model_as_profiled(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from autopipe import calibration
-
+    from autopipe.gpipe import calibration
     seen: list[tuple[torch.dtype, torch.dtype]] = []
     measure = calibration.measure_compute_scale
 
@@ -820,7 +819,7 @@ def test_wrap_takes_the_profile_of_autopipe_profile(
     path.write_text(RESIDUAL_MODEL)
     profile_path = tmp_path / "residual.json"
     assert run(capsys, "profile", str(path), "-o", str(profile_path), *FAST)[0] == 0
-    from autopipe.model_file import load_model_file
+    from autopipe.cli.model_file import load_model_file
 
     loaded = load_model_file(path)
     reference = copy.deepcopy(loaded.model)

@@ -1,4 +1,4 @@
-"""Tests of the command line's up-front checks (autopipe.cli_checks)."""
+"""Tests of the command line's up-front checks (autopipe.cli.checks)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopipe.cli_checks import check_device, check_device_list, check_profile_matches
+from autopipe.cli.checks import check_device, check_device_list, check_profile_matches
 from profiler.profile import LayerProfile, Profile
 
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autopipe.cost_model import CostModel, LayerCosts, ProfileLines, RangeMax, optimizer_factor
-from autopipe.devices import DeviceSpec
+from autopipe.planning.cost_model import (
+    CostModel,
+    LayerCosts,
+    ProfileLines,
+    RangeMax,
+    optimizer_factor,
+)
+from autopipe.planning.devices import DeviceSpec
 from tests.planning_cases import random_profile
 
 
@@ -216,7 +222,7 @@ def test_profile_lines_predict_like_the_profile():
 
 @pytest.mark.parametrize("checkpoint", ["never", "always", "except_last", "auto"])
 def test_stage_parts_add_up_to_the_stage_time(checkpoint):
-    from autopipe.schedule_replay import RECOMPUTE_CODES
+    from autopipe.planning.schedule_replay import RECOMPUTE_CODES
 
     cap = 2 * (4 * 1000 + 7) + 500  # makes auto choose per stage (see above)
     devices = [DeviceSpec(memory=cap, speed=2.0, bandwidth=5.0, latency=0.5), DeviceSpec()]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autopipe.cpu_binding import cpu_share, local_rank_and_size
+from autopipe.distributed.cpu_binding import cpu_share, local_rank_and_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

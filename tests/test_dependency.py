@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from autopipe.dependency import anchor, fork, join
-from autopipe.microbatch import Batch
+from autopipe.gpipe.dependency import anchor, fork, join
+from autopipe.gpipe.microbatch import Batch
 
 
 class _Log(torch.autograd.Function):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopipe.dist_padding import MicroBatchPadding, rows_mixing_layer
+from autopipe.distributed.padding import MicroBatchPadding, rows_mixing_layer
 
 
 def test_sizes_follow_tensor_split_and_pad_with_the_last_real_row() -> None:

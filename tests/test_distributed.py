@@ -12,19 +12,25 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autopipe.dist_setup import LossRecorder, check_arguments, check_sizes
-from autopipe.dist_stage import (
+from autopipe.distributed import DistributedPipeline
+from autopipe.distributed.prepared import prepare_model, shared_state
+from autopipe.distributed.replicas import (
+    ReplicaLayout,
+    _buckets,
+    check_layout,
+    replica_batch,
+    take_shard,
+)
+from autopipe.distributed.setup import LossRecorder, check_arguments, check_sizes
+from autopipe.distributed.stage import (
     StageModule,
     compare_fingerprints,
     fingerprint,
     layer_output_specs,
     merge_state_dicts,
 )
-from autopipe.dist_virtual import stage_indices, virtual_problem
-from autopipe.dist_wrap import prepare_model, shared_state
-from autopipe.distributed import DistributedPipeline
-from autopipe.planner import evaluate
-from autopipe.replicas import ReplicaLayout, _buckets, check_layout, replica_batch, take_shard
+from autopipe.distributed.virtual import stage_indices, virtual_problem
+from autopipe.planning.planner import evaluate
 from tests.dist_workers import (
     BATCH,
     CHUNKS,
@@ -98,7 +104,7 @@ ORDERS = {  # a stage's forwards and backwards of 4 micro-batches, as schedules 
 @pytest.mark.parametrize("order", list(ORDERS))
 @pytest.mark.parametrize("mode", ["always", "except_last"])
 def test_checkpointed_stage_module_equals_the_plain_one(mode: str, order: str) -> None:
-    from autopipe.dist_stage import StageModule
+    from autopipe.distributed.stage import StageModule
 
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3)]

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from autopipe import GPipe
-from autopipe.batchnorm import DeferredBatchNorm
-from autopipe.devices import DeviceSpec
-from autopipe.pipeline import clock_cycles
-from autopipe.plans import Plan
+from autopipe.gpipe.pipeline import clock_cycles
+from autopipe.microbatching.batchnorm import DeferredBatchNorm
+from autopipe.planning.devices import DeviceSpec
+from autopipe.planning.plans import Plan
 
 MODES = ["always", "except_last", "never"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -596,7 +596,7 @@ def test_per_partition_checkpoint_modes_match_sequential() -> None:
 
 
 def test_from_auto_plan_uses_each_stage_mode() -> None:
-    from autopipe.plans import StagePlan
+    from autopipe.planning.plans import StagePlan
 
     plan = _plan()
     plan.checkpoint = "auto"

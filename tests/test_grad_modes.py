@@ -9,9 +9,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from autopipe.grad_modes import KEY, insert_grad_modes
-from autopipe.tracing import TracingError, trace
-from autopipe.wrapping import wrap
+from autopipe.gpipe.wrap import wrap
+from autopipe.graph.grad_modes import KEY, insert_grad_modes
+from autopipe.graph.tracing import TracingError, trace
 from tests.wrap_models import GRAD_FORMS, GradRegion
 
 

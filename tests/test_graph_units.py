@@ -9,7 +9,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from autopipe.graph_units import (
+from autopipe.graph.liveness import analyze
+from autopipe.graph.tracing import trace
+from autopipe.graph.units import (
     GRANULARITIES,
     Unit,
     merge_units,
@@ -18,8 +20,6 @@ from autopipe.graph_units import (
     split_units,
     unit_paths,
 )
-from autopipe.liveness import analyze
-from autopipe.tracing import trace
 from tests.tuple_models import (
     AttentionStack,
     DataclassBlock,

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from autopipe.wrapping import wrap
+from autopipe.gpipe.wrap import wrap
 
 transformers = pytest.importorskip("transformers")
 

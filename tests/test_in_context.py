@@ -84,7 +84,7 @@ def test_fit_recovers_known_scales() -> None:
 
 
 def test_planner_scales_intercepts_and_slopes_apart() -> None:
-    from autopipe.planner import evaluate
+    from autopipe.planning.planner import evaluate
 
     profile = linear_profile([1.0, 2.0], batch=8)
     base = evaluate(profile, [2], chunks=1, checkpoint="never").step_time

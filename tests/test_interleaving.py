@@ -8,11 +8,11 @@ import random
 import pytest
 
 from autopipe import PlanningError
-from autopipe.exact import step_time as gpipe_step_time
-from autopipe.interleaving import in_flight, rank_order, rank_stages, rank_times, step_time
-from autopipe.planner import evaluate, plan
-from autopipe.plans import Plan
-from autopipe.simulation import makespan, simulate
+from autopipe.planning.exact import step_time as gpipe_step_time
+from autopipe.planning.interleaving import in_flight, rank_order, rank_stages, rank_times, step_time
+from autopipe.planning.planner import evaluate, plan
+from autopipe.planning.plans import Plan
+from autopipe.planning.simulation import makespan, simulate
 from tests.planning_cases import linear_profile
 
 
@@ -169,8 +169,7 @@ def test_virtual_stage_split_is_the_best_of_all_splits() -> None:
 
 
 def test_local_search_is_never_worse_than_its_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autopipe import interleaved_balance
-
+    from autopipe.planning import interleaved_balance
     monkeypatch.setattr(interleaved_balance, "EXHAUSTIVE", 0)  # as for large models
     options = {"chunks": 4, "virtual_stages": 2, "schedule": "1f1b", "checkpoint": "never"}
     for profile in _random_profiles(15, seed=2):

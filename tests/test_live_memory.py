@@ -61,7 +61,7 @@ def test_parameters_are_excluded_and_reset_peak() -> None:
 
 
 def test_one_stage_plan_predicts_the_measured_activations() -> None:
-    from autopipe.planner import evaluate
+    from autopipe.planning.planner import evaluate
 
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from autopipe.graph_units import split_units, unit_paths
-from autopipe.liveness import analyze
-from autopipe.sharing import SharedState, adjacent_boundaries, check_placement, find_shared
-from autopipe.tracing import trace
-from autopipe.unit_layout import Layout, layout_model, trace_modes
+from autopipe.graph.layout import Layout, layout_model, trace_modes
+from autopipe.graph.liveness import analyze
+from autopipe.graph.sharing import SharedState, adjacent_boundaries, check_placement, find_shared
+from autopipe.graph.tracing import trace
+from autopipe.graph.units import split_units, unit_paths
 from profiler.measure import profile_layers
 from tests.wrap_models import ResidualMLP, SizeAtRoot, SplitJoin, TiedEnds, TiedPair, UNet
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopipe.microbatch import Batch, check, gather, scatter
+from autopipe.gpipe.microbatch import Batch, check, gather, scatter
 
 
 def test_batch_wraps_tensor_and_tuple() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopipe.minmax import bottleneck, minmax_partition
+from autopipe.planning.minmax import bottleneck, minmax_partition
 from tests.planning_cases import splits
 
 

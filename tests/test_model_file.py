@@ -1,4 +1,4 @@
-"""Tests of loading a user's model file (autopipe.model_file)."""
+"""Tests of loading a user's model file (autopipe.cli.model_file)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopipe.model_file import (
+from autopipe.cli.model_file import (
     ModelFileError,
     as_sequential,
     load_model_file,
@@ -341,7 +341,7 @@ def test_sequential_takes_no_kwargs_or_tracing_options(tmp_path: Path) -> None:
 
 
 def test_tracing_advice_in_the_command_lines_words() -> None:
-    from autopipe.model_file import _as_options
+    from autopipe.cli.model_file import _as_options
 
     message = "mark it as a leaf (leaf_modules=['gate', 'a.b']) or granularity='children'"
     expected = "mark it as a leaf (--leaf-modules gate,a.b) or --granularity children"

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autopipe.microbatch import gather, scatter
-from autopipe.pipeline import Pipeline, clock_cycles
+from autopipe.gpipe.microbatch import gather, scatter
+from autopipe.gpipe.pipeline import Pipeline, clock_cycles
 
 CPU = torch.device("cpu")
 

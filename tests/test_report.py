@@ -1,11 +1,12 @@
-"""Tests of the plain-text plan report (autopipe.report)."""
+"""Tests of the plain-text plan report (autopipe.planning.report)."""
 
 from __future__ import annotations
 
 import pytest
 
-from autopipe.planner import evaluate, plan
-from autopipe.report import (
+from autopipe.planning.planner import evaluate, plan
+from autopipe.planning.quantities import format_time
+from autopipe.planning.report import (
     bar,
     format_rate,
     layer_range,
@@ -16,7 +17,6 @@ from autopipe.report import (
     render_stages,
     render_summary,
 )
-from autopipe.units import format_time
 from profiler.profile import LayerProfile, Profile
 
 COSTS = [1.0, 1.0, 6.0, 6.0, 1.0, 1.0, 1.0, 1.0]

@@ -8,11 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from autopipe import schedule_replay
-from autopipe.interleaving import rank_order, spared
-from autopipe.planner import evaluate
-from autopipe.plans import Plan
-from autopipe.schedule_replay import (
+from autopipe.planning import schedule_replay
+from autopipe.planning.interleaving import rank_order, spared
+from autopipe.planning.planner import evaluate
+from autopipe.planning.plans import Plan
+from autopipe.planning.schedule_replay import (
     ALL,
     ALL_BUT_ONE,
     NONE,
@@ -21,7 +21,7 @@ from autopipe.schedule_replay import (
     recomputes,
     replay_order,
 )
-from autopipe.simulation import makespan, simulate, stage_times
+from autopipe.planning.simulation import makespan, simulate, stage_times
 from tests.planning_cases import linear_profile
 
 # (K, v, M) that interleaved 1F1B accepts: M a multiple of its rounds' micro-batches.

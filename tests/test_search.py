@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe import PlanningError, plan
-from autopipe.report import render_search
-from autopipe.search import SEARCH_CHECKPOINTS, chunk_options, search
-from autopipe.search_notes import breakdown
+from autopipe.planning.config_search import SEARCH_CHECKPOINTS, chunk_options, search
+from autopipe.planning.report import render_search
+from autopipe.planning.search_notes import breakdown
 from tests.planning_cases import linear_profile, random_profile
 
 
@@ -268,8 +268,7 @@ def test_auto_mixes_modes_under_gpipe():
 
 def test_dynamic_program_fallback(monkeypatch):
     # Tier 3 only bounds when memory limits are not monotone; force that path everywhere.
-    # ``autopipe.search`` is the function; the module is reached through importlib.
-    module = importlib.import_module("autopipe.search")
+    module = importlib.import_module("autopipe.planning.config_search")
 
     class Bounding:
         def __init__(self, relaxation, envelope=False):
@@ -368,8 +367,8 @@ def test_speed_on_a_large_profile():
 def test_virtual_stage_bound_is_below_every_split(seed, shape, replicas, bandwidth, overhead):
     # The search prunes interleaved configurations by this bound: it must never exceed
     # the replayed step of any split, or the search could miss the best one.
-    from autopipe.planner import evaluate
-    from autopipe.search_space import Config, Space
+    from autopipe.planning.planner import evaluate
+    from autopipe.planning.search_space import Config, Space
 
     k, v, m = shape
     rng = np.random.default_rng(seed)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autopipe.tracing import TracingError
-from autopipe.wrapping import WrappedPipeline, wrap
+from autopipe.gpipe.wrap import WrappedPipeline, wrap
+from autopipe.graph.tracing import TracingError
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopipe.strategies import parameters, uniform
+from autopipe.planning.strategies import parameters, uniform
 
 
 def _splits(n: int, k: int) -> list[list[int]]:

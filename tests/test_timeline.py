@@ -1,4 +1,4 @@
-"""Tests of the simulated pipeline schedule and its pictures (autopipe.timeline)."""
+"""Tests of the simulated pipeline schedule and its pictures (autopipe.planning.timeline)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planning_cases import linear_profile, splits
 
-from autopipe import cli
-from autopipe.interleaving import rank_order
-from autopipe.planner import evaluate
-from autopipe.plans import Plan
-from autopipe.timeline import (
+from autopipe.cli import app as cli
+from autopipe.planning.interleaving import rank_order
+from autopipe.planning.planner import evaluate
+from autopipe.planning.plans import Plan
+from autopipe.planning.timeline import (
     Event,
     check_picture_path,
     checkpointed,

@@ -10,9 +10,9 @@ def test_planner_does_not_import_torch():
     code = (
         "import sys, autopipe\n"
         "from autopipe import partition, plan, Plan\n"
-        "import autopipe.exact, autopipe.cost_model, autopipe.blockpartition\n"
-        "import autopipe.schedule_replay, autopipe.interleaved_balance, autopipe.search\n"
-        "import autopipe.simulation, autopipe.report\n"
+        "import autopipe.planning\n"
+        "from autopipe.planning import exact, cost_model, blockpartition, schedule_replay\n"
+        "from autopipe.planning import interleaved_balance, config_search, simulation, report\n"
         "from profiler import Profile\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -7,10 +7,10 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from autopipe.flat_io import FlatSpec
-from autopipe.graph_values import ValueInfo
-from autopipe.tracing import TracingError, trace
-from autopipe.unit_layout import model_mode
+from autopipe.graph.flat_io import FlatSpec
+from autopipe.graph.layout import model_mode
+from autopipe.graph.tracing import TracingError, trace
+from autopipe.graph.values import ValueInfo
 from tests.wrap_models import (
     DataDependent,
     DropoutBatchNorm,

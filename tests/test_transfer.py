@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopipe.microbatch import Batch
-from autopipe.stream import (
+from autopipe.gpipe.microbatch import Batch
+from autopipe.gpipe.stream import (
     CPU_STREAM,
     current_stream,
     default_stream,
@@ -18,7 +18,7 @@ from autopipe.stream import (
     use_stream,
     wait_stream,
 )
-from autopipe.transfer import Route, Transfer, transfer
+from autopipe.gpipe.transfer import Route, Transfer, transfer
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

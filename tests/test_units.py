@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopipe.units import format_bytes, format_time, parse_bytes, parse_rate
+from autopipe.planning.quantities import format_bytes, format_time, parse_bytes, parse_rate
 
 
 @pytest.mark.parametrize(

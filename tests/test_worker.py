@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from autopipe.worker import ThreadContext, WorkerPool
+from autopipe.gpipe.worker import ThreadContext, WorkerPool
 
 CPU = torch.device("cpu")
 

@@ -12,10 +12,10 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from autopipe.gpipe import GPipe
-from autopipe.plans import Plan
-from autopipe.stage_modules import UnitModule
-from autopipe.tracing import TracingError
-from autopipe.wrapping import WrappedPipeline, prepare, wrap
+from autopipe.gpipe.wrap import WrappedPipeline, prepare, wrap
+from autopipe.graph.stage_modules import UnitModule
+from autopipe.graph.tracing import TracingError
+from autopipe.planning.plans import Plan
 from profiler.profile import Profile
 from tests.tuple_models import (
     AttentionStack,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autopipe
-from autopipe.model_file import as_sequential
+from autopipe.cli.model_file import as_sequential
 from benchmarks.models import ZOO
 from profiler.measure import profile_model
 

@@ -1,0 +1,146 @@
+"""The ``autopipe plan`` command: profile or load, plan, print, draw."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, Any
+
+from autopipe.errors import PlanningError
+from autopipe.planning.balance import STRATEGIES
+
+if TYPE_CHECKING:
+    from autopipe.planning.plans import Plan
+    from profiler.profile import Profile
+
+__all__ = ["plan_command"]
+
+
+def _devices(profile: Profile, stages: int, virtual: int = 1) -> int | list[str]:
+    """Stage devices named ``cuda:0``, ``cuda:1``, ... for a CUDA profile, else a count.
+
+    With ``virtual`` stages per device there are ``stages·virtual`` stages, stage s on
+    device ``s % stages``.
+    """
+    if profile.device.startswith("cuda"):
+        return [f"cuda:{k % stages}" for k in range(stages * virtual)]
+    return stages * virtual
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``autopipe plan``: profile (or load) and print the best split, with pictures."""
+    from autopipe.cli import app as cli
+    from autopipe.planning.planner import plan
+    from autopipe.planning.report import render_plan
+
+    cli._check_precision(args)
+    if args.search:
+        from autopipe.cli.search import search_command
+
+        return search_command(args)
+    if args.devices or args.allreduce_bandwidth or args.even:
+        raise ValueError(
+            "--devices, --allreduce-bandwidth and --even go with --search; use --stages"
+        )
+    memory = cli._memory(args.memory)
+    bandwidth = cli._bandwidth(args.bandwidth)
+    optimizer = cli._optimizer(args.optimizer)
+    stages: int = args.stages or cli.default_stages()
+    if isinstance(memory, list) and len(memory) != stages:
+        raise ValueError(
+            f"--memory lists {len(memory)} sizes but there are {stages} stages; give one "
+            "size for all or one per stage"
+        )
+    virtual: int = args.virtual_stages
+    if isinstance(memory, list) and virtual > 1:  # one size per device: each of its stages
+        memory = [memory[k % stages] for k in range(stages * virtual)]
+    if args.json:
+        cli._check_writable(args.json, "plan")
+    if args.timeline:
+        cli._check_picture(args.timeline, "timeline")
+    if args.compare:
+        cli._check_picture(args.compare, "comparison")
+
+    if args.profile:
+        profile = cli._load_profile(args)
+        if args.model:  # the plan is for its sample's batch, unless --batch says otherwise
+            _, sample = cli._load_matching(args, profile, args.profile, args.model)
+            args.batch = args.batch or cli._batch_size(sample)
+        chunks = args.chunks or cli.default_chunks(stages, args.batch or profile.batch_size)
+    elif args.model:
+        model, sample = cli._load(args, args.dtype)
+        if stages * virtual > len(model):
+            raise PlanningError(
+                f"cannot split {len(model)} layers into {stages * virtual} non-empty stages; "
+                f"use --stages {len(model) // virtual} or fewer"
+            )
+        chunks = args.chunks or cli.default_chunks(stages, args.batch or cli._batch_size(sample))
+        profile = cli._measure(model, sample, args, chunks)
+    else:
+        raise ValueError("give a model file (autopipe plan MODEL.py) or --profile FILE")
+
+    options: dict[str, Any] = {
+        "batch": args.batch,
+        "chunks": chunks,
+        "memory": memory,
+        # Interleaved stages run on torch's schedules, which keep every activation.
+        "checkpoint": args.checkpoint
+        or ("never" if virtual > 1 or args.schedule == "zb" else "except_last"),
+        "schedule": args.schedule or "gpipe",
+        "optimizer": optimizer,
+        "bandwidth": bandwidth,
+        "virtual_stages": virtual,
+    }
+    devices = _devices(profile, stages, virtual)
+    result = plan(profile, devices, strategy=args.strategy, **options)
+    other = "optimal" if args.strategy == "uniform" else "uniform"
+    baseline: Plan | str
+    try:
+        baseline = plan(profile, devices, strategy=other, **options)
+    except PlanningError as exc:
+        baseline = str(exc)
+
+    # Pictures first: a failure to draw leaves no plan file and no report behind.
+    drawn = []
+    if args.timeline:
+        from autopipe.planning.timeline import draw_timeline
+
+        draw_timeline(result, args.timeline)
+        drawn.append(f"timeline written to {args.timeline}")
+    if args.compare:
+        from autopipe.planning.timeline import draw_stage_bars
+
+        known = {result.strategy: result}
+        if not isinstance(baseline, str):
+            known[baseline.strategy] = baseline
+        draw_stage_bars(_strategy_plans(profile, devices, options, known), args.compare)
+        drawn.append(f"comparison written to {args.compare}")
+    if args.json:
+        cli._save(result, args.json, "plan")
+    sys.stdout.write(render_plan(result, baseline, other))
+    if args.json:
+        print(f"plan written to {args.json}", file=sys.stderr)
+    for line in drawn:
+        print(line, file=sys.stderr)
+    return 0
+
+
+def _strategy_plans(
+    profile: Profile,
+    devices: int | list[str],
+    options: dict[str, Any],
+    known: dict[str, Plan],
+) -> dict[str, Plan]:
+    """Plans of every strategy that fits, by name; ``known`` ones are not planned again."""
+    from autopipe.planning.planner import plan
+
+    plans: dict[str, Plan] = {}
+    for name in STRATEGIES:
+        if name in known:
+            plans[name] = known[name]
+            continue
+        try:
+            plans[name] = plan(profile, devices, strategy=name, **options)
+        except PlanningError:  # a baseline that does not fit is left out of the picture
+            continue
+    return plans

@@ -1,0 +1,152 @@
+"""Any model as the layers of a distributed pipeline: unit Sequential, flat I/O, original names."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["Prepared", "original_names", "prepare_model", "shared_state"]
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _as_is(output: Any, training: bool) -> Any:
+    return output
+
+
+@dataclass
+class Prepared:
+    """A model ready to be split into pipeline stages.
+
+    Attributes:
+        sequential: the layers, in order; an ``nn.Sequential`` model itself, or the units of
+            an auto-wrapped one (each takes and returns the tensors live across its cuts).
+        sample: the sample as ``sequential`` takes it.
+        flatten: turns the model's inputs into ``sequential``'s.
+        rebuild: ``rebuild(output, training)`` turns the last layer's output into the
+            model's (what ``loss_fn`` receives).
+        wrapped: whether the model was auto-wrapped.
+    """
+
+    sequential: nn.Sequential
+    sample: Any
+    flatten: Callable[[Any], Any] = _identity
+    rebuild: Callable[[Any, bool], Any] = _as_is
+    wrapped: bool = False
+
+
+def _one_input(inputs: Any, what: str) -> Any:
+    """A plain ``nn.Sequential``'s one input, from the positional inputs ``inputs``.
+
+    Like any model's, a sample (and a step's inputs) is the model's positional inputs,
+    ``model(*sample)``, and ``nn.Sequential`` takes one: ``x`` or ``(x,)`` is ``x``, and
+    ``((a, b),)`` gives the first layer the tuple ``(a, b)`` as one value.
+
+    Raises:
+        ValueError: several positional inputs, which ``nn.Sequential`` cannot take.
+    """
+    if not isinstance(inputs, (tuple, list)):
+        return inputs
+    if len(inputs) > 1:
+        verb = "are" if what.endswith("s") else "is"
+        raise ValueError(
+            f"an nn.Sequential takes one input, not {len(inputs)} (the {what} {verb} the "
+            f"model's positional inputs, model(*{what})): pass ((a, b),) to give its first "
+            "layer the tuple as one value, or a model whose forward takes the inputs"
+        )
+    return inputs[0] if inputs else inputs
+
+
+def prepare_model(model: nn.Module, sample: Any) -> Prepared:
+    """The model as an ``nn.Sequential``: itself, or its units through :mod:`autopipe.gpipe.wrap`.
+
+    :attr:`Prepared.sample` is what the first layer takes as its one argument: a plain
+    ``nn.Sequential``'s one input, or the flat input tensors of a wrapped model's units.
+
+    Raises:
+        ValueError: the model is not an ``nn.Sequential`` and cannot be wrapped, or an
+            ``nn.Sequential`` is given several inputs.
+    """
+    if isinstance(model, nn.Sequential):
+        if type(model).forward is not nn.Sequential.forward:
+            return Prepared(model, sample)  # a forward of its own: the layers take the tuple
+        return Prepared(model, _one_input(sample, "sample"), lambda x: _one_input(x, "inputs"))
+    advice = "pass an nn.Sequential whose children are the layers to split"
+    if not isinstance(sample, (Tensor, tuple)):
+        raise ValueError(
+            f"cannot wrap {type(model).__name__} with a {type(sample).__name__} sample; {advice}"
+        )
+    try:
+        from autopipe.gpipe.wrap import prepare
+        from autopipe.graph.stage_modules import UnitSequential
+    except ImportError as exc:  # auto-wrapping is optional
+        raise ValueError(
+            f"DistributedPipeline needs an nn.Sequential, got {type(model).__name__}; {advice}"
+        ) from exc
+    args = sample if isinstance(sample, tuple) else (sample,)
+    try:
+        layout = prepare(model, args)
+    except Exception as exc:
+        raise ValueError(
+            f"cannot split {type(model).__name__} into stages automatically ({exc}); {advice}"
+        ) from exc
+    traced = layout.traced[layout.primary]
+    outputs = {mode: t.outputs for mode, t in layout.traced.items()}
+    # Unit names are module paths; a child name of nn.Sequential cannot hold a dot.
+    names = [name.replace(".", "/") for name in layout.names]
+    sequential = UnitSequential(OrderedDict(zip(names, layout.modules())))
+
+    def flatten(inputs: Any) -> tuple[Tensor, ...]:
+        positional = inputs if isinstance(inputs, tuple) else (inputs,)
+        return tuple(traced.inputs.flatten((positional, {}), "inputs"))
+
+    def rebuild(output: Any, training: bool) -> Any:
+        flat = (output,) if isinstance(output, Tensor) else tuple(output)
+        key = "any" if "any" in outputs else ("train" if training else "eval")
+        return outputs[key].rebuild(flat)
+
+    return Prepared(sequential, flatten(sample), flatten, rebuild, wrapped=True)
+
+
+def original_names(stage: nn.Module, model: nn.Module) -> dict[str, str]:
+    """Maps the stage's ``state_dict`` keys to the original model's, by tensor identity.
+
+    Call it before the stage is moved (moving replaces buffers). Keys of tensors the model
+    does not own keep their name.
+    """
+    owners: dict[int, str] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        owners.setdefault(id(tensor), name)
+    state = stage.state_dict(keep_vars=True)
+    return {key: owners.get(id(value), key) for key, value in state.items()}
+
+
+def shared_state(layers: Sequence[nn.Module], balance: Sequence[int]) -> str | None:
+    """Names a parameter or buffer used by layers of two stages, or ``None``.
+
+    Ranks hold separate copies of what they use, so a tensor shared across stages would
+    be trained as two tensors.
+    """
+    stage_of: dict[int, int] = {}
+    start = 0
+    for stage, size in enumerate(balance):
+        for index in range(start, start + size):
+            for name, tensor in [*layers[index].named_parameters(), *layers[index].named_buffers()]:
+                first = stage_of.setdefault(id(tensor), stage)
+                if first != stage:
+                    return (
+                        f"{name} of layer {index} is shared by stages {first} and {stage}; "
+                        "a tensor can only live on one rank, so choose a split (plan) that "
+                        "keeps its users on one stage"
+                    )
+        start += size
+    return None

@@ -1,0 +1,372 @@
+"""Data-parallel replicas of a distributed pipeline: rank layout, batch shards, averaging."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autopipe.microbatching.batchnorm import DeferredBatchNorm
+from autopipe.planning.plans import Plan
+
+__all__ = [
+    "BUCKET_BYTES",
+    "ReplicaLayout",
+    "ReplicaSync",
+    "all_reduce_mean",
+    "check_layout",
+    "data_parallel_problem",
+    "make_layout",
+    "merge_batch_norm",
+    "replica_batch",
+    "replica_sample",
+    "resolve_data_parallel",
+    "take_shard",
+]
+
+# Gradients are all-reduced in flat buffers of about this size (DDP's default bucket).
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where one rank sits among D replicas of a K-stage pipeline.
+
+    Group ranks ``r*K .. r*K+K-1`` form replica r's pipeline: ``stage = rank % K`` and
+    ``replica = rank // K``.
+
+    Attributes:
+        data_parallel: the number of replicas (D).
+        num_stages: stages per pipeline (K).
+        stage: this rank's stage.
+        replica: this rank's replica.
+        pipeline: the group of this replica's K stages (the whole group when D = 1).
+        replicas: the group of the D ranks holding this stage (``None`` when D = 1).
+    """
+
+    data_parallel: int
+    num_stages: int
+    stage: int
+    replica: int
+    pipeline: dist.ProcessGroup | None
+    replicas: dist.ProcessGroup | None
+
+
+def data_parallel_problem(value: Any) -> str | None:
+    """What is wrong with a ``data_parallel`` argument, or ``None``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"data_parallel must be a positive integer, got {value!r}"
+    return None
+
+
+def resolve_data_parallel(given: Any, plan: Any, world: int) -> Any:
+    """D: ``given``, else the plan's, else 1; checked to be possible for a group of ``world``.
+
+    Raises:
+        ValueError: D > 1 on a group that is not every process of the job.
+    """
+    value = given if given is not None else getattr(plan, "data_parallel", 1)
+    if isinstance(value, int) and value > 1 and world != dist.get_world_size():
+        raise ValueError(
+            f"data_parallel={value} needs a process group of every process (its {world} "
+            f"ranks are not the job's {dist.get_world_size()}): new_group makes the sub-groups"
+        )
+    return value
+
+
+def check_layout(world: int, data_parallel: int, given: int | None, plan: Plan | None) -> int:
+    """Checks that ``world`` ranks hold ``data_parallel`` replicas; returns the stages (K).
+
+    Args:
+        world: ranks in the process group.
+        data_parallel: the replicas to run (D).
+        given: ``data_parallel`` as passed (``None``: taken from the plan, or 1).
+        plan: the given plan, if any.
+
+    Raises:
+        ValueError: the plan was made for another D, or ``world`` is not a multiple of D.
+    """
+    if plan is not None and given is not None and plan.data_parallel != given:
+        raise ValueError(
+            f"the plan was made for data_parallel={plan.data_parallel} but "
+            f"data_parallel={given} was given; pass data_parallel={plan.data_parallel} or re-plan"
+        )
+    if world % data_parallel:
+        raise ValueError(
+            f"the process group has {world} ranks, not a multiple of data_parallel="
+            f"{data_parallel}; launch K·{data_parallel} processes for K stages"
+        )
+    return world // data_parallel
+
+
+def _timeout(group: dist.ProcessGroup | None, device: torch.device) -> timedelta | None:
+    # Sub-groups wait as long as their parent; the backend's options are the only record.
+    try:
+        parent = group or dist.group.WORLD
+        return parent._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except Exception:
+        return None
+
+
+def make_layout(
+    group: dist.ProcessGroup | None, data_parallel: int, device: torch.device
+) -> ReplicaLayout:
+    """Creates the pipeline and replica sub-groups of ``group``; a collective.
+
+    Every rank of the job creates every sub-group, in the same order (``new_group`` needs
+    all of them), so ``group`` must span the job when D > 1. With D = 1 no group is made.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    k = world // data_parallel
+    if data_parallel == 1:
+        return ReplicaLayout(1, k, rank, 0, group, None)
+    parent: Any = group or dist.group.WORLD
+    members = [dist.get_global_rank(parent, i) for i in range(world)]
+    options: dict[str, Any] = {"timeout": _timeout(group, device)}
+    pipelines = [
+        dist.new_group(members[r * k : (r + 1) * k], **options) for r in range(data_parallel)
+    ]
+    replicas = [dist.new_group(members[s::k], **options) for s in range(k)]
+    stage, replica = rank % k, rank // k
+    return ReplicaLayout(data_parallel, k, stage, replica, pipelines[replica], replicas[stage])
+
+
+def replica_batch(rows: int, data_parallel: int, chunks: int, plan: Plan | None) -> int:
+    """The samples per replica (b) implied by a sample of ``rows`` rows.
+
+    The sample is the global mini-batch (b = rows / D) when ``rows`` is a multiple of
+    ``D·chunks``, else one replica's shard (b = rows). A given plan whose ``batch_size``
+    is ``D·rows`` (and not ``rows``) marks the sample as a shard in any case.
+    """
+    d = data_parallel
+    if d == 1:
+        return rows
+    planned = plan.batch_size if plan is not None else 0
+    if planned == d * rows and planned != rows:
+        return rows
+    return rows // d if rows % (d * chunks) == 0 else rows
+
+
+def replica_sample(
+    sample: Any, data_parallel: int, chunks: int, plan: Plan | None
+) -> tuple[int, Any]:
+    """The samples per replica (see :func:`replica_batch`) and replica 0's rows of ``sample``."""
+    tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
+    b = replica_batch(tensors[0].shape[0], data_parallel, chunks, plan)
+    if tensors[0].shape[0] == b:
+        return b, sample
+    return b, sample[:b] if isinstance(sample, Tensor) else tuple(t[:b] for t in tensors)
+
+
+def take_shard(value: Any, layout: ReplicaLayout, batch: int, what: str) -> Any:
+    """This replica's rows of a step's ``value`` (a tensor or a tuple of tensors).
+
+    A global mini-batch (``D·batch`` rows) gives rows ``[r·batch, (r+1)·batch)`` to
+    replica r; a value of ``batch`` rows is this replica's shard already.
+
+    Raises:
+        ValueError: another batch size.
+    """
+    d = layout.data_parallel
+    if d == 1 or value is None:
+        return value  # one replica: the pipeline checks the size as before
+    tensors = (value,) if isinstance(value, Tensor) else value
+    if not isinstance(tensors, (tuple, list)) or not all(isinstance(t, Tensor) for t in tensors):
+        return value  # not tensors: reported by the size check that follows
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if sizes == {batch}:
+        return value
+    if sizes == {d * batch}:
+        start = layout.replica * batch
+        shard = tuple(t[start : start + batch] for t in tensors)
+        return shard[0] if isinstance(value, Tensor) else shard
+    shapes = [tuple(t.shape) for t in tensors]
+    raise ValueError(
+        f"{what} must have batch size {d * batch} (the global mini-batch of {d} replicas) or "
+        f"{batch} (this replica's shard); got {shapes}"
+    )
+
+
+def _buckets(tensors: Sequence[Tensor], limit: int) -> Iterator[list[Tensor]]:
+    """Consecutive runs of tensors with one dtype and device, about ``limit`` bytes each."""
+    bucket: list[Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        same = not bucket or (bucket[0].dtype == tensor.dtype and bucket[0].device == tensor.device)
+        if bucket and (not same or size + nbytes > limit):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _flat(
+    tensors: Sequence[Tensor], collective: Callable[[Tensor], Any], limit: int = BUCKET_BYTES
+) -> None:
+    """Runs ``collective(flat)`` on each bucket flattened, then copies ``flat`` back."""
+    for bucket in _buckets(tensors, limit):
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        collective(flat)
+        with torch.no_grad():
+            for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                tensor.copy_(part.view_as(tensor))
+
+
+def all_reduce_mean(tensors: Sequence[Tensor], group: dist.ProcessGroup, size: int) -> None:
+    """Replaces every tensor with its mean over ``group`` (``size`` ranks), in buckets."""
+
+    def mean(flat: Tensor) -> None:
+        dist.all_reduce(flat, group=group)  # SUM: AVG is not available on every backend
+        flat.div_(size)
+
+    _flat(tensors, mean)
+
+
+def merge_batch_norm(norms: Sequence[DeferredBatchNorm], group: dist.ProcessGroup) -> None:
+    """Replaces each layer's gathered statistics with those of every rank of ``group``; a
+    collective (the ranks pass their stage's layers in the same order).
+
+    The merge is exact, as if one layer had seen every rank's inputs, not an average of
+    running statistics: counts and sums first, giving the global mean, then each rank's
+    squared deviations from its own mean plus ``n_r·(mean_r − mean)²``. Every rank ends
+    with the same statistics.
+    """
+    if not norms:
+        return
+    sizes = [norm.num_features for norm in norms]
+    device = next(iter(norms[0].buffers())).device
+    counts = torch.zeros(len(norms), dtype=torch.float64, device=device)
+    means, m2s = [], []
+    for index, norm in enumerate(norms):
+        count, mean, m2 = norm.pending()
+        zeros = torch.zeros(norm.num_features, dtype=torch.float64, device=device)
+        counts[index] = count
+        means.append(zeros if mean is None else mean)
+        m2s.append(zeros if m2 is None else m2)
+    # Counts travel as float64: exact for any count a batch can have.
+    sums = torch.cat([counts, *[m * c for m, c in zip(means, counts)]])
+    dist.all_reduce(sums, group=group)
+    totals = sums[: len(norms)]
+    centers = [
+        part / max(float(total), 1.0)
+        for part, total in zip(sums[len(norms) :].split(sizes), totals)
+    ]
+    squares = torch.cat(
+        [
+            m2 + (mean - center) ** 2 * count
+            for m2, mean, center, count in zip(m2s, means, centers, counts)
+        ]
+    )
+    dist.all_reduce(squares, group=group)
+    for norm, total, center, m2 in zip(norms, totals, centers, squares.split(sizes)):
+        count = int(total.item())
+        norm.set_pending(count, center if count else None, m2 if count else None)
+
+
+class ReplicaSync:
+    """Keeps one stage's D replicas identical: start state, gradients and buffers.
+
+    * At construction, replica 0's parameters and buffers are broadcast to the others
+      (as ``DistributedDataParallel`` does), so replicas start equal whatever their seeds.
+    * :meth:`step` wraps one pipeline step: the ``.grad`` accumulated before it is set
+      aside, the step's own gradients are averaged over the replicas, and the two are
+      added. Averaging only the step's contribution keeps ``.grad`` exactly
+      ``earlier + mean(this step)``, as one process would, even where earlier gradients
+      differ between replicas. A parameter left without gradient by the step counts as
+      zero (it then has a zero ``.grad``, as with DDP).
+    * Deferred batch-norm layers
+      (:class:`~autopipe.microbatching.batchnorm.DeferredBatchNorm`) commit
+      their statistics after each step, merged over the replicas first
+      (:func:`merge_batch_norm`): the running statistics are those of the global
+      mini-batch, and equal on every replica. A failed step discards them.
+    * Other floating-point buffers (BatchNorm running statistics updated per micro-batch)
+      are averaged after each step, so every replica keeps the same statistics, those of
+      all the replicas' data. Integer buffers (counters) advance alike on every replica
+      and are left alone.
+
+    With one replica (no replica group) only deferred batch-norm layers are committed.
+
+    Args:
+        module: this rank's stage.
+        layout: the rank layout.
+    """
+
+    def __init__(self, module: nn.Module, layout: ReplicaLayout) -> None:
+        self.group = layout.replicas
+        self.size = layout.data_parallel
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.state = [*module.parameters(), *module.buffers()]
+        self.norms = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+        merged = {id(b) for norm in self.norms for b in norm.buffers()}
+        self.buffers = [
+            b for b in module.buffers() if b.is_floating_point() and id(b) not in merged
+        ]
+
+    def broadcast_state(self) -> None:
+        """Copies replica 0's parameters and buffers to the other replicas; a collective."""
+        if self.group is None:
+            return
+        source = dist.get_global_rank(self.group, 0)
+        _flat(self.state, lambda flat: dist.broadcast(flat, src=source, group=self.group))
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one pipeline step: average its gradients and the buffers afterwards, and
+        commit the deferred batch-norm statistics."""
+        if self.group is None:
+            try:
+                yield
+            except BaseException:
+                self._discard_statistics()
+                raise
+            for norm in self.norms:
+                norm.commit()
+            return
+        earlier = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            yield
+        except BaseException:
+            self._discard_statistics()
+            self._add(earlier, [p.grad for p in self.params])  # no peer may be listening
+            raise
+        fresh = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        try:
+            all_reduce_mean(fresh, self.group, self.size)
+            all_reduce_mean(self.buffers, self.group, self.size)
+            merge_batch_norm(self.norms, self.group)
+            for norm in self.norms:
+                norm.commit()
+        finally:
+            self._discard_statistics()  # committed, or never to be: a failed step's
+            self._add(earlier, fresh)
+
+    def _discard_statistics(self) -> None:
+        for norm in self.norms:
+            norm.set_pending(0, None, None)
+
+    def _add(self, earlier: Sequence[Tensor | None], fresh: Sequence[Tensor | None]) -> None:
+        with torch.no_grad():
+            for p, old, new in zip(self.params, earlier, fresh):
+                if old is None:
+                    p.grad = new
+                else:
+                    p.grad = old if new is None else old.add_(new)
+
+    def mean_loss(self, loss: Tensor) -> Tensor:
+        """The mean of ``loss`` over the replicas (the last stage's); a collective."""
+        if self.group is None:
+            return loss
+        loss = loss.clone()
+        dist.all_reduce(loss, group=self.group)
+        return loss.div_(self.size)

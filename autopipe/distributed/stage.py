@@ -1,0 +1,277 @@
+"""Per-rank pieces of a distributed pipeline: stage modules, shapes, fingerprints, losses."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import Tensor, nn
+
+from autopipe.microbatching.recomputation import recomputing
+from autopipe.planning.cost_model import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
+from profiler.precision import autocast_pass
+
+__all__ = [
+    "LossRecorder",
+    "StageModule",
+    "TensorSpec",
+    "checkpoint_problem",
+    "compare_fingerprints",
+    "example_tensors",
+    "fingerprint",
+    "layer_output_specs",
+    "merge_state_dicts",
+]
+
+# (shape, dtype, requires_grad) of one tensor crossing a stage boundary; picklable, so it
+# can be broadcast from the rank that measured it.
+TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
+
+
+def checkpoint_problem(mode: str) -> str | None:
+    """Why ``mode`` is not a checkpoint mode the distributed runner takes, or ``None``."""
+    if mode in CHECKPOINT_MODES:
+        return None
+    return f"unknown checkpoint mode {mode!r}: choose {', '.join(CHECKPOINT_MODES)}"
+
+
+class StageModule(nn.Module):
+    """Consecutive layers of an ``nn.Sequential``, registered under their original names.
+
+    Runs them exactly as ``nn.Sequential`` does (each layer gets the previous layer's output
+    as its single argument), so a stage computes the same values as the slice of the
+    original model, and ``state_dict()`` keys (``"3.weight"``, ...) match the original's.
+
+    Args:
+        layers: ``(name, layer)`` pairs in execution order.
+        tuple_input: the stage's input is a tuple (the previous layer returned one); the
+            pipeline delivers its tensors as separate arguments, which are packed back.
+        checkpoint: ``never``, ``always`` or ``except_last``: re-materialization of the
+            stage's micro-batches while training (GPipe's): a checkpointed micro-batch
+            keeps only its input, and its forward runs again in backward, with the same
+            random numbers and without updating batch-norm statistics a second time.
+        chunks: micro-batches per step.
+        spared: with ``except_last``, the micro-batch not checkpointed: the one whose
+            backward the schedule runs first (torch's schedules go backward in order, so
+            the first; looped BFS in reverse: the last).
+    """
+
+    def __init__(
+        self,
+        layers: Iterable[tuple[str, nn.Module]],
+        *,
+        tuple_input: bool = False,
+        checkpoint: str = "never",
+        chunks: int = 1,
+        spared: int | None = None,
+    ):
+        super().__init__()
+        for name, layer in layers:
+            self.add_module(name, layer)
+        if checkpoint not in FIXED_CHECKPOINT_MODES:
+            raise ValueError(f"unknown checkpoint mode {checkpoint!r} for a stage")
+        self.tuple_input = tuple_input
+        self.checkpoint = checkpoint
+        self.chunks = chunks
+        self.spared = chunks - 1 if spared is None else spared
+        # Forwards run in micro-batch order on every stage: the count gives the index.
+        self.forwards = 0
+        self.checkpointed = 0
+
+    def _run(self, *args: Any) -> Any:
+        value: Any = args if self.tuple_input else args[0]
+        for layer in self.children():
+            value = layer(value)
+        return value
+
+    def forward(self, *args: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()) or self.checkpoint == "never":
+            return self._run(*args)
+        micro_batch = self.forwards % self.chunks
+        self.forwards += 1
+        if self.checkpoint == "except_last" and micro_batch == self.spared:
+            return self._run(*args)
+        self.checkpointed += 1
+        return torch.utils.checkpoint.checkpoint(
+            _Replay(self), *args, use_reentrant=False, preserve_rng_state=True
+        )
+
+
+class _Replay:
+    """A stage's forward for ``torch.utils.checkpoint``: the first call computes; a second
+    (the re-computation in backward) runs on copies of the stage's buffers, so batch-norm
+    running statistics are updated once, and the buffers themselves are not modified in
+    place (a micro-batch that was not re-computed may have saved them for its backward).
+    It runs marked as a re-computation, so deferred batch-norm layers do not count the
+    micro-batch a second time."""
+
+    def __init__(self, stage: StageModule) -> None:
+        self.stage, self.calls = stage, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            return self.stage._run(*args)
+        originals = [
+            (module, name, buffer)
+            for module in self.stage.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        for module, name, buffer in originals:
+            module._buffers[name] = buffer.detach().clone()
+        try:
+            with recomputing():
+                return self.stage._run(*args)
+        finally:
+            for module, name, buffer in originals:
+                module._buffers[name] = buffer
+
+
+def _as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
+    if isinstance(value, Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
+        return tuple(value)
+    raise TypeError(f"{what} must be a tensor or a non-empty tuple of tensors, got {value!r:.80}")
+
+
+def _spec(tensor: Tensor) -> TensorSpec:
+    return (tuple(tensor.shape), tensor.dtype, bool(tensor.requires_grad))
+
+
+def _leaf(tensor: Tensor, device: torch.device) -> Tensor:
+    # A fresh leaf keeps each layer's graph separate, so only one layer's graph is alive.
+    return tensor.detach().to(device).requires_grad_(tensor.requires_grad)
+
+
+def layer_output_specs(
+    layers: Sequence[nn.Module],
+    micro_batch: Tensor | tuple[Tensor, ...],
+    autocast: str | None = None,
+) -> list[tuple[tuple[TensorSpec, ...], bool]]:
+    """The shape, dtype and ``requires_grad`` of every layer's output on one micro-batch.
+
+    Runs the layers one by one with gradients enabled (``requires_grad`` of a boundary
+    decides whether the pipeline sends a gradient back across it), each where its
+    parameters live. Layers with buffers run as copies so that, e.g., batch-norm running
+    statistics are not updated, and the RNG state is restored afterwards. Under
+    ``autocast`` (``bfloat16`` or ``float16``) the layers run in it, so the boundaries have
+    the dtypes the pipeline will send.
+
+    Returns:
+        Per layer: the specs of its output tensors, and whether the output is a tuple.
+    """
+    cuda = sorted(
+        {p.device.index or 0 for layer in layers for p in layer.parameters() if p.is_cuda}
+    )
+    value: Any = micro_batch
+    specs: list[tuple[tuple[TensorSpec, ...], bool]] = []
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+        for index, layer in enumerate(layers):
+            state = [*layer.parameters(), *layer.buffers()]
+            device = state[0].device if state else _as_tensors(value, "input")[0].device
+            runner = copy.deepcopy(layer) if any(True for _ in layer.buffers()) else layer
+            if isinstance(value, Tensor):
+                value = _leaf(value, device)
+            else:
+                value = tuple(_leaf(t, device) for t in value)
+            with autocast_pass(device.type, autocast):
+                output = runner(value)
+            tensors = _as_tensors(output, f"the output of layer {index} ({type(layer).__name__})")
+            specs.append((tuple(_spec(t) for t in tensors), not isinstance(output, Tensor)))
+            value = output
+    return specs
+
+
+def example_tensors(specs: Sequence[TensorSpec], device: torch.device) -> tuple[Tensor, ...]:
+    """Uninitialised tensors matching ``specs``, for ``PipelineStage``'s shape metadata."""
+    return tuple(
+        torch.empty(shape, dtype=dtype, device=device).requires_grad_(grad)
+        for shape, dtype, grad in specs
+    )
+
+
+def fingerprint(layers: Mapping[str, nn.Module], **settings: Any) -> dict[str, Any]:
+    """What every rank must agree on: the layer names, their state's names and shapes, and
+    the given ``settings`` (chunks, schedule, sample shapes, ...)."""
+    state = [
+        (f"{name}.{key}", tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, layer in layers.items()
+        for key, t in [*layer.named_parameters(), *layer.named_buffers()]
+    ]
+    return {"layers": list(layers), "state": state, **settings}
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"entry {i}: {x!r} vs {y!r}"
+    return f"{len(a)} vs {len(b)} entries"
+
+
+def compare_fingerprints(prints: Sequence[Mapping[str, Any]]) -> str | None:
+    """Describes how the ranks' fingerprints disagree, or ``None`` when they all match.
+
+    Every field is compared with rank 0's; the message names the field, the ranks and the
+    first differing entry of list fields.
+    """
+    problems = []
+    for key in prints[0]:
+        for rank, other in enumerate(prints[1:], start=1):
+            mine, theirs = prints[0][key], other.get(key)
+            if mine == theirs:
+                continue
+            if isinstance(mine, list) and isinstance(theirs, list):
+                detail = _first_difference(mine, theirs)
+            else:
+                detail = f"{mine!r} vs {theirs!r}"
+            problems.append(f"{key} differs between rank 0 and rank {rank} ({detail})")
+            break
+    return "; ".join(problems) or None
+
+
+def merge_state_dicts(parts: Iterable[Mapping[str, Any]]) -> OrderedDict[str, Any]:
+    """Joins the ``state_dict()`` of every stage into the original model's ``state_dict``.
+
+    Stage modules keep the original parameter names, so the stages' keys are disjoint and
+    their union loads into the unsplit model (``model.load_state_dict(merged)``).
+
+    Raises:
+        ValueError: two parts hold the same key (they were not stages of one pipeline).
+    """
+    merged: OrderedDict[str, Any] = OrderedDict()
+    for index, part in enumerate(parts):
+        for key, value in part.items():
+            if key in merged:
+                raise ValueError(f"key {key!r} of part {index} is already in an earlier part")
+            merged[key] = value
+    return merged
+
+
+class LossRecorder:
+    """Wraps a per-micro-batch loss for a schedule: returns ``loss / M`` to backpropagate
+    (so the gradients are those of the mean over micro-batches) and records ``loss``.
+
+    Args:
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch.
+        chunks: micro-batches per mini-batch (M).
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Tensor], chunks: int) -> None:
+        self.loss_fn = loss_fn
+        self.chunks = chunks
+        self.values: list[Tensor] = []
+
+    def __call__(self, output: Any, target: Any) -> Tensor:
+        loss = self.loss_fn(output, target)
+        self.values.append(loss.detach())
+        return loss / self.chunks
+
+    def mean(self) -> Tensor:
+        """The mean of the last M recorded losses: the mini-batch loss."""
+        return torch.stack(self.values[-self.chunks :]).mean()

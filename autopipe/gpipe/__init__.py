@@ -1,0 +1,9 @@
+"""The single-process GPipe executor, and any module wrapped into one."""
+
+from __future__ import annotations
+
+from autopipe.gpipe.gpipe import GPipe
+from autopipe.gpipe.wrap import wrap
+from autopipe.gpipe.wrapped import WrappedPipeline
+
+__all__ = ["GPipe", "WrappedPipeline", "wrap"]

@@ -1,0 +1,303 @@
+"""GPipe: pipeline-parallel training of an ``nn.Sequential`` in one process (torchgpipe's API)."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autopipe.gpipe.microbatch import TensorOrTensors, check, gather, scatter
+from autopipe.gpipe.pipeline import Pipeline
+from autopipe.microbatching.batchnorm import DeferredBatchNorm
+
+if TYPE_CHECKING:
+    from autopipe.planning.plans import Plan
+
+__all__ = ["GPipe"]
+
+Device = torch.device | str | int
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def _moving_denied() -> TypeError:
+    return TypeError(
+        "a GPipe model is spread over its devices; it cannot be moved to a single device "
+        "(dtype conversions with .to(dtype) are allowed)"
+    )
+
+
+def refuse_device_move(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    error: Callable[[], TypeError] = _moving_denied,
+) -> None:
+    """Raises ``error()`` if ``.to(*args, **kwargs)`` would move a module to a device."""
+    if "device" in kwargs or "tensor" in kwargs:
+        raise error()
+    if args and isinstance(args[0], (torch.device, str, int, torch.Tensor)):
+        raise error()
+
+
+def _validate(
+    module: nn.Module, balance: Iterable[int], chunks: int, checkpoint: str | Sequence[str]
+) -> list[int]:
+    if not isinstance(module, nn.Sequential):
+        kind = type(module).__name__
+        raise TypeError(f"module must be nn.Sequential to be partitioned, got {kind}")
+    balance = list(balance)
+    if not balance:
+        raise ValueError("balance must have at least one partition")
+    if any(isinstance(b, bool) or not isinstance(b, int) for b in balance):
+        raise ValueError(f"balance entries must be integers, got {balance}")
+    if any(b < 1 for b in balance):
+        raise ValueError(f"every partition needs at least one layer; balance is {balance}")
+    if sum(balance) != len(module):
+        raise ValueError(
+            f"balance {balance} sums to {sum(balance)} but the module has {len(module)} layers"
+        )
+    layers = list(module._modules.values())
+    if len({id(layer) for layer in layers}) != len(layers):
+        raise ValueError("the module holds the same layer more than once; that is not supported")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
+    if any(mode not in CHECKPOINT_MODES for mode in modes):
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    if not isinstance(checkpoint, str) and len(modes) != len(balance):
+        raise ValueError(
+            f"checkpoint has {len(modes)} modes but there are {len(balance)} partitions"
+        )
+    return balance
+
+
+def _resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[torch.device]:
+    if devices is None:
+        if not torch.cuda.is_available():
+            return [torch.device("cpu")] * partitions
+        count = torch.cuda.device_count()
+        if count < partitions:
+            raise ValueError(
+                f"{partitions} partitions need {partitions} devices but {count} GPUs are "
+                "visible; pass devices= (several partitions may share one device)"
+            )
+        return [torch.device("cuda", i) for i in range(partitions)]
+    resolved = []
+    for d in devices:
+        device = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        resolved.append(device)
+    if len(resolved) < partitions:
+        raise ValueError(f"{partitions} partitions need {partitions} devices, got {len(resolved)}")
+    return resolved[:partitions]
+
+
+class GPipe(nn.Module):
+    """Wraps an ``nn.Sequential`` to train it with GPipe's micro-batch pipeline.
+
+    The layers are split into consecutive partitions of ``balance`` layers, each moved to its
+    device. A forward call splits the mini-batch into ``chunks`` micro-batches along dim 0,
+    runs micro-batch ``i`` on partition ``j`` at clock ``i + j``, and returns the
+    concatenated output on the last device; backward runs the micro-batches in reverse.
+
+    The layers keep their names: ``state_dict()`` has the keys of the original module, so
+    checkpoints load into either. Use :meth:`close` (or ``with``) to stop the worker
+    threads early; they also stop when the object is garbage-collected.
+
+    Args:
+        module: the model; its layers are moved to their devices in place.
+        balance: layers per partition; must sum to ``len(module)``.
+        devices: one device per partition (extra ones are ignored). Defaults to the visible
+            GPUs, or to the CPU for every partition when there is none.
+        chunks: micro-batches per mini-batch.
+        checkpoint: which micro-batches recompute activations in backward: ``always``,
+            ``except_last`` (all but the last) or ``never``; one mode for every partition or
+            one per partition (as a plan with ``checkpoint="auto"`` chooses them).
+        deferred_batch_norm: update batch-norm running statistics once per mini-batch, from
+            all of its samples, instead of once per micro-batch.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        ValueError: an argument is invalid or there are too few devices.
+    """
+
+    balance: list[int]
+    devices: list[torch.device]
+    chunks: int
+    checkpoint: str | list[str]
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Iterable[int],
+        *,
+        devices: Sequence[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: str | Sequence[str] = "except_last",
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        balance = _validate(module, balance, chunks, checkpoint)
+        # Checked before anything is moved or converted, so a rejected module is left as is.
+        reserved = {*self.__dict__, "balance", "devices", "chunks", "checkpoint"}
+        for name in module._modules:
+            if name in reserved or hasattr(type(self), name):
+                raise ValueError(f"layer name {name!r} clashes with a GPipe attribute")
+        self.devices = _resolve_devices(devices, len(balance))
+        self.balance = balance
+        self.chunks = chunks
+        self.checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
+        if deferred_batch_norm:
+            DeferredBatchNorm.convert(module)
+        layers = list(module._modules.items())
+        partitions = []
+        start = 0
+        for size, device in zip(self.balance, self.devices):
+            part = nn.Sequential(OrderedDict(layers[start : start + size]))
+            partitions.append(part.to(device))
+            start += size
+        # The layers are registered under their own names so that state_dict() matches the
+        # plain module; the partitions share those layers but are kept out of the module tree
+        # so that nothing is listed twice.
+        for name, layer in layers:
+            self.add_module(name, layer)
+        object.__setattr__(self, "_partitions", nn.ModuleList(partitions))
+        object.__setattr__(self, "_pipeline", None)
+
+    @classmethod
+    def from_plan(cls, module: nn.Sequential, plan: Plan, **kwargs: Any) -> GPipe:
+        """Builds a GPipe with the balance, devices, chunks and checkpoint mode of ``plan``.
+
+        Extra keyword arguments (e.g. ``deferred_batch_norm``) are passed on.
+        """
+        if plan.schedule != "gpipe":
+            warnings.warn(
+                f"the plan was made for the {plan.schedule!r} schedule; GPipe runs fill-drain, "
+                "which holds more activations than the plan predicts",
+                stacklevel=2,
+            )
+        if plan.virtual_stages > 1:
+            warnings.warn(
+                f"the plan interleaves {plan.virtual_stages} stages per device; GPipe runs its "
+                f"{plan.num_stages} stages as partitions in fill-drain order, not interleaved "
+                "(DistributedPipeline runs interleaved schedules)",
+                stacklevel=2,
+            )
+        return cls(
+            module,
+            plan.balance,
+            devices=[d.name for d in plan.devices],
+            chunks=plan.chunks,
+            checkpoint=plan.checkpoint if plan.checkpoint != "auto" else plan.stage_checkpoints,
+            **kwargs,
+        )
+
+    @property
+    def partitions(self) -> nn.ModuleList:
+        """The partitions: one ``nn.Sequential`` per device, sharing this module's layers."""
+        partitions: nn.ModuleList = self.__dict__["_partitions"]
+        return partitions
+
+    def __len__(self) -> int:
+        return sum(self.balance)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from partition.children()
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return list(self)[index]
+
+    def forward(self, input: TensorOrTensors, *more: Any) -> TensorOrTensors:
+        """Runs a mini-batch through the pipeline.
+
+        Called as the ``nn.Sequential`` is, with one input (a model's sample ``(x,)`` is
+        the call ``pipe(x)``); a tuple is that one input, which the first layer takes as
+        one value, as do the layers after a layer that returns one.
+
+        Args:
+            input: a tensor or tuple of tensors with the batch along dim 0; moved to the
+                first device if it is elsewhere.
+
+        Returns:
+            The module's output for the whole mini-batch, on the last device.
+
+        Raises:
+            TypeError: more than one input, or not tensors.
+        """
+        if more:
+            raise TypeError(
+                f"GPipe takes one input, as nn.Sequential does, not {1 + len(more)}: pass "
+                "a tuple of tensors as one value for a first layer that takes a tuple, or "
+                "split a model whose forward takes several inputs with autopipe.wrap"
+            )
+        check(input)
+        first = self.devices[0]
+        if isinstance(input, torch.Tensor):
+            input = input.to(first)
+        else:
+            input = tuple(t.to(first) for t in input)
+        batches = scatter(input, self.chunks)
+        training = self.training and torch.is_grad_enabled()
+        m = len(batches)
+        modes = [self.checkpoint] if isinstance(self.checkpoint, str) else self.checkpoint
+        stops = [{"always": m, "except_last": m - 1, "never": 0}[mode] for mode in modes]
+        stop = [s if training else 0 for s in stops]
+        try:
+            outputs = self._runtime().run(
+                batches, stop[0] if len(stop) == 1 else stop, commit=self.training
+            )
+        except BaseException:
+            # Statistics of a failed mini-batch must not leak into the next one.
+            for module in self.modules():
+                if isinstance(module, DeferredBatchNorm):
+                    module._reset_pending()
+            raise
+        return gather(outputs)
+
+    def _runtime(self) -> Pipeline:
+        pipeline: Pipeline | None = self.__dict__["_pipeline"]
+        if pipeline is None:
+            pipeline = Pipeline(list(self.partitions), self.devices, self.chunks)
+            object.__setattr__(self, "_pipeline", pipeline)
+        return pipeline
+
+    def close(self) -> None:
+        """Stops the worker threads; a later call starts new ones."""
+        pipeline: Pipeline | None = self.__dict__["_pipeline"]
+        object.__setattr__(self, "_pipeline", None)
+        if pipeline is not None:
+            pipeline.close()
+
+    def __enter__(self) -> GPipe:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads and streams cannot be copied or pickled; a copy starts its own.
+        state = self.__dict__.copy()
+        state["_pipeline"] = None
+        return state
+
+    def train(self, mode: bool = True) -> GPipe:
+        super().train(mode)
+        for partition in self.partitions:
+            partition.training = mode
+        return self
+
+    # The partitions live on their own devices: moving the whole model would break that.
+    def cuda(self, device: Any = None) -> GPipe:
+        raise _moving_denied()
+
+    def cpu(self) -> GPipe:
+        raise _moving_denied()
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        refuse_device_move(args, kwargs)
+        return super().to(*args, **kwargs)

@@ -1,0 +1,275 @@
+"""``wrap``: any ``nn.Module`` to a balanced GPipe pipeline, through torch.fx or torch.export."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from autopipe.gpipe import GPipe
+from autopipe.gpipe.wrapped import WrappedPipeline
+from autopipe.graph.flat_io import FlatSpec
+from autopipe.graph.layout import Layout, layout_model, stage_of_units, trace_modes
+from autopipe.graph.shapes import DynamicSpec
+from autopipe.graph.sharing import check_placement
+from autopipe.graph.stage_modules import UnitSequential
+from autopipe.graph.units import GRANULARITIES
+from autopipe.microbatching.batchnorm import resolve_deferred
+from autopipe.microbatching.batchnorm_units import defer_layers
+from autopipe.planning.planner import MemorySpec, default_chunks
+from autopipe.planning.planner import plan as make_plan
+from profiler.measure import profile_layers
+from profiler.precision import check_autocast
+from profiler.profile import Profile
+
+__all__ = ["WrappedPipeline", "prepare", "unit_sequential", "wrap"]
+
+Device = torch.device | str | int
+
+
+def _device_names(stages: int | None, devices: Sequence[Device] | None) -> list[str]:
+    if devices is not None:
+        names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+        if not names:
+            raise ValueError("devices must name at least one device")
+        if stages is not None and stages != len(names):
+            raise ValueError(f"stages={stages} but {len(names)} devices were given")
+        return names
+    count = 2 if stages is None else stages
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"stages must be a positive integer, got {stages!r}")
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        return [f"cuda:{k % gpus}" for k in range(count)]
+    return ["cpu"] * count
+
+
+def _normalize(
+    sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional inputs as a tuple and the keyword inputs in a fixed (sorted) order."""
+    args = sample if isinstance(sample, tuple) else (sample,)
+    return args, dict(sorted((kwargs or {}).items()))
+
+
+def _too_few(model: nn.Module, layout: Layout, granularity: str, stages: int) -> str:
+    """Why the model has fewer units than stages, and the ways out that exist."""
+    count = len(layout.names)
+    text = (
+        f"the model has {count} unit{'s' if count != 1 else ''} at granularity "
+        f"{granularity!r} ({', '.join(layout.names)}), too few for {stages} stages; "
+        f"use at most {count} stage{'s' if count != 1 else ''}"
+    )
+    # Advise another granularity only where it gives enough units on this very trace.
+    others: dict[str, int] = {}
+    for other in GRANULARITIES:
+        if other != granularity:
+            with contextlib.suppress(ValueError):
+                others[other] = len(layout_model(model, layout.traced, other).names)
+    fits = [g for g, n in others.items() if n >= stages]
+    if fits:
+        best = max(fits, key=others.__getitem__)
+        return f"{text} or granularity={best!r} ({others[best]} units)"
+    if layout.merged:
+        return f"{text}; boundaries that cannot be cut were merged ({layout.merged[0]})"
+    return text
+
+
+def _batch_size(sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None) -> int:
+    """Dim 0 of the first input tensor (tracing checks that all of them agree), else 1."""
+    _, tensors = FlatSpec.of(_normalize(sample, kwargs))
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
+
+
+def prepare(
+    model: nn.Module,
+    sample: tuple[Any, ...] | Tensor,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    granularity: str = "blocks",
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    method: str = "auto",
+    dynamic: DynamicSpec | None = None,
+) -> Layout:
+    """Traces the model (in both modes) and splits it into units that can be cut between.
+
+    Takes the arguments of :func:`wrap`; this is its first half, to inspect the units
+    (``layout.names``, ``layout.liveness``, ``layout.merged``) without planning.
+    """
+    args, inputs = _normalize(sample, kwargs)
+    traced = trace_modes(
+        model, args, inputs, leaf_modules=list(leaf_modules), method=method, dynamic=dynamic
+    )
+    return layout_model(model, traced, granularity)
+
+
+def unit_sequential(
+    model: nn.Module,
+    sample: tuple[Any, ...] | Tensor,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    granularity: str = "blocks",
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    method: str = "auto",
+) -> tuple[nn.Sequential, tuple[Tensor, ...]]:
+    """The model as an ``nn.Sequential`` of its units, with the sample flattened to match.
+
+    Each unit takes the tensors live across its input boundary and returns those live
+    after it, so the Sequential can be profiled and planned like any other; its children
+    are named after the units. Takes the arguments of :func:`prepare`.
+    """
+    layout = prepare(
+        model,
+        sample,
+        kwargs=kwargs,
+        granularity=granularity,
+        leaf_modules=leaf_modules,
+        method=method,
+    )
+    traced = layout.traced[layout.primary]
+    tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")
+    # Unit names are module paths; a child name of nn.Sequential cannot hold a dot.
+    names = [name.replace(".", "/") for name in layout.names]
+    return UnitSequential(OrderedDict(zip(names, layout.modules()))), tuple(tensors)
+
+
+def wrap(
+    model: nn.Module,
+    sample: tuple[Any, ...] | Tensor,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    stages: int | None = None,
+    devices: Sequence[Device] | None = None,
+    chunks: int | None = None,
+    checkpoint: str = "except_last",
+    memory: MemorySpec = None,
+    strategy: str = "optimal",
+    profile: Profile | None = None,
+    granularity: str = "blocks",
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    method: str = "auto",
+    autocast: str | None = None,
+    dynamic: DynamicSpec | None = None,
+    deferred_batch_norm: bool | None = None,
+) -> WrappedPipeline:
+    """Splits any model into balanced pipeline stages and returns it ready to train.
+
+    The model is traced with ``sample`` (torch.fx, or torch.export when fx fails), cut into
+    units at module-call boundaries, each unit profiled on the first device, and the units
+    balanced over the stages by :func:`autopipe.plan`. A cut sends every tensor live
+    across it (skip connections included), and the plan charges exactly those bytes.
+
+    The model's inputs and outputs must be batch-major: every tensor has the batch along
+    dim 0 (return per-sample outputs, compute the loss outside). Non-tensor inputs (ints,
+    bools, ``None``) are baked into the graph as constants. The model is traced in both
+    training and evaluation mode when they differ (dropout, batch norm), so ``train()``
+    and ``eval()`` work as usual.
+
+    Args:
+        model: the model; its parameters are moved to their stages' devices in place and
+            shared with the returned module.
+        sample: the positional inputs of one mini-batch (a tuple, or a single tensor).
+        kwargs: keyword inputs of the sample.
+        stages: the number of stages (default: ``len(devices)``, or 2).
+        devices: one device per stage (default: the GPUs, or the CPU for every stage).
+        chunks: micro-batches per mini-batch (default: 4 per stage, each of at least 2
+            samples where the batch allows, as ``autopipe plan`` chooses; see
+            :func:`autopipe.planning.planner.default_chunks`).
+        checkpoint: ``always``, ``except_last`` or ``never``.
+        memory: device capacity for the planner (bytes, ``"16GiB"``, or one per device).
+        strategy: the planner's strategy (``optimal``, ``uniform``, ...).
+        profile: a profile of the units to plan with instead of measuring them.
+        granularity: ``children``, ``blocks`` (default) or ``leaves``; see
+            :func:`autopipe.graph.units.unit_paths`.
+        leaf_modules: submodule names or classes torch.fx treats as opaque calls.
+        method: ``auto``, ``fx`` or ``export``.
+        autocast: ``bfloat16`` or ``float16`` to profile the units under
+            ``torch.autocast``, for a model trained under it (the pipeline itself runs
+            under the caller's autocast); a given ``profile`` must have been made so.
+        dynamic: the dims besides the batch whose size may vary between calls, by input:
+            the name of a keyword input or of a ``forward`` parameter, or a position,
+            mapped to a dim, a list of dims, or ``{dim: torch.export.Dim(...)}``, e.g.
+            ``{"input_ids": 1, "attention_mask": 1}``. Only torch.export fixes sizes
+            (torch.fx keeps them all symbolic): without ``dynamic`` it fixes every dim but
+            the batch at the sample's, and each call's inputs are checked against the
+            traced shapes and dtypes. Conditions the code branched on are checked on every
+            call, so that no call takes another path than the traced one. The units, the
+            bytes crossing each cut and the plan are those of the sample.
+        deferred_batch_norm: update each BatchNorm's running statistics once per
+            mini-batch, from all the inputs it saw, as the plain model does (each
+            micro-batch is still normalized with its own statistics). ``None`` (default):
+            on when the model has a BatchNorm with running statistics and ``chunks > 1``;
+            ``False`` updates them once per micro-batch, with a warning. The model's own
+            modules are not converted: the pipeline runs deferred views of them.
+
+    Returns:
+        A :class:`WrappedPipeline`: call it like the model; ``.plan`` and ``.pipeline``
+        are the plan and the GPipe.
+
+    Raises:
+        autopipe.graph.tracing.TracingError: the model cannot be traced; the message says why and
+            what to do.
+        ValueError: bad arguments, inputs or outputs that are not batch-major, too few
+            units for the stages, or a shared parameter that the plan puts on two devices.
+        autopipe.PlanningError: no split fits the memory.
+    """
+    bad_chunks = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
+    if chunks is not None and bad_chunks:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    names = _device_names(stages, devices)
+    if chunks is None:
+        chunks = default_chunks(len(names), _batch_size(sample, kwargs))
+    check_autocast(autocast)
+    deferred, warning = resolve_deferred(deferred_batch_norm, model, chunks)
+    if warning:
+        warnings.warn(warning, stacklevel=2)
+    if profile is not None and autocast is not None and profile.autocast != autocast:
+        raise ValueError(
+            f"the profile was made with autocast {profile.autocast or 'none'}, not {autocast}"
+        )
+    layout = prepare(
+        model,
+        sample,
+        kwargs=kwargs,
+        granularity=granularity,
+        leaf_modules=leaf_modules,
+        method=method,
+        dynamic=dynamic,
+    )
+    units = layout.modules()
+    if len(units) < len(names):
+        raise ValueError(_too_few(model, layout, granularity, len(names)))
+    if deferred:  # the units' own graphs are rewritten; the model is left as it is
+        defer_layers(OrderedDict(zip(layout.names, units)), model)
+    traced = layout.traced[layout.primary]
+    if profile is None:
+        tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")
+        # Measure at the micro-batch and twice it: a batch of one breaks batch norm.
+        micro = -(-traced.batch // chunks)
+        profile = profile_layers(
+            units,
+            tensors,
+            device=names[0],
+            chunks=chunks,
+            names=layout.names,
+            batch_sizes=[micro, 2 * micro],
+            autocast=autocast,
+        )
+    # A profile of unit_sequential (`autopipe profile`) writes module paths with "/".
+    elif [name.replace("/", ".") for name in profile.names] != layout.names:
+        raise ValueError(
+            f"the profile's layers {profile.names} are not the model's units {layout.names}"
+        )
+    plan = make_plan(
+        profile, names, chunks=chunks, memory=memory, checkpoint=checkpoint, strategy=strategy
+    )
+    check_placement(layout.shared, stage_of_units(plan.balance), names, layout.names)
+    pipeline = GPipe.from_plan(nn.Sequential(*units), plan)
+    outputs = {mode: t.outputs for mode, t in layout.traced.items()}
+    shapes = {mode: t.shapes for mode, t in layout.traced.items()}
+    return WrappedPipeline(model, pipeline, plan, traced.inputs, outputs, traced.method, shapes)

@@ -1,0 +1,377 @@
+"""Tracing a model into one fx graph: torch.fx first, torch.export (non-strict) as the fallback."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from autopipe.graph.export import check_symbolic_batch, export_graph, strip_checks
+from autopipe.graph.flat_io import FlatSpec, check_batch_major
+from autopipe.graph.grad_modes import KEY, inline_grad_regions, tracking
+from autopipe.graph.shapes import DynamicSpec, InputShapes, dynamic_dims, input_names
+from autopipe.graph.values import (
+    GradModeInterpreter,
+    ValueInfo,
+    gradient_flow,
+    record_values,
+    run_quietly,
+    same_results,
+)
+
+__all__ = [
+    "METHODS",
+    "PREFIX",
+    "Traced",
+    "TracingError",
+    "trace",
+]
+
+PREFIX = "model"  # the traced root holds the model under this name
+METHODS = ("auto", "fx", "export")
+
+
+_output_spec = threading.local()
+
+
+class TracingError(RuntimeError):
+    """The model could be traced neither by torch.fx nor by torch.export."""
+
+
+@dataclass
+class Traced:
+    """A model traced into a flat fx graph.
+
+    The graph takes the model's tensor inputs as placeholders, in :attr:`inputs` order, and
+    returns its tensor outputs as a flat tuple, in :attr:`outputs` order; non-tensor inputs
+    were baked in as constants.
+
+    Attributes:
+        model: the traced model.
+        root: the module the graph's ``get_attr``/``call_module`` targets resolve in: the
+            model's modules or tensors appear under ``model.`` (the same objects), the
+            trace's constants elsewhere.
+        graph: the graph.
+        method: ``fx`` or ``export``.
+        inputs: the structure of ``(args, kwargs)``.
+        outputs: the structure of the model's output.
+        values: what each node held on the sample, by node name.
+        batch: the sample's batch size.
+        training: the mode the model was traced in.
+        device: a device that export baked into the graph (the sample's) and that each stage
+            must replace by its own, or ``None``.
+        shapes: the input shapes and dtypes an export graph holds (``None`` for fx, whose
+            graph keeps every size symbolic), to check each call's inputs against.
+    """
+
+    model: nn.Module
+    root: nn.Module
+    graph: fx.Graph
+    method: str
+    inputs: FlatSpec
+    outputs: FlatSpec
+    values: dict[str, ValueInfo]
+    batch: int
+    training: bool
+    device: torch.device | None = None
+    shapes: InputShapes | None = None
+
+    def code(self) -> str:
+        """The graph's Python code, to compare traces, with the grad mode of its nodes."""
+        modes = [f"{n.name}={n.meta[KEY]}" for n in self.graph.nodes if n.meta.get(KEY) is not None]
+        return self.graph.python_code("self").src + "".join(f"\n# grad {m}" for m in modes)
+
+
+class _FlatModel(nn.Module):
+    """Calls the model on flat tensors and returns the flat leaves of its output."""
+
+    def __init__(self, model: nn.Module, inputs: FlatSpec) -> None:
+        super().__init__()
+        self.add_module(PREFIX, model)
+        self.inputs = inputs
+
+    def forward(self, *tensors: Any) -> tuple[Any, ...]:
+        args, kwargs = self.inputs.rebuild(tensors)
+        output = getattr(self, PREFIX)(*args, **kwargs)
+        leaves, spec = torch.utils._pytree.tree_flatten(output)
+        # Export restores the module's attributes after tracing: record the spec elsewhere.
+        _output_spec.value = spec
+        return tuple(leaves)
+
+
+class _Tracer(fx.Tracer):
+    """An fx tracer with user leaf modules and one placeholder per flat input."""
+
+    def __init__(self, count: int, leaves: Sequence[str | type[nn.Module]]) -> None:
+        super().__init__()
+        self.count = count
+        self.leaf_types = tuple(t for t in leaves if isinstance(t, type))
+        self.leaf_names = {f"{PREFIX}.{t}" for t in leaves if isinstance(t, str)}
+        self.failed_in: tuple[str, str] | None = None
+        # Buffers become graph values too, so that in-place updates are recorded.
+        self.proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_types):
+            return True
+        if module_qualified_name == PREFIX:  # the model itself, even a torch.nn one
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def create_args_for_root(
+        self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
+        proxies = [
+            self.create_proxy("placeholder", f"input_{i}", (), {}) for i in range(self.count)
+        ]
+        return root_fn, [self.root, *proxies]
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:  # the innermost module is the first to see it
+                path = self.path_of_module(m).removeprefix(PREFIX).removeprefix(".")
+                if path:
+                    self.failed_in = (path, type(m).__name__)
+            raise
+
+
+def _one_line(exc: BaseException, limit: int = 240) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _trace_fx(flat: _FlatModel, count: int, leaves: Sequence[Any]) -> fx.Graph:
+    tracer = _Tracer(count, leaves)
+    try:
+        return tracer.trace(flat)
+    except Exception as exc:
+        exc.autopipe_module = tracer.failed_in  # type: ignore[attr-defined]
+        raise
+
+
+def _outputs(flat: _FlatModel, graph: fx.Graph, values: dict[str, ValueInfo]) -> FlatSpec:
+    """Makes the graph return only its tensor outputs; their structure, with the constants."""
+    (output,) = graph.find_nodes(op="output")
+    returned = list(output.args[0])
+    leaves: list[Any] = []
+    tensors: list[fx.Node] = []
+    for i, value in enumerate(returned):
+        if isinstance(value, fx.Node):
+            if values[value.name].kind != "tensor":
+                raise ValueError(
+                    f"output leaf {i} of the model is a {values[value.name].type_name} computed "
+                    "from the inputs; wrap() needs batch-major tensor outputs"
+                )
+            tensors.append(value)
+            leaves.append(None)
+        else:
+            leaves.append(value)
+    output.args = (tuple(tensors),)
+    with_paths = torch.utils._pytree.tree_flatten_with_path(
+        torch.utils._pytree.tree_unflatten(list(range(len(leaves))), _output_spec.value)
+    )[0]
+    labels = [torch.utils._pytree.keystr(path) for path, _ in with_paths]
+    slots = [i for i, v in enumerate(returned) if isinstance(v, fx.Node)]
+    return FlatSpec(_output_spec.value, leaves, slots, labels)
+
+
+def trace(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    method: str = "auto",
+    dynamic: DynamicSpec | None = None,
+) -> Traced:
+    """Traces ``model(*args, **kwargs)`` into a graph over its tensor inputs and outputs.
+
+    torch.fx's symbolic tracing is tried first; when it fails (Python control flow on
+    tensor values or shapes...), torch.export in non-strict mode, with a dynamic batch
+    dimension. The model is traced in the mode it is in and left unchanged; a Hugging Face
+    model is traced with its cache off (``config.use_cache`` is ``False`` for the trace):
+    the graph returns no ``past_key_values``.
+
+    Args:
+        model: the model.
+        args: its positional inputs; tensors become graph inputs, other values constants.
+        kwargs: its keyword inputs, treated like ``args``.
+        leaf_modules: submodule names or classes that torch.fx keeps as single opaque calls.
+        method: ``auto``, ``fx`` or ``export``.
+        dynamic: the dims besides the batch that may vary, by input (see
+            :func:`autopipe.wrap`); export fixes every other size at the sample's.
+
+    Raises:
+        TracingError: neither tracer could trace the model; the message names the
+            construct and a fix.
+        ValueError: the inputs or outputs are not batch-major tensors, or bad arguments.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    inputs, tensors = FlatSpec.of((tuple(args), dict(kwargs or {})), top=("args", "kwargs"))
+    labels = [inputs.label(i) for i in range(len(tensors))]
+    batch = check_batch_major([tuple(t.shape) for t in tensors], labels, "inputs")
+    flat = _FlatModel(model, inputs)
+    names = input_names(model, inputs)
+    dims = (dynamic_dims(model, inputs, tensors, dynamic), names)
+    with torch.enable_grad(), _without_cache(model):
+        return _trace(model, flat, tensors, inputs, batch, list(leaf_modules), method, dims)
+
+
+@contextlib.contextmanager
+def _without_cache(model: nn.Module) -> Iterator[None]:
+    """Turns the key/value cache of Hugging Face models off for the trace, then back on.
+
+    Training needs no cache, and a cache object cannot leave a graph.
+    """
+    found: Iterator[Any] = (getattr(m, "config", None) for m in model.modules())
+    configs = {id(c): c for c in found if getattr(c, "use_cache", None) is True}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
+def _trace(
+    model: nn.Module,
+    flat: _FlatModel,
+    tensors: tuple[Tensor, ...],
+    inputs: FlatSpec,
+    batch: int,
+    leaves: list[Any],
+    method: str,
+    dynamic: tuple[list[dict[int, Any]], list[tuple[str | int, str]]],
+) -> Traced:
+    errors: list[tuple[str, BaseException]] = []
+    root: nn.Module
+    exported: InputShapes | None = None
+    for name in ("fx", "export") if method == "auto" else (method,):
+        try:
+            with tracking():  # keeps the model's no_grad / enable_grad regions
+                if name == "fx":
+                    root, graph = flat, _trace_fx(flat, len(tensors), leaves)
+                else:
+                    root, graph, exported = export_graph(flat, tensors, *dynamic)
+                    inline_grad_regions(root, graph)
+            strip_checks(graph)
+            values, output, buffers = record_values(root, graph, tensors)
+            _verify(flat, tensors, (output, buffers), name)
+            _verify_gradients(flat, root, graph, tensors, name)
+            break
+        except Exception as exc:
+            errors.append((name, exc))
+    else:
+        raise TracingError(_failure(model, errors)) from errors[-1][1]
+    outputs = _outputs(flat, graph, values)
+    shapes = [values[n.name].shape or () for n in graph.find_nodes(op="output")[0].args[0]]
+    out_labels = [outputs.label(i) for i in range(len(shapes))]
+    size = check_batch_major(shapes, out_labels, "outputs")
+    if size != batch:
+        raise ValueError(
+            f"the outputs have {size} rows along dim 0 but the batch has {batch}; wrap() "
+            "needs batch-major outputs"
+        )
+    if name == "export":
+        check_symbolic_batch(graph, out_labels)
+    device = tensors[0].device if name == "export" else None
+    training = model.training
+    exported = exported if name == "export" else None
+    return Traced(
+        model, root, graph, name, inputs, outputs, values, batch, training, device, exported
+    )
+
+
+def _verify(
+    flat: _FlatModel,
+    tensors: tuple[Tensor, ...],
+    result: tuple[Any, dict[int, Tensor]],
+    name: str,
+) -> None:
+    """Checks that the graph computes the model's outputs and buffer updates on the sample.
+
+    torch.fx can trace the wrong branch (``isinstance`` on a proxy) or run code eagerly
+    instead of recording it without noticing; a mismatch makes fx fail so that export is
+    tried. Export's graph is trusted but warned about.
+    """
+    if same_results(result, run_quietly(flat, flat, *tensors)):
+        return
+    message = (
+        f"the {name} graph does not compute the model's outputs or buffer updates on the "
+        "sample (Python code that depends on the tracer, e.g. isinstance checks on tensors?)"
+    )
+    if name == "fx":
+        raise ValueError(message)
+    warnings.warn(f"wrap(): {message}", stacklevel=4)
+
+
+class _GradientMismatch(ValueError):
+    """The graph gives gradients elsewhere than the model."""
+
+
+def _verify_gradients(
+    flat: _FlatModel, root: nn.Module, graph: fx.Graph, tensors: tuple[Tensor, ...], name: str
+) -> None:
+    """Checks that the graph's outputs require a gradient, and its parameters and inputs
+    receive one, exactly where the model's do (a lost ``torch.no_grad()`` region would
+    train what the model freezes).
+
+    Raises:
+        ValueError: they differ; the message names the first difference.
+    """
+    expected = gradient_flow(flat, flat, tensors)
+    if expected is None:  # the model itself cannot back-propagate on the sample
+        return
+    got = gradient_flow(flat, GradModeInterpreter(root, graph=graph).run, tensors)
+    if got == expected:
+        return
+    if got is None:
+        raise _GradientMismatch(f"the {name} graph cannot back-propagate on the sample")
+    where = next(k for k in expected if got.get(k) != expected[k])
+    verb = "requires" if where.startswith("output") else "receives"
+    ours = f"{verb} a gradient" if got.get(where) else f"does not {verb[:-1]} a gradient"
+    raise _GradientMismatch(
+        f"{where.removeprefix(PREFIX + '.')} {ours} in the {name} graph, unlike in the model: "
+        "the graph lost a grad-mode region of its code (a torch.no_grad() or enable_grad() "
+        "block the tracer did not see)"
+    )
+
+
+def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
+    parts = []
+    hint = (
+        "move the data-dependent code into a submodule and pass it in leaf_modules=, or "
+        "express it with torch.where / torch.cond"
+    )
+    for name, exc in errors:
+        where = getattr(exc, "autopipe_module", None)
+        if isinstance(exc, _GradientMismatch):
+            hint = (
+                "change the grad mode with torch.no_grad(), torch.enable_grad(), "
+                "torch.set_grad_enabled() or torch.inference_mode(), which the tracers keep"
+            )
+        if name == "fx":
+            place = f" in {where[0]} ({where[1]})" if where else ""
+            parts.append(f"torch.fx failed{place}: {_one_line(exc)}")
+            if where:
+                hint = (
+                    f"mark that submodule as a leaf (leaf_modules=[{where[0]!r}]) so that it "
+                    "runs as one opaque call, or express its control flow with torch.where / "
+                    "torch.cond"
+                )
+        else:
+            parts.append(f"torch.export (non-strict) failed: {_one_line(exc)}")
+            if "Cache'> in output" in str(exc):
+                hint = "pass use_cache=False (training needs no key/value cache)"
+    return f"cannot trace {type(model).__name__}: " + "; ".join(parts) + f". Fix: {hint}"

@@ -1,0 +1,23 @@
+"""Planning: pure numbers, no torch — cost model, split solvers, schedules, search, reports."""
+
+from __future__ import annotations
+
+from autopipe.planning.balance import partition
+from autopipe.planning.config_search import search
+from autopipe.planning.devices import DeviceSpec, make_devices
+from autopipe.planning.interleaving import rank_order
+from autopipe.planning.planner import plan
+from autopipe.planning.plans import Plan, StagePlan
+from autopipe.planning.simulation import simulate
+
+__all__ = [
+    "DeviceSpec",
+    "Plan",
+    "StagePlan",
+    "make_devices",
+    "partition",
+    "plan",
+    "rank_order",
+    "search",
+    "simulate",
+]

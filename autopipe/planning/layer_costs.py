@@ -1,0 +1,242 @@
+"""Per-layer figures at a micro-batch size, interpolated from a profile's measurements."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from profiler.fit import segments
+from profiler.profile import Profile
+
+__all__ = [
+    "CALIBRATED",
+    "FIGURES",
+    "OPTIMIZER_STATES",
+    "LayerCosts",
+    "ProfileLines",
+    "calibration",
+    "compute_scale",
+    "optimizer_factor",
+]
+
+# Optimizer state bytes per parameter byte.
+OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+# The figures of a layer that scale with the micro-batch size.
+FIGURES = ("forward", "backward", "backward_input", "saved", "shared", "output", "peak")
+
+Array = NDArray[np.float64]
+
+
+CALIBRATED = (
+    "overhead_s",
+    "virtual_overhead_s",
+    "bandwidth",
+    "latency_s",
+    "compute_scale",
+    "fixed_scale",
+    "alone_compute_scale",
+    "alone_fixed_scale",
+    "allreduce_bandwidth",
+)
+
+
+def calibration(profile: Profile) -> dict[str, float]:
+    """The executor overhead, link figures and compute scale measured for the profile.
+
+    ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
+    ``overhead_s`` (seconds per stage and micro-batch; ``virtual_overhead_s`` that of the
+    runner with virtual stages, when measured), ``bandwidth`` (bytes/s),
+    ``latency_s`` (seconds per message between stages), ``allreduce_bandwidth`` (of the
+    data-parallel gradient sync), and ``compute_scale`` and ``fixed_scale`` (how much
+    longer the layers' per-sample and per-micro-batch times are in a whole training
+    step than each layer's alone in the profile).
+    """
+    found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
+    if not isinstance(found, dict):
+        return {}
+    out = {}
+    for key in CALIBRATED:
+        value = found.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            out[key] = float(value)
+    return out
+
+
+def compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]:
+    """How much longer layers run inside a training step than alone (calibrated, else 1).
+
+    Timed alone, a layer finds its weights and inputs in cache; in a step they were
+    evicted by the layers before it. ``autopipe calibrate --model`` measures it on the
+    whole model and stores ``meta["calibration"]["fixed_scale"]`` (the factor of each
+    layer's per-micro-batch time, the fit's ``a``) and ``compute_scale`` (of its per-sample
+    time, ``b``); with only ``compute_scale`` both parts get it. Measured across ranks
+    (:func:`autopipe.distributed.calibration.calibrate_ranks`), these are the scales with every
+    rank busy, and ``alone_fixed_scale`` / ``alone_compute_scale`` those of one rank
+    computing alone, which a configuration on a single device gets (``alone=True``).
+
+    Returns:
+        ``(fixed_scale, compute_scale)``.
+    """
+    # Beyond a thousandfold a scale is a measurement gone wrong, not a slow cache.
+    found = {k: v for k, v in calibration(profile).items() if k.endswith("scale") and v < 1e3}
+    prefix = "alone_" if alone and "alone_compute_scale" in found else ""
+    per_sample = found.get(f"{prefix}compute_scale", 1.0)
+    fixed = found.get(f"{prefix}fixed_scale", per_sample)
+    return fixed, per_sample
+
+
+def optimizer_factor(optimizer: str | float) -> float:
+    """Optimizer state bytes per parameter byte, from a name or a number."""
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        if not (math.isfinite(optimizer) and optimizer >= 0):
+            raise ValueError(
+                f"optimizer state factor must be a finite number >= 0 (state bytes per "
+                f"parameter byte, e.g. 2 for Adam), got {optimizer}"
+            )
+        return float(optimizer)
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"optimizer must be a name such as 'adam' or state bytes per parameter byte, "
+            f"got {optimizer!r}"
+        )
+    try:
+        return OPTIMIZER_STATES[optimizer.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)} "
+            "or give the state bytes per parameter byte as a number"
+        ) from None
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer figures at one micro-batch size (seconds and bytes).
+
+    ``shared[i]`` is the part of ``saved[i]`` that layer ``i − 1`` saves too (one storage,
+    held once when both layers are in one stage); ``shared[0]`` is 0.
+    """
+
+    names: list[str]
+    forward: Array
+    backward: Array
+    saved: Array
+    output: Array
+    params: Array
+    buffers: Array
+    peak: Array
+    input: float
+    shared: Array | None = None
+    # Of ``backward``, the input's gradient alone (measured), or None: unknown.
+    backward_input: Array | None = None
+
+    def __post_init__(self) -> None:
+        if self.shared is None:  # frozen: set once, at construction
+            object.__setattr__(self, "shared", np.zeros(len(self.names)))
+
+    @property
+    def shared_bytes(self) -> Array:
+        """``shared`` as an array (zeros when not measured)."""
+        assert self.shared is not None
+        return self.shared
+
+    @classmethod
+    def from_profile(cls, profile: Profile, micro_batch: int) -> LayerCosts:
+        """Predicts every figure at ``micro_batch`` samples from the profile's fits."""
+        return ProfileLines.from_profile(profile).at(micro_batch)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass(frozen=True)
+class ProfileLines:
+    """Every layer's measured figures as arrays, for fast predictions at many sizes.
+
+    A figure at any size is interpolated linearly between the two measured sizes around it
+    (:meth:`profiler.profile.Profile.segment`: the nearest segment beyond the measured
+    range, never falling with the batch there). Times are calibrated per segment line
+    ``a + b·size``: ``fixed_scale·a + compute_scale·b·size`` (see :func:`compute_scale`).
+
+    Attributes:
+        names: the layers' names.
+        sizes: the measured micro-batch sizes.
+        values: per figure, every layer's measurements (layers × sizes).
+        input: the model input's bytes at each measured size.
+        params: parameter bytes per layer.
+        buffers: buffer bytes per layer.
+        scale: ``(fixed_scale, compute_scale)`` applied to times.
+        split_backward: whether every layer's backward to its input alone was measured.
+    """
+
+    names: list[str]
+    sizes: Array
+    values: dict[str, Array]
+    input: Array
+    params: Array
+    buffers: Array
+    scale: tuple[float, float] = (1.0, 1.0)
+    split_backward: bool = False
+
+    @classmethod
+    def from_profile(cls, profile: Profile, alone: bool = False) -> ProfileLines:
+        """Collects the profile's measurements.
+
+        Args:
+            profile: the profile.
+            alone: for a configuration on one device (see :func:`compute_scale`).
+        """
+        n, width = len(profile), len(profile.batch_sizes)
+        values = {}
+        for figure in FIGURES:
+            rows = [profile.values(i, figure) for i in range(n)]
+            values[figure] = np.array([r if r is not None else [0.0] * width for r in rows])
+        return cls(
+            names=profile.names,
+            sizes=np.array(profile.batch_sizes, dtype=float),
+            values=values,
+            input=np.array(profile.input, dtype=float),
+            params=np.array([float(layer.param_bytes) for layer in profile.layers]),
+            buffers=np.array([float(layer.buffer_bytes) for layer in profile.layers]),
+            scale=compute_scale(profile, alone),
+            split_backward=all(layer.backward_input is not None for layer in profile.layers),
+        )
+
+    def figure(self, name: str, micro_batch: float) -> Array:
+        """One figure of every layer at ``micro_batch`` samples (times calibrated)."""
+        a, b = segments(self.sizes, self.values[name], micro_batch)
+        if name in ("forward", "backward", "backward_input"):
+            a, b = a * self.scale[0], b * self.scale[1]
+        return np.maximum(a + b * micro_batch, 0.0)
+
+    def at(self, micro_batch: float, time_batch: float | None = None) -> LayerCosts:
+        """Every figure at ``micro_batch`` samples (times at ``time_batch`` if given).
+
+        A batch that M does not divide splits into micro-batches of ``ceil(N/M)`` and one
+        fewer samples: memory is safe at the largest, while times summed over the M
+        micro-batches are exact at the mean ``N/M`` (every time is linear in the size).
+        """
+        when = micro_batch if time_batch is None else time_batch
+        a, b = segments(self.sizes, self.input, micro_batch)
+        return LayerCosts(
+            names=self.names,
+            forward=self.figure("forward", when),
+            backward=self.figure("backward", when),
+            saved=self.figure("saved", micro_batch),
+            output=self.figure("output", micro_batch),
+            params=self.params,
+            buffers=self.buffers,
+            peak=self.figure("peak", micro_batch),
+            input=float(a + b * micro_batch),
+            # Never more than the layer saves, whatever the two fits do between sizes.
+            shared=np.minimum(
+                self.figure("shared", micro_batch), self.figure("saved", micro_batch)
+            ),
+            backward_input=np.minimum(
+                self.figure("backward_input", when), self.figure("backward", when)
+            )
+            if self.split_backward
+            else None,
+        )

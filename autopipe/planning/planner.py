@@ -1,0 +1,421 @@
+"""``plan``: a profile and devices in, the fastest split that fits out."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from os import PathLike
+from typing import Any
+
+import numpy as np
+
+from autopipe.errors import PlanningError
+from autopipe.planning.balance import STRATEGIES, baseline_balance
+from autopipe.planning.cost_model import CostModel, ProfileLines, optimizer_factor
+from autopipe.planning.devices import DeviceSpec, make_devices
+from autopipe.planning.exact import optimal_split, step_time
+from autopipe.planning.interleaved_balance import interleaved_split, pipeline_time
+from autopipe.planning.interleaving import rank_stages
+from autopipe.planning.layer_costs import calibration
+from autopipe.planning.plans import Plan, StagePlan
+from autopipe.planning.quantities import format_bytes, parse_rate
+from profiler.profile import Profile
+
+__all__ = [
+    "build_model",
+    "calibration",
+    "check_profile",
+    "default_chunks",
+    "describe",
+    "evaluate",
+    "interleaved_balance",
+    "plan",
+]
+
+MemorySpec = int | str | Sequence[int | str | None] | None
+
+# GPipe's rule of thumb: M >= 4K micro-batches keeps the bubble under about 20%.
+CHUNKS_PER_STAGE = 4
+
+
+def default_chunks(stages: int, batch_size: int) -> int:
+    """The micro-batch count ``wrap`` and the command line use unless told: ``4 × stages``,
+    with at least two samples per micro-batch where the mini-batch has two (batch norm
+    cannot train on micro-batches of one sample)."""
+    return max(1, min(CHUNKS_PER_STAGE * stages, batch_size // 2))
+
+
+def check_profile(profile: object, caller: str) -> None:
+    """Refuses anything but a :class:`Profile` where ``caller()`` takes one.
+
+    Raises:
+        TypeError: ``profile`` is a path, a dict or anything else.
+    """
+    if isinstance(profile, Profile):
+        return
+    if isinstance(profile, (str, PathLike)):
+        raise TypeError(
+            f"{caller}() takes a Profile, not the path {str(profile)!r}; load it with "
+            f"Profile.load({str(profile)!r})"
+        )
+    if isinstance(profile, dict):
+        raise TypeError(
+            f"{caller}() takes a Profile, not a dict; convert it with Profile.from_dict(data)"
+        )
+    raise TypeError(
+        f"{caller}() takes a Profile, got {type(profile).__name__}; measure one with "
+        "profiler.profile_model(model, sample) or load one with Profile.load('file.json')"
+    )
+
+
+def _batch(profile: Profile, batch: int | None, data_parallel: int) -> int:
+    """Samples per replica: ``ceil(batch / D)``."""
+    total = profile.batch_size if batch is None else batch
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"batch must be a positive integer, got {total!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int):
+        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    if not 1 <= data_parallel <= total:
+        raise ValueError(
+            f"data_parallel must be between 1 and the batch ({total}), got {data_parallel}"
+        )
+    return math.ceil(total / data_parallel)
+
+
+def build_model(
+    profile: Profile,
+    devices: int | Sequence[DeviceSpec | str] = 2,
+    *,
+    chunks: int | None = None,
+    memory: MemorySpec = None,
+    checkpoint: str = "except_last",
+    schedule: str = "gpipe",
+    optimizer: str | float = "adam",
+    bandwidth: float | str | None = None,
+    data_parallel: int = 1,
+    batch: int | None = None,
+    allreduce_bandwidth: float | str | None = None,
+    overhead: float | None = None,
+    virtual_stages: int = 1,
+    padded: bool = False,
+) -> CostModel:
+    """The cost model :func:`plan` optimizes, for the same arguments."""
+    check_profile(profile, "plan")
+    measured = calibration(profile)
+    bandwidth = measured.get("bandwidth") if bandwidth is None else parse_rate(bandwidth)
+    if allreduce_bandwidth is None:
+        allreduce_bandwidth = measured.get("allreduce_bandwidth", bandwidth)
+    else:
+        allreduce_bandwidth = parse_rate(allreduce_bandwidth, "allreduce_bandwidth")
+    specs = make_devices(
+        devices,
+        memory=memory,
+        bandwidth=bandwidth,
+        name=profile.device,
+        latency=measured.get("latency_s"),
+    )
+    m = profile.chunks if chunks is None else chunks
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"chunks must be a positive integer, got {m!r}")
+    replica = _batch(profile, batch, data_parallel)
+    micro = math.ceil(replica / m)
+    # A mini-batch smaller than M yields fewer, single-sample micro-batches.
+    effective = math.ceil(replica / micro)
+    if (
+        isinstance(virtual_stages, bool)
+        or not isinstance(virtual_stages, int)
+        or virtual_stages < 1
+    ):
+        raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    if not isinstance(padded, bool):  # "no" would read as True
+        raise TypeError(f"padded must be True or False, got {padded!r}")
+    alone = len(specs) // max(virtual_stages, 1) * data_parallel == 1
+    lines = ProfileLines.from_profile(profile, alone)
+    # Micro-batches of uneven size take the mean size's time in all, unless the runner pads
+    # each to the largest.
+    costs = lines.at(micro, time_batch=micro if padded else replica / effective)
+    return CostModel(
+        costs,
+        specs,
+        effective,
+        checkpoint,
+        schedule,
+        optimizer_factor(optimizer),
+        overhead=_overhead(measured, virtual_stages, schedule) if overhead is None else overhead,
+        data_parallel=data_parallel,
+        allreduce_bandwidth=allreduce_bandwidth,
+        virtual_stages=virtual_stages,
+    )
+
+
+def _overhead(measured: dict[str, float], virtual_stages: int, schedule: str) -> float:
+    """The runner's calibrated seconds per stage and micro-batch: torch runs virtual
+    stages and zero bubble on another runtime, measured apart when calibrated for them."""
+    if (virtual_stages > 1 or schedule == "zb") and "virtual_overhead_s" in measured:
+        return measured["virtual_overhead_s"]
+    return measured.get("overhead_s", 0.0)
+
+
+def plan(
+    profile: Profile,
+    devices: int | Sequence[DeviceSpec | str] = 2,
+    *,
+    chunks: int | None = None,
+    memory: MemorySpec = None,
+    checkpoint: str = "except_last",
+    schedule: str = "gpipe",
+    strategy: str = "optimal",
+    optimizer: str | float = "adam",
+    bandwidth: float | str | None = None,
+    data_parallel: int = 1,
+    batch: int | None = None,
+    allreduce_bandwidth: float | str | None = None,
+    overhead: float | None = None,
+    virtual_stages: int = 1,
+    padded: bool = False,
+) -> Plan:
+    """Plans the pipeline with the smallest predicted step time that fits every device.
+
+    Args:
+        profile: per-layer measurements (see :func:`profiler.profile_model`).
+        devices: the number of stages (identical devices named like the profile's), or one
+            :class:`DeviceSpec` or device name per stage.
+        chunks: micro-batches per mini-batch of one replica (default: the profile's).
+        memory: capacity for every device, or one per device (bytes or ``16GiB``-style).
+        checkpoint: ``always``, ``except_last`` (default), ``never``, or ``auto``: each
+            stage checkpoints only if it does not fit otherwise.
+        schedule: ``gpipe`` (default) or ``1f1b``; sets how many micro-batches each stage
+            holds.
+        strategy: ``optimal`` (exact, default), or a comparison strategy: ``uniform``,
+            ``parameters``, ``blockpartition``.
+        optimizer: optimizer whose state is counted (``adam``, ``sgd``, ...) or state bytes
+            per parameter byte.
+        bandwidth: link bandwidth in bytes/s (or a rate such as ``10GB/s``) for devices
+            without one (default: the profile's calibrated bandwidth, else free).
+        data_parallel: replicas of the pipeline (D); each runs ``ceil(batch / D)`` samples
+            and all-reduces its stages' gradients with the others once per step.
+        batch: samples per step across all replicas (default: the profile's batch size).
+        allreduce_bandwidth: bytes/s of the gradient all-reduce (default: the profile's
+            calibrated one, else ``bandwidth``; free when none is known).
+        overhead: executor seconds per stage and micro-batch (default: calibrated, else 0).
+        virtual_stages: stages per rank (v): ``devices`` then counts K·v stages, stage s
+            on rank ``s % K``, run by an interleaved schedule (see
+            :mod:`autopipe.planning.interleaving`). The ``optimal`` split then minimizes the
+            interleaved step time by a local search from the exact K·v-stage split
+            (:mod:`autopipe.planning.interleaved_balance`; exact only for v = 1), and each rank's
+            stages together must fit its device (the capacity of its first stage).
+        padded: every micro-batch runs at the size of the largest, ``ceil(batch / M)``
+            rows (the distributed runner pads uneven ones), not their mean size.
+
+    Raises:
+        PlanningError: no split fits, or the chosen strategy's split does not fit; the
+            message names the stage or layer (or rank) and the bytes missing.
+        ValueError: invalid arguments.
+        TypeError: ``profile`` is not a :class:`Profile` (e.g. a path: load it with
+            :meth:`Profile.load`), or another argument is of the wrong kind.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    options: dict[str, Any] = {
+        "data_parallel": data_parallel,
+        "batch": batch,
+        "virtual_stages": virtual_stages,
+        "padded": padded,
+    }
+    model = build_model(
+        profile,
+        devices,
+        chunks=chunks,
+        memory=memory,
+        checkpoint=checkpoint,
+        schedule=schedule,
+        optimizer=optimizer,
+        bandwidth=bandwidth,
+        allreduce_bandwidth=allreduce_bandwidth,
+        overhead=overhead,
+        **options,
+    )
+    if model.num_stages > model.num_layers:
+        raise PlanningError(
+            f"cannot split {model.num_layers} layers into {model.num_stages} non-empty stages; "
+            f"use at most {model.num_layers} stages"
+        )
+    if strategy == "optimal" and replayed(model):
+        balance = interleaved_balance(model)
+    elif strategy == "optimal":
+        balance = optimal_split(model)
+    else:
+        params = model.layers.params + model.layers.buffers
+        balance = baseline_balance(strategy, model.layer_time(), model.num_stages, params)
+    result = describe(model, balance, profile, strategy, optimizer, batch=batch)
+    over = [s for s in result.stages if s.capacity is not None and s.memory > s.capacity]
+    if over:
+        worst = max(over, key=lambda s: s.memory - (s.capacity or 0))
+        raise PlanningError(
+            f"the {strategy} split {balance} does not fit: stage {worst.index} "
+            f"(layers {worst.layers[0]}..{worst.layers[-1]}) needs "
+            f"{format_bytes(worst.memory - (worst.capacity or 0))} more than its "
+            f"{format_bytes(worst.capacity or 0)}"
+        )
+    _check_ranks(result, strategy)
+    return result
+
+
+def replayed(model: CostModel) -> bool:
+    """Whether the model's step is its schedule's order replayed (virtual stages, zero
+    bubble) rather than GPipe's formula."""
+    return model.virtual_stages > 1 or model.schedule == "zb"
+
+
+def interleaved_balance(model: CostModel) -> list[int]:
+    """The best split for virtual stages: a local search from the exact K·v-stage split
+    and the uniform one (:mod:`autopipe.planning.interleaved_balance`)."""
+    starts = []
+    with contextlib.suppress(PlanningError):  # no K·v-stage split fits: start elsewhere
+        starts.append(optimal_split(model))
+    params = model.layers.params + model.layers.buffers
+    starts.append(baseline_balance("uniform", model.layer_time(), model.num_stages, params))
+    balance = interleaved_split(model, starts)
+    if balance is None:
+        raise PlanningError(
+            f"no split into {model.num_stages} stages, {model.virtual_stages} per device, fits "
+            "memory; use fewer virtual stages, more memory or checkpointing"
+        )
+    return balance
+
+
+def _check_ranks(result: Plan, strategy: str) -> None:
+    """With virtual stages, each rank's stages together must fit its device."""
+    v = result.virtual_stages
+    if v == 1:
+        return
+    ranks = result.num_stages // v
+    for r in range(ranks):
+        held = [result.stages[s] for s in rank_stages(r, ranks, v)]
+        capacity = held[0].capacity
+        need = sum(stage.memory for stage in held)
+        if capacity is not None and need > capacity:
+            raise PlanningError(
+                f"the {strategy} split {result.balance} does not fit: rank {r} holds stages "
+                f"{[stage.index for stage in held]}, which need {format_bytes(need - capacity)} "
+                f"more than its {format_bytes(capacity)}; use fewer virtual stages, more "
+                "memory or checkpointing"
+            )
+
+
+def evaluate(
+    profile: Profile,
+    balance: Sequence[int],
+    devices: int | Sequence[DeviceSpec | str] | None = None,
+    *,
+    strategy: str = "given",
+    optimizer: str | float = "adam",
+    **kwargs: Any,
+) -> Plan:
+    """Predicts the costs of a given balance without checking that it fits.
+
+    Takes the same keyword arguments as :func:`plan`; ``devices`` defaults to
+    ``len(balance)`` stages.
+    """
+    check_profile(profile, "evaluate")
+    if not isinstance(balance, Sequence) or any(
+        isinstance(b, bool) or not isinstance(b, int) for b in balance
+    ):
+        raise ValueError(f"balance must be a list of layer counts per stage, got {balance!r}")
+    model = build_model(
+        profile, len(balance) if devices is None else devices, optimizer=optimizer, **kwargs
+    )
+    if len(balance) != model.num_stages:
+        raise ValueError(f"balance has {len(balance)} stages but there are {model.num_stages}")
+    if sum(balance) != model.num_layers or min(balance) < 1:
+        raise ValueError(
+            f"balance {list(balance)} must have entries >= 1 summing to {model.num_layers}"
+        )
+    return describe(model, list(balance), profile, strategy, optimizer, batch=kwargs.get("batch"))
+
+
+def describe(
+    model: CostModel,
+    balance: list[int],
+    profile: Profile,
+    strategy: str,
+    optimizer: str | float,
+    *,
+    batch: int | None = None,
+    record: dict[str, Any] | None = None,
+) -> Plan:
+    """Builds the :class:`Plan` record of ``balance`` under ``model``.
+
+    Args:
+        model: the cost model the balance was planned with.
+        balance: layers per stage.
+        profile: the profile behind the model.
+        strategy: the name of the strategy that chose the balance.
+        optimizer: the optimizer whose state the model counts.
+        batch: samples per step across all replicas (default: the profile's batch size).
+        record: ``profile.to_dict()`` when already at hand (it is costly for big models).
+    """
+    total_batch = profile.batch_size if batch is None else batch
+    replica = math.ceil(total_batch / model.data_parallel)
+    bounds = np.cumsum([0, *balance])
+    stages = []
+    for k in range(model.num_stages):
+        s, e = np.array(bounds[k]), np.array(bounds[k + 1])
+        time, memory, _ = model.stage_costs(k, s, e)
+        parts = model.stage_parts(k, s, e)
+        transfer = float(model.transfer_time(k, e))
+        state = float(model.state_memory(s, e))
+        stages.append(
+            StagePlan(
+                index=k,
+                device=model.devices[k].name,
+                start=int(s),
+                stop=int(e),
+                layers=model.layers.names[int(s) : int(e)],
+                compute=float(time) - transfer,
+                transfer=transfer,
+                time=float(time),
+                memory=float(memory),
+                param_memory=state,
+                activation_memory=float(memory) - state,
+                capacity=model.devices[k].memory,
+                in_flight=model.in_flight(k),
+                checkpoint=model.stage_checkpoint(k, int(s), int(e)),
+                recompute=float(model.recompute_time(k, s, e)),
+                overhead=model.overhead,
+                allreduce=float(model.allreduce_time(s, e)),
+                forward=float(parts.forward),
+                weight=float(parts.backward * model.weight_share(s, e)),
+            )
+        )
+    times = np.array([stage.time for stage in stages])
+    m, ranks = model.chunks, model.num_ranks
+    # Interleaved and zero bubble: the schedule's order replayed (the closed formula holds
+    # for balanced stages only).
+    pipeline = pipeline_time(model, balance) if replayed(model) else step_time(times, m)
+    allreduce = max(stage.allreduce for stage in stages)
+    total = pipeline + allreduce
+    # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.
+    bubble = 1.0 - m * float(times.sum()) / (ranks * pipeline) if pipeline > 0 else 0.0
+    return Plan(
+        balance=list(balance),
+        stages=stages,
+        chunks=m,
+        micro_batch=math.ceil(replica / m),
+        checkpoint=model.checkpoint,
+        schedule=model.schedule,
+        strategy=strategy,
+        optimizer=str(optimizer),
+        bottleneck=float(times.max()),
+        bottleneck_stage=int(np.argmax(times)),
+        step_time=total,
+        bubble=bubble,
+        devices=list(model.devices),
+        profile=profile.to_dict() if record is None else record,
+        data_parallel=model.data_parallel,
+        batch_size=total_batch,
+        allreduce=allreduce,
+        throughput=total_batch / total if total > 0 else 0.0,
+        virtual_stages=model.virtual_stages,
+    )

@@ -1,0 +1,257 @@
+"""A pipeline plan as plain data: the split, its predicted costs, and what it came from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopipe.planning.cost_model import ALL_SCHEDULES, CHECKPOINT_MODES
+from autopipe.planning.devices import DeviceSpec
+from profiler.jsonfile import read_json, write_json
+from profiler.profile import Profile
+
+__all__ = ["PLAN_VERSION", "Plan", "StagePlan"]
+
+PLAN_VERSION = 2
+# Version 1 plans load too: they lack the fields added in 2, whose defaults hold for them.
+_READABLE = (1, 2)
+
+
+@dataclass
+class StagePlan:
+    """One stage of a plan.
+
+    Attributes:
+        index: the stage's position in the pipeline.
+        device: the device the stage runs on.
+        start: index of the stage's first layer.
+        stop: one past the index of its last layer.
+        layers: names of the stage's layers.
+        compute: predicted forward + backward (+ re-computation) seconds per micro-batch.
+        transfer: predicted seconds per micro-batch to send its output to the next stage.
+        time: ``compute + transfer``, the stage's cost per micro-batch.
+        memory: predicted peak bytes on the device.
+        param_memory: bytes of parameters, gradients, optimizer state and buffers.
+        activation_memory: bytes of saved activations and boundary inputs at the peak.
+        capacity: the device's capacity in bytes, or ``None`` for unlimited.
+        in_flight: micro-batches whose activations the stage holds at its peak.
+        checkpoint: the stage's checkpoint mode (``auto`` plans decide per stage).
+        recompute: seconds of forward re-computation per micro-batch, part of ``compute``.
+        overhead: the executor's fixed seconds per micro-batch, part of ``compute``.
+        allreduce: seconds per step to all-reduce the stage's gradients among replicas.
+        forward: seconds of one forward per micro-batch, part of ``compute`` (its share of
+            the overhead included); 0 in plans that predate it.
+        weight: of the backward, the seconds that compute the weights' gradients (zero
+            bubble runs them apart, when a device would otherwise wait).
+    """
+
+    index: int
+    device: str
+    start: int
+    stop: int
+    layers: list[str]
+    compute: float
+    transfer: float
+    time: float
+    memory: float
+    param_memory: float
+    activation_memory: float
+    capacity: int | None
+    in_flight: int
+    checkpoint: str = ""
+    recompute: float = 0.0
+    overhead: float = 0.0
+    allreduce: float = 0.0
+    forward: float = 0.0
+    weight: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class Plan:
+    """A balanced split of a model into pipeline stages, with its predicted costs.
+
+    Attributes:
+        balance: layers per stage (torchgpipe's ``balance``).
+        stages: per-stage detail.
+        chunks: micro-batches per mini-batch (M).
+        micro_batch: samples per micro-batch.
+        checkpoint: ``always``, ``except_last``, ``never`` or ``auto`` (see the stages).
+        schedule: ``gpipe`` or ``1f1b``.
+        strategy: the balancing strategy that chose the split.
+        optimizer: name of the optimizer whose state is counted.
+        bottleneck: the largest stage cost per micro-batch, seconds.
+        bottleneck_stage: index of that stage.
+        step_time: predicted seconds per mini-batch, ``Σ c_k + (M−1)·max c_k`` plus the
+            all-reduce.
+        bubble: predicted idle fraction of the pipeline over a step.
+        devices: the devices of one pipeline (one replica) the plan was made for.
+        profile: the profile the plan was made from, as a dict.
+        version: the JSON schema version.
+        data_parallel: replicas of the pipeline (D), each taking ``batch_size / D`` samples.
+        batch_size: samples per step across all replicas (0: unknown).
+        allreduce: seconds per step of the gradient all-reduce, part of ``step_time``.
+        throughput: predicted samples per second, ``batch_size / step_time``.
+        notes: why the plan was chosen or how it compares with the best of a search.
+        virtual_stages: stages per rank (v); the stages are K·v, stage s on rank
+            ``s % K``, and ``step_time`` is the interleaved schedule's (see
+            :mod:`autopipe.planning.interleaving`).
+    """
+
+    balance: list[int]
+    stages: list[StagePlan]
+    chunks: int
+    micro_batch: int
+    checkpoint: str
+    schedule: str
+    strategy: str
+    optimizer: str
+    bottleneck: float
+    bottleneck_stage: int
+    step_time: float
+    bubble: float
+    devices: list[DeviceSpec]
+    profile: dict[str, Any] = field(default_factory=dict, repr=False)
+    version: int = PLAN_VERSION
+    data_parallel: int = 1
+    batch_size: int = 0
+    allreduce: float = 0.0
+    throughput: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    virtual_stages: int = 1
+
+    @property
+    def pipeline_time(self) -> float:
+        """Seconds per step of the pipeline alone: ``step_time`` less the all-reduce."""
+        return self.step_time - self.allreduce
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the plan occupies: ranks per pipeline times data-parallel replicas."""
+        return self.num_stages // self.virtual_stages * self.data_parallel
+
+    @property
+    def stage_checkpoints(self) -> list[str]:
+        """Each stage's checkpoint mode."""
+        return [stage.checkpoint or self.checkpoint for stage in self.stages]
+
+    @property
+    def efficiency(self) -> float:
+        """Busy fraction of the pipeline over a step: ``1 - bubble``."""
+        return 1.0 - self.bubble
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.balance)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["efficiency"] = self.efficiency
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("version")
+        if version not in _READABLE:
+            raise ValueError(
+                f"plan format version {version!r} is not supported (expected {PLAN_VERSION}); "
+                "re-create it with `autopipe plan`"
+            )
+        fields = {k: v for k, v in data.items() if k not in ("stages", "devices", "efficiency")}
+        # Version 1 had one checkpoint mode for all stages.
+        stages = [{"checkpoint": data["checkpoint"], **s} for s in data["stages"]]
+        fields["version"] = PLAN_VERSION
+        plan = cls(
+            stages=[StagePlan(**s) for s in stages],
+            devices=[DeviceSpec.from_dict(d) for d in data["devices"]],
+            **fields,
+        )
+        _check_plan(plan)
+        return plan
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the plan as JSON, atomically."""
+        write_json(path, "plan", self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Reads a plan written by :meth:`save`.
+
+        Raises:
+            ValueError: the file is not a plan of a supported version.
+        """
+        data = read_json(path, "plan")
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path} is not a valid autopipe plan: {exc}") from None
+        except ValueError as exc:  # name the file: the message names the field
+            raise ValueError(f"{path}: {exc}") from None
+
+
+_REMAKE = "re-create the plan with `autopipe plan`"
+
+
+def _count(value: object, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where} is {value!r}; it must be an integer >= 1")
+    return value
+
+
+def _check_plan(plan: Plan) -> None:
+    """The balance, the stages and the devices describe one split (a loaded file may
+    have been edited so that they contradict each other)."""
+    if not isinstance(plan.balance, list) or not plan.balance:
+        raise ValueError(f"balance is {plan.balance!r}; it must be a non-empty list")
+    for k, size in enumerate(plan.balance):
+        _count(size, f"balance[{k}]")
+    for what in ("chunks", "micro_batch", "data_parallel", "virtual_stages"):
+        _count(getattr(plan, what), what)
+    if len(plan.stages) != len(plan.balance):
+        raise ValueError(
+            f"balance {plan.balance} has {len(plan.balance)} stages but stages lists "
+            f"{len(plan.stages)}; {_REMAKE}"
+        )
+    start = 0
+    for k, (stage, size) in enumerate(zip(plan.stages, plan.balance)):
+        span = (stage.index, stage.start, stage.stop)
+        if span != (k, start, start + size) or len(stage.layers) != size:
+            raise ValueError(
+                f"stages[{k}] (index {stage.index}, start {stage.start}, stop {stage.stop}, "
+                f"{len(stage.layers)} layer names) contradicts balance {plan.balance}, by "
+                f"which stage {k} holds layers {start} to {start + size - 1}; {_REMAKE}"
+            )
+        start += size
+    if len(plan.devices) != len(plan.stages):
+        raise ValueError(
+            f"devices lists {len(plan.devices)} devices for {len(plan.stages)} stages; {_REMAKE}"
+        )
+    if len(plan.stages) % plan.virtual_stages:
+        raise ValueError(
+            f"{len(plan.stages)} stages do not split into virtual_stages "
+            f"{plan.virtual_stages} per device; {_REMAKE}"
+        )
+    if plan.schedule not in ALL_SCHEDULES:
+        raise ValueError(f"schedule is {plan.schedule!r}; choose {', '.join(ALL_SCHEDULES)}")
+    for k, mode in enumerate(plan.stage_checkpoints):
+        if mode not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"stages[{k}].checkpoint is {mode!r}; choose {', '.join(CHECKPOINT_MODES)}"
+            )
+    if not isinstance(plan.profile, dict):
+        raise ValueError(f"profile must be an object, got {plan.profile!r}")
+    if not plan.profile:  # plans may be saved without their profile
+        return
+    try:  # the report and the simulation read it
+        layers = len(Profile.from_dict(plan.profile))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"profile: {exc}") from None
+    if layers != start:
+        raise ValueError(
+            f"balance {plan.balance} splits {start} layers but the plan's profile has "
+            f"{layers}; {_REMAKE}"
+        )
