@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" >> "$out/gpu.txt"
 
 # Every test that needs CUDA, and the rest of the executor's tests on the same build.
-python -m pytest -q -rs tests/test_gpipe.py tests/test_transfer.py tests/test_profiler.py \
+python -m pytest -q -rs tests/gpipe/test_gpipe.py tests/gpipe/test_transfer.py tests/profiler/test_measure.py \
     2>&1 | tee "$out/cuda_tests.log"
 
 python -m autopipe profile examples/mlp.py --device cuda:0 -o "$out/profile_mlp_cuda.json" \

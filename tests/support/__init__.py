@@ -1,0 +1,1 @@
+"""Models, workers and helpers the tests share."""

@@ -1,0 +1,60 @@
+"""Helpers shared by the command-line tests: running ``main``, checking errors, model files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autopipe.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = str(ROOT / "examples" / "mlp.py")
+FAST = ["--repeats", "1", "--warmup", "0"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_error(code: int, out: str, err: str, expected: str = "") -> None:
+    assert code == 2
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("autopipe: error: ")
+    assert expected in lines[0]
+
+
+def make_profile_file(factory: pytest.TempPathFactory) -> Path:
+    """Profiles examples/mlp.py once, quickly, for tests that plan from a saved profile."""
+    path = factory.mktemp("profile") / "mlp.json"
+    assert main(["profile", MLP, "-o", str(path), *FAST]) == 0
+    return path
+
+
+# A model that is not an nn.Sequential: residual blocks in a ModuleList.
+RESIDUAL_MODEL = """import torch
+from torch import nn
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.out(h)
+
+
+model = Residual()
+sample = torch.randn(8, 8)
+"""

@@ -1,0 +1,713 @@
+"""Worker processes for the multi-rank tests: one rank each, results saved to files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from benchmarks.ranks import init_rank
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNKS = 4
+BATCH = 16
+STUCK_TIMEOUT = 5.0  # seconds: the process group's timeout in the "stuck" scenario
+# Micro-batches per replica with D=2: 4 rows each, as profiling BatchNorm needs 2 or more.
+REPLICA_CHUNKS = 2
+UNEVEN = 14  # rows of a batch that CHUNKS micro-batches split unevenly: 4, 4, 3, 3
+
+
+def make_model(seed: int = 0, width: int = 16, batchnorm: bool = True) -> nn.Sequential:
+    """A small model with a buffer-carrying layer, identical for equal seeds."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.BatchNorm1d(width) if batchnorm else nn.Identity(),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.GELU(),
+        nn.Linear(width, 3),
+    )
+
+
+def make_residual() -> nn.Module:
+    """A non-Sequential model with skip connections, auto-wrapped into units."""
+    from tests.support.wrap_models import ResidualMLP
+
+    torch.manual_seed(0)
+    return ResidualMLP()
+
+
+def make_batch(seed: int = 1) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 3, generator=generator)
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+@contextlib.contextmanager
+def whole_batch_statistics(model: nn.Module) -> Iterator[None]:
+    """Runs the block with the model's BatchNorm running statistics updated once, at the
+    end, from every input each layer saw in it: the plain layer's own update on them all.
+
+    The block runs the model micro-batch by micro-batch (each normalized with its own
+    statistics, as in a pipeline), and its backward (which checks that the statistics
+    it saved are unchanged); the layers' per-call updates are undone, then each layer
+    runs once on the concatenation of its inputs, without gradients.
+    """
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    seen: dict[int, list[Tensor]] = {id(m): [] for m in norms}
+    saved = [{k: v.clone() for k, v in m._buffers.items() if v is not None} for m in norms]
+
+    def record(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if module.training:
+            seen[id(module)].append(args[0].detach())
+
+    hooks = [m.register_forward_pre_hook(record) for m in norms]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with torch.no_grad():
+        for norm, state in zip(norms, saved):
+            for key, value in state.items():
+                norm.get_buffer(key).copy_(value)
+            if seen[id(norm)]:
+                norm(torch.cat(seen[id(norm)]))
+
+
+def reference_step(model: nn.Module, x: Tensor, y: Tensor, chunks: int = CHUNKS) -> Tensor:
+    """Single-process reference: the mean of per-micro-batch losses, back-propagated, and
+    BatchNorm statistics updated once from the whole mini-batch."""
+    pairs = zip(x.tensor_split(chunks), y.tensor_split(chunks))
+    with whole_batch_statistics(model):
+        loss = torch.stack([loss_fn(model(xb), yb) for xb, yb in pairs]).mean()
+        loss.backward()
+    return loss.detach()
+
+
+@dataclass
+class Run:
+    """How one rank's process ended."""
+
+    returncode: int | None
+    output: str
+    seconds: float
+
+
+def launch(
+    scenario: str, world: int, workdir: Path, limit: float = 60.0, wait_for: int | None = None
+) -> list[Run]:
+    """Starts ``world`` ranks of ``scenario``; waits for all (or rank ``wait_for``) to end,
+    at most ``limit`` seconds, then kills what is left (their return code is ``None``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    logs = [open(workdir / f"log{r}.txt", "w+") for r in range(world)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.support.dist_workers",
+                scenario,
+                str(workdir),
+                str(r),
+                str(world),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    ended = [0.0] * world
+    watched = procs if wait_for is None else [procs[wait_for]]
+    while time.monotonic() - start < limit and any(p.poll() is None for p in watched):
+        time.sleep(0.05)
+        for r, p in enumerate(procs):
+            if p.poll() is not None and not ended[r]:
+                ended[r] = time.monotonic() - start
+    runs = []
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            ended[r] = float("inf")
+        logs[r].seek(0)
+        runs.append(
+            Run(p.returncode if ended[r] != float("inf") else None, logs[r].read(), ended[r])
+        )
+        logs[r].close()
+    return runs
+
+
+def _grads(pipe: Any) -> dict[str, Tensor]:
+    return {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _train(pipe: Any, x: Tensor, y: Tensor) -> dict[str, Any]:
+    first = pipe.step(x, y)
+    grads = _grads(pipe)
+    pipe.step(x, y)  # no zero_grad: gradients must add up, not be rescaled
+    twice = _grads(pipe)
+    return {"loss": first, "grads": grads, "twice": twice, "balance": pipe.plan.balance}
+
+
+def _wrapped(schedule: str) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    x = x[:, :5]
+    pipe = DistributedPipeline(
+        make_residual(), x, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule
+    )
+    first = pipe.step(x, y)
+    grads = _grads(pipe)
+    state = pipe.gather_state_dict()
+    return {"loss": first, "grads": grads, "balance": pipe.plan.balance, "state": state}
+
+
+def _equal(rank: int, world: int) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planning.planner import evaluate
+    from profiler.profile import Profile
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    model = make_model()
+    pipe = DistributedPipeline(model, x, loss_fn=loss_fn, chunks=CHUNKS, schedule="gpipe")
+    results["gpipe"] = _train(pipe, x, y)
+    results["state"] = pipe.gather_state_dict()
+    # 1F1B on a given, deliberately uneven split (last stage gets one layer).
+    profile = Profile.from_dict(pipe.plan.profile)
+    balance = [1] * (world - 1) + [8 - (world - 1)]
+    balance[0], balance[-1] = balance[-1], balance[0]
+    given = evaluate(profile, balance, chunks=CHUNKS, schedule="1f1b")
+    pipe = DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, plan=given)
+    results["1f1b"] = _train(pipe, x, y)
+    # Zero bubble, one stage per rank: the backward split into input and weight gradients.
+    pipe = DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, schedule="zb")
+    results["zb"] = _train(pipe, x, y)
+    # Mismatches, reported on every rank before the first step.
+    errors = {}
+    other = make_model(width=16 if rank == 0 else 12)
+    try:
+        DistributedPipeline(other, x, loss_fn=loss_fn, chunks=CHUNKS, profile=profile)
+    except ValueError as exc:
+        errors["model"] = str(exc)
+    wrong = evaluate(profile, [4, 4] if world != 2 else [3, 3, 2], chunks=CHUNKS, schedule="1f1b")
+    try:
+        DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, plan=wrong)
+    except ValueError as exc:
+        errors["stages"] = str(exc)
+    try:
+        DistributedPipeline(make_model(), x, loss_fn=loss_fn, chunks=CHUNKS if rank else 3)
+    except ValueError as exc:
+        errors["argument"] = str(exc)
+    results["errors"] = errors
+    for schedule in ("gpipe", "1f1b"):
+        results[f"wrapped {schedule}"] = _wrapped(schedule)
+    results["calibration"] = _calibration()
+    results["uneven"] = _uneven()
+    results["checkpointed"] = _checkpointed()
+    results["searched"] = _searched()
+    return results
+
+
+def _searched() -> dict[str, Any]:
+    """The configuration the search ranks first, built on every rank."""
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    pipe = DistributedPipeline.from_search(make_model(), x, loss_fn=loss_fn)
+    result = _train(pipe, x, y)
+    plan = pipe.plan
+    result["config"] = (plan.num_devices, plan.data_parallel, plan.chunks, plan.virtual_stages)
+    result["notes"] = plan.notes
+    try:
+        DistributedPipeline.from_search(
+            make_model(), x, loss_fn=loss_fn, search_options={"memory": 100}
+        )
+    except ValueError as exc:
+        result["error"] = str(exc)
+    return result
+
+
+def _checkpointed() -> dict[str, Any]:
+    """Re-materialization in the stages (with BatchNorm): each mode and schedule."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.distributed.stage import StageModule
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    runs = [("always", "1f1b", 1), ("except_last", "gpipe", 1), ("auto", "1f1b", 1)]
+    runs.append(("except_last", "gpipe", 2))  # looped BFS: backwards in reverse
+    for mode, schedule, v in runs:
+        pipe = DistributedPipeline(
+            make_model(), x, schedule=schedule, checkpoint=mode, virtual_stages=v, **options
+        )
+        result = _train(pipe, x, y)
+        result["state"] = pipe.gather_state_dict()
+        stages = [m for m in pipe.module.modules() if isinstance(m, StageModule)]
+        result["checkpointed"] = [(m.checkpoint, m.checkpointed) for m in stages]
+        result["spared"] = [m.spared for m in stages]
+        result["plan"] = pipe.plan.checkpoint
+        results[f"{mode} {schedule}" + (f" x{v}" if v > 1 else "")] = result
+    try:
+        DistributedPipeline(make_model(), x, checkpoint="sometimes", **options)
+    except ValueError as exc:
+        results["error"] = str(exc)
+    return results
+
+
+def _uneven() -> dict[str, Any]:
+    """Micro-batches of unequal size (padded for torch's stages), and BatchNorm refused."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planning.planner import evaluate
+    from profiler.profile import Profile
+
+    x, y = make_batch()
+    x, y = x[:UNEVEN], y[:UNEVEN]
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    pipe = DistributedPipeline(make_model(batchnorm=False), x, schedule="1f1b", **options)
+    results: dict[str, Any] = {"sequential": _train(pipe, x, y)}
+    # The plan times every micro-batch at the padded size, as they run.
+    profile = Profile.from_dict(pipe.plan.profile)
+    same = {"chunks": CHUNKS, "schedule": "1f1b", "checkpoint": "never"}
+    results["plan"] = [
+        [stage.compute for stage in plan.stages]
+        for plan in (
+            pipe.plan,
+            evaluate(profile, pipe.plan.balance, padded=True, **same),
+            evaluate(profile, pipe.plan.balance, batch=4 * CHUNKS, **same),  # 4 rows each
+        )
+    ]
+    pipe = DistributedPipeline(make_residual(), x[:, :5], schedule="gpipe", **options)
+    results["wrapped"] = {"loss": pipe.step(x[:, :5], y), "grads": _grads(pipe)}
+    try:
+        DistributedPipeline(make_model(), x, **options)
+    except ValueError as exc:
+        results["batchnorm"] = str(exc)
+    return results
+
+
+def _calibration() -> dict[str, Any]:
+    from autopipe.distributed.calibration import calibrate_ranks
+    from autopipe.planning.planner import plan
+    from profiler.measure import profile_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8))
+    x = torch.randn(8, 8)
+    profile = profile_model(model, x, chunks=2, warmup=0, repeats=1, cold_cache=False)
+    values = calibrate_ranks(profile, repeats=3, model=model, sample=x, virtual_stages=2)
+    replicated = plan(profile, 1, data_parallel=2, checkpoint="never")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"values": values, "allreduce": replicated.allreduce, "params": params}
+
+
+def _replica_train(pipe: Any, x: Tensor, y: Tensor, rows: slice) -> dict[str, Any]:
+    """Two global steps, the state, a step on this replica's shard, one on unequal grads."""
+    result = _train(pipe, x, y)
+    result["state"] = pipe.gather_state_dict()
+    result["own state"] = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+    pipe.module.zero_grad()
+    result["shard loss"] = pipe.step(x[rows], y[rows])
+    result["shard"] = _grads(pipe)
+    # Earlier gradients that differ between replicas stay; only the step's are averaged.
+    for p in pipe.module.parameters():
+        p.grad = torch.full_like(p, float(pipe.replica_index + 1))
+    pipe.step(x, y)
+    result["unequal"] = _grads(pipe)
+    return result
+
+
+def _replicas(rank: int, world: int) -> dict[str, Any]:
+    """D=2 replicas of a K=world/2 stage pipeline."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planning.planner import evaluate
+    from profiler.profile import Profile
+
+    d, k = 2, world // 2
+    x, y = make_batch()
+    b = BATCH // d
+    rows = slice(rank // k * b, (rank // k + 1) * b)
+    results: dict[str, Any] = {}
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": REPLICA_CHUNKS}
+    pipe = DistributedPipeline(make_model(), x, schedule="gpipe", data_parallel=d, **options)
+    plan = pipe.plan
+    results["layout"] = (plan.data_parallel, plan.batch_size, pipe.batch_size, repr(pipe))
+    results["gpipe"] = _replica_train(pipe, x, y, rows)
+    # 1F1B on a given uneven split; the plan brings D, and its batch size marks the sample
+    # (8 rows, a multiple of D·chunks, so global by size alone) as this replica's shard.
+    profile = Profile.from_dict(plan.profile)
+    balance = [8 - (k - 1)] + [1] * (k - 1)
+    given = evaluate(
+        profile, balance, chunks=REPLICA_CHUNKS, schedule="1f1b", data_parallel=d, batch=BATCH
+    )
+    pipe = DistributedPipeline(make_model(), x[rows], plan=given, **options)
+    results["1f1b"] = _replica_train(pipe, x, y, rows)
+    errors = {}
+    try:
+        pipe.step(x[:4], y[:4])
+    except ValueError as exc:
+        errors["step"] = str(exc)
+    cases = {
+        "world": {"data_parallel": 3},
+        "plan": {"data_parallel": d, "plan": evaluate(profile, balance, chunks=REPLICA_CHUNKS)},
+        "ranks": {"data_parallel": d if rank else 1},
+    }
+    for name, case in cases.items():
+        try:
+            DistributedPipeline(make_model(), x, **options, **case)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    results["errors"] = errors
+    return results
+
+
+def _virtual(rank: int) -> dict[str, Any]:
+    """Two virtual stages per rank (K·v stages), both schedules, and the checks of v."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planning.planner import evaluate
+    from autopipe.planning.simulation import makespan, simulate
+    from profiler.profile import Profile
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    options: dict[str, Any] = {"loss_fn": loss_fn, "virtual_stages": 2}
+    for schedule in ("gpipe", "1f1b", "zb"):
+        pipe = DistributedPipeline(make_model(), x, chunks=CHUNKS, schedule=schedule, **options)
+        result = _train(pipe, x, y)
+        result["state"] = pipe.gather_state_dict()
+        result["layout"] = (pipe.stage_indices, pipe.is_first, pipe.is_last, repr(pipe))
+        result["optimized"] = sum(p.numel() for p in pipe.module.parameters())
+        plan = pipe.plan
+        result["plan"] = (plan.virtual_stages, plan.step_time, makespan(simulate(plan)))
+        results[schedule] = result
+    profile = Profile.from_dict(pipe.plan.profile)
+    errors = {}
+    cases = {
+        "stages": {"plan": evaluate(profile, [4, 4], chunks=CHUNKS), "sample": x},
+        "chunks": {"chunks": 5, "sample": x[:10]},  # 2 rounds of 2 or 3 micro-batches
+        "ranks": {"virtual_stages": 2 if rank else 3, "sample": x},
+        "planned": {"plan": evaluate(profile, [2] * 4, chunks=CHUNKS, virtual_stages=4)},
+    }
+    for name, case in cases.items():
+        case = {"chunks": CHUNKS, "profile": profile, "sample": x, **options, **case}
+        try:
+            DistributedPipeline(make_model(), case.pop("sample"), **case)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    results["errors"] = errors
+    return results
+
+
+def _autocast() -> dict[str, Any]:
+    """Profiled and trained under bfloat16 autocast; a step under an autocast the pipeline
+    was not built for is refused (its stages would exchange float32-sized buffers)."""
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = DistributedPipeline(
+            make_model(), x, schedule=schedule, autocast="bfloat16", **options
+        )
+        loss = pipe.step(x, y)
+        results[schedule] = {"loss": loss, "grads": _grads(pipe), "plan": pipe.plan.profile}
+    plain = DistributedPipeline(make_model(), x, **options)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain.step(x, y)
+    except ValueError as exc:
+        results["refused"] = str(exc)
+    return results
+
+
+def _failing(rank: int, world: int, stay: bool) -> None:
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+
+    calls = []
+
+    def broken(output: Tensor, target: Tensor) -> Tensor:
+        calls.append(1)
+        if len(calls) > CHUNKS:  # fails in the second step
+            raise RuntimeError("deliberate failure in the loss")
+        return loss_fn(output, target)
+
+    options: dict[str, Any] = {"loss_fn": broken, "chunks": CHUNKS, "schedule": "1f1b"}
+    if stay:
+        # A group with a short timeout, made once every rank is up (a slow start must not
+        # time out), and a profile measured here: no rank waits long during setup.
+        from profiler.measure import profile_model
+
+        options["group"] = dist.new_group([0, 1], timeout=timedelta(seconds=STUCK_TIMEOUT))
+        options["profile"] = profile_model(make_model(), x, chunks=CHUNKS, repeats=1)
+    pipe = DistributedPipeline(make_model(), x, **options)
+    pipe.step(x, y)
+    try:
+        pipe.step(x, y)
+    except RuntimeError:
+        if stay and pipe.is_last:
+            time.sleep(120)  # alive but stuck: only the group's timeout frees the others
+        raise
+
+
+class TwoInputs(nn.Module):
+    """Two positional inputs, both taken by its first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Bilinear(8, 3, 16)
+        self.act = nn.Tanh()
+        self.hidden = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.out(self.act(self.hidden(self.act(self.first(a, b)))))
+
+
+class Concat(nn.Module):
+    """Takes a tuple as its one argument, as nn.Sequential passes it."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return torch.cat(pair, dim=1)
+
+
+def make_concat() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Concat(), nn.Linear(11, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _samples(options: dict[str, Any]) -> dict[str, Any]:
+    """Samples are the model's positional inputs, model(*sample), on every kind of model;
+    each model is profiled on rank 0."""
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    b = make_batch(seed=3)[1]
+    results: dict[str, Any] = {}
+    runs = {
+        "one tensor in a tuple": (make_model(), (x,), [(x,), x]),
+        "two inputs": (TwoInputs(), (x, b), [(x, b)]),
+        "one tuple": (make_concat(), ((x, b),), [((x, b),)]),
+    }
+    for name, (model, sample, steps) in runs.items():
+        pipe = DistributedPipeline(model, sample, **options)
+        losses = [pipe.step(inputs, y) for inputs in steps]
+        results[name] = {"losses": losses, "grads": _grads(pipe)}
+    try:
+        DistributedPipeline(make_model(), (x, b), **options)
+    except ValueError as exc:
+        results["several inputs"] = str(exc)
+    return results
+
+
+class Unmovable(Tensor):
+    """A tensor that fails to move to a device, as a batch may (out of memory)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is Tensor.to:
+            raise RuntimeError("deliberate failure moving the inputs")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _validity(rank: int) -> dict[str, Any]:
+    """Steps refused on one rank or on every rank: each is refused on every rank before it
+    sends anything, and the next good step is exact. A short group timeout turns a rank
+    left waiting on a refused step into a failure instead of a long hang."""
+    from autopipe.distributed import DistributedPipeline
+    from profiler.measure import profile_model
+
+    x, y = make_batch()
+    x2, y2 = make_batch(seed=2)
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    options["group"] = dist.new_group([0, 1], timeout=timedelta(seconds=STUCK_TIMEOUT))
+    options["profile"] = profile_model(make_model(), x, chunks=CHUNKS, repeats=1)
+    results: dict[str, Any] = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = DistributedPipeline(make_model(), x, schedule=schedule, **options)
+        last = pipe.is_last
+        cases = {
+            "bad batch on rank 0": (x[:5] if rank == 0 else x, y),
+            "failure moving the inputs on rank 0": (x.as_subclass(Unmovable), y),
+            "wrong feature size": (x[:, :5], y),
+            "wrong dtype": (x.double(), y),
+            "bad target on the last rank": (x, y[:5] if last else y),
+            "target tuple on the last rank": (x, (y, y) if last else y),
+        }
+        errors: dict[str, tuple[str, str] | None] = {}
+        losses = []
+        for name, (inputs, target) in cases.items():
+            try:
+                pipe.step(inputs, target)
+                errors[name] = None
+            except (ValueError, RuntimeError) as exc:
+                errors[name] = (type(exc).__name__, str(exc))
+            if name == "bad batch on rank 0":  # the next step, as a caller would retry
+                losses.append(pipe.step(x2, y2))
+        losses.append(pipe.step(x2, y2))
+        results[schedule] = {"errors": errors, "losses": losses, "grads": _grads(pipe)}
+    results["samples"] = _samples({"loss_fn": loss_fn, "chunks": CHUNKS})  # the world group
+    return results
+
+
+class BatchNormCNN(nn.Module):
+    """Conv-BatchNorm-ReLU blocks with a residual, and a BatchNorm1d head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.block = nn.Sequential(
+            nn.Conv2d(6, 6, 3, padding=1),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.Conv2d(6, 6, 3, padding=1),
+            nn.BatchNorm2d(6, momentum=None),  # a cumulative average
+        )
+        self.head = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.stem(x)
+        y = torch.relu(y + self.block(y))
+        return self.head(y.mean((2, 3)))
+
+
+def make_bn_cnn() -> BatchNormCNN:
+    torch.manual_seed(0)
+    return BatchNormCNN()
+
+
+def image_batches(steps: int = 3) -> list[tuple[Tensor, Tensor]]:
+    """One mini-batch of BATCH 3×6×6 images and targets per step, each of another scale."""
+    generator = torch.Generator().manual_seed(2)
+    return [
+        (
+            torch.randn(BATCH, 3, 6, 6, generator=generator) * (1 + step) + step,
+            torch.randn(BATCH, 3, generator=generator),
+        )
+        for step in range(steps)
+    ]
+
+
+def _batchnorm(world: int) -> dict[str, Any]:
+    """Deferred BatchNorm statistics on each schedule, re-computed, turned off, and with
+    D=2 replicas (on 4 ranks: momentum=None, re-computed, the global mini-batch)."""
+    import warnings
+
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = make_batch()
+    results: dict[str, Any] = {}
+    if world == 4:
+        model = make_model()
+        model[3].momentum = None
+        pipe = DistributedPipeline(
+            model,
+            x,
+            loss_fn=loss_fn,
+            chunks=REPLICA_CHUNKS,
+            schedule="1f1b",
+            checkpoint="always",
+            data_parallel=2,
+        )
+        pipe.step(x, y)
+        pipe.step(x * 2 + 1, y)
+        own = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        results["replicas"] = {"state": pipe.gather_state_dict(), "own": own}
+        return results
+    runs = {"gpipe": ("gpipe", "never"), "1f1b": ("1f1b", "never")}
+    runs["1f1b always"] = ("1f1b", "always")
+    for key, (schedule, mode) in runs.items():
+        pipe = DistributedPipeline(
+            make_model(), x, loss_fn=loss_fn, chunks=CHUNKS, schedule=schedule, checkpoint=mode
+        )
+        result = _train(pipe, x, y)
+        result["state"] = pipe.gather_state_dict()
+        results[key] = result
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = DistributedPipeline(
+            model, x, loss_fn=loss_fn, chunks=CHUNKS, deferred_batch_norm=False
+        )
+    pipe.step(x, y)
+    results["per micro-batch"] = {
+        "state": pipe.gather_state_dict(),
+        "warnings": [str(w.message) for w in caught],
+        "classes": [type(m).__name__ for m in model.modules()],
+    }
+    return results
+
+
+def _batchnorm_training() -> dict[str, Any]:
+    """The BatchNorm CNN trained 3 SGD steps with momentum, in 4 micro-batches and in 1."""
+    from autopipe.distributed import DistributedPipeline
+
+    batches = image_batches()
+    results: dict[str, Any] = {}
+    for chunks, schedule in ((CHUNKS, "1f1b"), (1, "gpipe")):
+        pipe = DistributedPipeline(
+            make_bn_cnn(), batches[0][0], loss_fn=loss_fn, chunks=chunks, schedule=schedule
+        )
+        optimizer = torch.optim.SGD(pipe.module.parameters(), lr=0.05, momentum=0.9)
+        for x, y in batches:
+            pipe.step(x, y)
+            optimizer.step()
+            optimizer.zero_grad()
+        results[f"chunks={chunks}"] = pipe.gather_state_dict()
+    return results
+
+
+def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
+    init_rank(workdir, rank, world, minutes=1.0)  # one thread, gloo, file store
+    if scenario == "equal":
+        torch.save(_equal(rank, world), workdir / f"rank{rank}.pt")
+    elif scenario == "virtual":
+        torch.save(_virtual(rank), workdir / f"rank{rank}.pt")
+    elif scenario == "autocast":
+        torch.save(_autocast(), workdir / f"rank{rank}.pt")
+    elif scenario == "replicas":
+        torch.save(_replicas(rank, world), workdir / f"rank{rank}.pt")
+    elif scenario == "validity":
+        torch.save(_validity(rank), workdir / f"rank{rank}.pt")
+    elif scenario == "batchnorm":
+        torch.save(_batchnorm(world), workdir / f"rank{rank}.pt")
+    elif scenario == "batchnorm-training":
+        torch.save(_batchnorm_training(), workdir / f"rank{rank}.pt")
+    elif scenario in ("raise", "stuck"):
+        _failing(rank, world, stay=scenario == "stuck")
+    # Every rank leaves together and closes the group: a gloo group torn down by interpreter
+    # exit while a peer still talks to it can abort the process.
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
