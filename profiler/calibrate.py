@@ -19,13 +19,6 @@ __all__ = ["DEFAULT_SIZES", "measure_bandwidth", "store_calibration"]
 DEFAULT_SIZES = (1 << 20, 4 << 20, 16 << 20)
 
 
-def _synchronize(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_bandwidth(
     source: str = "cpu",
     target: str = "cpu",
@@ -54,6 +47,8 @@ def measure_bandwidth(
     """
     import torch
 
+    from profiler.devices import synchronize
+
     if not sizes or repeats < 1:
         raise ValueError("need at least one size and one repeat")
     src, dst = torch.device(source), torch.device(target)
@@ -64,11 +59,11 @@ def measure_bandwidth(
         out = torch.empty(count, dtype=torch.float32, device=dst)
         samples = []
         for i in range(warmup + repeats):
-            _synchronize(src)
-            _synchronize(dst)
+            synchronize(src)
+            synchronize(dst)
             start = time.perf_counter()
             out.copy_(data)
-            _synchronize(dst)
+            synchronize(dst)
             if i >= warmup:
                 samples.append(time.perf_counter() - start)
         times.append(statistics.median(samples))

@@ -13,6 +13,7 @@ import torch
 from scipy.optimize import nnls
 from torch import Tensor, nn
 
+from profiler.devices import synchronize
 from profiler.layer import as_tensors
 from profiler.measure import sample_arguments, sequential_inputs_problem
 from profiler.precision import autocast_pass
@@ -21,11 +22,6 @@ from profiler.profile import Profile
 __all__ = ["chunk_counts", "measure_compute_scale"]
 
 FIGURES = ("forward", "backward")
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _step(
@@ -141,12 +137,12 @@ def measure_compute_scale(
         for i in range(warmup + repeats):
             for m in counts:  # round-robin: load changes hit every count alike
                 replica.zero_grad(set_to_none=True)
-                _synchronize(device)
+                synchronize(device)
                 if sync is not None:
                     sync()
                 start = time.perf_counter()
                 _step(layers, runs[m], device, profile.autocast, packed)
-                _synchronize(device)
+                synchronize(device)
                 if i >= warmup:
                     samples[m].append(time.perf_counter() - start)
     del replica

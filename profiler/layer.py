@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from profiler.devices import synchronize
 from profiler.precision import autocast_pass
 
 __all__ = [
@@ -100,13 +101,6 @@ def _leaf(tensor: Tensor) -> Tensor:
 def _targets(outputs: tuple[Tensor, ...]) -> list[Tensor]:
     """The outputs backward starts from."""
     return [t for t in outputs if t.requires_grad and (t.is_floating_point() or t.is_complex())]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 # Bytes written between timed passes to evict the caches: more than a CPU's last-level
@@ -201,18 +195,18 @@ class _Pass:
             backward = events[2].elapsed_time(events[3]) / 1e3 if targets else 0.0
             return events[0].elapsed_time(events[1]) / 1e3, backward
         self.flush()
-        _synchronize(self.device)
+        synchronize(self.device)
         t0 = time.perf_counter()
         targets = self.forward(args)
-        _synchronize(self.device)
+        synchronize(self.device)
         t1 = time.perf_counter()
         if not targets:
             return t1 - t0, 0.0
         self.flush()
-        _synchronize(self.device)
+        synchronize(self.device)
         t2 = time.perf_counter()
         self.backward(targets)
-        _synchronize(self.device)
+        synchronize(self.device)
         return t1 - t0, time.perf_counter() - t2
 
     def timed_input(self) -> float:
@@ -224,11 +218,11 @@ class _Pass:
         if not targets or not wanted:
             return 0.0
         self.flush()
-        _synchronize(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         with self.region():
             torch.autograd.grad(targets, wanted, self.grads, allow_unused=True)
-        _synchronize(self.device)
+        synchronize(self.device)
         return time.perf_counter() - start
 
     def saved(self, exclude: AbstractSet[int]) -> tuple[int, int, int]:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from profiler.devices import resolve_device
 from profiler.layer import CacheFlush, as_tensors, measure_layer, state_storages, tensor_bytes
 from profiler.pooling import layer_signature, pool_identical
 from profiler.precision import autocast_pass, check_autocast, current_autocast
@@ -128,12 +129,9 @@ def _resize(tensors: Inputs, size: int, device: torch.device) -> Inputs:
 
 def _device(device: str | torch.device) -> torch.device:
     dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {dev} requested but CUDA is not available")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {dev} requested but CUDA is not available")
+    return resolve_device(dev)
 
 
 def _device_name(device: torch.device) -> str:
