@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, NoReturn
 from autopipe import __version__
 from autopipe.cli.plan import plan_command
 from autopipe.cli.search import add_calibrate_parser, add_search_options
-from autopipe.planning.balance import STRATEGIES
-from autopipe.planning.cost_model import ALL_SCHEDULES, CHECKPOINT_MODES, optimizer_factor
+from autopipe.planning.cost_model import optimizer_factor
+from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES, STRATEGIES
 from autopipe.planning.planner import CHUNKS_PER_STAGE, default_chunks
 from autopipe.planning.quantities import parse_bytes, parse_rate
 from profiler.precision import AUTOCAST_DTYPES, DTYPES, check_autocast, check_dtype

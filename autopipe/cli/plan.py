@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from autopipe.errors import PlanningError
-from autopipe.planning.balance import STRATEGIES
+from autopipe.planning.names import STRATEGIES
 
 if TYPE_CHECKING:
     from autopipe.planning.plans import Plan

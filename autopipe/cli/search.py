@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from autopipe.planning.cost_model import SCHEDULES
+from autopipe.planning.names import SCHEDULES
 from autopipe.planning.quantities import format_bytes, format_time
 
 __all__ = ["add_calibrate_parser", "add_search_options", "calibrate_command", "search_command"]
@@ -100,7 +100,8 @@ def _check_search_options(args: argparse.Namespace) -> None:
 def search_command(args: argparse.Namespace) -> int:
     """Ranks the configurations of ``--devices`` devices, prints them and the best plan."""
     from autopipe.cli import app as cli
-    from autopipe.planning.config_search import SEARCH_CHECKPOINTS, search
+    from autopipe.planning.config_search import search
+    from autopipe.planning.names import SEARCH_CHECKPOINTS
     from autopipe.planning.report import render_plan, render_search
 
     _check_search_options(args)

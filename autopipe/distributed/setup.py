@@ -17,6 +17,7 @@ from autopipe.distributed.padding import rows_mixing_layer
 from autopipe.distributed.prepared import shared_state
 from autopipe.distributed.stage import LossRecorder, compare_fingerprints, layer_output_specs
 from autopipe.distributed.virtual import check_virtual
+from autopipe.planning.names import ALL_SCHEDULES
 from autopipe.planning.planner import plan as make_plan
 from autopipe.planning.plans import Plan
 from profiler.measure import profile_model
@@ -40,7 +41,7 @@ __all__ = [
     "share_setup",
 ]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "zb")
+SCHEDULE_NAMES = ALL_SCHEDULES  # every schedule the distributed runner executes
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 

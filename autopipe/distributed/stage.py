@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from autopipe.microbatching.recomputation import recomputing
-from autopipe.planning.cost_model import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
+from autopipe.planning.names import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from profiler.precision import autocast_pass
 
 __all__ = [

@@ -13,6 +13,7 @@ from torch import nn
 from autopipe.gpipe.microbatch import TensorOrTensors, check, gather, scatter
 from autopipe.gpipe.pipeline import Pipeline
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
+from autopipe.planning.names import FIXED_CHECKPOINT_MODES
 
 if TYPE_CHECKING:
     from autopipe.planning.plans import Plan
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
 __all__ = ["GPipe"]
 
 Device = torch.device | str | int
-CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 def _moving_denied() -> TypeError:
@@ -65,8 +65,10 @@ def _validate(
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
-    if any(mode not in CHECKPOINT_MODES for mode in modes):
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    if any(mode not in FIXED_CHECKPOINT_MODES for mode in modes):
+        raise ValueError(
+            f"checkpoint must be one of {FIXED_CHECKPOINT_MODES}, got {checkpoint!r}"
+        )
     if not isinstance(checkpoint, str) and len(modes) != len(balance):
         raise ValueError(
             f"checkpoint has {len(modes)} modes but there are {len(balance)} partitions"

@@ -21,7 +21,8 @@ from autopipe.graph.stage_modules import UnitSequential
 from autopipe.graph.units import GRANULARITIES
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
-from autopipe.planning.planner import MemorySpec, default_chunks
+from autopipe.planning.plan_settings import MemorySpec
+from autopipe.planning.planner import default_chunks
 from autopipe.planning.planner import plan as make_plan
 from profiler.measure import profile_layers
 from profiler.precision import check_autocast

@@ -9,11 +9,11 @@ import numpy as np
 
 from autopipe.errors import PlanningError
 from autopipe.planning.minmax import minmax_partition
+from autopipe.planning.names import STRATEGIES
 from autopipe.planning.quantities import parse_bytes
 
-__all__ = ["STRATEGIES", "partition"]
+__all__ = ["baseline_balance", "partition"]
 
-STRATEGIES = ("optimal", "uniform", "parameters", "blockpartition")
 
 Capacity = float | str | Sequence[float | str] | None
 

@@ -39,21 +39,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopipe.errors import PlanningError
-from autopipe.planning.cost_model import CHECKPOINT_MODES, SCHEDULES, CostModel
+from autopipe.planning.cost_model import CostModel
 from autopipe.planning.exact import solve_split, split_value
 from autopipe.planning.interleaved_balance import pipeline_time
 from autopipe.planning.intervals import IntervalSolver
-from autopipe.planning.planner import check_profile, describe, interleaved_balance
+from autopipe.planning.names import CHECKPOINT_MODES, SCHEDULES, SEARCH_CHECKPOINTS
+from autopipe.planning.plan_settings import check_profile
+from autopipe.planning.planner import describe, interleaved_balance
 from autopipe.planning.plans import Plan
-from autopipe.planning.quantities import parse_bytes, parse_rate
+from autopipe.planning.quantities import parse_bytes
 from autopipe.planning.screening import Relaxation
 from autopipe.planning.search_notes import annotate, explain_infeasible
 from autopipe.planning.search_space import Config, Space, chunk_options, configurations
 from profiler.profile import Profile
 
-__all__ = ["SEARCH_CHECKPOINTS", "Config", "chunk_options", "search"]
+__all__ = ["Config", "chunk_options", "search"]
 
-SEARCH_CHECKPOINTS = ("never", "except_last", "always", "auto")
 _RTOL = 1e-9
 
 
@@ -158,10 +159,8 @@ def search(
     space = Space(
         profile,
         capacity=capacity,
-        bandwidth=None if bandwidth is None else parse_rate(bandwidth),
-        allreduce_bandwidth=None
-        if allreduce_bandwidth is None
-        else parse_rate(allreduce_bandwidth, "allreduce_bandwidth"),
+        bandwidth=bandwidth,
+        allreduce_bandwidth=allreduce_bandwidth,
         optimizer=optimizer,
     )
     if isinstance(virtual_stages, int):

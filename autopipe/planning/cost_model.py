@@ -52,14 +52,11 @@ from autopipe.planning.layer_costs import (
     ProfileLines,
     optimizer_factor,
 )
+from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from autopipe.planning.schedule_replay import RECOMPUTE_CODES
 
 __all__ = [
-    "ALL_SCHEDULES",
-    "CHECKPOINT_MODES",
-    "FIXED_CHECKPOINT_MODES",
     "OPTIMIZER_STATES",
-    "SCHEDULES",
     "WEIGHT_SHARE",
     "CostModel",
     "LayerCosts",
@@ -68,13 +65,6 @@ __all__ = [
     "optimizer_factor",
 ]
 
-CHECKPOINT_MODES = ("always", "except_last", "never", "auto")
-# The fixed modes, fastest first; ``auto`` chooses from the first two.
-FIXED_CHECKPOINT_MODES = ("never", "except_last", "always")
-SCHEDULES = ("gpipe", "1f1b")
-# Every schedule a plan can be made for: ``zb`` (torch's ScheduleInterleavedZeroBubble)
-# runs on the distributed runner only and is valued by its replayed order.
-ALL_SCHEDULES = (*SCHEDULES, "zb")
 # Share of a layer's backward that computes its weights' gradients (zero bubble defers
 # it), for profiles that did not time the input's gradient alone: for a linear layer the
 # input's and the weights' gradients are one matrix product each, so half; a layer

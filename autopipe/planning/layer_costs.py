@@ -17,7 +17,7 @@ __all__ = [
     "OPTIMIZER_STATES",
     "LayerCosts",
     "ProfileLines",
-    "calibration",
+    "calibrated_figures",
     "compute_scale",
     "optimizer_factor",
 ]
@@ -43,7 +43,7 @@ CALIBRATED = (
 )
 
 
-def calibration(profile: Profile) -> dict[str, float]:
+def calibrated_figures(profile: Profile) -> dict[str, float]:
     """The executor overhead, link figures and compute scale measured for the profile.
 
     ``autopipe calibrate`` stores them under ``profile.meta["calibration"]`` as
@@ -81,7 +81,8 @@ def compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]:
         ``(fixed_scale, compute_scale)``.
     """
     # Beyond a thousandfold a scale is a measurement gone wrong, not a slow cache.
-    found = {k: v for k, v in calibration(profile).items() if k.endswith("scale") and v < 1e3}
+    measured = calibrated_figures(profile)
+    found = {k: v for k, v in measured.items() if k.endswith("scale") and v < 1e3}
     prefix = "alone_" if alone and "alone_compute_scale" in found else ""
     per_sample = found.get(f"{prefix}compute_scale", 1.0)
     fixed = found.get(f"{prefix}fixed_scale", per_sample)

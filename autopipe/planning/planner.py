@@ -5,35 +5,31 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
-from os import PathLike
 from typing import Any
 
 import numpy as np
 
 from autopipe.errors import PlanningError
-from autopipe.planning.balance import STRATEGIES, baseline_balance
-from autopipe.planning.cost_model import CostModel, ProfileLines, optimizer_factor
-from autopipe.planning.devices import DeviceSpec, make_devices
+from autopipe.planning.balance import baseline_balance
+from autopipe.planning.cost_model import CostModel
+from autopipe.planning.devices import DeviceSpec
 from autopipe.planning.exact import optimal_split, step_time
 from autopipe.planning.interleaved_balance import interleaved_split, pipeline_time
 from autopipe.planning.interleaving import rank_stages
-from autopipe.planning.layer_costs import calibration
+from autopipe.planning.names import STRATEGIES
+from autopipe.planning.plan_settings import MemorySpec, PlanSettings, build_model, check_profile
 from autopipe.planning.plans import Plan, StagePlan
-from autopipe.planning.quantities import format_bytes, parse_rate
+from autopipe.planning.quantities import format_bytes
 from profiler.profile import Profile
 
 __all__ = [
-    "build_model",
-    "calibration",
-    "check_profile",
+    "CHUNKS_PER_STAGE",
     "default_chunks",
     "describe",
     "evaluate",
     "interleaved_balance",
     "plan",
 ]
-
-MemorySpec = int | str | Sequence[int | str | None] | None
 
 # GPipe's rule of thumb: M >= 4K micro-batches keeps the bubble under about 20%.
 CHUNKS_PER_STAGE = 4
@@ -44,117 +40,6 @@ def default_chunks(stages: int, batch_size: int) -> int:
     with at least two samples per micro-batch where the mini-batch has two (batch norm
     cannot train on micro-batches of one sample)."""
     return max(1, min(CHUNKS_PER_STAGE * stages, batch_size // 2))
-
-
-def check_profile(profile: object, caller: str) -> None:
-    """Refuses anything but a :class:`Profile` where ``caller()`` takes one.
-
-    Raises:
-        TypeError: ``profile`` is a path, a dict or anything else.
-    """
-    if isinstance(profile, Profile):
-        return
-    if isinstance(profile, (str, PathLike)):
-        raise TypeError(
-            f"{caller}() takes a Profile, not the path {str(profile)!r}; load it with "
-            f"Profile.load({str(profile)!r})"
-        )
-    if isinstance(profile, dict):
-        raise TypeError(
-            f"{caller}() takes a Profile, not a dict; convert it with Profile.from_dict(data)"
-        )
-    raise TypeError(
-        f"{caller}() takes a Profile, got {type(profile).__name__}; measure one with "
-        "profiler.profile_model(model, sample) or load one with Profile.load('file.json')"
-    )
-
-
-def _batch(profile: Profile, batch: int | None, data_parallel: int) -> int:
-    """Samples per replica: ``ceil(batch / D)``."""
-    total = profile.batch_size if batch is None else batch
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise ValueError(f"batch must be a positive integer, got {total!r}")
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int):
-        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
-    if not 1 <= data_parallel <= total:
-        raise ValueError(
-            f"data_parallel must be between 1 and the batch ({total}), got {data_parallel}"
-        )
-    return math.ceil(total / data_parallel)
-
-
-def build_model(
-    profile: Profile,
-    devices: int | Sequence[DeviceSpec | str] = 2,
-    *,
-    chunks: int | None = None,
-    memory: MemorySpec = None,
-    checkpoint: str = "except_last",
-    schedule: str = "gpipe",
-    optimizer: str | float = "adam",
-    bandwidth: float | str | None = None,
-    data_parallel: int = 1,
-    batch: int | None = None,
-    allreduce_bandwidth: float | str | None = None,
-    overhead: float | None = None,
-    virtual_stages: int = 1,
-    padded: bool = False,
-) -> CostModel:
-    """The cost model :func:`plan` optimizes, for the same arguments."""
-    check_profile(profile, "plan")
-    measured = calibration(profile)
-    bandwidth = measured.get("bandwidth") if bandwidth is None else parse_rate(bandwidth)
-    if allreduce_bandwidth is None:
-        allreduce_bandwidth = measured.get("allreduce_bandwidth", bandwidth)
-    else:
-        allreduce_bandwidth = parse_rate(allreduce_bandwidth, "allreduce_bandwidth")
-    specs = make_devices(
-        devices,
-        memory=memory,
-        bandwidth=bandwidth,
-        name=profile.device,
-        latency=measured.get("latency_s"),
-    )
-    m = profile.chunks if chunks is None else chunks
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"chunks must be a positive integer, got {m!r}")
-    replica = _batch(profile, batch, data_parallel)
-    micro = math.ceil(replica / m)
-    # A mini-batch smaller than M yields fewer, single-sample micro-batches.
-    effective = math.ceil(replica / micro)
-    if (
-        isinstance(virtual_stages, bool)
-        or not isinstance(virtual_stages, int)
-        or virtual_stages < 1
-    ):
-        raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
-    if not isinstance(padded, bool):  # "no" would read as True
-        raise TypeError(f"padded must be True or False, got {padded!r}")
-    alone = len(specs) // max(virtual_stages, 1) * data_parallel == 1
-    lines = ProfileLines.from_profile(profile, alone)
-    # Micro-batches of uneven size take the mean size's time in all, unless the runner pads
-    # each to the largest.
-    costs = lines.at(micro, time_batch=micro if padded else replica / effective)
-    return CostModel(
-        costs,
-        specs,
-        effective,
-        checkpoint,
-        schedule,
-        optimizer_factor(optimizer),
-        overhead=_overhead(measured, virtual_stages, schedule) if overhead is None else overhead,
-        data_parallel=data_parallel,
-        allreduce_bandwidth=allreduce_bandwidth,
-        virtual_stages=virtual_stages,
-    )
-
-
-def _overhead(measured: dict[str, float], virtual_stages: int, schedule: str) -> float:
-    """The runner's calibrated seconds per stage and micro-batch: torch runs virtual
-    stages and zero bubble on another runtime, measured apart when calibrated for them."""
-    if (virtual_stages > 1 or schedule == "zb") and "virtual_overhead_s" in measured:
-        return measured["virtual_overhead_s"]
-    return measured.get("overhead_s", 0.0)
 
 
 def plan(
@@ -217,31 +102,27 @@ def plan(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    options: dict[str, Any] = {
-        "data_parallel": data_parallel,
-        "batch": batch,
-        "virtual_stages": virtual_stages,
-        "padded": padded,
-    }
-    model = build_model(
-        profile,
-        devices,
+    settings = PlanSettings(
         chunks=chunks,
         memory=memory,
         checkpoint=checkpoint,
         schedule=schedule,
         optimizer=optimizer,
         bandwidth=bandwidth,
+        data_parallel=data_parallel,
+        batch=batch,
         allreduce_bandwidth=allreduce_bandwidth,
         overhead=overhead,
-        **options,
+        virtual_stages=virtual_stages,
+        padded=padded,
     )
+    model = build_model(profile, devices, settings)
     if model.num_stages > model.num_layers:
         raise PlanningError(
             f"cannot split {model.num_layers} layers into {model.num_stages} non-empty stages; "
             f"use at most {model.num_layers} stages"
         )
-    if strategy == "optimal" and replayed(model):
+    if strategy == "optimal" and _replayed(model):
         balance = interleaved_balance(model)
     elif strategy == "optimal":
         balance = optimal_split(model)
@@ -262,7 +143,7 @@ def plan(
     return result
 
 
-def replayed(model: CostModel) -> bool:
+def _replayed(model: CostModel) -> bool:
     """Whether the model's step is its schedule's order replayed (virtual stages, zero
     bubble) rather than GPipe's formula."""
     return model.virtual_stages > 1 or model.schedule == "zb"
@@ -323,16 +204,15 @@ def evaluate(
         isinstance(b, bool) or not isinstance(b, int) for b in balance
     ):
         raise ValueError(f"balance must be a list of layer counts per stage, got {balance!r}")
-    model = build_model(
-        profile, len(balance) if devices is None else devices, optimizer=optimizer, **kwargs
-    )
+    settings = PlanSettings(optimizer=optimizer, **kwargs)
+    model = build_model(profile, len(balance) if devices is None else devices, settings)
     if len(balance) != model.num_stages:
         raise ValueError(f"balance has {len(balance)} stages but there are {model.num_stages}")
     if sum(balance) != model.num_layers or min(balance) < 1:
         raise ValueError(
             f"balance {list(balance)} must have entries >= 1 summing to {model.num_layers}"
         )
-    return describe(model, list(balance), profile, strategy, optimizer, batch=kwargs.get("batch"))
+    return describe(model, list(balance), profile, strategy, optimizer, batch=settings.batch)
 
 
 def describe(
@@ -393,7 +273,7 @@ def describe(
     m, ranks = model.chunks, model.num_ranks
     # Interleaved and zero bubble: the schedule's order replayed (the closed formula holds
     # for balanced stages only).
-    pipeline = pipeline_time(model, balance) if replayed(model) else step_time(times, m)
+    pipeline = pipeline_time(model, balance) if _replayed(model) else step_time(times, m)
     allreduce = max(stage.allreduce for stage in stages)
     total = pipeline + allreduce
     # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.

@@ -6,8 +6,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autopipe.planning.cost_model import ALL_SCHEDULES, CHECKPOINT_MODES
 from autopipe.planning.devices import DeviceSpec
+from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES
 from profiler.jsonfile import read_json, write_json
 from profiler.profile import Profile
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from autopipe.planning.cost_model import CostModel, LayerCosts, ProfileLines, optimizer_factor
 from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.planner import calibration
+from autopipe.planning.runner_figures import RunnerFigures
 from autopipe.planning.screening import MemoryCache
 from profiler.profile import Profile
 
@@ -73,22 +73,23 @@ class Space:
         profile: Profile,
         *,
         capacity: int | None,
-        bandwidth: float | None,
-        allreduce_bandwidth: float | None,
+        bandwidth: float | str | None,
+        allreduce_bandwidth: float | str | None,
         optimizer: str | float,
     ) -> None:
         self.profile = profile
         self.lines = ProfileLines.from_profile(profile)
         self.lines_alone = ProfileLines.from_profile(profile, alone=True)
-        measured = calibration(profile)
-        self.overhead = measured.get("overhead_s", 0.0)
-        # Torch runs virtual stages on another runtime, with its own cost per operation.
-        self.virtual_overhead = measured.get("virtual_overhead_s", self.overhead)
-        self.bandwidth = bandwidth or measured.get("bandwidth")
-        self.latency = measured.get("latency_s", 0.0)
-        self.allreduce = (
-            allreduce_bandwidth or measured.get("allreduce_bandwidth") or self.bandwidth
+        # The figures :func:`autopipe.plan` builds its model with, for the same arguments.
+        self.runner = RunnerFigures.resolve(
+            profile, bandwidth=bandwidth, allreduce_bandwidth=allreduce_bandwidth
         )
+        self.overhead = self.runner.overhead
+        # Torch runs virtual stages on another runtime, with its own cost per operation.
+        self.virtual_overhead = self.runner.overhead_for(2, "gpipe")
+        self.bandwidth = self.runner.bandwidth
+        self.latency = self.runner.latency
+        self.allreduce = self.runner.allreduce_bandwidth
         self.capacity = capacity
         self.optimizer = optimizer_factor(optimizer)
         self.params = self.lines.params
@@ -108,16 +109,14 @@ class Space:
     def model(self, config: Config) -> CostModel:
         v = config.virtual
         devices = self.devices(config.stages)
-        return CostModel(
+        return self.runner.cost_model(
             self.figures(config.micro_batch, config.mean_batch, config.alone)[0],
             [devices[k % config.stages] for k in range(config.stages * v)],
             config.chunks,
             config.checkpoint,
             config.schedule,
             self.optimizer,
-            overhead=self.overhead if v == 1 else self.virtual_overhead,
             data_parallel=config.replicas,
-            allreduce_bandwidth=self.allreduce,
             virtual_stages=v,
         )
 

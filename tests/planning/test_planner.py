@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe import DeviceSpec, PlanningError, plan
-from autopipe.planning.planner import build_model, calibration, evaluate
+from autopipe.planning.layer_costs import calibrated_figures
+from autopipe.planning.plan_settings import PlanSettings, build_model
+from autopipe.planning.planner import evaluate
 from autopipe.planning.plans import PLAN_VERSION, Plan
 from tests.support.planning_cases import linear_profile, random_profile, splits
 
@@ -251,7 +253,10 @@ def test_auto_and_data_parallel_match_brute_force(
 def _per_stage_brute_force(profile, devices, **kwargs):
     """The best split and per-stage fixed modes, from models with one fixed mode each."""
     modes = ("never", "except_last", "always")
-    models = {mode: build_model(profile, devices, checkpoint=mode, **kwargs) for mode in modes}
+    models = {
+        mode: build_model(profile, devices, PlanSettings(checkpoint=mode, **kwargs))
+        for mode in modes
+    }
     best = None
     for balance in splits(len(profile), len(devices)):
         bounds = np.cumsum([0, *balance])
@@ -334,7 +339,7 @@ def test_calibration_is_used():
     plain = plan(profile, 2, checkpoint="never")
     profile.meta["calibration"] = {"overhead_s": 0.5, "bandwidth": 5.0}
     calibrated = plan(profile, 2, checkpoint="never")
-    assert calibration(profile) == {"overhead_s": 0.5, "bandwidth": 5.0}
+    assert calibrated_figures(profile) == {"overhead_s": 0.5, "bandwidth": 5.0}
     assert all(d.bandwidth == 5.0 for d in calibrated.devices)
     assert calibrated.stages[0].overhead == 0.5
     # Overhead 0.5 per stage and micro-batch; stage 0 also sends 10 B at 5 B/s.
@@ -348,7 +353,7 @@ def test_latency_and_compute_scale_calibrations():
     plain = plan(profile, 2, checkpoint="never")
     profile.meta["calibration"] = {"latency_s": 0.25, "compute_scale": 1.5}
     calibrated = plan(profile, 2, checkpoint="never")
-    assert calibration(profile) == {"latency_s": 0.25, "compute_scale": 1.5}
+    assert calibrated_figures(profile) == {"latency_s": 0.25, "compute_scale": 1.5}
     # Every layer 1.5× longer; stage 0 pays one message latency per micro-batch, the last none.
     first, last = calibrated.stages
     assert first.compute == pytest.approx(1.5 * plain.stages[0].compute)
