@@ -1,1 +1,1 @@
-"""Benchmarks of autopipe: planning speed, balance quality and executor overhead."""
+"""Benchmarks of autopipe, one folder per family; results go to benchmarks/results/."""

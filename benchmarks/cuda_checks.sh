@@ -13,13 +13,14 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" >> "$out/gpu.txt"
 
-# Every test that needs CUDA, and the rest of the executor's tests on the same build.
-python -m pytest -q -rs tests/gpipe/test_gpipe.py tests/gpipe/test_transfer.py tests/profiler/test_measure.py \
+# Every test that needs CUDA (the executor's and the profiler's), and the rest of theirs
+# on the same build.
+python -m pytest -q -rs tests/gpipe tests/profiler \
     2>&1 | tee "$out/cuda_tests.log"
 
 python -m autopipe profile examples/mlp.py --device cuda:0 -o "$out/profile_mlp_cuda.json" \
     2>&1 | tail -n 3
 python -m autopipe plan --profile "$out/profile_mlp_cuda.json" --stages 2 2>&1 | tee "$out/plan_mlp_cuda.txt"
 
-python -m benchmarks.accuracy --device cuda:0 --repeats 10 --top 4 2>&1 | tail -n 40
+python -m benchmarks.accuracy.ranked_plans --device cuda:0 --repeats 10 --top 4 2>&1 | tail -n 40
 cp benchmarks/results/accuracy_cuda.* "$out/" 2>/dev/null || true

@@ -18,8 +18,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from benchmarks.ranks import init_rank
-
 ROOT = Path(__file__).resolve().parents[2]
 CHUNKS = 4
 BATCH = 16
@@ -685,7 +683,16 @@ def _batchnorm_training() -> dict[str, Any]:
 
 
 def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
-    init_rank(workdir, rank, world, minutes=1.0)  # one thread, gloo, file store
+    from autopipe.distributed import init_distributed
+
+    init_distributed(
+        "gloo",
+        timeout=timedelta(minutes=1.0),
+        init_method=f"file://{workdir / 'store'}",
+        rank=rank,
+        world_size=world,
+    )
+    torch.set_num_threads(1)  # one thread per rank: the ranks share the host's CPUs
     if scenario == "equal":
         torch.save(_equal(rank, world), workdir / f"rank{rank}.pt")
     elif scenario == "virtual":

@@ -1,4 +1,4 @@
-"""Combines independent runs of benchmarks/accuracy.py: per configuration, medians."""
+"""Combines independent runs of benchmarks/accuracy/ranked_plans.py: per configuration, medians."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Planning speed and each strategy's bottleneck relative to the optimum.
 
-Run: ``python -m benchmarks.planning [--quick]``. Prints tables and saves
+Run: ``python -m benchmarks.planning.strategies [--quick]``. Prints tables and saves
 ``benchmarks/results/planning.{json,md,png}``.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 from autopipe import partition, plan
 from profiler.profile import LayerProfile, Profile
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 STRATEGIES = ("uniform", "parameters", "blockpartition", "optimal")
 
 

@@ -1,6 +1,6 @@
-"""Two-rank half of benchmarks/accuracy.py: the search's plans on the distributed runner.
+"""Two-rank half of benchmarks/accuracy/ranked_plans.py: the search's plans on two ranks.
 
-Each rank calibrates the links with :func:`autopipe.distributed.calibration.calibrate_ranks`,
+Each rank calibrates the links with :func:`autopipe.distributed.calibrate_ranks`,
 rank 0 runs ``search(profile, devices=2)`` (checkpoint ``never``: the runner keeps every
 activation) and broadcasts the ranked plans, and every configuration is timed round-robin:
 plans on two devices with :class:`autopipe.distributed.DistributedPipeline` (two stages,
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autopipe import GPipe, search  # noqa: E402
@@ -30,8 +30,8 @@ from autopipe.cli.model_file import load_sequential  # noqa: E402
 from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.distributed.calibration import calibrate_ranks, slowest_seconds  # noqa: E402
 from autopipe.planning.plans import Plan  # noqa: E402
-from benchmarks.accuracy_measure import compare, stage_memory  # noqa: E402
-from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
+from benchmarks.accuracy.measure import compare, distinct, stage_memory  # noqa: E402
+from benchmarks.processes import init_rank, spawn_ranks  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
 __all__ = ["run_two_ranks"]
@@ -99,8 +99,6 @@ def worker(name: str, workdir: Path, rank: int, top: int, repeats: int, bind: bo
     link = calibrate_ranks(profile, repeats=repeats, model=model, sample=x)
     shared: list[Any] = [None]
     if rank == 0:
-        from benchmarks.accuracy import distinct
-
         # Even splits: the runner pads uneven micro-batches, computing all at the largest.
         options = {"checkpoints": ("never",), "even": True}
         found = search(profile, devices=WORLD, top=8 * top, **options)
@@ -141,7 +139,7 @@ def run_two_ranks(
     """Spawns the two ranks on this machine and returns their results."""
     with tempfile.TemporaryDirectory() as tmp:
         profile.save(Path(tmp) / "profile.json")
-        command = [sys.executable, "-m", "benchmarks.accuracy_dist", name, tmp]
+        command = [sys.executable, "-m", "benchmarks.accuracy.two_ranks", name, tmp]
         options = [str(top), str(repeats), "bind" if bind else "float"]
         return spawn_ranks(lambda r: [*command, str(r), *options], WORLD, Path(tmp))
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.accuracy_report import summary, write_report
-from benchmarks.accuracy_runs import combine
+from benchmarks.accuracy.report import summary, write_report
+from benchmarks.accuracy.runs import combine
 
 
 def _row(chunks: int, predicted: float, measured: float, schedule: str = "gpipe") -> dict:

@@ -10,11 +10,11 @@ The model is 16 blocks of Linear(W, W) + GELU, balance [8, 8] over ['cpu', 'cpu'
 
 Repeats are interleaved (each round runs every contender once, in a shuffled order) so load
 changes on the machine hit every contender alike; medians are reported. The run keeps
-freed memory in the process (benchmarks/stable_malloc.py), for every contender alike.
+freed memory in the process (benchmarks/processes.py), for every contender alike.
 Results go to benchmarks/results/gpipe_overhead.{json,md}; with ``--system-malloc`` (glibc's
 defaults, which return freed blocks to the OS) to gpipe_overhead_system_malloc.{json,md}.
 
-Usage: python benchmarks/gpipe_overhead.py [--repeats 40] [--threads 1]
+Usage: python -m benchmarks.gpipe.overhead [--repeats 40] [--threads 1]
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autopipe import GPipe
-from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc
+from benchmarks.processes import MALLOC, rerun_with_stable_malloc
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BATCH = 64
 BLOCKS = 16
 BALANCE = [8, 8]
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--system-malloc", action="store_true", help="keep glibc's defaults")
     args = parser.parse_args()
     if not args.system_malloc:
-        rerun_with_stable_malloc("benchmarks.gpipe_overhead")
+        rerun_with_stable_malloc("benchmarks.gpipe.overhead")
     name = "gpipe_overhead_system_malloc" if args.system_malloc else "gpipe_overhead"
     torch.set_num_threads(args.threads)  # applies to GPipe's workers too
     has_torchgpipe = load_torchgpipe() is not None
@@ -197,7 +197,7 @@ def main() -> None:
         + (
             "glibc malloc with its defaults (freed blocks go back to the OS)."
             if args.system_malloc
-            else "glibc malloc keeps freed memory (benchmarks/stable_malloc.py)."
+            else "glibc malloc keeps freed memory (benchmarks/processes.py)."
         ),
         "",
         "floor: the plain model on each micro-batch by hand (forward, backward). fill-drain: the "

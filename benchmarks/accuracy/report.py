@@ -1,4 +1,4 @@
-"""Writes the Markdown report of benchmarks/accuracy.py from its results."""
+"""Writes the Markdown report of benchmarks/accuracy/ranked_plans.py from its results."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Both estimates come from the calibrated profile (``calibrate_ranks``: link, runn
 overhead, compute scales with both ranks busy), and are set against the measured step
 (median of rounds of back-to-back steps, every split once per round).
 
-Run: ``python -m benchmarks.interleaved_measured [--width 1024] [--batch 64]``. Saves
+Run: ``python -m benchmarks.distributed.interleaved [--width 1024] [--batch 64]``. Saves
 ``benchmarks/results/interleaved_measured.{json,md,png}``.
 """
 
@@ -29,20 +29,24 @@ from typing import Any
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.distributed.calibration import measure_runner_overhead, slowest_seconds  # noqa: E402
 from autopipe.planning.interleaving import step_time as closed_form  # noqa: E402
 from autopipe.planning.planner import evaluate  # noqa: E402
-from benchmarks.distributed_speedup import BLOCKS, CHUNKS, WORLD, calibrate, make_model  # noqa: E402
-from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
-from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
+from benchmarks.distributed.speedup import BLOCKS, CHUNKS, WORLD, calibrate, make_model  # noqa: E402
+from benchmarks.processes import (  # noqa: E402
+    MALLOC,
+    init_rank,
+    rerun_with_stable_malloc,
+    spawn_ranks,
+)
 from profiler.calibrate import store_calibration  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BURST = 3  # steps timed back to back
 SPLITS = ([4, 4, 4, 4], [6, 2, 2, 6], [2, 6, 6, 2])
 SCHEDULES = {"interleaved 1f1b": "1f1b", "looped bfs": "gpipe"}
@@ -179,13 +183,13 @@ def main() -> None:
         rank, workdir = int(args.worker[0]), Path(args.worker[1])
         worker(rank, workdir, args.width, args.batch, args.warmup, args.repeats)
         return
-    rerun_with_stable_malloc("benchmarks.interleaved_measured")
+    rerun_with_stable_malloc("benchmarks.distributed.interleaved")
     options = [
         *("--width", str(args.width), "--batch", str(args.batch)),
         *("--warmup", str(args.warmup), "--repeats", str(args.repeats)),
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, __file__, "--worker"]
+        command = [sys.executable, "-m", "benchmarks.distributed.interleaved", "--worker"]
         rows = spawn_ranks(lambda r: [*command, str(r), tmp, *options], WORLD, Path(tmp))["rows"]
     meta = {
         "width": args.width,

@@ -12,7 +12,7 @@ one thread per process:
 3. two devices: ``search(profile, devices=2)`` ranks K·D <= 2 (pipelines of two stages,
    two data-parallel replicas, one device) with both schedules; each runs on the
    distributed runner, two gloo ranks (one-device plans on the GPipe executor), after
-   the ranks measured their link and all-reduce (see benchmarks/accuracy_dist.py).
+   the ranks measured their link and all-reduce (see benchmarks/accuracy/two_ranks.py).
 
 Step time is forward + backward of one mini-batch (optimizer step excluded, as in the
 planner), the median of interleaved repeats. Memory per stage is parameters, gradients,
@@ -22,10 +22,10 @@ first choice is compared with the fastest configuration measured. Results go to
 benchmarks/results/accuracy.{json,md}.
 
 The benchmark re-runs itself with glibc malloc keeping freed memory (see
-benchmarks/stable_malloc.py), so that a step's time does not depend on the process's history.
+benchmarks/processes.py), so that a step's time does not depend on the process's history.
 
-Usage: python -m benchmarks.accuracy [--repeats 15] [--top 6] [--examples mlp convnet gpt2]
-[--out DIR] [--stem NAME]
+Usage: python -m benchmarks.accuracy.ranked_plans [--repeats 15] [--top 6]
+[--examples mlp convnet gpt2] [--out DIR] [--stem NAME]
 """
 
 from __future__ import annotations
@@ -41,45 +41,35 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autopipe import GPipe, search  # noqa: E402
 from autopipe.cli.model_file import load_sequential  # noqa: E402
 from autopipe.gpipe.calibration import measure_overhead  # noqa: E402
 from autopipe.planning.plans import Plan  # noqa: E402
-from benchmarks.accuracy_measure import (  # noqa: E402
+from benchmarks.accuracy.measure import (  # noqa: E402
     compare,
+    distinct,
     interleaved_medians,
     stage_memory,
     timed,
 )
-from benchmarks.accuracy_report import write_report  # noqa: E402
-from benchmarks.accuracy_runs import combine  # noqa: E402
-from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
+from benchmarks.accuracy.report import write_report  # noqa: E402
+from benchmarks.accuracy.runs import combine  # noqa: E402
+from benchmarks.accuracy.two_ranks import run_two_ranks  # noqa: E402
+from benchmarks.processes import MALLOC, rerun_with_stable_malloc  # noqa: E402
 from profiler.calibrate import store_calibration  # noqa: E402
 from profiler.in_context import measure_compute_scale  # noqa: E402
 from profiler.measure import doubling_batch_sizes, profile_model  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 EXAMPLES = ("mlp", "convnet", "gpt2")
 DEFAULT_EXAMPLES = ("mlp", "convnet")
 # Examples the two-rank part runs (the GPT-2 example's traced units: one device only).
 TWO_RANK_EXAMPLES = ("mlp", "convnet")
 CHUNKS = 4  # the profile's M; the search varies it
-
-
-def distinct(plans: list[Plan]) -> list[Plan]:
-    """The ranked plans, each configuration that runs differently once (best rank kept)."""
-    seen, out = set(), []
-    for plan in plans:
-        schedule = plan.schedule if plan.num_stages > 1 else "-"  # one stage: no schedule
-        key = (plan.num_stages, plan.data_parallel, plan.chunks, plan.checkpoint, schedule)
-        if key not in seen:
-            seen.add(key)
-            out.append(plan)
-    return out
 
 
 def profile_and_calibrate(name: str, repeats: int, device: str) -> tuple[Any, Any, Profile]:
@@ -142,7 +132,7 @@ def run_executor(model: Any, x: Any, plans: list[Plan], repeats: int, device: st
 
 
 def main() -> None:
-    rerun_with_stable_malloc("benchmarks.accuracy")
+    rerun_with_stable_malloc("benchmarks.accuracy.ranked_plans")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--top", type=int, default=6, help="ranked configurations to run")
@@ -204,8 +194,6 @@ def one_run(args: argparse.Namespace, distributed: bool) -> dict[str, Any]:
             "one_device": single,
         }
         if distributed and name in TWO_RANK_EXAMPLES:
-            from benchmarks.accuracy_dist import run_two_ranks
-
             print(f"[{name}] two devices: spawning 2 ranks", flush=True)
             results[name]["two_devices"] = run_two_ranks(
                 name, profile, args.top, args.repeats, bind=not args.no_bind

@@ -1,18 +1,36 @@
-"""Launches a benchmark's ranks on this machine and joins them: gloo, one thread each."""
+"""How benchmarks run their processes: ranks joined on this machine, malloc kept stable."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["init_rank", "spawn_ranks"]
+__all__ = ["MALLOC", "init_rank", "rerun_with_stable_malloc", "spawn_ranks"]
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# glibc's malloc hands large freed blocks back to the OS and page-faults them in again on
+# the next step, by an amount that depends on the process's history; that alone moved a
+# step of the same plan by up to 40% between runs. With these thresholds raised, freed
+# memory stays in the process, as a caching allocator (CUDA's, jemalloc, tcmalloc) keeps
+# it. Child processes inherit the setting.
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+
+
+def rerun_with_stable_malloc(module: str) -> None:
+    """Replaces this process by ``python -m module <same arguments>`` with :data:`MALLOC`
+    set, for repeatable CPU timings, unless it is set already (then returns)."""
+    if all(os.environ.get(key) == value for key, value in MALLOC.items()):
+        return
+    os.chdir(ROOT)
+    command = [sys.executable, "-m", module, *sys.argv[1:]]
+    os.execve(sys.executable, command, {**os.environ, **MALLOC})
 
 
 def init_rank(
@@ -39,7 +57,8 @@ def init_rank(
 
 
 def spawn_ranks(argv: Callable[[int], list[str]], world: int, workdir: Path) -> dict[str, Any]:
-    """Runs ``argv(rank)`` for every rank, waits, and returns rank 0's ``result.json``.
+    """Runs ``argv(rank)`` for every rank from the repository's root, waits, and returns
+    rank 0's ``result.json``.
 
     Raises:
         SystemExit: a rank failed.

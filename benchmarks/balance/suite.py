@@ -1,12 +1,12 @@
 """Balance quality on the model zoo: predicted vs measured stage times of every strategy.
 
-Run: ``python -m benchmarks.balance [--quick] [--models a,b] [--stages 2,4] [--repeats N]
+Run: ``python -m benchmarks.balance.suite [--quick] [--models a,b] [--stages 2,4] [--repeats N]
 [--out DIR]``. Each zoo model is cut into units, profiled once on this machine's CPU (one
 thread), and planned with every strategy for K = 2, 4, 8 stages, plus the optimal plan under
-a per-device memory limit chosen to bind but fit (``benchmarks.memory_limit``). Every
+a per-device memory limit chosen to bind but fit (``benchmarks.balance.memory_limit``). Every
 planned stage is then run alone on its micro-batch inputs (forward + backward, plus the
 share of re-computation forwards the stage checkpoints), all stages of a model interleaved
-round-robin (``benchmarks.stage_timing``), so the real bottleneck of each plan is measured,
+round-robin (``benchmarks.balance.stage_timing``), so the real bottleneck of each plan is measured,
 not only predicted. A last table puts GPipe's Table 2 (normalized throughput against K and
 M) in our terms, as predictions from the CPU profiles. Writes ``balance.{json,md}``,
 ``balance_<model>.png`` (stage bars) and ``timeline_<model>.png`` (pipeline timeline of the
@@ -29,14 +29,14 @@ import torch
 from autopipe import Plan, PlanningError, plan
 from autopipe.cli.model_file import as_sequential
 from autopipe.planning.timeline import checkpointed
-from benchmarks.balance_report import MEMORY_LABEL, noise_summary, render
-from benchmarks.memory_limit import MARGIN, MemoryLimit, choose_limit, peak_memory
+from benchmarks.balance.memory_limit import MARGIN, MemoryLimit, choose_limit, peak_memory
+from benchmarks.balance.report import MEMORY_LABEL, noise_summary, render
+from benchmarks.balance.stage_timing import Job, StageTimer, Timing, as_tuple
 from benchmarks.models import ZOO
-from benchmarks.stage_timing import Job, StageTimer, Timing, as_tuple
 from profiler import profile_model
 from profiler.profile import Profile
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 STRATEGIES = ("uniform", "parameters", "blockpartition", "optimal")
 LABELS = (*STRATEGIES, MEMORY_LABEL)
 STAGES = (2, 4, 8)

@@ -27,7 +27,7 @@ Micro-batches of B/8 = 8 rows leave each Linear bound by reading its weights, an
 processes on one host then slow each other down through the shared memory system; at 64
 rows they compute almost undisturbed. The default configurations cover both.
 
-Usage: python benchmarks/distributed_speedup.py [--repeats 20] [--configs 512:64 1024:64]
+Usage: python -m benchmarks.distributed.speedup [--repeats 20] [--configs 512:64 1024:64]
 """
 
 from __future__ import annotations
@@ -49,17 +49,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.distributed.calibration import calibrate_ranks, slowest_seconds  # noqa: E402
 from autopipe.planning.planner import evaluate  # noqa: E402
-from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
-from benchmarks.stable_malloc import MALLOC, rerun_with_stable_malloc  # noqa: E402
+from benchmarks.processes import (  # noqa: E402
+    MALLOC,
+    init_rank,
+    rerun_with_stable_malloc,
+    spawn_ranks,
+)
 from profiler.profile import Profile  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BLOCKS, CHUNKS, WORLD = 16, 8, 2
 # (width W, batch B) pairs timed by default.
 CONFIGS = [(512, 64), (1024, 64), (512, 512)]
@@ -194,7 +198,7 @@ def worker(
 
 def run(width: int, batch: int, warmup: int, repeats: int, bind: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, __file__, "--worker"]
+        command = [sys.executable, "-m", "benchmarks.distributed.speedup", "--worker"]
         options = [
             *("--width", str(width), "--batch", str(batch)),
             *("--warmup", str(warmup), "--repeats", str(repeats)),
@@ -286,7 +290,7 @@ def main() -> None:
         rank, workdir = int(args.worker[0]), Path(args.worker[1])
         worker(rank, workdir, args.width, args.batch, args.warmup, args.repeats, not args.no_bind)
         return
-    rerun_with_stable_malloc("benchmarks.distributed_speedup")
+    rerun_with_stable_malloc("benchmarks.distributed.speedup")
     print("  ".join(title for title, _, _ in COLUMNS))
     rows = []
     for width, batch in args.configs:
@@ -328,7 +332,7 @@ def main() -> None:
         "same after `calibrate_ranks` measured the gloo link, the runner's overhead and the "
         "compute scales with both ranks busy (the 1-process baseline uses the scales of one "
         "process alone). other load: CPUs kept busy by other processes while timing (0 on a "
-        "quiet machine). glibc malloc keeps freed memory (benchmarks/stable_malloc.py). "
+        "quiet machine). glibc malloc keeps freed memory (benchmarks/processes.py). "
         + (
             "Each rank is bound to its own CPU (autopipe.distributed.cpu_binding; the baseline "
             "runs on "

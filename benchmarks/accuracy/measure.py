@@ -14,7 +14,19 @@ from torch import nn
 from autopipe.planning.plans import Plan
 from profiler.live_memory import SavedMemory
 
-__all__ = ["compare", "interleaved_medians", "stage_memory", "state_bytes"]
+__all__ = ["compare", "distinct", "interleaved_medians", "stage_memory", "state_bytes"]
+
+
+def distinct(plans: list[Plan]) -> list[Plan]:
+    """The ranked plans, each configuration that runs differently once (best rank kept)."""
+    seen, out = set(), []
+    for plan in plans:
+        schedule = plan.schedule if plan.num_stages > 1 else "-"  # one stage: no schedule
+        key = (plan.num_stages, plan.data_parallel, plan.chunks, plan.checkpoint, schedule)
+        if key not in seen:
+            seen.add(key)
+            out.append(plan)
+    return out
 
 
 def state_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer) -> int:

@@ -10,7 +10,7 @@ memory (with whatever a step holds briefly). The plan's ``activation_memory`` of
 rank's stage is set beside it. Each configuration runs in fresh processes, so one
 configuration's peak cannot hide another's.
 
-Run: ``python -m benchmarks.distributed_memory [--width 256] [--batch 8192]``. Linux only.
+Run: ``python -m benchmarks.distributed.memory [--width 256] [--batch 8192]``. Linux only.
 Saves ``benchmarks/results/distributed_memory.{json,md}``.
 """
 
@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.planning.planner import evaluate  # noqa: E402
-from benchmarks.ranks import init_rank, spawn_ranks  # noqa: E402
+from benchmarks.processes import init_rank, spawn_ranks  # noqa: E402
 from profiler.measure import profile_model  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BLOCKS, CHUNKS, WORLD = 16, 8, 2
 CONFIGS = [
     (schedule, mode)
@@ -134,7 +134,7 @@ def main() -> None:
         return
     rows = []
     size = ["--width", str(args.width), "--batch", str(args.batch)]
-    command = [sys.executable, __file__, *size, "--worker"]
+    command = [sys.executable, "-m", "benchmarks.distributed.memory", *size, "--worker"]
     for schedule, mode in CONFIGS:
         print(f"  {schedule}, checkpoint {mode}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:

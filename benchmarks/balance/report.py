@@ -254,7 +254,7 @@ def render(results: dict[str, Any]) -> str:
     """The Markdown report of a balance-suite run.
 
     Args:
-        results: the run's JSON object as ``benchmarks.balance`` writes it.
+        results: the run's JSON object as ``benchmarks.balance.suite`` writes it.
 
     Returns:
         The report; pictures are referenced by file name, next to the report.

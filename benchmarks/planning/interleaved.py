@@ -7,7 +7,7 @@ replay of torch's own order of operations (:mod:`autopipe.planning.schedule_repl
 planner uses). The tables give how far the closed form is from the replay on the splits
 it picks, and how much slower (replayed) its best split is than the replay's best.
 
-Run: ``python -m benchmarks.interleaved [--profiles N]``. Prints the table and saves
+Run: ``python -m benchmarks.planning.interleaved [--profiles N]``. Prints the table and saves
 ``benchmarks/results/interleaved.{json,md}``.
 """
 
@@ -31,7 +31,7 @@ from autopipe.planning.interleaving import step_times
 from autopipe.planning.layer_costs import LayerCosts
 from autopipe.planning.schedule_replay import makespans
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 # (K, v, M, schedule): M a multiple of interleaved 1F1B's rounds.
 SHAPES = [
     (2, 2, 4, "1f1b"),

@@ -12,10 +12,10 @@ from torch import nn
 
 from autopipe import PlanningError, plan
 from autopipe.planning.planner import evaluate
-from benchmarks import balance
-from benchmarks.memory_limit import choose_limit, least_capacity, peak_memory
+from benchmarks.balance import suite
+from benchmarks.balance.memory_limit import choose_limit, least_capacity, peak_memory
+from benchmarks.balance.stage_timing import StageTimer, summarize
 from benchmarks.models import ZOO
-from benchmarks.stage_timing import StageTimer, summarize
 from profiler.profile import Profile
 from tests.support.planning_cases import linear_profile
 
@@ -107,7 +107,7 @@ def test_suite_writes_report_tables_and_pictures(
     tiny.sample = _tiny_sample  # type: ignore[attr-defined]
     monkeypatch.setitem(ZOO, "tiny", tiny)
     argv = ["--quick", "--models", "tiny", "--stages", "2,4", "--repeats", "2"]
-    assert balance.main([*argv, "--out", str(tmp_path)]) == 0
+    assert suite.main([*argv, "--out", str(tmp_path)]) == 0
 
     report = (tmp_path / "balance.md").read_text()
     for heading in (
@@ -129,7 +129,7 @@ def test_suite_writes_report_tables_and_pictures(
     (model,) = results["models"]
     assert set(model["memory_limits"]) == {"2", "4"}
     rows = {(r["stages"], r["strategy"]): r for r in model["rows"]}
-    assert len(rows) == 2 * len(balance.LABELS)
+    assert len(rows) == 2 * len(suite.LABELS)
     for k in (2, 4):
         limited, limit = rows[(k, "optimal (memory)")], model["memory_limits"][str(k)]
         assert limited["fits"] and max(limited["stage_memory"]) <= limit["limit"]

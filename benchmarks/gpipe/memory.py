@@ -17,7 +17,7 @@ micro-batches: O(N · L/K) without re-materialization, O(N + L/K · N/M) with it
 model every layer (Linear + GELU) keeps two (N, W) float tensors, so the predictions are
 exact: never = 2 · L/K · N · s, always = N · s + 2 · L/K · (N/M) · s with s = 4 W bytes.
 
-Usage: python benchmarks/gpipe_memory.py [--width 256] [--batch 64]
+Usage: python -m benchmarks.gpipe.memory [--width 256] [--batch 64]
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autopipe import GPipe
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 LAYERS = 16
 BALANCE = [8, 8]
 MODES = ("never", "except_last", "always")

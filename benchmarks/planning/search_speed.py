@@ -7,7 +7,7 @@ transformer) or boundaries of 1, 2 or 4 units (like a CNN). Devices get no memor
 gradient all-reduce at 10 GB/s. Reported: median wall time of the search (fits included),
 the configurations searched and how many each tier of the branch and bound handled.
 
-Run: ``python -m benchmarks.search_speed [--repeats 3]``; results go to
+Run: ``python -m benchmarks.planning.search_speed [--repeats 3]``; results go to
 ``benchmarks/results/search_speed.{json,md}``.
 """
 
@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autopipe.planning.config_search import search
 from profiler.profile import LayerProfile, Profile
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 SIZES = [4, 8]  # micro-batch sizes the synthetic profile was "measured" at
 WIDTH = 4096  # bytes of one boundary unit per sample
 
@@ -96,7 +96,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (load average "
         f"{os.getloadavg()[0]:.1f} at the end), Python {platform.python_version()}. Median "
         "wall time of a search over every K·D <= N, M and checkpoint mode, both schedules, "
-        "top 10, fitting the profile included (see benchmarks/search_speed.py).",
+        "top 10, fitting the profile included (see benchmarks/planning/search_speed.py).",
         "",
         "| layers | N | boundaries | memory | time | configurations | relaxed | interval "
         "| DP | best |",

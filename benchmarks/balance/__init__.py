@@ -1,0 +1,1 @@
+"""Balance quality on the model zoo: every strategy's planned stages, measured one by one."""

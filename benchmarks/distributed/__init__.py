@@ -1,0 +1,1 @@
+"""DistributedPipeline on gloo ranks: speed-up, activation memory, interleaved schedules."""

@@ -1,0 +1,1 @@
+"""The single-process GPipe executor: per-micro-batch overhead and activation memory."""

@@ -1,0 +1,1 @@
+"""The planner: planning and search speed, strategy quality, the interleaved step estimates."""

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks' own code: the model zoo, the balance suite, the accuracy report."""
