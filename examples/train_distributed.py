@@ -41,9 +41,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from autopipe.distributed import DistributedPipeline, init_distributed
-from autopipe.distributed.calibration import calibrate_ranks
-from autopipe.planning.plans import Plan
+from autopipe import Plan
+from autopipe.distributed import DistributedPipeline, calibrate_ranks, init_distributed
 from profiler.measure import profile_model
 from profiler.profile import Profile
 
