@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +10,7 @@ from autopipe.errors import PlanningError
 from autopipe.planning.minmax import minmax_partition
 from autopipe.planning.names import STRATEGIES
 from autopipe.planning.quantities import parse_bytes
+from autopipe.planning.spans import stage_spans
 
 __all__ = ["baseline_balance", "partition"]
 
@@ -134,8 +134,7 @@ def _capacity(value: object) -> float:
 
 
 def _stage_overflow(balance: Sequence[int], memory: np.ndarray, caps: np.ndarray) -> np.ndarray:
-    bounds = np.cumsum([0, *balance])
-    used = np.array([memory[a:b].sum() for a, b in itertools.pairwise(bounds)])
+    used = np.array([memory[a:b].sum() for a, b in stage_spans(balance)])
     return used - caps
 
 

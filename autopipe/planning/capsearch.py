@@ -19,9 +19,10 @@ import math
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from autopipe.planning.tolerances import SAME_TIME
+
 __all__ = ["CapResult", "minimize_over_caps", "minimize_step"]
 
-_RTOL = 1e-9
 
 T = TypeVar("T")
 # solve(cap, limit) -> (F(cap), largest stage parameters of its split, the split), or None
@@ -130,9 +131,9 @@ def minimize_step(
     stack = [(bound, lo_sum, ceiling, hi_sum)]
     while stack:
         lo, lo_sum, hi, hi_sum = stack.pop()
-        if hi - lo <= _RTOL * hi or hi_sum >= lo_sum * (1 - _RTOL):
+        if hi - lo <= SAME_TIME * hi or hi_sum >= lo_sum * (1 - SAME_TIME):
             continue
-        if (chunks - 1) * lo + hi_sum >= best[0][0] * (1 - _RTOL):
+        if (chunks - 1) * lo + hi_sum >= best[0][0] * (1 - SAME_TIME):
             continue
         mid = 0.5 * (lo + hi)
         mid_sum, mid_peak = run(mid)

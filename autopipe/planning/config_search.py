@@ -36,8 +36,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from autopipe.errors import PlanningError
 from autopipe.planning.cost_model import CostModel
 from autopipe.planning.exact import solve_split, split_value
@@ -51,11 +49,12 @@ from autopipe.planning.quantities import parse_bytes
 from autopipe.planning.screening import Relaxation
 from autopipe.planning.search_notes import annotate, explain_infeasible
 from autopipe.planning.search_space import Config, Space, chunk_options, configurations
+from autopipe.planning.spans import split_fits, stage_bounds, stage_memory, stage_spans
+from autopipe.planning.tolerances import SAME_TIME
 from profiler.profile import Profile
 
 __all__ = ["Config", "chunk_options", "search"]
 
-_RTOL = 1e-9
 
 
 @dataclass
@@ -225,7 +224,8 @@ class _Ranking:
     def record(self, config: Config, result: _Found) -> None:
         if config.checkpoint == "auto" and result.exact:
             model = result.model
-            modes = {model.stage_checkpoint(k, s, e) for k, (s, e) in _spans(result)}
+            spans = enumerate(stage_spans(result.balance))
+            modes = {model.stage_checkpoint(k, s, e) for k, (s, e) in spans}
             if len(modes) == 1 and modes <= set(self.checkpoints):
                 self.found.pop(config, None)
                 return  # the same plan as the fixed mode's, which is searched too
@@ -245,7 +245,7 @@ class _Ranking:
         while queue:
             bound, tier, i, config = heapq.heappop(queue)
             limit = self.threshold(exclude=config)
-            if bound >= limit * (1 - _RTOL):
+            if bound >= limit * (1 - SAME_TIME):
                 break
             if config.virtual > 1:
                 self._interleaved(config, bound)
@@ -269,16 +269,16 @@ class _Ranking:
             self.found.pop(config, None)
             return None
         lower, balance = found
-        if _fits(model, balance):
+        if split_fits(model, balance):
             # Any split that fits is worth keeping: exact, or a bound from above.
             value = split_value(model, balance)
-            exact = value <= lower * (1 + _RTOL)
+            exact = value <= lower * (1 + SAME_TIME)
             known = self.found.get(config)
             if known is None or exact or value < known.value:
                 self.record(config, _Found(value, balance, model, exact))
             if exact:
                 return None
-        return lower if lower < limit * (1 - _RTOL) else None
+        return lower if lower < limit * (1 - SAME_TIME) else None
 
     def _relax(self, config: Config, bound: float, limit: float) -> float | None:
         """Tier 2: the relaxed partition."""
@@ -319,24 +319,10 @@ class _Ranking:
         self._settle(config, bound, limit, model, solve_split(model, limit))
 
 
-def _spans(result: _Found) -> list[tuple[int, tuple[int, int]]]:
-    bounds = np.cumsum([0, *result.balance]).tolist()
-    return [(k, (bounds[k], bounds[k + 1])) for k in range(len(result.balance))]
-
-
 def _allreduce(model: CostModel, balance: list[int]) -> float:
     """The step's gradient all-reduce: the slowest stage's, as the plan charges it."""
-    bounds = np.cumsum([0, *balance])
+    bounds = stage_bounds(balance)
     return max(float(model.allreduce_time(bounds[k], bounds[k + 1])) for k in range(len(balance)))
-
-
-def _fits(model: CostModel, balance: list[int]) -> bool:
-    bounds = np.cumsum([0, *balance])
-    for k in range(len(balance)):
-        memory = model.stage_costs(k, np.array(bounds[k]), np.array(bounds[k + 1]))[1]
-        if float(memory) > model.capacity(k):
-            return False
-    return True
 
 
 def _rank(
@@ -360,7 +346,4 @@ def _rank(
 
 
 def _peak_memory(result: _Found) -> float:
-    return max(
-        float(result.model.stage_costs(k, np.array(s), np.array(e))[1])
-        for k, (s, e) in _spans(result)
-    )
+    return float(stage_memory(result.model, result.balance).max())

@@ -54,6 +54,7 @@ from autopipe.planning.layer_costs import (
 )
 from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from autopipe.planning.schedule_replay import RECOMPUTE_CODES
+from autopipe.planning.spans import prefix_sums
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -73,10 +74,6 @@ WEIGHT_SHARE = 0.5
 
 Array = NDArray[np.float64]
 Index = NDArray[np.int64]
-
-
-def _prefix(values: Array) -> Array:
-    return np.concatenate([[0.0], np.cumsum(values)])
 
 
 class RangeMax:
@@ -190,19 +187,19 @@ class CostModel:
         held = [in_flight(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)]
         self._in_flight = [held[k % ranks][k // ranks] for k in range(len(self.devices))]
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
-        self._fwd = _prefix(layers.forward)
-        self._bwd = _prefix(layers.backward)
+        self._fwd = prefix_sums(layers.forward)
+        self._bwd = prefix_sums(layers.backward)
         if layers.backward_input is not None:  # measured: the rest is the weights'
             weight = np.maximum(layers.backward - layers.backward_input, 0.0)
         else:
             weight = np.where(layers.params > 0, WEIGHT_SHARE * layers.backward, 0.0)
-        self._weight = _prefix(weight)
+        self._weight = prefix_sums(weight)
         # Saved bytes less what the previous layer also saves; a stage's first layer adds
         # its shared part back (its predecessor is not in the stage).
         self._shared = layers.shared_bytes
-        self._saved = _prefix(layers.saved - self._shared)
-        self._params = _prefix(layers.params)
-        self._state = _prefix(layers.params * (2.0 + optimizer) + layers.buffers)
+        self._saved = prefix_sums(layers.saved - self._shared)
+        self._params = prefix_sums(layers.params)
+        self._state = prefix_sums(layers.params * (2.0 + optimizer) + layers.buffers)
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output])
         self._sends = np.concatenate([[0.0], layers.output[:-1], [0.0]])

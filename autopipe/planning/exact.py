@@ -26,12 +26,13 @@ from autopipe.errors import PlanningError
 from autopipe.planning.capsearch import minimize_over_caps, minimize_step
 from autopipe.planning.cost_model import CostModel
 from autopipe.planning.quantities import format_bytes
+from autopipe.planning.spans import stage_bounds
+from autopipe.planning.tolerances import SAME_TIME
 
 __all__ = ["optimal_split", "solve_split", "split_value", "step_time"]
 
 Array = NDArray[np.float64]
 Score = Callable[[int], Array]
-_RTOL = 1e-9
 
 
 def step_time(times: Array | list[float], chunks: int) -> float:
@@ -147,7 +148,7 @@ def _dp(tables: _Tables, score: Score, combine: str) -> tuple[float, list[int]] 
 
 
 def _bounds(balance: list[int]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    bounds = np.cumsum([0, *balance])
+    bounds = stage_bounds(balance)
     return bounds[:-1], bounds[1:]
 
 
@@ -180,7 +181,7 @@ def _explain(model: CostModel) -> str:
     found = _dp(tables, tables.overflow, "max")
     assert found is not None
     _, balance = found
-    bounds = np.cumsum([0, *balance])
+    bounds = stage_bounds(balance)
     over = [float(tables.overflow(k)[bounds[k + 1], balance[k] - 1]) for k in ks]
     k = int(np.argmax(over))
     first, last = names[bounds[k]], names[bounds[k + 1] - 1]
@@ -207,7 +208,7 @@ def _pipeline(tables: _Tables, time: Score) -> tuple[float, list[int]] | None:
             key = model.signature(k)
             if key not in masked:
                 matrix = time(k)
-                masked[key] = np.where(matrix <= limit * (1 + _RTOL), matrix**power, np.inf)
+                masked[key] = np.where(matrix <= limit * (1 + SAME_TIME), matrix**power, np.inf)
             return masked[key]
 
         return score

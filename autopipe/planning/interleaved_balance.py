@@ -22,6 +22,8 @@ from numpy.typing import NDArray
 
 from autopipe.planning.cost_model import CostModel
 from autopipe.planning.schedule_replay import makespans
+from autopipe.planning.spans import fits_memory, stage_bounds
+from autopipe.planning.tolerances import IMPROVEMENT
 
 __all__ = [
     "EXHAUSTIVE",
@@ -48,7 +50,6 @@ def _replayed(
     codes = np.empty(shape, dtype=np.int64)
     memory = np.empty(shape)
     weight = np.empty(shape)
-    fits = np.ones(len(bounds), dtype=bool)
     for k in range(stages):
         s, e = bounds[:, k], bounds[:, k + 1]
         parts = model.stage_parts(k, s, e)
@@ -59,12 +60,8 @@ def _replayed(
         )
         codes[:, k], memory[:, k] = parts.recompute, parts.memory
         weight[:, k] = model.weight_share(s, e)
-        fits &= memory[:, k] <= model.capacity(k)
     ranks = model.num_ranks
-    for r in range(ranks):
-        fits &= memory[:, r::ranks].sum(axis=1) <= model.capacity(r)
-    if not memory_limits:
-        fits[:] = True
+    fits = fits_memory(model, memory) if memory_limits else np.ones(len(bounds), dtype=bool)
     times = np.full(len(bounds), np.inf)
     if fits.any():
         times[fits] = makespans(
@@ -82,13 +79,13 @@ def _replayed(
 
 def pipeline_time(model: CostModel, balance: Sequence[int]) -> float:
     """The replayed interleaved pipeline time of ``balance``, whether or not it fits."""
-    return float(_replayed(model, np.cumsum([[0, *balance]], axis=1), memory_limits=False)[0])
+    return float(_replayed(model, stage_bounds(balance)[None, :], memory_limits=False)[0])
 
 
 def interleaved_cost(model: CostModel, balance: Sequence[int]) -> float | None:
     """Predicted pipeline time of ``balance`` under ``model``'s interleaving; ``None`` if
     it does not fit (a stage over its device, or a rank's stages together over it)."""
-    cost = float(_replayed(model, np.cumsum([[0, *balance]], axis=1))[0])
+    cost = float(_replayed(model, stage_bounds(balance)[None, :])[0])
     return cost if np.isfinite(cost) else None
 
 
@@ -147,9 +144,9 @@ def interleaved_split(model: CostModel, starts: Sequence[Sequence[int]]) -> list
             moves = list(_moves(current))
             if not moves:
                 break
-            found = _replayed(model, np.cumsum([[0, *m] for m in moves], axis=1))
+            found = _replayed(model, np.array([stage_bounds(m) for m in moves]))
             pick = int(np.argmin(found))
-            if not found[pick] < cost * (1 - 1e-12):
+            if not found[pick] < cost * (1 - IMPROVEMENT):
                 break
             current, cost = moves[pick], float(found[pick])
         if cost < best_cost:

@@ -26,13 +26,13 @@ from numpy.typing import NDArray
 
 from autopipe.planning.capsearch import minimize_over_caps, minimize_step
 from autopipe.planning.screening import Relaxation
+from autopipe.planning.spans import stage_spans
+from autopipe.planning.tolerances import BISECT_INTERVALS, SAME_TIME
 
 __all__ = ["IntervalSolver"]
 
 Array = NDArray[np.float64]
 Ints = NDArray[np.int64]
-_SLACK = 1e-9  # relative slack of cost caps, as in autopipe.planning.exact
-_RTOL = 1e-10
 
 
 def _range_min(values: Array, lo: Ints, hi: Ints) -> tuple[Array, Ints]:
@@ -92,14 +92,14 @@ class IntervalSolver:
         """Per end e, the first start whose cost fits ``limit`` (``e``: none)."""
         r, e = self.r, self.ends
         work = r.work[i]
-        budget = (limit * (1 + _SLACK) - self.fixed[k]) * r.speed[k]
+        budget = (limit * (1 + SAME_TIME) - self.fixed[k]) * r.speed[k]
         lo = np.searchsorted(work, work - budget, side="left")
         return np.where(budget >= 0, np.minimum(lo, e), e)
 
     def _param_starts(self, cap: float) -> Ints:
         if cap != self._cap_starts[0]:
             params = self.r.params
-            lo = np.searchsorted(params, params - cap * (1 + _SLACK), side="left")
+            lo = np.searchsorted(params, params - cap * (1 + SAME_TIME), side="left")
             self._cap_starts = (cap, lo)
         return self._cap_starts[1]
 
@@ -127,8 +127,7 @@ class IntervalSolver:
         return best
 
     def _costs(self, balance: list[int]) -> list[float]:
-        bounds = np.cumsum([0, *balance]).tolist()
-        return [self.stage_cost(k, bounds[k], bounds[k + 1]) for k in range(len(balance))]
+        return [self.stage_cost(k, s, e) for k, (s, e) in enumerate(stage_spans(balance))]
 
     def _backtrack(self, choose: list[list[tuple[NDArray[np.bool_], Ints]]]) -> list[int]:
         balance, e = [], self.r.n
@@ -177,7 +176,7 @@ class IntervalSolver:
         best: list[int] = first
         hi = max(self._costs(best))
         lo = min(max(self.r.total / self.r.stages, lower), hi)
-        while hi - lo > _RTOL * hi:
+        while hi - lo > BISECT_INTERVALS * hi:
             values = self._candidates(lo, hi)
             if values is not None:
                 # B* is one of these stage costs: the least at which a split is feasible.

@@ -9,32 +9,24 @@ and the probe becomes a reachability DP over all prefix ends, still O(K·L) per 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
+from autopipe.planning.spans import prefix_sums, stage_spans
+from autopipe.planning.tolerances import BISECT_MINMAX
+
 __all__ = ["bottleneck", "minmax_partition", "probe"]
 
 FloatArray = NDArray[np.float64]
 
-# Bisection stops when the bracket is this tight relative to the bottleneck; stage sums that
-# differ by less are indistinguishable in float64 prefix sums anyway.
-_RTOL = 1e-12
-
-
-def _prefix(values: FloatArray) -> FloatArray:
-    out = np.zeros(len(values) + 1)
-    np.cumsum(values, out=out[1:])
-    return out
 
 
 def bottleneck(costs: Sequence[float] | FloatArray, balance: Sequence[int]) -> float:
     """The largest stage sum of ``costs`` under ``balance``."""
     values = np.asarray(costs, dtype=float)
-    bounds = np.cumsum([0, *balance])
-    return max(float(values[a:b].sum()) for a, b in itertools.pairwise(bounds))
+    return max(float(values[a:b].sum()) for a, b in stage_spans(balance))
 
 
 def _greedy(
@@ -98,8 +90,8 @@ def probe(
     limit: float,
 ) -> list[int] | None:
     """A balance whose stage sums are all at most ``limit`` and fit ``caps``, or ``None``."""
-    cost_prefix = _prefix(costs)
-    mem_prefix = _prefix(memory)
+    cost_prefix = prefix_sums(costs)
+    mem_prefix = prefix_sums(memory)
     if float(memory.max(initial=0.0)) <= float(caps.min()):
         return _greedy(cost_prefix, mem_prefix, caps, limit)
     return _reachability(cost_prefix, mem_prefix, caps, limit)
@@ -126,8 +118,8 @@ def minmax_partition(
     n = len(c)
     m = np.zeros(n) if memory is None else np.asarray(memory, dtype=float)
     cap = np.full(stages, np.inf) if caps is None else np.asarray(caps, dtype=float)
-    cost_prefix = _prefix(c)
-    mem_prefix = _prefix(m)
+    cost_prefix = prefix_sums(c)
+    mem_prefix = prefix_sums(m)
     greedy_exact = float(m.max(initial=0.0)) <= float(cap.min())
     search = _greedy if greedy_exact else _reachability
 
@@ -143,7 +135,7 @@ def minmax_partition(
     if lower_bound is not None:
         return lower_bound
     for _ in range(200):
-        if hi - lo <= _RTOL * hi:
+        if hi - lo <= BISECT_MINMAX * hi:
             break
         mid = 0.5 * (lo + hi)
         found = search(cost_prefix, mem_prefix, cap, mid)

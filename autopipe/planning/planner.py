@@ -20,6 +20,7 @@ from autopipe.planning.names import STRATEGIES
 from autopipe.planning.plan_settings import MemorySpec, PlanSettings, build_model, check_profile
 from autopipe.planning.plans import Plan, StagePlan
 from autopipe.planning.quantities import format_bytes
+from autopipe.planning.spans import overflows, stage_bounds
 from profiler.profile import Profile
 
 __all__ = [
@@ -130,16 +131,7 @@ def plan(
         params = model.layers.params + model.layers.buffers
         balance = baseline_balance(strategy, model.layer_time(), model.num_stages, params)
     result = describe(model, balance, profile, strategy, optimizer, batch=batch)
-    over = [s for s in result.stages if s.capacity is not None and s.memory > s.capacity]
-    if over:
-        worst = max(over, key=lambda s: s.memory - (s.capacity or 0))
-        raise PlanningError(
-            f"the {strategy} split {balance} does not fit: stage {worst.index} "
-            f"(layers {worst.layers[0]}..{worst.layers[-1]}) needs "
-            f"{format_bytes(worst.memory - (worst.capacity or 0))} more than its "
-            f"{format_bytes(worst.capacity or 0)}"
-        )
-    _check_ranks(result, strategy)
+    _check_fits(model, result, strategy)
     return result
 
 
@@ -166,23 +158,30 @@ def interleaved_balance(model: CostModel) -> list[int]:
     return balance
 
 
-def _check_ranks(result: Plan, strategy: str) -> None:
-    """With virtual stages, each rank's stages together must fit its device."""
-    v = result.virtual_stages
-    if v == 1:
-        return
-    ranks = result.num_stages // v
-    for r in range(ranks):
-        held = [result.stages[s] for s in rank_stages(r, ranks, v)]
-        capacity = held[0].capacity
-        need = sum(stage.memory for stage in held)
-        if capacity is not None and need > capacity:
-            raise PlanningError(
-                f"the {strategy} split {result.balance} does not fit: rank {r} holds stages "
-                f"{[stage.index for stage in held]}, which need {format_bytes(need - capacity)} "
-                f"more than its {format_bytes(capacity)}; use fewer virtual stages, more "
-                "memory or checkpointing"
-            )
+def _check_fits(model: CostModel, result: Plan, strategy: str) -> None:
+    """Refuses a split with a stage over its device (naming the one most over) or, with
+    virtual stages, a rank whose stages together are over its device."""
+    memory = np.array([[stage.memory for stage in result.stages]])
+    stage_over, rank_over = (over[0] for over in overflows(model, memory))
+    if np.any(stage_over > 0):
+        worst = result.stages[int(np.argmax(stage_over))]
+        raise PlanningError(
+            f"the {strategy} split {result.balance} does not fit: stage {worst.index} "
+            f"(layers {worst.layers[0]}..{worst.layers[-1]}) needs "
+            f"{format_bytes(float(stage_over[worst.index]))} more than its "
+            f"{format_bytes(worst.capacity or 0)}"
+        )
+    over = np.flatnonzero(rank_over > 0)
+    if len(over):
+        r = int(over[0])
+        held = rank_stages(r, len(rank_over), result.virtual_stages)
+        capacity = result.stages[r].capacity or 0
+        raise PlanningError(
+            f"the {strategy} split {result.balance} does not fit: rank {r} holds stages "
+            f"{held}, which need {format_bytes(float(rank_over[r]))} "
+            f"more than its {format_bytes(capacity)}; use fewer virtual stages, more "
+            "memory or checkpointing"
+        )
 
 
 def evaluate(
@@ -238,7 +237,7 @@ def describe(
     """
     total_batch = profile.batch_size if batch is None else batch
     replica = math.ceil(total_batch / model.data_parallel)
-    bounds = np.cumsum([0, *balance])
+    bounds = stage_bounds(balance)
     stages = []
     for k in range(model.num_stages):
         s, e = np.array(bounds[k]), np.array(bounds[k + 1])

@@ -27,17 +27,14 @@ from numpy.typing import NDArray
 
 from autopipe.planning.capsearch import minimize_over_caps
 from autopipe.planning.cost_model import CostModel
+from autopipe.planning.spans import prefix_sums, stage_bounds, stage_spans
 from autopipe.planning.stage_limits import MemoryCache, MemoryLimits
+from autopipe.planning.tolerances import BISECT_RELAXED
 
 __all__ = ["Relaxation"]
 
 Array = NDArray[np.float64]
 Ints = NDArray[np.int64]
-_RTOL = 1e-11
-
-
-def _prefix(values: Array) -> Array:
-    return np.concatenate([[0.0], np.cumsum(values)])
 
 
 class Relaxation:
@@ -55,10 +52,10 @@ class Relaxation:
         n, stages = m.num_layers, m.num_stages
         self.n, self.stages = n, stages
         self.work = [
-            _prefix(layers.forward * (1 + m.fraction(mu)) + layers.backward) for mu in m.modes
+            prefix_sums(layers.forward * (1 + m.fraction(mu)) + layers.backward) for mu in m.modes
         ]
         self.work_lists = [w.tolist() for w in self.work]
-        self.params = _prefix(layers.params)
+        self.params = prefix_sums(layers.params)
         self.param_list = self.params.tolist()
         self.speed = [d.speed for d in m.devices]
         boundary = float(layers.output[:-1].min()) if n > 1 else 0.0
@@ -113,9 +110,8 @@ class Relaxation:
         return best
 
     def bottleneck(self, balance: list[int], envelope: bool = False) -> float:
-        bounds = np.cumsum([0, *balance]).tolist()
         return max(
-            self.stage_cost(k, bounds[k], bounds[k + 1], envelope) for k in range(self.stages)
+            self.stage_cost(k, s, e, envelope) for k, (s, e) in enumerate(stage_spans(balance))
         )
 
     def probe(
@@ -197,7 +193,7 @@ class Relaxation:
         found = self.probe(lo, cap, envelope)
         if found is not None:
             return self.bottleneck(found, envelope), found
-        while hi - lo > _RTOL * hi and lo < stop:
+        while hi - lo > BISECT_RELAXED * hi and lo < stop:
             mid = 0.5 * (lo + hi)
             found = self.probe(mid, cap, envelope)
             if found is None:
@@ -232,7 +228,7 @@ class Relaxation:
         return self.total + (self.model.chunks - 1) * bottleneck
 
     def max_params(self, balance: list[int]) -> float:
-        bounds = np.cumsum([0, *balance])
+        bounds = stage_bounds(balance)
         return float(np.max(self.params[bounds[1:]] - self.params[bounds[:-1]]))
 
     def lower_bound(self, stop: float = math.inf) -> tuple[float, list[int]] | None:

@@ -8,6 +8,7 @@ from autopipe.planning.plans import Plan
 from autopipe.planning.quantities import format_bytes, format_time
 from autopipe.planning.screening import Relaxation
 from autopipe.planning.search_space import Config, Space
+from autopipe.planning.tolerances import SAME_TIME
 
 __all__ = ["annotate", "breakdown", "explain_infeasible", "why_slower"]
 
@@ -55,7 +56,7 @@ def _peak(plan: Plan) -> float:
 
 def why_slower(plan: Plan, best: Plan) -> str:
     """One line on why ``plan`` predicts a longer step than ``best``."""
-    if plan.step_time <= best.step_time * (1 + 1e-9):
+    if plan.step_time <= best.step_time * (1 + SAME_TIME):
         same = "ties with the best"
         if plan.num_devices != best.num_devices:
             return f"{same} on {_devices(plan.num_devices)} vs {best.num_devices}"
@@ -110,7 +111,7 @@ def annotate(
         )
     named: set[tuple[int, int]] = set()
     for bound, config in infeasible:
-        if bound >= best.step_time * (1 - 1e-9) or len(named) >= _UNFIT_NOTES:
+        if bound >= best.step_time * (1 - SAME_TIME) or len(named) >= _UNFIT_NOTES:
             break
         if (config.stages, config.replicas) in named:
             continue

@@ -6,6 +6,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.planning.cost_model import CostModel, RangeMax
+from autopipe.planning.spans import prefix_sums
 
 __all__ = ["MemoryCache", "MemoryLimits"]
 
@@ -14,10 +15,6 @@ Ints = NDArray[np.int64]
 # Per memory signature: the largest fitting end per start (array, list), its running
 # maximum (list), and whether the two are the same.
 MemoryCache = dict[tuple[object, ...], tuple[Ints, list[int], list[int], bool]]
-
-
-def _prefix(values: Array) -> Array:
-    return np.concatenate([[0.0], np.cumsum(values)])
 
 
 class MemoryLimits:
@@ -47,10 +44,10 @@ class MemoryLimits:
         cache = {} if cache is None else cache
         layers = m.layers
         self.n = m.num_layers
-        self._state = _prefix(layers.params * (2.0 + m.optimizer) + layers.buffers)
+        self._state = prefix_sums(layers.params * (2.0 + m.optimizer) + layers.buffers)
         # As in the cost model: shared bytes count once, added back at a stage's start.
         self._shared = layers.shared_bytes
-        self._saved = _prefix(layers.saved - self._shared)
+        self._saved = prefix_sums(layers.saved - self._shared)
         self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output[:-1]])

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from autopipe.planning.minmax import minmax_partition
+from autopipe.planning.spans import prefix_sums, stage_bounds
 
 __all__ = ["parameters", "uniform"]
 
@@ -63,7 +64,7 @@ def parameters(params: Sequence[float], stages: int) -> list[int]:
             raise ValueError(
                 f"parameter sizes must be non-negative and finite, got {w!r} at index {i}"
             )
-    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(weights, dtype=np.float64))))
+    prefix = prefix_sums(np.asarray(weights, dtype=np.float64))
     limit = _min_max(prefix, stages)
     return _most_even_within(prefix, stages, limit)
 
@@ -76,7 +77,7 @@ def _min_max(prefix: np.ndarray, stages: int) -> float:
     """
     balance = minmax_partition(np.diff(prefix), stages)
     assert balance is not None  # no memory caps: every split is feasible
-    bounds = np.cumsum([0, *balance])
+    bounds = stage_bounds(balance)
     return float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
 
 
