@@ -6,14 +6,25 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from autopipe.cli.inputs import read_profile
+from autopipe.cli.options import (
+    check_plan_outputs,
+    check_precision,
+    cost_options,
+    default_stages,
+    save,
+)
 from autopipe.errors import PlanningError
 from autopipe.planning.names import STRATEGIES
+from autopipe.planning.planner import default_chunks
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from autopipe.planning.plans import Plan
     from profiler.profile import Profile
 
-__all__ = ["plan_command"]
+__all__: list[str] = []  # internal to the command line
 
 
 def _devices(profile: Profile, stages: int, virtual: int = 1) -> int | list[str]:
@@ -29,23 +40,17 @@ def _devices(profile: Profile, stages: int, virtual: int = 1) -> int | list[str]
 
 def plan_command(args: argparse.Namespace) -> int:
     """``autopipe plan``: profile (or load) and print the best split, with pictures."""
-    from autopipe.cli import app as cli
     from autopipe.planning.planner import plan
     from autopipe.planning.report import render_plan
 
-    cli._check_precision(args)
-    if args.search:
-        from autopipe.cli.search import search_command
-
-        return search_command(args)
+    check_precision(args)
     if args.devices or args.allreduce_bandwidth or args.even:
         raise ValueError(
             "--devices, --allreduce-bandwidth and --even go with --search; use --stages"
         )
-    memory = cli._memory(args.memory)
-    bandwidth = cli._bandwidth(args.bandwidth)
-    optimizer = cli._optimizer(args.optimizer)
-    stages: int = args.stages or cli.default_stages()
+    costs = cost_options(args)
+    memory = costs.memory
+    stages: int = args.stages or default_stages()
     if isinstance(memory, list) and len(memory) != stages:
         raise ValueError(
             f"--memory lists {len(memory)} sizes but there are {stages} stages; give one "
@@ -54,41 +59,31 @@ def plan_command(args: argparse.Namespace) -> int:
     virtual: int = args.virtual_stages
     if isinstance(memory, list) and virtual > 1:  # one size per device: each of its stages
         memory = [memory[k % stages] for k in range(stages * virtual)]
-    if args.json:
-        cli._check_writable(args.json, "plan")
-    if args.timeline:
-        cli._check_picture(args.timeline, "timeline")
-    if args.compare:
-        cli._check_picture(args.compare, "comparison")
+    check_plan_outputs(args)
 
-    if args.profile:
-        profile = cli._load_profile(args)
-        if args.model:  # the plan is for its sample's batch, unless --batch says otherwise
-            _, sample = cli._load_matching(args, profile, args.profile, args.model)
-            args.batch = args.batch or cli._batch_size(sample)
-        chunks = args.chunks or cli.default_chunks(stages, args.batch or profile.batch_size)
-    elif args.model:
-        model, sample = cli._load(args, args.dtype)
+    def check_layers(model: nn.Sequential) -> None:
         if stages * virtual > len(model):
             raise PlanningError(
                 f"cannot split {len(model)} layers into {stages * virtual} non-empty stages; "
                 f"use --stages {len(model) // virtual} or fewer"
             )
-        chunks = args.chunks or cli.default_chunks(stages, args.batch or cli._batch_size(sample))
-        profile = cli._measure(model, sample, args, chunks)
-    else:
-        raise ValueError("give a model file (autopipe plan MODEL.py) or --profile FILE")
+
+    inputs = read_profile(args, stages, measure_batch=args.batch, check_model=check_layers)
+    profile = inputs.profile
+    chunks = (
+        inputs.chunks or args.chunks or default_chunks(stages, inputs.batch or profile.batch_size)
+    )
 
     options: dict[str, Any] = {
-        "batch": args.batch,
+        "batch": inputs.batch,
         "chunks": chunks,
         "memory": memory,
         # Interleaved stages run on torch's schedules, which keep every activation.
         "checkpoint": args.checkpoint
         or ("never" if virtual > 1 or args.schedule == "zb" else "except_last"),
         "schedule": args.schedule or "gpipe",
-        "optimizer": optimizer,
-        "bandwidth": bandwidth,
+        "optimizer": costs.optimizer,
+        "bandwidth": costs.bandwidth,
         "virtual_stages": virtual,
     }
     devices = _devices(profile, stages, virtual)
@@ -116,7 +111,7 @@ def plan_command(args: argparse.Namespace) -> int:
         draw_stage_bars(_strategy_plans(profile, devices, options, known), args.compare)
         drawn.append(f"comparison written to {args.compare}")
     if args.json:
-        cli._save(result, args.json, "plan")
+        save(result, args.json, "plan")
     sys.stdout.write(render_plan(result, baseline, other))
     if args.json:
         print(f"plan written to {args.json}", file=sys.stderr)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import autopipe
-from autopipe.cli import app as cli
-from autopipe.cli.app import default_chunks
+from autopipe.cli import entry, options
+from autopipe.cli.parser import GRANULARITIES as CLI_GRANULARITIES
 from autopipe.planning.layer_costs import ProfileLines
-from autopipe.planning.planner import evaluate
+from autopipe.planning.planner import default_chunks, evaluate
 from autopipe.planning.plans import Plan
 from profiler.fit import segments
 from profiler.profile import Profile
@@ -197,12 +197,12 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_chunks(4, 8) == 4  # micro-batches of 2: batch norm cannot train on 1
     assert default_chunks(2, 3) == 1
     assert default_chunks(3, 1) == 1
-    monkeypatch.setattr(cli, "_gpu_count", lambda: 0)
-    assert cli.default_stages() == 2 and cli.default_device() == "cpu"
-    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
-    assert cli.default_stages() == 2 and cli.default_device() == "cuda:0"
-    monkeypatch.setattr(cli, "_gpu_count", lambda: 8)
-    assert cli.default_stages() == 8
+    monkeypatch.setattr(options, "_gpu_count", lambda: 0)
+    assert options.default_stages() == 2 and options.default_device() == "cpu"
+    monkeypatch.setattr(options, "_gpu_count", lambda: 1)
+    assert options.default_stages() == 2 and options.default_device() == "cuda:0"
+    monkeypatch.setattr(options, "_gpu_count", lambda: 8)
+    assert options.default_stages() == 8
 
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -225,7 +225,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_granularities_match_the_tracer() -> None:
     from autopipe.graph.units import GRANULARITIES
 
-    assert cli.GRANULARITIES == GRANULARITIES
+    assert CLI_GRANULARITIES == GRANULARITIES
 
 
 def test_wrap_defaults_to_the_command_lines_chunks() -> None:
@@ -380,7 +380,7 @@ def test_interrupted_anywhere_is_one_line(
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(cli, "build_parser", interrupt)
+        patch.setattr(entry, "build_parser", interrupt)
         code, out, err = run(capsys, "plan", MLP)
     assert (code, out, err) == (130, "", "autopipe: interrupted\n")
 
@@ -694,7 +694,7 @@ def good_profile(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("good")
     model, profile = folder / "good.py", folder / "good.json"
     model.write_text(GOOD)
-    assert cli.main(["profile", str(model), "-o", str(profile), *FAST]) == 0
+    assert entry.main(["profile", str(model), "-o", str(profile), *FAST]) == 0
     return model, profile
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopipe.cli import app as cli
+from autopipe.cli import inputs as cli
 from autopipe.planning.interleaving import rank_order
 from autopipe.planning.planner import evaluate
 from autopipe.planning.plans import Plan

@@ -1,0 +1,177 @@
+"""The profile a command plans from: the ``--profile`` file, or the model file's layers
+measured; the model file loaded as the options say."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from autopipe.cli.options import default_device
+from autopipe.planning.planner import default_chunks
+from profiler.precision import DTYPES
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autopipe.cli.model_file import Sample
+    from profiler.profile import Profile
+
+__all__: list[str] = []  # internal to the command line
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The profile a command plans from.
+
+    Attributes:
+        profile: the layers' measurements.
+        batch: samples per step: ``--batch``, else with ``--profile`` the model file's
+            sample when one is given; ``None``: the profile's.
+        chunks: the micro-batch count the layers were just measured for; ``None`` for a
+            loaded profile.
+    """
+
+    profile: Profile
+    batch: int | None
+    chunks: int | None
+
+
+def read_profile(
+    args: argparse.Namespace,
+    stages: int,
+    *,
+    measure_batch: int | None = None,
+    check_model: Callable[[nn.Sequential], None] | None = None,
+) -> Inputs:
+    """The ``--profile`` file (checked against the model file if one is given), or the
+    model file's layers measured as :func:`measure_model` does."""
+    if args.profile:
+        profile = _load_profile(args)
+        batch = args.batch
+        if args.model:  # the plan is for its sample's batch, unless --batch says otherwise
+            _, sample = load_matching(args, profile, args.profile, args.model)
+            batch = batch or _batch_size(sample)
+        return Inputs(profile, batch, None)
+    if args.model:
+        profile, chunks = measure_model(args, stages, batch=measure_batch, check_model=check_model)
+        return Inputs(profile, args.batch, chunks)
+    raise ValueError("give a model file (autopipe plan MODEL.py) or --profile FILE")
+
+
+def measure_model(
+    args: argparse.Namespace,
+    stages: int,
+    *,
+    batch: int | None = None,
+    check_model: Callable[[nn.Sequential], None] | None = None,
+) -> tuple[Profile, int]:
+    """Profiles the layers of the model file, cast to ``--dtype``.
+
+    Args:
+        args: the parsed arguments; ``model`` names the model file.
+        stages: the stage count whose default micro-batch count the layers are measured
+            for, unless ``--chunks`` gives it.
+        batch: the mini-batch split into those micro-batches; default: the sample's.
+        check_model: called with the loaded model before it is measured, to refuse it
+            before a long profile.
+
+    Returns:
+        The profile and the micro-batch count it was measured for.
+    """
+    model, sample = _load(args, args.dtype)
+    if check_model is not None:
+        check_model(model)
+    chunks: int = args.chunks or default_chunks(stages, batch or _batch_size(sample))
+    return _measure(model, sample, args, chunks), chunks
+
+
+def _load_profile(args: argparse.Namespace) -> Profile:
+    """The ``--profile`` file, which must have been measured as ``--autocast``/``--dtype`` say."""
+    from profiler.profile import Profile
+
+    profile = Profile.load(args.profile)
+    given = {
+        "--autocast": (args.autocast, profile.autocast),
+        "--dtype": (args.dtype, profile.dtype),
+    }
+    for option, (wanted, found) in given.items():
+        if wanted is not None and wanted != found:
+            raise ValueError(
+                f"{args.profile} was profiled with {option[2:]} {found or 'none'}, not "
+                f"{option} {wanted}: profile again with it, or leave out {option}"
+            )
+    return profile
+
+
+def _load(
+    args: argparse.Namespace, dtype: str | None = None, path: str | None = None
+) -> tuple[nn.Sequential, Sample]:
+    """The model file (``path``, default ``args.model``) split as ``--granularity`` says."""
+    from autopipe.cli.model_file import load_sequential
+
+    return load_sequential(
+        path or args.model,
+        dtype,
+        granularity=args.granularity,
+        leaf_modules=args.leaf_modules,
+    )
+
+
+def load_matching(
+    args: argparse.Namespace, profile: Profile, profile_path: str, path: str
+) -> tuple[nn.Sequential, Sample]:
+    """The model file ``path``, cast as the profile was, refused if it has other layers."""
+    from autopipe.cli.checks import check_profile_matches
+
+    # A profile made with --dtype measured the cast model: compare with that one.
+    cast = profile.dtype if profile.dtype in DTYPES and profile.dtype != "float32" else None
+    model, sample = _load(args, cast, path)
+    check_profile_matches(profile, model, profile_path, path)
+    return model, sample
+
+
+def _measure(
+    model: nn.Sequential, sample: Sample, args: argparse.Namespace, chunks: int
+) -> Profile:
+    """Profiles ``model``, reporting progress on stderr and failures as one line."""
+    from profiler.measure import profile_model
+    from profiler.progress import TerminalProgress
+
+    children = list(model.named_children())
+    show = TerminalProgress(kinds={name: type(child).__name__ for name, child in children})
+    done = 0
+
+    def progress(count: int, total: int, name: str) -> None:
+        nonlocal done
+        done = count
+        show(count, total, name)
+
+    try:
+        return profile_model(
+            model,
+            sample,
+            device=args.device or default_device(),
+            chunks=chunks,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            progress=progress,
+            autocast=args.autocast,
+        )
+    except ValueError:
+        raise
+    except Exception as exc:
+        if show.enabled() and done:
+            show.stream.write("\n")
+        name, child = children[min(done, len(children) - 1)]
+        message = " ".join(str(exc).split())
+        raise ValueError(
+            f"profiling layer {done} ({name}: {type(child).__name__}) failed: "
+            f"{type(exc).__name__}: {message}"
+        ) from None
+
+
+def _batch_size(sample: Sample) -> int:
+    first = sample[0] if isinstance(sample, tuple) else sample
+    return int(first.shape[0])

@@ -1,0 +1,343 @@
+"""The ``autopipe`` argument parser: every command, option and help text, and which command runs."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from autopipe import __version__
+from autopipe.cli.calibrate import calibrate_command
+from autopipe.cli.plan import plan_command
+from autopipe.cli.profile import profile_command
+from autopipe.cli.search import search_command
+from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES, STRATEGIES
+from autopipe.planning.planner import CHUNKS_PER_STAGE
+from profiler.precision import AUTOCAST_DTYPES, DTYPES
+
+__all__: list[str] = []  # internal to the command line, like every module here
+
+Command = Callable[[argparse.Namespace], int]
+
+PROG = "autopipe"
+# autopipe.graph.units.GRANULARITIES, which imports torch; the tests keep both equal.
+GRANULARITIES = ("children", "blocks", "leaves")
+
+_MODEL_HELP = (
+    "model.py must define `model`, any nn.Module (or a function returning one: an "
+    "nn.Sequential is split between its children, any other module is traced and cut into "
+    "units), and `sample`, the mini-batch to plan for: a tensor or tuple of positional input "
+    "tensors with the batch in dim 0 (or a function returning one); it may define `kwargs`, "
+    "the model's keyword inputs (a dict, or a function returning one). See examples/mlp.py."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        line = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {line} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected module names such as a,b.c, got {text!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``autopipe`` command."""
+    parser = _Parser(
+        prog=PROG,
+        description="Automatic pipeline-parallel training for PyTorch: profile a model "
+        "layer by layer and split it into balanced pipeline stages.",
+        epilog=_MODEL_HELP,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # In this order in `autopipe --help`.
+    _add_plan_parser(commands)
+    _add_calibrate_parser(commands)
+    _add_profile_parser(commands)
+    return parser
+
+
+def selected_command(args: argparse.Namespace) -> Command:
+    """The command the parsed ``args`` ask for: ``plan --search`` runs the search."""
+    if args.command == "plan" and args.search:
+        return search_command
+    command: Command = args.func
+    return command
+
+
+# ----------------------------------------------------------------------------------------
+# The commands.
+
+
+def _add_plan_parser(commands: Any) -> None:
+    """``autopipe plan``, with the options of ``--search``."""
+    parser = commands.add_parser(
+        "plan",
+        help="profile a model and print the fastest pipeline split that fits",
+        description="Profile the layers of MODEL.py (or load --profile FILE) and print the "
+        "pipeline split with the smallest predicted step time, compared with an equal "
+        "split of the layer count.",
+        epilog=_MODEL_HELP,
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL.py",
+        help="the model file; optional with --profile, and then checked against it",
+    )
+    parser.add_argument(
+        "--stages",
+        type=_positive,
+        metavar="K",
+        help="pipeline stages (default: the number of visible GPUs when at least 2, else 2)",
+    )
+    _add_measure_options(
+        parser,
+        f"micro-batches per mini-batch (default: {CHUNKS_PER_STAGE} x stages, GPipe's rule "
+        "of thumb for a small bubble, with at least 2 samples each where the batch allows)",
+    )
+    parser.add_argument(
+        "--memory",
+        metavar="SIZE[,SIZE...]",
+        help="memory per device, e.g. 16GiB, or a comma list with one size per stage "
+        "(default: unlimited)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        choices=CHECKPOINT_MODES,
+        help="activation checkpointing; auto checkpoints only the stages that do not fit "
+        "otherwise (default: except_last; never with --virtual-stages, whose schedules keep "
+        "every activation; with --search: all modes)",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=ALL_SCHEDULES,
+        help="pipeline schedule (default: gpipe; with --search: gpipe and 1f1b); zb is "
+        "torch's zero-bubble schedule (the distributed runner; checkpoint never)",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=_positive,
+        default=1,
+        metavar="V",
+        help="stages per device, run by an interleaved schedule: plans K x V stages, stage s "
+        "on device s mod K (default: 1); with --search: consider 1 to V per device",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="optimal",
+        help="how to split (default: optimal); the others are baselines for comparison",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="adam",
+        help="optimizer whose state counts toward memory: adam, adamw, sgd, momentum, none, "
+        "or state bytes per parameter byte (default: adam)",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        metavar="BYTES_PER_S",
+        help="link bandwidth between stages, e.g. 10GB or 10GB/s (default: free transfers)",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="plan from a profile saved by `autopipe profile` instead of profiling",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the plan as JSON; its `balance` lists the layers per stage",
+    )
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="also draw the plan's simulated pipeline schedule as a Gantt chart, one row per "
+        "device (.png or .svg; needs matplotlib)",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="FILE",
+        help="also draw every strategy's stage times side by side, to see how balanced "
+        "each split is (.png or .svg; needs matplotlib)",
+    )
+    _add_tracing_options(parser)
+    _add_search_options(parser)
+    parser.set_defaults(func=plan_command)
+
+
+def _add_search_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``autopipe plan --search``."""
+    search = parser.add_argument_group(
+        "search", "rank pipeline depth x data-parallel width x micro-batches x checkpointing"
+    )
+    search.add_argument(
+        "--search",
+        action="store_true",
+        help="search the configurations of --devices devices and print the best ones, "
+        "then the best plan (--json writes it)",
+    )
+    search.add_argument(
+        "--devices", type=_positive, metavar="N", help="devices to use (default: as --stages)"
+    )
+    search.add_argument(
+        "--batch",
+        type=_positive,
+        metavar="B",
+        help="samples per step, across replicas with --search (default: the sample's)",
+    )
+    search.add_argument(
+        "--top", type=_positive, default=10, metavar="T", help="rows to print (default: 10)"
+    )
+    search.add_argument(
+        "--allreduce-bandwidth",
+        metavar="BYTES_PER_S",
+        help="bandwidth of the gradient all-reduce between replicas (default: --bandwidth)",
+    )
+    search.add_argument(
+        "--even",
+        action="store_true",
+        help="only replica and micro-batch counts that split the batch into equal parts "
+        "(what the distributed runner needs for models with BatchNorm)",
+    )
+
+
+def _add_calibrate_parser(commands: Any) -> None:
+    """``autopipe calibrate``."""
+    parser = commands.add_parser(
+        "calibrate",
+        help="measure the executor overhead and link bandwidth and store them in a profile",
+        description="Measure GPipe's fixed cost per stage and micro-batch and the copy "
+        "bandwidth between the devices, and store both in PROFILE.json; `autopipe plan "
+        "--profile` then uses them.",
+    )
+    parser.add_argument("profile", metavar="PROFILE.json", help="a saved profile")
+    parser.add_argument(
+        "-o", "--output", metavar="FILE", help="where to write it (default: in place)"
+    )
+    parser.add_argument(
+        "--devices",
+        metavar="DEV[,DEV...]",
+        help="the stage devices, e.g. cuda:0,cuda:1 (default: the profile's device twice, "
+        "or all GPUs)",
+    )
+    parser.add_argument(
+        "--repeats", type=_positive, default=10, metavar="N", help="timed runs (default: 10)"
+    )
+    parser.add_argument(
+        "--model",
+        metavar="MODEL.py",
+        help="the profiled model file: also time its whole training step and store how much "
+        "longer its layers run there than alone (compute_scale)",
+    )
+    _add_tracing_options(parser)
+    parser.set_defaults(func=calibrate_command)
+
+
+def _add_profile_parser(commands: Any) -> None:
+    """``autopipe profile``."""
+    parser = commands.add_parser(
+        "profile",
+        help="profile a model and save the measurements for `autopipe plan --profile`",
+        description="Measure the time and memory of every layer of MODEL.py and save them.",
+        epilog=_MODEL_HELP,
+    )
+    parser.add_argument("model", metavar="MODEL.py", help="the model file")
+    parser.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="where to write the profile (JSON)"
+    )
+    _add_measure_options(
+        parser,
+        f"micro-batches the profile is made for (default: {CHUNKS_PER_STAGE} x the default "
+        "stage count, with at least 2 samples each where the batch allows)",
+    )
+    _add_tracing_options(parser)
+    parser.set_defaults(func=profile_command)
+
+
+# ----------------------------------------------------------------------------------------
+# Options more than one command has.
+
+
+def _add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> None:
+    """How the layers are measured: device, micro-batches, repeats, precision."""
+    parser.add_argument(
+        "--device",
+        help="where to profile the layers (default: cuda:0 when CUDA is available, else cpu)",
+    )
+    parser.add_argument("--chunks", type=_positive, metavar="M", help=chunks_help)
+    parser.add_argument(
+        "--repeats",
+        type=_positive,
+        default=5,
+        metavar="N",
+        help="timed runs per layer and batch size; the median is kept (default: 5)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=2,
+        metavar="N",
+        help="untimed runs per layer and batch size before timing (default: 2)",
+    )
+    # Checked by the commands rather than by `choices`, so a bad value is one error line.
+    parser.add_argument(
+        "--autocast",
+        metavar="{" + ",".join(AUTOCAST_DTYPES) + "}",
+        help="run every forward and backward under torch.autocast with this dtype, as "
+        "mixed-precision training does (default: none; on the CPU prefer bfloat16)",
+    )
+    parser.add_argument(
+        "--dtype",
+        metavar="{" + ",".join(DTYPES) + "}",
+        help="cast the model's parameters and buffers and the sample's floating tensors "
+        "to this dtype before profiling (default: as model.py defines them)",
+    )
+
+
+def _add_tracing_options(parser: argparse.ArgumentParser) -> None:
+    """``--granularity`` and ``--leaf-modules``: how a model that is no nn.Sequential is cut."""
+    parser.add_argument(
+        "--granularity",
+        choices=GRANULARITIES,
+        help="where a traced model (not an nn.Sequential) may be cut: between its direct "
+        "children (children), between repeated blocks such as a transformer's layers and "
+        "the modules around them (blocks, the default), or between all modules without "
+        "children (leaves)",
+    )
+    parser.add_argument(
+        "--leaf-modules",
+        type=_names,
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="submodules of a traced model, by path (e.g. encoder.layer.0), that torch.fx "
+        "keeps as single calls, for code it cannot trace through",
+    )
