@@ -24,7 +24,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         from autopipe.cli.checks import check_device_list
 
         devices = check_device_list(args.devices)
-    from autopipe.gpipe.calibration import calibrate
+    from autopipe.gpipe.executor_calibration import calibrate_executor
 
     model = sample = None
     if args.model:  # timed as it was profiled: cast to the profile's dtype
@@ -33,7 +33,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
         what = "executor overhead, link" + (f", whole steps of {args.model}" if model else "")
         print(f"calibrating: {what} ({args.repeats} repeats each)...", file=sys.stderr)
     try:
-        values = calibrate(profile, devices, repeats=args.repeats, model=model, sample=sample)
+        values = calibrate_executor(
+            profile, devices, repeats=args.repeats, model=model, sample=sample
+        )
     except (RuntimeError, AssertionError) as exc:  # e.g. a device torch cannot use
         message = " ".join(str(exc).split())
         raise ValueError(f"calibration failed: {type(exc).__name__}: {message}") from None

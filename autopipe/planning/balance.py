@@ -64,7 +64,7 @@ def partition(
         balance = minmax_partition(c, stages, m, caps)
         if balance is None:
             assert m is not None and caps is not None
-            raise PlanningError(explain_infeasible(m, caps))
+            raise PlanningError(_partition_misfit(m, caps))
         return balance
     balance = baseline_balance(strategy, c, stages, m)
     if m is not None and caps is not None:
@@ -150,7 +150,7 @@ def check_fits(balance: Sequence[int], memory: np.ndarray, caps: np.ndarray) -> 
         )
 
 
-def explain_infeasible(memory: np.ndarray, caps: np.ndarray) -> str:
+def _partition_misfit(memory: np.ndarray, caps: np.ndarray) -> str:
     """Says which layer or stage cannot fit, and by how many bytes."""
     largest = float(caps.max())
     i = int(np.argmax(memory))

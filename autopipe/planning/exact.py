@@ -29,13 +29,13 @@ from autopipe.planning.quantities import format_bytes
 from autopipe.planning.spans import stage_bounds
 from autopipe.planning.tolerances import SAME_TIME
 
-__all__ = ["optimal_split", "solve_split", "split_value", "step_time"]
+__all__ = ["gpipe_step_time", "optimal_split", "solve_split", "split_value"]
 
 Array = NDArray[np.float64]
 Score = Callable[[int], Array]
 
 
-def step_time(times: Array | list[float], chunks: int) -> float:
+def gpipe_step_time(times: Array | list[float], chunks: int) -> float:
     """GPipe's step time from per-micro-batch stage costs: ``Σ c + (M−1)·max c``."""
     values = np.asarray(times, dtype=float)
     return float(values.sum() + (chunks - 1) * values.max())
@@ -161,7 +161,7 @@ def split_value(model: CostModel, balance: list[int]) -> float:
     """The predicted step time of ``balance``: pipeline plus all-reduce, fits ignored."""
     starts, ends = _bounds(balance)
     allreduce = float(np.max(model.allreduce_time(starts, ends)))
-    return step_time(_stage_times(model, balance), model.chunks) + allreduce
+    return gpipe_step_time(_stage_times(model, balance), model.chunks) + allreduce
 
 
 def _explain(model: CostModel) -> str:
@@ -216,7 +216,7 @@ def _pipeline(tables: _Tables, time: Score) -> tuple[float, list[int]] | None:
     if model.sum_is_invariant():
         even = _dp(tables, bounded(bound, 2), "sum")
         best_balance = even[1] if even is not None else balance
-        return step_time(_stage_times(model, best_balance), chunks), best_balance
+        return gpipe_step_time(_stage_times(model, best_balance), chunks), best_balance
 
     def solve(limit: float) -> tuple[float, float, list[int]]:
         """Smallest Σ c_k with every c_k <= limit: (Σ, actual max, balance)."""

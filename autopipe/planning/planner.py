@@ -13,7 +13,7 @@ from autopipe.errors import PlanningError
 from autopipe.planning.balance import baseline_balance
 from autopipe.planning.cost_model import CostModel
 from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.exact import optimal_split, step_time
+from autopipe.planning.exact import gpipe_step_time, optimal_split
 from autopipe.planning.interleaved_balance import interleaved_split, pipeline_time
 from autopipe.planning.interleaving import rank_stages
 from autopipe.planning.names import STRATEGIES
@@ -272,7 +272,7 @@ def describe(
     m, ranks = model.chunks, model.num_ranks
     # Interleaved and zero bubble: the schedule's order replayed (the closed formula holds
     # for balanced stages only).
-    pipeline = pipeline_time(model, balance) if _replayed(model) else step_time(times, m)
+    pipeline = pipeline_time(model, balance) if _replayed(model) else gpipe_step_time(times, m)
     allreduce = max(stage.allreduce for stage in stages)
     total = pipeline + allreduce
     # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.

@@ -607,7 +607,7 @@ def test_dtype_casts_models_that_are_traced(
 def test_calibrate_casts_the_model_as_profiled(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from autopipe.gpipe import calibration
+    from autopipe.gpipe import executor_calibration as calibration
     seen: list[tuple[torch.dtype, torch.dtype]] = []
     measure = calibration.measure_compute_scale
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from autopipe import PlanningError
-from autopipe.planning.exact import step_time as gpipe_step_time
+from autopipe.planning.exact import gpipe_step_time
 from autopipe.planning.interleaving import in_flight, rank_order, rank_stages, rank_times, step_time
 from autopipe.planning.planner import evaluate, plan
 from autopipe.planning.plans import Plan

@@ -20,7 +20,7 @@ from profiler.in_context import measure_compute_scale
 from profiler.precision import autocast_pass, check_autocast
 from profiler.profile import Profile
 
-__all__ = ["calibrate", "measure_overhead"]
+__all__ = ["calibrate_executor", "measure_overhead"]
 
 
 def _tiny_model(stages: int, width: int) -> nn.Sequential:
@@ -109,7 +109,7 @@ def measure_overhead(
     return {"overhead_s": overhead, "step_s": step, "stage_s": stages, "chunks": chunks}
 
 
-def calibrate(
+def calibrate_executor(
     profile: Profile,
     devices: Sequence[str] | None = None,
     *,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from autopipe import plan
-from autopipe.gpipe.calibration import calibrate, measure_overhead
+from autopipe.gpipe.executor_calibration import calibrate_executor, measure_overhead
 from profiler.calibrate import measure_bandwidth, store_calibration
 from tests.support.planning_cases import linear_profile
 
@@ -48,7 +48,7 @@ def test_store_merges():
 
 def test_calibrate_stores_what_the_planner_uses(tmp_path):
     profile = linear_profile([1.0] * 4, output=[100] * 4)
-    values = calibrate(profile, ["cpu", "cpu"], repeats=2)
+    values = calibrate_executor(profile, ["cpu", "cpu"], repeats=2)
     assert set(values) >= {"overhead_s", "bandwidth", "latency_s", "devices"}
     path = tmp_path / "profile.json"
     profile.save(path)
