@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from autopipe.errors import ModelFileError, TracingError
+
 __all__ = [
     "LoadedModel",
     "ModelFileError",
@@ -35,10 +37,6 @@ _ADD = {
     "tuple of tensors, or a function returning one)",
     "kwargs": "`kwargs = {'attention_mask': mask}`, the model's keyword inputs",
 }
-
-
-class ModelFileError(ValueError):
-    """A model file cannot be used; the one-line message says what to fix."""
 
 
 @dataclass
@@ -326,8 +324,7 @@ def as_sequential(
             )
         return model, sample
     _check_leaves(model, leaves, where)
-    from autopipe.gpipe.wrap import unit_sequential
-    from autopipe.graph.tracing import TracingError
+    from autopipe.graph.sequential import unit_sequential
 
     args = sample if isinstance(sample, tuple) else (sample,)
     try:

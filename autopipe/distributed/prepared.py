@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
+
+from autopipe.graph.sequential import SequentialModel, prepare
 
 __all__ = ["Prepared", "original_names", "prepare_model", "shared_state"]
 
@@ -64,7 +65,7 @@ def _one_input(inputs: Any, what: str) -> Any:
 
 
 def prepare_model(model: nn.Module, sample: Any) -> Prepared:
-    """The model as an ``nn.Sequential``: itself, or its units through :mod:`autopipe.gpipe.wrap`.
+    """The model as an ``nn.Sequential``: itself, or its units (:mod:`autopipe.graph.sequential`).
 
     :attr:`Prepared.sample` is what the first layer takes as its one argument: a plain
     ``nn.Sequential``'s one input, or the flat input tensors of a wrapped model's units.
@@ -82,13 +83,6 @@ def prepare_model(model: nn.Module, sample: Any) -> Prepared:
         raise ValueError(
             f"cannot wrap {type(model).__name__} with a {type(sample).__name__} sample; {advice}"
         )
-    try:
-        from autopipe.gpipe.wrap import prepare
-        from autopipe.graph.stage_modules import UnitSequential
-    except ImportError as exc:  # auto-wrapping is optional
-        raise ValueError(
-            f"DistributedPipeline needs an nn.Sequential, got {type(model).__name__}; {advice}"
-        ) from exc
     args = sample if isinstance(sample, tuple) else (sample,)
     try:
         layout = prepare(model, args)
@@ -96,22 +90,9 @@ def prepare_model(model: nn.Module, sample: Any) -> Prepared:
         raise ValueError(
             f"cannot split {type(model).__name__} into stages automatically ({exc}); {advice}"
         ) from exc
-    traced = layout.traced[layout.primary]
-    outputs = {mode: t.outputs for mode, t in layout.traced.items()}
-    # Unit names are module paths; a child name of nn.Sequential cannot hold a dot.
-    names = [name.replace(".", "/") for name in layout.names]
-    sequential = UnitSequential(OrderedDict(zip(names, layout.modules())))
-
-    def flatten(inputs: Any) -> tuple[Tensor, ...]:
-        positional = inputs if isinstance(inputs, tuple) else (inputs,)
-        return tuple(traced.inputs.flatten((positional, {}), "inputs"))
-
-    def rebuild(output: Any, training: bool) -> Any:
-        flat = (output,) if isinstance(output, Tensor) else tuple(output)
-        key = "any" if "any" in outputs else ("train" if training else "eval")
-        return outputs[key].rebuild(flat)
-
-    return Prepared(sequential, flatten(sample), flatten, rebuild, wrapped=True)
+    units = SequentialModel.of(layout)
+    io = units.io
+    return Prepared(units.sequential(), io.flatten(sample), io.flatten, io.rebuild, wrapped=True)
 
 
 def original_names(stage: nn.Module, model: nn.Module) -> dict[str, str]:

@@ -11,19 +11,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from autopipe.gpipe import GPipe
+from autopipe.gpipe.gpipe import GPipe
 from autopipe.gpipe.wrapped import WrappedPipeline
 from autopipe.graph.flat_io import FlatSpec
-from autopipe.graph.layout import Layout, layout_model, stage_of_units, trace_modes
+from autopipe.graph.layout import Layout, layout_model, stage_of_units
+from autopipe.graph.sequential import SequentialModel, model_inputs, prepare, unit_sequential
 from autopipe.graph.shapes import DynamicSpec
 from autopipe.graph.sharing import check_placement
-from autopipe.graph.stage_modules import UnitSequential
 from autopipe.graph.units import GRANULARITIES
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
 from autopipe.planning.plan_settings import MemorySpec
 from autopipe.planning.planner import default_chunks
 from autopipe.planning.planner import plan as make_plan
+from profiler.devices import stage_devices
 from profiler.measure import profile_layers
 from profiler.precision import check_autocast
 from profiler.profile import Profile
@@ -44,18 +45,7 @@ def _device_names(stages: int | None, devices: Sequence[Device] | None) -> list[
     count = 2 if stages is None else stages
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"stages must be a positive integer, got {stages!r}")
-    if torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
-        return [f"cuda:{k % gpus}" for k in range(count)]
-    return ["cpu"] * count
-
-
-def _normalize(
-    sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The positional inputs as a tuple and the keyword inputs in a fixed (sorted) order."""
-    args = sample if isinstance(sample, tuple) else (sample,)
-    return args, dict(sorted((kwargs or {}).items()))
+    return [str(device) for device in stage_devices(count)]
 
 
 def _too_few(model: nn.Module, layout: Layout, granularity: str, stages: int) -> str:
@@ -83,60 +73,8 @@ def _too_few(model: nn.Module, layout: Layout, granularity: str, stages: int) ->
 
 def _batch_size(sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None) -> int:
     """Dim 0 of the first input tensor (tracing checks that all of them agree), else 1."""
-    _, tensors = FlatSpec.of(_normalize(sample, kwargs))
+    _, tensors = FlatSpec.of(model_inputs(sample, kwargs))
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
-
-
-def prepare(
-    model: nn.Module,
-    sample: tuple[Any, ...] | Tensor,
-    *,
-    kwargs: dict[str, Any] | None = None,
-    granularity: str = "blocks",
-    leaf_modules: Iterable[str | type[nn.Module]] = (),
-    method: str = "auto",
-    dynamic: DynamicSpec | None = None,
-) -> Layout:
-    """Traces the model (in both modes) and splits it into units that can be cut between.
-
-    Takes the arguments of :func:`wrap`; this is its first half, to inspect the units
-    (``layout.names``, ``layout.liveness``, ``layout.merged``) without planning.
-    """
-    args, inputs = _normalize(sample, kwargs)
-    traced = trace_modes(
-        model, args, inputs, leaf_modules=list(leaf_modules), method=method, dynamic=dynamic
-    )
-    return layout_model(model, traced, granularity)
-
-
-def unit_sequential(
-    model: nn.Module,
-    sample: tuple[Any, ...] | Tensor,
-    *,
-    kwargs: dict[str, Any] | None = None,
-    granularity: str = "blocks",
-    leaf_modules: Iterable[str | type[nn.Module]] = (),
-    method: str = "auto",
-) -> tuple[nn.Sequential, tuple[Tensor, ...]]:
-    """The model as an ``nn.Sequential`` of its units, with the sample flattened to match.
-
-    Each unit takes the tensors live across its input boundary and returns those live
-    after it, so the Sequential can be profiled and planned like any other; its children
-    are named after the units. Takes the arguments of :func:`prepare`.
-    """
-    layout = prepare(
-        model,
-        sample,
-        kwargs=kwargs,
-        granularity=granularity,
-        leaf_modules=leaf_modules,
-        method=method,
-    )
-    traced = layout.traced[layout.primary]
-    tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")
-    # Unit names are module paths; a child name of nn.Sequential cannot hold a dot.
-    names = [name.replace(".", "/") for name in layout.names]
-    return UnitSequential(OrderedDict(zip(names, layout.modules()))), tuple(tensors)
 
 
 def wrap(
@@ -177,7 +115,8 @@ def wrap(
         sample: the positional inputs of one mini-batch (a tuple, or a single tensor).
         kwargs: keyword inputs of the sample.
         stages: the number of stages (default: ``len(devices)``, or 2).
-        devices: one device per stage (default: the GPUs, or the CPU for every stage).
+        devices: one device per stage (default: the GPUs round-robin, or the CPU for every
+            stage; :func:`profiler.devices.stage_devices`).
         chunks: micro-batches per mini-batch (default: 4 per stage, each of at least 2
             samples where the batch allows, as ``autopipe plan`` chooses; see
             :func:`autopipe.planning.planner.default_chunks`).
@@ -242,35 +181,33 @@ def wrap(
         method=method,
         dynamic=dynamic,
     )
-    units = layout.modules()
+    model_units = SequentialModel.of(layout)
+    units = model_units.units
     if len(units) < len(names):
         raise ValueError(_too_few(model, layout, granularity, len(names)))
     if deferred:  # the units' own graphs are rewritten; the model is left as it is
-        defer_layers(OrderedDict(zip(layout.names, units)), model)
-    traced = layout.traced[layout.primary]
+        defer_layers(OrderedDict(zip(model_units.names, units)), model)
     if profile is None:
-        tensors = traced.inputs.flatten(_normalize(sample, kwargs), "sample")
+        tensors = model_units.io.flatten(sample, kwargs, "sample")
         # Measure at the micro-batch and twice it: a batch of one breaks batch norm.
-        micro = -(-traced.batch // chunks)
+        micro = -(-layout.traced[layout.primary].batch // chunks)
         profile = profile_layers(
             units,
             tensors,
             device=names[0],
             chunks=chunks,
-            names=layout.names,
+            names=model_units.names,
             batch_sizes=[micro, 2 * micro],
             autocast=autocast,
         )
     # A profile of unit_sequential (`autopipe profile`) writes module paths with "/".
-    elif [name.replace("/", ".") for name in profile.names] != layout.names:
+    elif [name.replace("/", ".") for name in profile.names] != model_units.names:
         raise ValueError(
-            f"the profile's layers {profile.names} are not the model's units {layout.names}"
+            f"the profile's layers {profile.names} are not the model's units {model_units.names}"
         )
     plan = make_plan(
         profile, names, chunks=chunks, memory=memory, checkpoint=checkpoint, strategy=strategy
     )
-    check_placement(layout.shared, stage_of_units(plan.balance), names, layout.names)
+    check_placement(model_units.shared, stage_of_units(plan.balance), names, model_units.names)
     pipeline = GPipe.from_plan(nn.Sequential(*units), plan)
-    outputs = {mode: t.outputs for mode, t in layout.traced.items()}
-    shapes = {mode: t.shapes for mode, t in layout.traced.items()}
-    return WrappedPipeline(model, pipeline, plan, traced.inputs, outputs, traced.method, shapes)
+    return WrappedPipeline(model, pipeline, plan, model_units.io)

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from autopipe.gpipe.gpipe import refuse_device_move
-from autopipe.graph.flat_io import FlatSpec
 from autopipe.graph.stage_modules import UnitModule
 from autopipe.graph.tracing import PREFIX
 
 if TYPE_CHECKING:
-    from autopipe.gpipe import GPipe
-    from autopipe.graph.shapes import InputShapes
+    from autopipe.gpipe.gpipe import GPipe
+    from autopipe.graph.sequential import ModelIO
     from autopipe.planning.plans import Plan
 
 __all__ = ["WrappedPipeline"]
@@ -47,10 +45,7 @@ class WrappedPipeline(nn.Module):
         model: nn.Module,
         pipeline: GPipe,
         plan: Plan,
-        inputs: FlatSpec,
-        outputs: Mapping[str, FlatSpec],
-        method: str,
-        shapes: Mapping[str, InputShapes | None] | None = None,
+        io: ModelIO,
     ) -> None:
         super().__init__()
         reserved = set(dir(type(self))) | {"method"}
@@ -80,10 +75,8 @@ class WrappedPipeline(nn.Module):
         state["_autopipe_model"] = model
         state["_autopipe_pipeline"] = pipeline
         state["_autopipe_plan"] = plan
-        state["_autopipe_inputs"] = inputs
-        state["_autopipe_outputs"] = dict(outputs)
-        state["method"] = method
-        state["_autopipe_shapes"] = dict(shapes or {})
+        state["_autopipe_io"] = io
+        state["method"] = io.method
         self._sync_buffers()
 
     @property
@@ -111,16 +104,11 @@ class WrappedPipeline(nn.Module):
         Raises:
             ValueError: the inputs differ from the traced ones where the graph fixed them.
         """
-        inputs: FlatSpec = self.__dict__["_autopipe_inputs"]
-        tensors = inputs.flatten((args, dict(sorted(kwargs.items()))), "inputs")
-        outputs: dict[str, FlatSpec] = self.__dict__["_autopipe_outputs"]
-        key = "any" if "any" in outputs else ("train" if self.training else "eval")
-        shapes = self.__dict__["_autopipe_shapes"].get(key)
-        if shapes is not None:
-            shapes.check(tensors)
+        io: ModelIO = self.__dict__["_autopipe_io"]
+        tensors = io.flatten(args, kwargs)
+        io.check(tensors, self.training)
         output = self.pipeline(tensors[0] if len(tensors) == 1 else tensors)
-        flat = (output,) if isinstance(output, Tensor) else tuple(output)
-        return outputs[key].rebuild(flat)
+        return io.rebuild(output, self.training)
 
     def train(self, mode: bool = True) -> WrappedPipeline:
         super().train(mode)

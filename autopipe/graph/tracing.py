@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from autopipe.errors import TracingError
 from autopipe.graph.export import check_symbolic_batch, export_graph, strip_checks
 from autopipe.graph.flat_io import FlatSpec, check_batch_major
 from autopipe.graph.grad_modes import KEY, inline_grad_regions, tracking
@@ -39,10 +40,6 @@ METHODS = ("auto", "fx", "export")
 
 
 _output_spec = threading.local()
-
-
-class TracingError(RuntimeError):
-    """The model could be traced neither by torch.fx nor by torch.export."""
 
 
 @dataclass
