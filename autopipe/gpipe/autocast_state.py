@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["AutocastState"]
+__all__: list[str] = []  # internal to the package
 
 # The device types a pipeline runs on; autocast is per device type.
 DEVICE_TYPES = ("cuda", "cpu")

@@ -18,9 +18,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from autopipe.gpipe.autocast_state import AutocastState
 from autopipe.gpipe.microbatch import Batch, TensorOrTensors
-from autopipe.microbatching.recomputation import is_recomputing, recomputing
+from autopipe.microbatching.recomputation import recomputing
 
-__all__ = ["Checkpoint", "RNGState", "checkpoint", "is_recomputing"]
+__all__: list[str] = []  # internal to the package
+
 
 class RNGState:
     """The CPU generator state and, for a CUDA device, that device's generator state."""

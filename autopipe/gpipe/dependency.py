@@ -15,7 +15,7 @@ from torch import Tensor
 
 from autopipe.gpipe.microbatch import Batch
 
-__all__ = ["Fork", "Join", "anchor", "fork", "join"]
+__all__: list[str] = []  # internal to the package
 
 
 class Fork(torch.autograd.Function):

@@ -8,7 +8,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "TensorOrTensors", "check", "gather", "scatter"]
+__all__: list[str] = []  # internal to the package
 
 TensorOrTensors: TypeAlias = Tensor | tuple[Tensor, ...]
 

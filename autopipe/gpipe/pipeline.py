@@ -33,7 +33,7 @@ from autopipe.gpipe.transfer import Route, transfer
 from autopipe.gpipe.worker import ThreadContext, WorkerPool
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
 
-__all__ = ["Pipeline", "clock_cycles"]
+__all__: list[str] = []  # internal to the package
 
 
 def clock_cycles(num_microbatches: int, num_partitions: int) -> Iterator[list[tuple[int, int]]]:

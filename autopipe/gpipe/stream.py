@@ -7,20 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = [
-    "CPU_STREAM",
-    "AbstractStream",
-    "CPUStream",
-    "current_stream",
-    "default_stream",
-    "get_device",
-    "is_cuda",
-    "new_stream",
-    "record_stream",
-    "use_device",
-    "use_stream",
-    "wait_stream",
-]
+__all__: list[str] = []  # internal to the package
 
 
 class CPUStream:

@@ -25,7 +25,7 @@ from autopipe.gpipe.stream import (
     wait_stream,
 )
 
-__all__ = ["Route", "Transfer", "transfer"]
+__all__: list[str] = []  # internal to the package
 
 
 @dataclass(frozen=True)

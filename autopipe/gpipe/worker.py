@@ -18,7 +18,7 @@ import torch
 from autopipe.gpipe.autocast_state import AutocastState
 from autopipe.gpipe.stream import use_device
 
-__all__ = ["ThreadContext", "WorkerPool"]
+__all__: list[str] = []  # internal to the package
 
 Job = Callable[[], None]
 

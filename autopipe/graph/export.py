@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from autopipe.graph.shapes import InputShapes
 
-__all__ = ["check_symbolic_batch", "export_graph", "is_symbolic", "strip_checks"]
+__all__: list[str] = []  # internal to the package
 
 # Checks that export leaves in the graph; they pin shapes or devices a stage must not keep.
 _DROPPED = {

@@ -14,7 +14,7 @@ import torch.fx.proxy as fx_proxy
 from torch import nn
 from torch.autograd import grad_mode
 
-__all__ = ["KEY", "grad_mode_of", "inline_grad_regions", "insert_grad_modes", "tracking"]
+__all__: list[str] = []  # internal to the package
 
 # node.meta[KEY]: the grad mode the model's code set for the node, or None for the caller's.
 KEY = "autopipe_grad"

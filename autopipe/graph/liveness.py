@@ -12,7 +12,7 @@ import torch.fx as fx
 from autopipe.graph.units import Unit
 from autopipe.graph.values import ValueInfo
 
-__all__ = ["Liveness", "UnitIO", "analyze"]
+__all__: list[str] = []  # internal to the package
 
 
 @dataclass

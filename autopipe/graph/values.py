@@ -12,14 +12,7 @@ from torch import Tensor, nn
 
 from autopipe.graph.grad_modes import grad_mode_of
 
-__all__ = [
-    "GradModeInterpreter",
-    "ValueInfo",
-    "gradient_flow",
-    "record_values",
-    "run_quietly",
-    "same_results",
-]
+__all__: list[str] = []  # internal to the package
 
 _SIMPLE = (
     int,

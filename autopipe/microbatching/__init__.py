@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
-from autopipe.microbatching.batchnorm import DeferredBatchNorm
+from autopipe.microbatching.batchnorm import DeferredBatchNorm, resolve_deferred
+from autopipe.microbatching.batchnorm_units import defer_layers
+from autopipe.microbatching.recomputation import is_recomputing, recomputing
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "defer_layers", "is_recomputing", "recomputing", "resolve_deferred"]

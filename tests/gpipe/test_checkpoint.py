@@ -7,8 +7,9 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from autopipe.gpipe.checkpoint import RNGState, checkpoint, is_recomputing
+from autopipe.gpipe.checkpoint import RNGState, checkpoint
 from autopipe.gpipe.microbatch import Batch
+from autopipe.microbatching.recomputation import is_recomputing
 
 CPU = torch.device("cpu")
 

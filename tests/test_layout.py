@@ -1,0 +1,106 @@
+"""The layout rules lint-imports cannot state: no import cycle, no private or internal import."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("autopipe", "profiler")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {
+        _module_name(path): ast.parse(path.read_text(), str(path))
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+
+
+SOURCES = _sources()
+SUBPACKAGES = {_module_name(path.parent) for path in (ROOT / "autopipe").glob("*/__init__.py")}
+
+
+def _imports_from(tree: ast.Module) -> Iterator[tuple[ast.ImportFrom, str]]:
+    """Every ``from <library module> import name`` in the module, functions included."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            continue
+        if node.module.split(".")[0] in PACKAGES:
+            for alias in node.names:
+                yield node, alias.name
+
+
+def _public_names(tree: ast.Module) -> list[str] | None:
+    """The module's ``__all__``, or ``None`` when it has none."""
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            value = ast.literal_eval(node.value)  # type: ignore[attr-defined]
+            return list(value)
+    return None
+
+
+def _subpackage(module: str) -> str:
+    """``autopipe.graph`` for ``autopipe.graph.layout``; the top package for the others."""
+    parts = module.split(".")
+    if len(parts) > 1 and f"{parts[0]}.{parts[1]}" in SUBPACKAGES:
+        return f"{parts[0]}.{parts[1]}"
+    return parts[0]
+
+
+def test_no_module_imports_a_private_name_of_another():
+    found = [
+        f"{module}:{node.lineno} takes {name} from {node.module}"
+        for module, tree in SOURCES.items()
+        for node, name in _imports_from(tree)
+        if name.startswith("_") and not name.startswith("__") and node.module != module
+    ]
+    assert found == []
+
+
+def test_other_layers_import_only_the_names_a_module_lists_in_all():
+    """A subpackage's module lists in ``__all__`` what the other layers may import from it;
+    an empty ``__all__`` marks a module internal to its subpackage."""
+    found = []
+    for module, tree in SOURCES.items():
+        for node, name in _imports_from(tree):
+            source = node.module or ""
+            if not source.startswith("autopipe.") or _subpackage(source) == _subpackage(module):
+                continue
+            if f"{source}.{name}" in SOURCES or name.startswith("__"):
+                continue  # a submodule, or a dunder such as __version__
+            public = _public_names(SOURCES[source]) if source in SOURCES else None
+            if public is None or name not in public:
+                found.append(f"{module}:{node.lineno} takes {name} from {source}")
+    assert found == []
+
+
+def test_subpackages_state_their_public_names():
+    missing = [name for name in sorted(SUBPACKAGES) if not _public_names(SOURCES[name])]
+    assert SUBPACKAGES and missing == []
+
+
+def test_no_import_cycle_in_the_library():
+    grimp = pytest.importorskip("grimp")  # installed with import-linter
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True)
+    imports = nx.DiGraph()
+    for module in graph.modules:
+        imports.add_node(module)
+        for imported in graph.find_modules_directly_imported_by(module):
+            imports.add_edge(module, imported)
+    cycles = [
+        " -> ".join(edge[0] for edge in nx.find_cycle(imports.subgraph(component)))
+        for component in nx.strongly_connected_components(imports)
+        if len(component) > 1
+    ]
+    assert cycles == []
