@@ -1,14 +1,11 @@
-"""The ``autopipe`` command line: parse, call the library, print.
+"""The ``autopipe`` command line: parse, call the library, print; its public name is ``main``."""
 
-Its one public name is :func:`main`. The modules are internal: :mod:`~autopipe.cli.entry`
-runs a command, :mod:`~autopipe.cli.parser` builds the argument parser and picks the
-command, :mod:`~autopipe.cli.options` and :mod:`~autopipe.cli.inputs` hold what the commands share
-(defaults, option values and output checks; the profile, loaded or measured),
-:mod:`~autopipe.cli.model_file` loads a model file and :mod:`~autopipe.cli.checks` checks
-inputs early; each command has its module
-(:mod:`~autopipe.cli.plan`, :mod:`~autopipe.cli.search`, :mod:`~autopipe.cli.profile`,
-:mod:`~autopipe.cli.calibrate`).
-"""
+# The modules are internal. entry runs a command and reports failures as one line; parser
+# builds the argument tree (with arguments, the option types and groups) and picks the
+# command; options and inputs are what the commands share (defaults, option values and
+# output checks; the profile, loaded or measured); model_file loads a model file, and checks
+# refuses an unusable device or a profile of other layers early; plan, search, profile and
+# calibrate are one command each.
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ``autopipe`` argument parser: every command, option and help text, and which command runs."""
+"""The ``autopipe`` argument parser: the commands, their options, and which command runs."""
 
 from __future__ import annotations
 
@@ -7,21 +7,19 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from autopipe import __version__
+from autopipe.cli.arguments import add_measure_options, add_tracing_options, positive
 from autopipe.cli.calibrate import calibrate_command
 from autopipe.cli.plan import plan_command
 from autopipe.cli.profile import profile_command
 from autopipe.cli.search import search_command
 from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES, STRATEGIES
 from autopipe.planning.planner import CHUNKS_PER_STAGE
-from profiler.precision import AUTOCAST_DTYPES, DTYPES
 
-__all__: list[str] = []  # internal to the command line, like every module here
+__all__: list[str] = []  # internal to the command line
 
 Command = Callable[[argparse.Namespace], int]
 
 PROG = "autopipe"
-# autopipe.graph.units.GRANULARITIES, which imports torch; the tests keep both equal.
-GRANULARITIES = ("children", "blocks", "leaves")
 
 _MODEL_HELP = (
     "model.py must define `model`, any nn.Module (or a function returning one: an "
@@ -38,33 +36,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         line = " ".join(message.split())
         self.exit(2, f"{self.prog}: error: {line} (see {self.prog} --help)\n")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def _names(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",")]
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"expected module names such as a,b.c, got {text!r}")
-    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,11 +85,11 @@ def _add_plan_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--stages",
-        type=_positive,
+        type=positive,
         metavar="K",
         help="pipeline stages (default: the number of visible GPUs when at least 2, else 2)",
     )
-    _add_measure_options(
+    add_measure_options(
         parser,
         f"micro-batches per mini-batch (default: {CHUNKS_PER_STAGE} x stages, GPipe's rule "
         "of thumb for a small bubble, with at least 2 samples each where the batch allows)",
@@ -144,7 +115,7 @@ def _add_plan_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--virtual-stages",
-        type=_positive,
+        type=positive,
         default=1,
         metavar="V",
         help="stages per device, run by an interleaved schedule: plans K x V stages, stage s "
@@ -189,7 +160,7 @@ def _add_plan_parser(commands: Any) -> None:
         help="also draw every strategy's stage times side by side, to see how balanced "
         "each split is (.png or .svg; needs matplotlib)",
     )
-    _add_tracing_options(parser)
+    add_tracing_options(parser)
     _add_search_options(parser)
     parser.set_defaults(func=plan_command)
 
@@ -206,16 +177,16 @@ def _add_search_options(parser: argparse.ArgumentParser) -> None:
         "then the best plan (--json writes it)",
     )
     search.add_argument(
-        "--devices", type=_positive, metavar="N", help="devices to use (default: as --stages)"
+        "--devices", type=positive, metavar="N", help="devices to use (default: as --stages)"
     )
     search.add_argument(
         "--batch",
-        type=_positive,
+        type=positive,
         metavar="B",
         help="samples per step, across replicas with --search (default: the sample's)",
     )
     search.add_argument(
-        "--top", type=_positive, default=10, metavar="T", help="rows to print (default: 10)"
+        "--top", type=positive, default=10, metavar="T", help="rows to print (default: 10)"
     )
     search.add_argument(
         "--allreduce-bandwidth",
@@ -250,7 +221,7 @@ def _add_calibrate_parser(commands: Any) -> None:
         "or all GPUs)",
     )
     parser.add_argument(
-        "--repeats", type=_positive, default=10, metavar="N", help="timed runs (default: 10)"
+        "--repeats", type=positive, default=10, metavar="N", help="timed runs (default: 10)"
     )
     parser.add_argument(
         "--model",
@@ -258,7 +229,7 @@ def _add_calibrate_parser(commands: Any) -> None:
         help="the profiled model file: also time its whole training step and store how much "
         "longer its layers run there than alone (compute_scale)",
     )
-    _add_tracing_options(parser)
+    add_tracing_options(parser)
     parser.set_defaults(func=calibrate_command)
 
 
@@ -274,70 +245,10 @@ def _add_profile_parser(commands: Any) -> None:
     parser.add_argument(
         "-o", "--output", required=True, metavar="FILE", help="where to write the profile (JSON)"
     )
-    _add_measure_options(
+    add_measure_options(
         parser,
         f"micro-batches the profile is made for (default: {CHUNKS_PER_STAGE} x the default "
         "stage count, with at least 2 samples each where the batch allows)",
     )
-    _add_tracing_options(parser)
+    add_tracing_options(parser)
     parser.set_defaults(func=profile_command)
-
-
-# ----------------------------------------------------------------------------------------
-# Options more than one command has.
-
-
-def _add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> None:
-    """How the layers are measured: device, micro-batches, repeats, precision."""
-    parser.add_argument(
-        "--device",
-        help="where to profile the layers (default: cuda:0 when CUDA is available, else cpu)",
-    )
-    parser.add_argument("--chunks", type=_positive, metavar="M", help=chunks_help)
-    parser.add_argument(
-        "--repeats",
-        type=_positive,
-        default=5,
-        metavar="N",
-        help="timed runs per layer and batch size; the median is kept (default: 5)",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=_non_negative,
-        default=2,
-        metavar="N",
-        help="untimed runs per layer and batch size before timing (default: 2)",
-    )
-    # Checked by the commands rather than by `choices`, so a bad value is one error line.
-    parser.add_argument(
-        "--autocast",
-        metavar="{" + ",".join(AUTOCAST_DTYPES) + "}",
-        help="run every forward and backward under torch.autocast with this dtype, as "
-        "mixed-precision training does (default: none; on the CPU prefer bfloat16)",
-    )
-    parser.add_argument(
-        "--dtype",
-        metavar="{" + ",".join(DTYPES) + "}",
-        help="cast the model's parameters and buffers and the sample's floating tensors "
-        "to this dtype before profiling (default: as model.py defines them)",
-    )
-
-
-def _add_tracing_options(parser: argparse.ArgumentParser) -> None:
-    """``--granularity`` and ``--leaf-modules``: how a model that is no nn.Sequential is cut."""
-    parser.add_argument(
-        "--granularity",
-        choices=GRANULARITIES,
-        help="where a traced model (not an nn.Sequential) may be cut: between its direct "
-        "children (children), between repeated blocks such as a transformer's layers and "
-        "the modules around them (blocks, the default), or between all modules without "
-        "children (leaves)",
-    )
-    parser.add_argument(
-        "--leaf-modules",
-        type=_names,
-        default=[],
-        metavar="NAME[,NAME...]",
-        help="submodules of a traced model, by path (e.g. encoder.layer.0), that torch.fx "
-        "keeps as single calls, for code it cannot trace through",
-    )

@@ -15,7 +15,7 @@ import torch
 
 import autopipe
 from autopipe.cli import entry, options
-from autopipe.cli.parser import GRANULARITIES as CLI_GRANULARITIES
+from autopipe.cli.arguments import GRANULARITIES as CLI_GRANULARITIES
 from autopipe.planning.layer_costs import ProfileLines
 from autopipe.planning.planner import default_chunks, evaluate
 from autopipe.planning.plans import Plan
