@@ -25,10 +25,10 @@ __all__: list[str] = []  # internal to the command line
 
 def _gpu_count() -> int:
     try:
-        import torch
+        from profiler.devices import gpu_count  # loads torch
     except ImportError:  # planning from a saved profile needs no torch
         return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpu_count()
 
 
 def default_stages() -> int:
@@ -38,7 +38,8 @@ def default_stages() -> int:
 
 
 def default_device() -> str:
-    """``cuda:0`` when CUDA is available, else ``cpu``."""
+    """``cuda:0`` when CUDA is available, else ``cpu`` (the rule of :mod:`profiler.devices`
+    in a process that has not chosen another CUDA device)."""
     return "cuda:0" if _gpu_count() > 0 else "cpu"
 
 

@@ -14,6 +14,7 @@ from autopipe.gpipe.microbatch import TensorOrTensors, check, gather, scatter
 from autopipe.gpipe.pipeline import Pipeline
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
 from autopipe.planning.names import FIXED_CHECKPOINT_MODES
+from profiler.devices import resolve_device, stage_devices
 
 if TYPE_CHECKING:
     from autopipe.planning.plans import Plan
@@ -78,21 +79,10 @@ def _validate(
 
 def _resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[torch.device]:
     if devices is None:
-        if not torch.cuda.is_available():
-            return [torch.device("cpu")] * partitions
-        count = torch.cuda.device_count()
-        if count < partitions:
-            raise ValueError(
-                f"{partitions} partitions need {partitions} devices but {count} GPUs are "
-                "visible; pass devices= (several partitions may share one device)"
-            )
-        return [torch.device("cuda", i) for i in range(partitions)]
-    resolved = []
-    for d in devices:
-        device = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        resolved.append(device)
+        return stage_devices(partitions)
+    resolved = [
+        torch.device("cuda", d) if isinstance(d, int) else resolve_device(d) for d in devices
+    ]
     if len(resolved) < partitions:
         raise ValueError(f"{partitions} partitions need {partitions} devices, got {len(resolved)}")
     return resolved[:partitions]
@@ -114,7 +104,8 @@ class GPipe(nn.Module):
         module: the model; its layers are moved to their devices in place.
         balance: layers per partition; must sum to ``len(module)``.
         devices: one device per partition (extra ones are ignored). Defaults to the visible
-            GPUs, or to the CPU for every partition when there is none.
+            GPUs round-robin, or to the CPU for every partition when there is none
+            (:func:`profiler.devices.stage_devices`).
         chunks: micro-batches per mini-batch.
         checkpoint: which micro-batches recompute activations in backward: ``always``,
             ``except_last`` (all but the last) or ``never``; one mode for every partition or

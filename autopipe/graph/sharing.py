@@ -10,6 +10,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from profiler.devices import resolve_device
+
 __all__ = ["SharedState", "adjacent_boundaries", "check_placement", "find_shared", "unit_state"]
 
 
@@ -121,10 +123,7 @@ def _device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cpu":
         return torch.device("cpu")
-    if device.type == "cuda" and device.index is None:
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return torch.device("cuda", index)
-    return device
+    return resolve_device(device)
 
 
 def check_placement(
