@@ -1,5 +1,4 @@
-"""The profile a command plans from: the ``--profile`` file, or the model file's layers
-measured; the model file loaded as the options say."""
+"""The profile a command plans from: the ``--profile`` file, or the model file's layers measured."""
 
 from __future__ import annotations
 
