@@ -19,8 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopipe.distributed.collectives import rank_device, share_from_rank0
+from autopipe.distributed.replicas import all_reduce_mean
+from autopipe.distributed.runner import PipelineRunner
+from autopipe.planning.schedule_replay import makespans
 from profiler.calibrate import store_calibration
+from profiler.devices import synchronize
 from profiler.fit import fit_linear
+from profiler.in_context import measure_compute_scale
 from profiler.profile import Profile
 
 __all__ = [
@@ -36,28 +42,17 @@ P2P_SIZES = (4 << 10, 64 << 10, 1 << 20)
 ALLREDUCE_SIZES = (32 << 20,)
 
 
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def slowest_seconds(function: Callable[[], Any], group: dist.ProcessGroup | None = None) -> float:
     """Seconds ``function()`` takes on the slowest rank, all ranks starting together.
 
     A collective: every rank of ``group`` calls it, each with its part of the work.
     """
-    device = _device(group)
+    device = rank_device(group)
     dist.barrier(group=group)
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     function()
-    _sync(device)
+    synchronize(device)
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
     return took.item()
@@ -79,7 +74,7 @@ def measure_p2p(
         ``{"latency_s": s, "bandwidth": bytes/s, "sizes": [...], "times": [...]}``, the
         same on every rank.
     """
-    rank, device = dist.get_rank(group), _device(group)
+    rank, device = dist.get_rank(group), rank_device(group)
     peer = 1 - rank
     times = []
     for size in sizes:
@@ -88,7 +83,7 @@ def measure_p2p(
         for i in range(warmup + repeats):
             if rank > 1:
                 break
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             target = dist.get_global_rank(group or dist.group.WORLD, peer)  # type: ignore[arg-type]
             if rank == 0:
@@ -97,19 +92,19 @@ def measure_p2p(
             else:
                 dist.recv(data, target, group=group)
                 dist.send(data, target, group=group)
-            _sync(device)
+            synchronize(device)
             if i >= warmup:
                 samples.append((time.perf_counter() - start) / 2)
         times.append(statistics.median(samples) if samples else 0.0)
-    result: list[Any] = [None]
-    if rank == 0:
+
+    def fit() -> dict[str, Any]:  # rank 0's times: ranks 0 and 1 exchanged the messages
         nbytes = [max(s // 4, 1) * 4 for s in sizes]
         latency, per_byte = fit_linear(nbytes, times)
         bandwidth = 1.0 / per_byte if per_byte > 0 else nbytes[-1] / times[-1]
-        result[0] = {"latency_s": latency, "bandwidth": bandwidth, "sizes": nbytes, "times": times}
-    source = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
-    dist.broadcast_object_list(result, src=source, group=group)
-    return dict(result[0])
+        return {"latency_s": latency, "bandwidth": bandwidth, "sizes": nbytes, "times": times}
+
+    what, failed = "receive the link times from rank 0", "rank 0 could not fit the link times"
+    return dict(share_from_rank0(fit, group, what=what, failed=failed))
 
 
 def measure_allreduce(
@@ -127,9 +122,7 @@ def measure_allreduce(
     the largest size in all. The planner charges ``2·(D−1)/D · bytes / bandwidth``; the
     bandwidth reported makes this match the slowest rank's median.
     """
-    from autopipe.distributed.replicas import all_reduce_mean
-
-    device, world = _device(group), dist.get_world_size(group)
+    device, world = rank_device(group), dist.get_world_size(group)
     size = max(sizes)
     grads = [torch.ones(size // 32, device=device) for _ in range(8)]
     everyone = group or dist.group.WORLD
@@ -157,22 +150,20 @@ def measure_runner_overhead(
     """The distributed runner's fixed seconds per stage and micro-batch.
 
     A tiny model (one ``Linear(width, width)`` per stage, one sample per micro-batch) runs
-    steps of :class:`autopipe.distributed.DistributedPipeline` with the given schedule and
+    steps of :class:`autopipe.distributed.DistributedPipeline` (as
+    :class:`~autopipe.distributed.runner.PipelineRunner`) with the given schedule and
     virtual stages per rank. Its compute is negligible, so every stage costs ``o + λ`` per
     micro-batch, and the planner's step for it is that times the clocks of the schedule
     (``M + K − 1`` for one stage per rank; for virtual stages the replayed schedule of
     equal stages, ``v·M + K − 1`` when M ≥ K), which gives ``o``. Torch runs virtual
     stages on another runtime than one stage per rank, with its own cost per operation.
     """
-    from autopipe.distributed import DistributedPipeline
-    from autopipe.planning.schedule_replay import makespans
-
     ranks = dist.get_world_size(group)
     stages = ranks * virtual_stages
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(stages)])
     x, y = torch.randn(chunks, width), torch.zeros(chunks, width)
-    pipe = DistributedPipeline(
+    pipe = PipelineRunner(
         model,
         x,
         loss_fn=lambda out, _: out.sum(),
@@ -217,9 +208,7 @@ def measure_compute_together(
     configuration on a single device runs without that competition: it gets the scales
     of rank 0 alone (``alone_fixed_scale``, ``alone_compute_scale``).
     """
-    from profiler.in_context import measure_compute_scale
-
-    device = _device(group)
+    device = rank_device(group)
     dist.barrier(group=group)
     # Every step starts together on every rank, so that each is timed with all busy.
     barrier = lambda: dist.barrier(group=group)  # noqa: E731
@@ -229,18 +218,19 @@ def measure_compute_together(
     scales = torch.tensor([found["fixed_scale"], found["compute_scale"]], dtype=torch.float64)
     dist.all_reduce(scales, group=group)
     scales /= dist.get_world_size(group)
+
     # One rank alone, the others waiting: what a configuration on one device sees.
-    alone: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        single = measure_compute_scale(model, sample, profile, repeats=repeats, device=device)
-        alone[0] = (single["fixed_scale"], single["compute_scale"])
-    source = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
-    dist.broadcast_object_list(alone, src=source, group=group)
+    def single() -> tuple[float, float]:
+        found = measure_compute_scale(model, sample, profile, repeats=repeats, device=device)
+        return found["fixed_scale"], found["compute_scale"]
+
+    what, failed = "receive rank 0's compute scales", "rank 0 could not time the model alone"
+    alone = share_from_rank0(single, group, what=what, failed=failed)
     return {
         "fixed_scale": scales[0].item(),
         "compute_scale": scales[1].item(),
-        "alone_fixed_scale": float(alone[0][0]),
-        "alone_compute_scale": float(alone[0][1]),
+        "alone_fixed_scale": float(alone[0]),
+        "alone_compute_scale": float(alone[1]),
     }
 
 

@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.distributed.prepared import prepare_model
-from autopipe.distributed.setup import collective
+from autopipe.distributed.calibration import calibrate_ranks
+from autopipe.distributed.collectives import rank_device, share_from_rank0
+from autopipe.distributed.prepared import Prepared, prepare_model
 from autopipe.errors import PlanningError
+from autopipe.planning.config_search import search
 from autopipe.planning.plans import Plan
-from profiler.measure import doubling_batch_sizes
+from profiler.measure import doubling_batch_sizes, profile_model
 from profiler.profile import Profile
 
-__all__ = ["search_plan"]
+__all__ = ["search_plan", "search_prepared"]
 
 
 def _sizes(batch: int, model: nn.Module) -> list[int]:
@@ -55,7 +57,8 @@ def search_plan(
         model: the model (an ``nn.Sequential``, or one :mod:`autopipe.gpipe.wrap` can split).
         sample: the global mini-batch a step will take.
         group: the process group (default: the world); a plan uses all its ranks.
-        device: where rank 0 profiles (default: the CPU, or the current CUDA device).
+        device: where rank 0 profiles (default: the device the ranks run on,
+            :func:`autopipe.distributed.collectives.rank_device`).
         profile: a profile of the model's layers to search from instead of profiling.
         calibrate: measure links, runner overhead and compute with every rank busy first
             (``calibrate_ranks``; with ``virtual_stages`` above 1, their runner too).
@@ -72,30 +75,52 @@ def search_plan(
     Raises:
         ValueError: no configuration of the group's size fits (on every rank).
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    prepared = prepare_model(model, sample)
+    return search_prepared(
+        prepare_model(model, sample),
+        group=group,
+        device=device,
+        profile=profile,
+        calibrate=calibrate,
+        memory=memory,
+        schedules=schedules,
+        checkpoints=checkpoints,
+        virtual_stages=virtual_stages,
+        optimizer=optimizer,
+    )
+
+
+def search_prepared(
+    prepared: Prepared,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    profile: Profile | None = None,
+    calibrate: bool = False,
+    memory: int | str | None = None,
+    schedules: Sequence[str] = ("gpipe", "1f1b"),
+    checkpoints: Sequence[str] = ("never", "except_last", "always", "auto"),
+    virtual_stages: Sequence[int] = (1,),
+    optimizer: str | float = "adam",
+) -> Plan:
+    """:func:`search_plan` of a model already made ready for stages (``prepare_model``),
+    so that building the pipeline afterwards does not trace it again; a collective."""
+    world = dist.get_world_size(group)
     tensors = (prepared.sample,) if isinstance(prepared.sample, Tensor) else prepared.sample
     batch = int(tensors[0].shape[0])
-    here = torch.device(device) if device is not None else _default_device()
-    shared: list[Any] = [None]
-    if rank == 0 and profile is None:
-        from profiler.measure import profile_model
-
-        found = profile_model(
-            prepared.sequential,
-            (prepared.sample,),  # the first layer's one argument
-            device=here,
-            batch_sizes=_sizes(batch, prepared.sequential),
-        )
-        shared[0] = found.to_dict()
-    source = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
+    here = torch.device(device) if device is not None else rank_device(group)
     if profile is None:
-        what = "receive the profile from rank 0"
-        collective(rank, what, dist.broadcast_object_list, shared, src=source, group=group)
-        profile = Profile.from_dict(shared[0])
-    if calibrate:
-        from autopipe.distributed.calibration import calibrate_ranks
 
+        def measure() -> dict[str, Any]:
+            return profile_model(
+                prepared.sequential,
+                (prepared.sample,),  # the first layer's one argument
+                device=here,
+                batch_sizes=_sizes(batch, prepared.sequential),
+            ).to_dict()
+
+        what, failed = "receive the profile from rank 0", "rank 0 could not profile the model"
+        profile = Profile.from_dict(share_from_rank0(measure, group, what=what, failed=failed))
+    if calibrate:
         calibrate_ranks(
             profile,
             group,
@@ -103,10 +128,11 @@ def search_plan(
             sample=(prepared.sample,),
             virtual_stages=max(virtual_stages),
         )
-    result: list[Any] = [None]
-    if rank == 0:
-        result[0] = _best(
-            profile,
+    found = profile
+
+    def best() -> dict[str, Any]:
+        return _best(
+            found,
             world,
             batch,
             memory=memory,
@@ -115,36 +141,25 @@ def search_plan(
             virtual_stages=virtual_stages,
             optimizer=optimizer,
         )
-    collective(rank, "receive the plan from rank 0", dist.broadcast_object_list, result,
-               src=source, group=group)  # fmt: skip
-    kind, value = result[0]
-    if kind == "error":
-        raise ValueError(f"rank 0 found no configuration: {value}")
-    return Plan.from_dict(value)
+
+    what, failed = "receive the plan from rank 0", "rank 0 found no configuration"
+    return Plan.from_dict(share_from_rank0(best, group, what=what, failed=failed))
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _best(profile: Profile, world: int, batch: int, **options: Any) -> dict[str, Any]:
+    """The fastest configuration using exactly ``world`` devices, as a plan's dict.
 
-
-def _best(profile: Profile, world: int, batch: int, **options: Any) -> tuple[str, Any]:
-    """``("plan", dict)`` of the fastest configuration using exactly ``world`` devices, or
-    ``("error", message)``."""
-    from autopipe.planning.config_search import search
-
-    try:
-        # Replicas and micro-batches that split the batch exactly: every model runs so
-        # (padding rows would enter BatchNorm's statistics), and the sample is global.
-        found = search(profile, world, batch=batch, even=True, top=200, **options)
-    except (PlanningError, ValueError) as exc:
-        return "error", str(exc)
+    Raises:
+        PlanningError: none fits, or every one that fits uses fewer devices.
+    """
+    # Replicas and micro-batches that split the batch exactly: every model runs so
+    # (padding rows would enter BatchNorm's statistics), and the sample is global.
+    found = search(profile, world, batch=batch, even=True, top=200, **options)
     exact = [plan for plan in found if plan.num_devices == world]
     if not exact:
         best = found[0]
-        return "error", (
+        raise PlanningError(
             f"every fitting configuration among the best uses fewer than {world} devices "
             f"(the best: {best.num_devices}); run on fewer ranks"
         )
-    return "plan", exact[0].to_dict()
+    return exact[0].to_dict()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.distributed import cpu_binding
+from autopipe.distributed.collectives import collective
 from autopipe.distributed.padding import rows_mixing_layer
 from autopipe.distributed.prepared import shared_state
-from autopipe.distributed.stage import LossRecorder, compare_fingerprints, layer_output_specs
+from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
 from autopipe.distributed.virtual import check_virtual
 from autopipe.planning.names import ALL_SCHEDULES
 from autopipe.planning.planner import plan as make_plan
@@ -26,19 +27,15 @@ from profiler.profile import Profile
 __all__ = [
     "DEFAULT_TIMEOUT",
     "SCHEDULE_NAMES",
-    "LossRecorder",
     "agree",
     "agree_on_step",
     "batch_tensors",
     "check_arguments",
     "check_like_sample",
     "check_sizes",
-    "collective",
-    "default_device",
     "fingerprint_settings",
     "init_distributed",
     "setup_on_rank0",
-    "share_setup",
 ]
 
 SCHEDULE_NAMES = ALL_SCHEDULES  # every schedule the distributed runner executes
@@ -82,25 +79,6 @@ def init_distributed(
         )
     dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=timeout, **kwargs)
     return device
-
-
-def default_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The current CUDA device for an ``nccl`` group, else the CPU."""
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def collective(rank: int, what: str, function: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """Runs a collective; a failure names the likely cause (another rank) in the error."""
-    try:
-        return function(*args, **kw)
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"rank {rank}: could not {what}: another rank failed, exited or is not "
-            "constructing the same DistributedPipeline (see its log); waits end after the "
-            "process group's timeout"
-        ) from exc
 
 
 def agree(rank: int, world: int, problem: str | None, fingerprint: Mapping[str, Any]) -> None:
@@ -327,7 +305,7 @@ def setup_on_rank0(
     profile: Profile | Mapping[str, Any] | None,
     options: dict[str, Any],
     autocast: str | None = None,
-) -> tuple[Any, BaseException | None]:
+) -> tuple[Plan, list[Any]]:
     """Profiles (if needed), plans (if needed) and measures the boundary tensors.
 
     Args:
@@ -343,81 +321,43 @@ def setup_on_rank0(
             checked) and the boundary tensors' dtypes.
 
     Returns:
-        What to broadcast, ``(error, plan_dict, specs)`` with ``error`` ``None`` or
-        ``(kind, message)``, and the exception to re-raise on rank 0, if any.
-    """
-    chunks, schedule = options["chunks"], options["schedule"]
-    try:
-        if plan is None:
-            if profile is None:
-                # The sample is the first layer's one argument: a tensor, or a tuple.
-                profile = profile_model(
-                    sequential, (sample,), device=device, chunks=chunks, autocast=autocast
-                )
-            elif not isinstance(profile, Profile):
-                profile = Profile.from_dict(dict(profile))
-            if autocast is not None and profile.autocast != autocast:
-                raise ValueError(
-                    f"the profile was made with autocast {profile.autocast or 'none'}, not "
-                    f"{autocast}"
-                )
-            if len(profile.layers) != len(sequential):
-                raise ValueError(
-                    f"the profile has {len(profile.layers)} layers but the model has "
-                    f"{len(sequential)}"
-                )
-            # Unless asked for, the stages keep every activation (no re-computation).
-            options = {"checkpoint": "never", **options}
-            plan = make_plan(profile, num_stages, **options)
-        else:
-            if plan.chunks != chunks or plan.schedule != schedule:
-                warnings.warn(
-                    f"the plan was made for chunks={plan.chunks}, schedule={plan.schedule!r} "
-                    f"but runs with chunks={chunks}, schedule={schedule!r}; its predicted "
-                    "costs do not apply",
-                    stacklevel=3,
-                )
-        shared = shared_state(list(sequential), plan.balance)
-        if shared:
-            raise ValueError(shared)
-        tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
-        micro = tuple(t.tensor_split(chunks)[0] for t in tensors)
-        first = micro[0] if isinstance(sample, Tensor) else micro
-        specs = layer_output_specs(list(sequential), first, autocast)
-        return (None, plan.to_dict(), specs), None
-    except Exception as exc:
-        kind = "value" if isinstance(exc, ValueError) else "runtime"
-        return ((kind, f"{type(exc).__name__}: {exc}"), None, None), exc
-
-
-def share_setup(
-    rank: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    make: Callable[[], tuple[Any, BaseException | None]],
-) -> tuple[Plan, list[Any]]:
-    """Runs ``make`` (:func:`setup_on_rank0`) on rank 0 and broadcasts its result; a collective.
-
-    Returns:
-        The plan and the boundary specs, on every rank.
+        The plan and the specs of the tensors leaving every layer, for one micro-batch.
 
     Raises:
-        ValueError: rank 0 could not plan (on every rank; RuntimeError for other errors).
+        ValueError: the profile does not fit the model or the autocast, no plan fits, or
+            the plan splits a shared tensor between stages.
     """
-    setup: list[Any] = [None]
-    failure: BaseException | None = None
-    if rank == 0:
-        setup[0], failure = make()
-    source = dist.get_global_rank(group or dist.group.WORLD, 0)  # type: ignore[arg-type]
-    on = device if device.type == "cuda" else None
-    what, broadcast = "receive the plan from rank 0", dist.broadcast_object_list
-    collective(rank, what, broadcast, setup, src=source, group=group, device=on)
-    error, plan_dict, specs = setup[0]
-    if failure is not None:
-        raise failure
-    if error is not None:
-        kind, message = error
-        raise (ValueError if kind == "value" else RuntimeError)(
-            f"rank 0 could not plan the pipeline: {message}"
+    chunks, schedule = options["chunks"], options["schedule"]
+    if plan is None:
+        if profile is None:
+            # The sample is the first layer's one argument: a tensor, or a tuple.
+            profile = profile_model(
+                sequential, (sample,), device=device, chunks=chunks, autocast=autocast
+            )
+        elif not isinstance(profile, Profile):
+            profile = Profile.from_dict(dict(profile))
+        if autocast is not None and profile.autocast != autocast:
+            raise ValueError(
+                f"the profile was made with autocast {profile.autocast or 'none'}, not {autocast}"
+            )
+        if len(profile.layers) != len(sequential):
+            raise ValueError(
+                f"the profile has {len(profile.layers)} layers but the model has {len(sequential)}"
+            )
+        # Unless asked for, the stages keep every activation (no re-computation).
+        options = {"checkpoint": "never", **options}
+        plan = make_plan(profile, num_stages, **options)
+    elif plan.chunks != chunks or plan.schedule != schedule:
+        warnings.warn(
+            f"the plan was made for chunks={plan.chunks}, schedule={plan.schedule!r} "
+            f"but runs with chunks={chunks}, schedule={schedule!r}; its predicted "
+            "costs do not apply",
+            stacklevel=3,
         )
-    return Plan.from_dict(plan_dict), specs
+    shared = shared_state(list(sequential), plan.balance)
+    if shared:
+        raise ValueError(shared)
+    tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
+    micro = tuple(t.tensor_split(chunks)[0] for t in tensors)
+    first = micro[0] if isinstance(sample, Tensor) else micro
+    return plan, layer_output_specs(list(sequential), first, autocast)

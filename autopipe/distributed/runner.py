@@ -1,0 +1,360 @@
+"""One rank's part of a planned pipeline, K stages times D replicas, on torch pipelining."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autopipe.distributed.collectives import collective, rank_device, share_from_rank0
+from autopipe.distributed.padding import MicroBatchPadding
+from autopipe.distributed.prepared import Prepared, original_names, prepare_model
+from autopipe.distributed.replicas import (
+    ReplicaSync,
+    check_layout,
+    data_parallel_problem,
+    make_layout,
+    replica_sample,
+    resolve_data_parallel,
+    take_shard,
+)
+from autopipe.distributed.setup import (
+    agree,
+    agree_on_step,
+    batch_tensors,
+    check_arguments,
+    check_like_sample,
+    check_sizes,
+    fingerprint_settings,
+    setup_on_rank0,
+)
+from autopipe.distributed.stage import (
+    LossRecorder,
+    checkpoint_problem,
+    fingerprint,
+    merge_state_dicts,
+)
+from autopipe.distributed.virtual import (
+    RankStages,
+    build_stages,
+    make_schedule,
+    stage_indices,
+    stage_states,
+    virtual_problem,
+)
+from autopipe.microbatching.batchnorm import resolve_deferred
+from autopipe.microbatching.batchnorm_units import defer_layers
+from autopipe.planning.plans import Plan
+from profiler.precision import autocast_pass, check_autocast, current_autocast
+
+__all__ = ["PipelineRunner"]
+
+
+class PipelineRunner:
+    """This rank's stage of a planned pipeline: :class:`autopipe.distributed.DistributedPipeline`
+    but for building it from a search, which runs pipelines of this class to calibrate.
+
+    See :class:`autopipe.distributed.DistributedPipeline` for the arguments; two more let a
+    search hand over what it already did on every rank:
+
+    Args:
+        prepared: the model as :func:`autopipe.distributed.prepared.prepare_model` made it
+            from ``model`` and ``sample`` (default: made here).
+        plan_shared: ``plan`` is the same object on every rank (a search broadcast it), so
+            rank 0 sends only the boundary tensors' shapes, not the plan again.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Tensor | tuple[Tensor, ...],
+        *,
+        loss_fn: Callable[[Any, Any], Tensor],
+        chunks: int,
+        schedule: str = "1f1b",
+        plan: Plan | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        profile: Any = None,
+        memory: Any = None,
+        plan_options: Mapping[str, Any] | None = None,
+        data_parallel: int | None = None,
+        virtual_stages: int = 1,
+        autocast: str | None = None,
+        checkpoint: str = "never",
+        deferred_batch_norm: bool | None = None,
+        prepared: Prepared | None = None,
+        plan_shared: bool = False,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "DistributedPipeline needs an initialised process group: call "
+                "autopipe.distributed.init_distributed() (or init_process_group) first"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        # Before K is known (it needs D agreed) the rank stands for the stage in messages.
+        self.stage_index, self.num_stages, self.replica_index = self.rank, world, 0
+        self.data_parallel: int = resolve_data_parallel(data_parallel, plan, world)
+        self.device = torch.device(device) if device is not None else rank_device(group)
+        self.chunks = chunks
+        self.schedule_name = schedule
+        self.virtual_stages = virtual_stages
+        self.autocast = autocast
+        self.stage_indices: list[int] = []
+        self.batch_size = 0
+        self._steps = 0
+        self._broken = False
+        self._deferred, warning = False, None
+        # Exchange what must agree before anything can hang on a disagreement; a rank with
+        # bad arguments still joins, so that every rank raises instead of waiting.
+        try:
+            self._model = prepared if prepared is not None else prepare_model(model, sample)
+            layers = OrderedDict(self._model.sequential.named_children())
+            sample = self._model.sample
+            problem = check_arguments(layers, sample, chunks, schedule, loss_fn, plan)
+            problem = problem or data_parallel_problem(self.data_parallel)
+            problem = problem or virtual_problem(virtual_stages)
+            problem = problem or checkpoint_problem(checkpoint)
+            check_autocast(autocast)
+            if not problem:
+                self._deferred, warning = resolve_deferred(
+                    deferred_batch_norm, model, chunks, self.data_parallel
+                )
+            if self._deferred:  # the stages run these; the model is left as it is
+                layers = defer_layers(layers, model)
+        except ValueError as exc:
+            layers, problem = OrderedDict(), str(exc)
+        settings = {} if problem else fingerprint_settings(sample, chunks, schedule, plan, profile)
+        settings["data_parallel"] = self.data_parallel
+        settings["virtual_stages"] = virtual_stages
+        settings["autocast"] = autocast
+        settings["checkpoint"] = checkpoint
+        settings["deferred_batch_norm"] = self._deferred
+        agree(self.rank, world, problem, fingerprint(layers, **settings) if not problem else {})
+        if warning:  # at the call of DistributedPipeline, a subclass
+            warnings.warn(warning, stacklevel=3)
+        d, v = self.data_parallel, virtual_stages
+        k = check_layout(world, d, data_parallel, plan)
+        check_sizes(k, len(layers), plan, schedule, chunks, data_parallel=d, virtual_stages=v)
+        # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
+        self.batch_size, sample = replica_sample(sample, d, chunks, plan)
+        self._padding = MicroBatchPadding(self.batch_size, chunks)
+        self.layout = layout = make_layout(group, d, self.device)
+        self.stage_index, self.num_stages, self.replica_index = layout.stage, k, layout.replica
+        replicas = {"data_parallel": d, "batch": d * self.batch_size} if d > 1 else {}
+        options = {"chunks": chunks, "schedule": schedule, "memory": memory, **replicas}
+        options["checkpoint"] = checkpoint
+        if v > 1:
+            options["virtual_stages"] = v
+        if self.batch_size % chunks:  # uneven micro-batches run padded to the largest
+            options["padded"] = True
+        options.update(plan_options or {})
+        sequential = self._model.sequential
+
+        def make() -> tuple[dict[str, Any] | None, list[Any]]:
+            made, specs = setup_on_rank0(
+                sequential, sample, k * v, self.device, plan, profile, options, autocast
+            )
+            # A plan every rank already holds needs no second trip; a given one does, as
+            # the ranks agreed only on its balance.
+            return (None if plan_shared else made.to_dict()), specs
+
+        what, failed = "receive the plan from rank 0", "rank 0 could not plan the pipeline"
+        planned, specs = share_from_rank0(make, group, what=what, failed=failed)
+        if planned is None:
+            assert plan is not None  # plan_shared: the plan every rank was given
+            self.plan = plan
+        else:
+            self.plan = Plan.from_dict(planned)
+        self._build(layers, sample, specs, loss_fn, model)
+
+    def _build(
+        self,
+        layers: OrderedDict[str, nn.Module],
+        sample: Any,
+        specs: list[Any],
+        loss_fn: Any,
+        model: nn.Module,
+    ) -> None:
+        k, micro = self.num_stages, self._padding.rows
+        self.stage_indices = stage_indices(self.stage_index, k, self.virtual_stages)
+        self.module, stages = build_stages(
+            layers,
+            self.plan,
+            self.stage_indices,
+            sample,
+            specs,
+            micro,
+            self.chunks,
+            self.schedule_name,
+        )
+        self._original = original_names(self.module, model)  # before moving replaces buffers
+        self.module.to(self.device)
+        self._sync = ReplicaSync(self.module, self.layout)
+        collective(self.rank, "receive replica 0's state", self._sync.broadcast_state)
+        if self._model.wrapped:  # the loss sees the model's outputs, not the flat tensors
+            rebuild, inner = self._model.rebuild, loss_fn
+            loss_fn = lambda out, tgt: inner(rebuild(out, self.module.training), tgt)  # noqa: E731
+        self._loss = LossRecorder(self._padding.loss(loss_fn), self.chunks)
+        total, group = k * self.virtual_stages, self.layout.pipeline
+        self.schedule, self.stages, self._step_extra = make_schedule(
+            self.schedule_name, stages, total, self.device, group, self.chunks, self._loss
+        )
+        self.stage = self.stages[0]
+
+    # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1.
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first stage (and reads the inputs)."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (reads the targets, returns the loss)."""
+        return self.stage_index == self.num_stages - 1
+
+    def step(self, inputs: Any = None, target: Any = None) -> Tensor | None:
+        """Runs forward and backward of one mini-batch through the pipeline.
+
+        Call it on every rank with the same mini-batch; only the first stage reads
+        ``inputs`` (the model's positional inputs, as the sample) and only the last reads
+        ``target`` (others may pass ``None``). Gradients
+        are added to the ``.grad`` of :attr:`module`'s parameters, as ``backward`` would.
+        With D replicas, each argument is either the global mini-batch (D·b rows, of which
+        replica r takes rows ``[r*b, (r+1)*b)``) or this replica's shard (b rows, as a
+        ``DistributedSampler`` gives); the gradients then are those of the mean loss over
+        all D·M micro-batches.
+
+        Returns:
+            On the last stage's ranks, the mean of ``loss_fn`` over the micro-batches of
+            all replicas (detached); ``None`` on the other ranks.
+
+        Raises:
+            ValueError: a mini-batch of another size than the sample's (or, with replicas,
+                than the global and the per-replica batch), inputs of other shapes past
+                dim 0 or dtypes than the sample's, or a step under another autocast than
+                the pipeline's (its stages would exchange tensors of the wrong dtype). The
+                ranks agree on it before the step sends anything: a step refused on one
+                rank is refused on every rank (the message names the rank), and the
+                pipeline can run the next one.
+            RuntimeError: a step failed on this or another rank before (the pipeline's
+                ranks are out of step then), or the process group timed out.
+        """
+        if self._broken:
+            raise RuntimeError("an earlier step failed; this pipeline cannot run again")
+        problem: str | None = None
+        failure: Exception | None = None
+        try:
+            args, kwargs = self._arguments(inputs, target)
+        except (ValueError, TypeError) as exc:
+            args, kwargs, problem = (), {}, str(exc)
+        except Exception as exc:  # e.g. out of memory moving the batch: still tell the others
+            args, kwargs, problem, failure = (), {}, f"{type(exc).__name__}: {exc}", exc
+        # Every rank learns whether any rank refuses the step before it sends anything: a
+        # rank that went ahead alone would pair this step's messages with the next one's.
+        try:
+            agree_on_step(self.rank, self.group, self.device, self._steps, problem)
+        except RuntimeError:
+            self._broken = True
+            raise
+        except ValueError:
+            if failure is not None:
+                raise failure from None
+            raise
+        layout = self.layout
+        self._loss.values.clear()
+        try:
+            with self._sync.step(), autocast_pass(self.device.type, self.autocast):
+                self.schedule.step(*args, **kwargs)
+            loss = self._sync.mean_loss(self._loss.mean()) if self.is_last else None
+        except BaseException as exc:
+            self._broken = True
+            if hasattr(exc, "add_note"):
+                replica = f", replica {layout.replica}" if layout.data_parallel > 1 else ""
+                exc.add_note(
+                    f"autopipe: step {self._steps} failed on rank {self.rank} (stage "
+                    f"{self.stage_index} of {self.num_stages}{replica}); if another rank "
+                    "failed first, its log has the cause"
+                )
+            raise
+        self._steps += 1
+        return loss
+
+    def _arguments(self, inputs: Any, target: Any) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+        """What this rank's stages take from a step's arguments, checked; sends nothing.
+
+        Raises:
+            ValueError: what :meth:`step` refuses.
+        """
+        found = current_autocast(self.device.type)
+        if found not in (None, self.autocast):
+            raise ValueError(
+                f"the step runs under autocast {found} but the pipeline was built for "
+                f"{self.autocast or 'none'}: pass autocast={found!r} to DistributedPipeline"
+            )
+        layout, batch = self.layout, self.batch_size
+        args: tuple[Tensor, ...] = ()
+        if self.is_first:
+            flat = take_shard(self._model.flatten(inputs), layout, batch, "inputs")
+            tensors = batch_tensors(flat, batch, self.device, "inputs")
+            check_like_sample(tensors, self._model.sample, "inputs")
+            args = self._padding.pad(tensors)
+        kwargs: dict[str, Any] = dict(self._step_extra)
+        if self.is_last:
+            if isinstance(target, (tuple, list)):
+                raise ValueError("target must be a single tensor")
+            target = take_shard(target, layout, batch, "a target")
+            target = batch_tensors(target, batch, self.device, "a target")[0]
+            kwargs["target"] = self._padding.pad_target(target)
+        return args, kwargs
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the original model."""
+        return [(self._original[k], p) for k, p in self.module.named_parameters()]
+
+    def state_dict(self) -> OrderedDict[str, Tensor]:
+        """This rank's part of the original model's ``state_dict`` (its keys)."""
+        state: OrderedDict[str, Tensor] = OrderedDict()
+        for key, value in self.module.state_dict().items():
+            state.setdefault(self._original.get(key, key), value)
+        return state
+
+    def gather_state_dict(self, dst: int = 0) -> OrderedDict[str, Tensor] | None:
+        """The whole model's ``state_dict`` (on the CPU) on rank ``dst``; ``None`` elsewhere.
+
+        A collective: call it on every rank. The keys are the original model's; the
+        values are replica 0's stages' (the replicas are kept identical).
+        """
+        first = self.replica_index == 0
+        state = stage_states(self.module, self.stage_indices, self._original) if first else []
+        world = self.num_stages * self.data_parallel
+        parts: list[Any] | None = [None] * world if self.rank == dst else None
+        target = dist.get_global_rank(self.group or dist.group.WORLD, dst)  # type: ignore[arg-type]
+        what, gather = "gather the state", dist.gather_object
+        collective(self.rank, what, gather, state, parts, dst=target, group=self.group)
+        if parts is None:
+            return None
+        # In stage order, so that the keys come in the original model's order.
+        pairs = [pair for part in parts[: self.num_stages] for pair in part]
+        stages = sorted(pairs, key=lambda pair: pair[0])
+        return merge_state_dicts(state for _, state in stages)
+
+    def __repr__(self) -> str:
+        module = self.module
+        names = module.layer_names() if isinstance(module, RankStages) else list(module._modules)
+        v = self.virtual_stages
+        virtual = f", virtual_stages={v} {self.stage_indices}" if v > 1 else ""
+        modes = {self.plan.stage_checkpoints[i] for i in self.stage_indices} - {"never"}
+        checkpoint = f", checkpoint={'/'.join(sorted(modes))}" if modes else ""
+        return (
+            f"DistributedPipeline(stage {self.stage_index}/{self.num_stages}{virtual}, replica "
+            f"{self.replica_index}/{self.data_parallel}, layers [{', '.join(names)}], "
+            f"{self.schedule_name}, chunks={self.chunks}{checkpoint}, device={self.device})"
+        )
