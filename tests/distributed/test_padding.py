@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 from autopipe.distributed.padding import MicroBatchPadding, rows_mixing_layer
+from tests.support.dist_workers import (
+    UNEVEN,
+    make_batch,
+    make_model,
+    make_residual,
+    reference_step,
+)
 
 
 def test_sizes_follow_tensor_split_and_pad_with_the_last_real_row() -> None:
@@ -78,3 +87,45 @@ def test_batchnorm_is_found_as_mixing_rows() -> None:
     layers = [("a", nn.Linear(2, 2)), ("b", nn.Sequential(nn.BatchNorm1d(2))), ("c", nn.ReLU())]
     assert rows_mixing_layer(layers) == "b"
     assert rows_mixing_layer([("a", nn.LayerNorm(2))]) is None
+
+
+# ---------------------------------------------------------------- over processes (gloo)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "wrapped"])
+def test_uneven_micro_batches_equal_one_process(equal_run: Any, kind: str) -> None:
+    _, results = equal_run
+    x, y = make_batch()
+    x, y = x[:UNEVEN], y[:UNEVEN]
+    model = make_model(batchnorm=False) if kind == "sequential" else make_residual()
+    x = x if kind == "sequential" else x[:, :5]
+    loss = reference_step(model, x, y)  # the same micro-batches: 4, 4, 3, 3 rows
+    once = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(results[-1]["uneven"][kind]["loss"], loss, rtol=1e-5, atol=1e-6)
+    if kind == "sequential":  # a second step adds the same gradients again
+        reference_step(model, x, y)
+    seen = set()
+    for rank in results:
+        part = rank["uneven"][kind]
+        for name, grad in part["grads"].items():
+            torch.testing.assert_close(grad, once[name], rtol=1e-5, atol=1e-6, msg=name)
+            if kind == "sequential":
+                twice = model.get_parameter(name).grad
+                torch.testing.assert_close(part["twice"][name], twice, rtol=1e-5, atol=1e-6)
+            seen.add(name)
+    assert seen == set(once)
+
+
+def test_uneven_micro_batches_are_planned_padded(equal_run: Any) -> None:
+    _, results = equal_run
+    planned, padded, full = results[0]["uneven"]["plan"]
+    # 4, 4, 3 and 3 rows run as 4 each: timed as 4 micro-batches of 4, not their mean.
+    assert planned == pytest.approx(padded) and padded == pytest.approx(full)
+
+
+def test_uneven_micro_batches_with_batchnorm_are_refused(equal_run: Any) -> None:
+    _, results = equal_run
+    for rank in results:
+        message = rank["uneven"]["batchnorm"]
+        assert f"batch size {UNEVEN} is not a multiple of chunks=4" in message
+        assert "'3' has BatchNorm" in message and "padding rows" in message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -155,6 +156,40 @@ def launch(
         )
         logs[r].close()
     return runs
+
+
+def scenario_results(scenario: str, world: int, workdir: Path, limit: float) -> list[Any]:
+    """Runs a scenario on ``world`` spawned ranks; every rank must succeed; their results."""
+    runs = launch(scenario, world, workdir, limit=limit)
+    for rank, run in enumerate(runs):
+        assert run.returncode == 0, f"rank {rank} failed:\n{run.output[-3000:]}"
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@functools.cache
+def reference_steps() -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+    """Loss and gradients after one reference step, gradients and state after two."""
+    model = make_model()
+    x, y = make_batch()
+    loss = reference_step(model, x, y)
+    once = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    reference_step(model, x, y)
+    twice = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss, once, twice, model.state_dict()
+
+
+def assert_close(actual: Tensor, expected: Tensor, name: str = "") -> None:
+    """Equal as one process computes it, up to the order of float additions."""
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def tiny_plan(data_parallel: int = 1, stages: int = 2) -> Any:
+    """A plan of 8 equal layers in equal stages, made without a process group."""
+    from autopipe.planning.planner import evaluate
+    from tests.support.planning_cases import linear_profile
+
+    profile = linear_profile([1.0] * 8)
+    return evaluate(profile, [8 // stages] * stages, data_parallel=data_parallel)
 
 
 def _grads(pipe: Any) -> dict[str, Tensor]:
