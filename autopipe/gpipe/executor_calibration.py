@@ -16,6 +16,7 @@ from torch import nn
 
 from autopipe.gpipe import GPipe
 from profiler.calibrate import measure_bandwidth, store_calibration
+from profiler.devices import gpu_count, stage_devices, synchronize
 from profiler.in_context import measure_compute_scale
 from profiler.precision import autocast_pass, check_autocast
 from profiler.profile import Profile
@@ -29,8 +30,7 @@ def _tiny_model(stages: int, width: int) -> nn.Sequential:
 
 def _synchronize(devices: Sequence[torch.device]) -> None:
     for device in set(devices):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
 
 
 def _stage_times(
@@ -137,9 +137,8 @@ def calibrate_executor(
         The stored calibration.
     """
     if devices is None:
-        if profile.device.startswith("cuda") and torch.cuda.is_available():
-            count = max(torch.cuda.device_count(), 1)
-            devices = [f"cuda:{i}" for i in range(count)]
+        if profile.device.startswith("cuda") and gpu_count():
+            devices = [str(device) for device in stage_devices(gpu_count())]
         else:
             devices = [profile.device, profile.device]
     devices = list(devices)
