@@ -20,6 +20,7 @@ from profiler.profile import LayerProfile, Profile
 
 __all__ = [
     "default_batch_sizes",
+    "doubling_batch_sizes",
     "profile_layers",
     "profile_model",
     "sample_arguments",

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from profiler.devices import default_device
 
-__all__ = ["collective", "rank_device", "share_from_rank0"]
+__all__: list[str] = []  # internal to the distributed runner
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["bind_cpus", "cpu_share", "local_rank_and_size"]
+__all__ = ["bind_cpus"]
 
 
 def cpu_share(cpus: list[int], local_rank: int, local_size: int) -> list[int]:

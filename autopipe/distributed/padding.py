@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MicroBatchPadding", "rows_mixing_layer"]
+__all__: list[str] = []  # internal to the distributed runner
 
 
 def rows_mixing_layer(modules: Iterable[tuple[str, nn.Module]]) -> str | None:

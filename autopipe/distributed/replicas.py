@@ -15,20 +15,7 @@ from torch import Tensor, nn
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
 from autopipe.planning.plans import Plan
 
-__all__ = [
-    "BUCKET_BYTES",
-    "ReplicaLayout",
-    "ReplicaSync",
-    "all_reduce_mean",
-    "check_layout",
-    "data_parallel_problem",
-    "make_layout",
-    "merge_batch_norm",
-    "replica_batch",
-    "replica_sample",
-    "resolve_data_parallel",
-    "take_shard",
-]
+__all__: list[str] = []  # internal to the distributed runner
 
 # Gradients are all-reduced in flat buffers of about this size (DDP's default bucket).
 BUCKET_BYTES = 25 * 2**20
@@ -231,7 +218,7 @@ def all_reduce_mean(tensors: Sequence[Tensor], group: dist.ProcessGroup, size: i
     _flat(tensors, mean)
 
 
-def merge_batch_norm(norms: Sequence[DeferredBatchNorm], group: dist.ProcessGroup) -> None:
+def _merge_batch_norm(norms: Sequence[DeferredBatchNorm], group: dist.ProcessGroup) -> None:
     """Replaces each layer's gathered statistics with those of every rank of ``group``; a
     collective (the ranks pass their stage's layers in the same order).
 
@@ -286,7 +273,7 @@ class ReplicaSync:
     * Deferred batch-norm layers
       (:class:`~autopipe.microbatching.batchnorm.DeferredBatchNorm`) commit
       their statistics after each step, merged over the replicas first
-      (:func:`merge_batch_norm`): the running statistics are those of the global
+      (:func:`_merge_batch_norm`): the running statistics are those of the global
       mini-batch, and equal on every replica. A failed step discards them.
     * Other floating-point buffers (BatchNorm running statistics updated per micro-batch)
       are averaged after each step, so every replica keeps the same statistics, those of
@@ -344,7 +331,7 @@ class ReplicaSync:
         try:
             all_reduce_mean(fresh, self.group, self.size)
             all_reduce_mean(self.buffers, self.group, self.size)
-            merge_batch_norm(self.norms, self.group)
+            _merge_batch_norm(self.norms, self.group)
             for norm in self.norms:
                 norm.commit()
         finally:

@@ -52,7 +52,7 @@ from autopipe.microbatching.batchnorm_units import defer_layers
 from autopipe.planning.plans import Plan
 from profiler.precision import autocast_pass, check_autocast, current_autocast
 
-__all__ = ["PipelineRunner"]
+__all__: list[str] = []  # internal: DistributedPipeline is the public class
 
 
 class PipelineRunner:

@@ -27,7 +27,7 @@ from autopipe.planning.plans import Plan
 from profiler.measure import doubling_batch_sizes, profile_model
 from profiler.profile import Profile
 
-__all__ = ["search_plan", "search_prepared"]
+__all__ = ["search_plan"]
 
 
 def _sizes(batch: int, model: nn.Module) -> list[int]:

@@ -24,19 +24,7 @@ from autopipe.planning.plans import Plan
 from profiler.measure import profile_model
 from profiler.profile import Profile
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "SCHEDULE_NAMES",
-    "agree",
-    "agree_on_step",
-    "batch_tensors",
-    "check_arguments",
-    "check_like_sample",
-    "check_sizes",
-    "fingerprint_settings",
-    "init_distributed",
-    "setup_on_rank0",
-]
+__all__ = ["DEFAULT_TIMEOUT", "init_distributed"]
 
 SCHEDULE_NAMES = ALL_SCHEDULES  # every schedule the distributed runner executes
 DEFAULT_TIMEOUT = timedelta(minutes=5)

@@ -15,17 +15,7 @@ from autopipe.microbatching.recomputation import recomputing
 from autopipe.planning.names import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from profiler.precision import autocast_pass
 
-__all__ = [
-    "LossRecorder",
-    "StageModule",
-    "TensorSpec",
-    "checkpoint_problem",
-    "compare_fingerprints",
-    "example_tensors",
-    "fingerprint",
-    "layer_output_specs",
-    "merge_state_dicts",
-]
+__all__ = ["merge_state_dicts"]
 
 # (shape, dtype, requires_grad) of one tensor crossing a stage boundary; picklable, so it
 # can be broadcast from the rank that measured it.

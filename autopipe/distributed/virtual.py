@@ -36,17 +36,7 @@ from autopipe.distributed.stage import StageModule, TensorSpec, example_tensors
 from autopipe.planning.interleaving import spared
 from autopipe.planning.plans import Plan
 
-__all__ = [
-    "SCHEDULES",
-    "VIRTUAL_SCHEDULES",
-    "RankStages",
-    "build_stages",
-    "check_virtual",
-    "make_schedule",
-    "stage_indices",
-    "stage_states",
-    "virtual_problem",
-]
+__all__ = ["SCHEDULES"]
 
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # Multi-stage counterparts: all of a rank's stages in one schedule, in the same spirit
@@ -141,7 +131,7 @@ def _stage_module(
     return module, inputs
 
 
-def first_backward(ranks: int, virtual: int, chunks: int, schedule: str, stage: int) -> int:
+def _first_backward(ranks: int, virtual: int, chunks: int, schedule: str, stage: int) -> int:
     """The micro-batch whose backward torch's schedule runs first on ``stage``: the first
     under ScheduleGPipe, Schedule1F1B and interleaved 1F1B, the last under looped BFS."""
     if virtual == 1 and schedule in SCHEDULES:
@@ -181,7 +171,7 @@ def build_stages(
     stages = []
     ranks = plan.num_stages // len(indices)
     for index in indices:
-        first = first_backward(ranks, len(indices), chunks, schedule, index)
+        first = _first_backward(ranks, len(indices), chunks, schedule, index)
         module, inputs = _stage_module(layers, plan, index, sample, specs, micro, chunks, first)
         outputs = specs[plan.stages[index].stop - 1][0]
         stages.append((index, module, inputs, outputs))
