@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from autopipe.graph.sequential import SequentialModel, prepare
 
-__all__ = ["Prepared", "original_names", "prepare_model", "shared_state"]
+__all__: list[str] = []  # internal to the distributed runner
 
 
 def _identity(value: Any) -> Any:
