@@ -57,6 +57,8 @@ def init_distributed(
     cuda = torch.cuda.is_available() if backend is None else "nccl" in backend
     device = torch.device("cpu")
     if cuda:
+        # Local rank k on GPU k, as profiler.devices.stage_devices places stage k, but not
+        # round-robin: NCCL refuses two ranks on one GPU, and set_device names the cause.
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if dist.is_initialized():
