@@ -12,7 +12,7 @@ from autopipe.planning.names import STRATEGIES
 from autopipe.planning.quantities import parse_bytes
 from autopipe.planning.spans import stage_spans
 
-__all__ = ["baseline_balance", "partition"]
+__all__ = ["partition"]
 
 
 Capacity = float | str | Sequence[float | str] | None
@@ -68,7 +68,7 @@ def partition(
         return balance
     balance = baseline_balance(strategy, c, stages, m)
     if m is not None and caps is not None:
-        check_fits(balance, m, caps)
+        _check_fits(balance, m, caps)
     return balance
 
 
@@ -138,7 +138,7 @@ def _stage_overflow(balance: Sequence[int], memory: np.ndarray, caps: np.ndarray
     return used - caps
 
 
-def check_fits(balance: Sequence[int], memory: np.ndarray, caps: np.ndarray) -> None:
+def _check_fits(balance: Sequence[int], memory: np.ndarray, caps: np.ndarray) -> None:
     """Raises :class:`PlanningError` naming the first stage over its capacity."""
     over = _stage_overflow(balance, memory, caps)
     k = int(np.argmax(over))

@@ -6,7 +6,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-__all__ = ["blockpartition"]
+__all__ = []
 
 # Slack on the stop test ``M <= m + 1``: block sums come from prefix-sum differences of
 # normalized floats, and rounding must not keep the loop moving on an already-good split.

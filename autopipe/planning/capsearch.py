@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 from autopipe.planning.tolerances import SAME_TIME
 
-__all__ = ["CapResult", "minimize_over_caps", "minimize_step"]
+__all__ = []
 
 
 T = TypeVar("T")

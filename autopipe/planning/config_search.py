@@ -48,12 +48,12 @@ from autopipe.planning.plans import Plan
 from autopipe.planning.quantities import parse_bytes
 from autopipe.planning.screening import Relaxation
 from autopipe.planning.search_notes import annotate, explain_infeasible
-from autopipe.planning.search_space import Config, Space, chunk_options, configurations
+from autopipe.planning.search_space import Config, Space, configurations
 from autopipe.planning.spans import split_fits, stage_bounds, stage_memory, stage_spans
 from autopipe.planning.tolerances import SAME_TIME
 from profiler.profile import Profile
 
-__all__ = ["Config", "chunk_options", "search"]
+__all__ = ["search"]
 
 
 

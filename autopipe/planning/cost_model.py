@@ -47,30 +47,20 @@ from numpy.typing import NDArray
 from autopipe.planning.devices import DeviceSpec
 from autopipe.planning.interleaving import in_flight
 from autopipe.planning.layer_costs import (
-    OPTIMIZER_STATES,
     LayerCosts,
-    ProfileLines,
     optimizer_factor,
 )
 from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from autopipe.planning.schedule_replay import RECOMPUTE_CODES
 from autopipe.planning.spans import prefix_sums
 
-__all__ = [
-    "OPTIMIZER_STATES",
-    "WEIGHT_SHARE",
-    "CostModel",
-    "LayerCosts",
-    "ProfileLines",
-    "StageParts",
-    "optimizer_factor",
-]
+__all__ = ["CostModel", "optimizer_factor"]
 
 # Share of a layer's backward that computes its weights' gradients (zero bubble defers
 # it), for profiles that did not time the input's gradient alone: for a linear layer the
 # input's and the weights' gradients are one matrix product each, so half; a layer
 # without parameters has none.
-WEIGHT_SHARE = 0.5
+_WEIGHT_SHARE = 0.5
 
 Array = NDArray[np.float64]
 Index = NDArray[np.int64]
@@ -192,7 +182,7 @@ class CostModel:
         if layers.backward_input is not None:  # measured: the rest is the weights'
             weight = np.maximum(layers.backward - layers.backward_input, 0.0)
         else:
-            weight = np.where(layers.params > 0, WEIGHT_SHARE * layers.backward, 0.0)
+            weight = np.where(layers.params > 0, _WEIGHT_SHARE * layers.backward, 0.0)
         self._weight = prefix_sums(weight)
         # Saved bytes less what the previous layer also saves; a stage's first layer adds
         # its shared part back (its predecessor is not in the stage).

@@ -29,7 +29,7 @@ from autopipe.planning.quantities import format_bytes
 from autopipe.planning.spans import stage_bounds
 from autopipe.planning.tolerances import SAME_TIME
 
-__all__ = ["gpipe_step_time", "optimal_split", "solve_split", "split_value"]
+__all__ = []
 
 Array = NDArray[np.float64]
 Score = Callable[[int], Array]

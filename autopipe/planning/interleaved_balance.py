@@ -25,14 +25,7 @@ from autopipe.planning.schedule_replay import makespans
 from autopipe.planning.spans import fits_memory, stage_bounds
 from autopipe.planning.tolerances import IMPROVEMENT
 
-__all__ = [
-    "EXHAUSTIVE",
-    "every_split",
-    "exhaustive_split",
-    "interleaved_cost",
-    "interleaved_split",
-    "pipeline_time",
-]
+__all__ = ["every_split"]
 
 # Splits evaluated exhaustively (vectorized) before falling back to the local search.
 EXHAUSTIVE = 200_000
@@ -82,7 +75,7 @@ def pipeline_time(model: CostModel, balance: Sequence[int]) -> float:
     return float(_replayed(model, stage_bounds(balance)[None, :], memory_limits=False)[0])
 
 
-def interleaved_cost(model: CostModel, balance: Sequence[int]) -> float | None:
+def _interleaved_cost(model: CostModel, balance: Sequence[int]) -> float | None:
     """Predicted pipeline time of ``balance`` under ``model``'s interleaving; ``None`` if
     it does not fit (a stage over its device, or a rank's stages together over it)."""
     cost = float(_replayed(model, stage_bounds(balance)[None, :])[0])
@@ -112,7 +105,7 @@ def every_split(layers: int, stages: int) -> NDArray[np.int64]:
     return np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
 
 
-def exhaustive_split(model: CostModel) -> list[int] | None:
+def _exhaustive_split(model: CostModel) -> list[int] | None:
     """The split with the least interleaved step time among all that fit, by evaluating
     every one (``None``: none fits). Only for at most :data:`EXHAUSTIVE` splits."""
     bounds = every_split(model.num_layers, model.num_stages)
@@ -128,15 +121,15 @@ def interleaved_split(model: CostModel, starts: Sequence[Sequence[int]]) -> list
     time.
 
     Returns:
-        The balance with the smallest :func:`interleaved_cost`, or ``None`` when none that
+        The balance with the smallest :func:`_interleaved_cost`, or ``None`` when none that
         was tried fits.
     """
     if math.comb(model.num_layers - 1, model.num_stages - 1) <= EXHAUSTIVE:
-        return exhaustive_split(model)
+        return _exhaustive_split(model)
     best: list[int] | None = None
     best_cost = float("inf")
     for start in starts:
-        current, cost = list(start), interleaved_cost(model, start)
+        current, cost = list(start), _interleaved_cost(model, start)
         if cost is None:
             cost = float("inf")
         while True:

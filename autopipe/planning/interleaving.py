@@ -32,17 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = [
-    "Action",
-    "in_flight",
-    "rank_of",
-    "rank_order",
-    "rank_stages",
-    "rank_times",
-    "spared",
-    "step_time",
-    "step_times",
-]
+__all__ = ["rank_order", "spared", "step_time", "step_times"]
 
 
 def rank_stages(rank: int, ranks: int, virtual: int) -> list[int]:
@@ -50,7 +40,7 @@ def rank_stages(rank: int, ranks: int, virtual: int) -> list[int]:
     return [rank + j * ranks for j in range(virtual)]
 
 
-def rank_of(stage: int, ranks: int) -> int:
+def _rank_of(stage: int, ranks: int) -> int:
     """The rank that holds ``stage``."""
     return stage % ranks
 
@@ -59,7 +49,7 @@ def rank_times(times: Sequence[float], ranks: int) -> list[float]:
     """Each rank's busy seconds per micro-batch: the sum over its stages."""
     out = [0.0] * ranks
     for stage, time in enumerate(times):
-        out[rank_of(stage, ranks)] += time
+        out[_rank_of(stage, ranks)] += time
     return out
 
 

@@ -29,7 +29,7 @@ from autopipe.planning.screening import Relaxation
 from autopipe.planning.spans import stage_spans
 from autopipe.planning.tolerances import BISECT_INTERVALS, SAME_TIME
 
-__all__ = ["IntervalSolver"]
+__all__ = []
 
 Array = NDArray[np.float64]
 Ints = NDArray[np.int64]

@@ -11,26 +11,17 @@ from numpy.typing import NDArray
 from profiler.fit import segments
 from profiler.profile import Profile
 
-__all__ = [
-    "CALIBRATED",
-    "FIGURES",
-    "OPTIMIZER_STATES",
-    "LayerCosts",
-    "ProfileLines",
-    "calibrated_figures",
-    "compute_scale",
-    "optimizer_factor",
-]
+__all__ = ["LayerCosts"]
 
 # Optimizer state bytes per parameter byte.
 OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 # The figures of a layer that scale with the micro-batch size.
-FIGURES = ("forward", "backward", "backward_input", "saved", "shared", "output", "peak")
+_FIGURES = ("forward", "backward", "backward_input", "saved", "shared", "output", "peak")
 
 Array = NDArray[np.float64]
 
 
-CALIBRATED = (
+_CALIBRATED = (
     "overhead_s",
     "virtual_overhead_s",
     "bandwidth",
@@ -58,14 +49,14 @@ def calibrated_figures(profile: Profile) -> dict[str, float]:
     if not isinstance(found, dict):
         return {}
     out = {}
-    for key in CALIBRATED:
+    for key in _CALIBRATED:
         value = found.get(key)
         if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
             out[key] = float(value)
     return out
 
 
-def compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]:
+def _compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]:
     """How much longer layers run inside a training step than alone (calibrated, else 1).
 
     Timed alone, a layer finds its weights and inputs in cache; in a step they were
@@ -159,7 +150,7 @@ class ProfileLines:
     A figure at any size is interpolated linearly between the two measured sizes around it
     (:meth:`profiler.profile.Profile.segment`: the nearest segment beyond the measured
     range, never falling with the batch there). Times are calibrated per segment line
-    ``a + b·size``: ``fixed_scale·a + compute_scale·b·size`` (see :func:`compute_scale`).
+    ``a + b·size``: ``fixed_scale·a + compute_scale·b·size`` (see :func:`_compute_scale`).
 
     Attributes:
         names: the layers' names.
@@ -187,11 +178,11 @@ class ProfileLines:
 
         Args:
             profile: the profile.
-            alone: for a configuration on one device (see :func:`compute_scale`).
+            alone: for a configuration on one device (see :func:`_compute_scale`).
         """
         n, width = len(profile), len(profile.batch_sizes)
         values = {}
-        for figure in FIGURES:
+        for figure in _FIGURES:
             rows = [profile.values(i, figure) for i in range(n)]
             values[figure] = np.array([r if r is not None else [0.0] * width for r in rows])
         return cls(
@@ -201,7 +192,7 @@ class ProfileLines:
             input=np.array(profile.input, dtype=float),
             params=np.array([float(layer.param_bytes) for layer in profile.layers]),
             buffers=np.array([float(layer.buffer_bytes) for layer in profile.layers]),
-            scale=compute_scale(profile, alone),
+            scale=_compute_scale(profile, alone),
             split_backward=all(layer.backward_input is not None for layer in profile.layers),
         )
 

@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 from autopipe.planning.spans import prefix_sums, stage_spans
 from autopipe.planning.tolerances import BISECT_MINMAX
 
-__all__ = ["bottleneck", "minmax_partition", "probe"]
+__all__ = []
 
 FloatArray = NDArray[np.float64]
 
@@ -83,7 +83,7 @@ def _reachability(
     return balance[::-1]
 
 
-def probe(
+def _probe(
     costs: FloatArray,
     memory: FloatArray,
     caps: FloatArray,

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from os import PathLike
 
-from autopipe.planning.cost_model import CostModel, ProfileLines, optimizer_factor
+from autopipe.planning.cost_model import CostModel
 from autopipe.planning.devices import DeviceSpec, make_devices
+from autopipe.planning.layer_costs import ProfileLines, optimizer_factor
 from autopipe.planning.runner_figures import RunnerFigures
 from profiler.profile import Profile
 
-__all__ = ["MemorySpec", "PlanSettings", "build_model", "check_profile"]
+__all__ = ["MemorySpec"]
 
 MemorySpec = int | str | Sequence[int | str | None] | None
 

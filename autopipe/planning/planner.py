@@ -23,14 +23,7 @@ from autopipe.planning.quantities import format_bytes
 from autopipe.planning.spans import overflows, stage_bounds
 from profiler.profile import Profile
 
-__all__ = [
-    "CHUNKS_PER_STAGE",
-    "default_chunks",
-    "describe",
-    "evaluate",
-    "interleaved_balance",
-    "plan",
-]
+__all__ = ["CHUNKS_PER_STAGE", "default_chunks", "evaluate", "plan"]
 
 # GPipe's rule of thumb: M >= 4K micro-batches keeps the bubble under about 20%.
 CHUNKS_PER_STAGE = 4

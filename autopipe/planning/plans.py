@@ -11,7 +11,7 @@ from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES
 from profiler.jsonfile import read_json, write_json
 from profiler.profile import Profile
 
-__all__ = ["PLAN_VERSION", "Plan", "StagePlan"]
+__all__ = ["Plan", "StagePlan"]
 
 PLAN_VERSION = 2
 # Version 1 plans load too: they lack the fields added in 2, whose defaults hold for them.

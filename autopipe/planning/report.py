@@ -8,30 +8,18 @@ from typing import Any
 from autopipe.planning.plans import Plan, StagePlan
 from autopipe.planning.quantities import format_bytes, format_time
 
-__all__ = [
-    "bar",
-    "checkpoint_label",
-    "format_rate",
-    "layer_range",
-    "precision_label",
-    "render_comparison",
-    "render_header",
-    "render_plan",
-    "render_search",
-    "render_stages",
-    "render_summary",
-]
+__all__ = ["precision_label", "render_plan", "render_search"]
 
-BAR_WIDTH = 20
+_BAR_WIDTH = 20
 # Step times closer than this (relative) tie: the cost model is not that exact.
-TIE_TOLERANCE = 0.005
+_TIE_TOLERANCE = 0.005
 
 
 def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
-def bar(fraction: float, width: int = BAR_WIDTH) -> str:
+def bar(fraction: float, width: int = _BAR_WIDTH) -> str:
     """A text bar of ``width`` characters, ``#`` filled in proportion to ``fraction``.
 
     Args:
@@ -110,7 +98,7 @@ def render_header(plan: Plan) -> str:
     first = f"{layers} layers on {stages}, {split}"
     second = (
         f"strategy {plan.strategy}, schedule {plan.schedule}, "
-        f"checkpoint {checkpoint_label(plan)}, optimizer {plan.optimizer}"
+        f"checkpoint {_checkpoint_label(plan)}, optimizer {plan.optimizer}"
     )
     precision = precision_label(profile)
     if precision:
@@ -129,7 +117,7 @@ def precision_label(profile: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def checkpoint_label(plan: Plan) -> str:
+def _checkpoint_label(plan: Plan) -> str:
     """The checkpoint mode; for ``auto``, which stages checkpoint, e.g. ``auto (1 of 4)``."""
     if plan.checkpoint != "auto":
         return plan.checkpoint
@@ -178,7 +166,7 @@ def render_stages(plan: Plan) -> str:
     return _table(headers, rows, right)
 
 
-def device_memory(plan: Plan) -> list[float]:
+def _device_memory(plan: Plan) -> list[float]:
     """Each device's predicted peak bytes: with virtual stages, its stages' together."""
     ranks = plan.num_stages // max(plan.virtual_stages, 1)
     return [sum(s.memory for s in plan.stages[r::ranks]) for r in range(ranks)]
@@ -206,7 +194,7 @@ def render_summary(plan: Plan) -> str:
     if plan.throughput > 0 and plan.data_parallel > 1:
         lines.append(("throughput", format_rate(plan.throughput)))
     if plan.virtual_stages > 1:
-        memory = ", ".join(format_bytes(m) for m in device_memory(plan))
+        memory = ", ".join(format_bytes(m) for m in _device_memory(plan))
         lines.append(("memory", f"{memory} per device (its stages together)"))
     width = max(len(key) for key, _ in lines)
     return "\n".join(f"{key.ljust(width)}  {value}" for key, value in lines)
@@ -223,7 +211,7 @@ def render_comparison(plan: Plan, baseline: Plan | str, name: str = "uniform") -
     Returns:
         e.g. ``uniform [4, 4]: step 12.3 ms, bottleneck 1.8 ms — optimal is 1.42x faster``,
         or ``... — as fast as optimal`` when the step times are within
-        :data:`TIE_TOLERANCE` of each other.
+        :data:`_TIE_TOLERANCE` of each other.
     """
     if isinstance(baseline, str):
         return f"vs {name}: {baseline}"
@@ -237,7 +225,7 @@ def render_comparison(plan: Plan, baseline: Plan | str, name: str = "uniform") -
     if plan.step_time <= 0 or baseline.step_time <= 0:
         return figures
     ratio = baseline.step_time / plan.step_time
-    if abs(ratio - 1) <= TIE_TOLERANCE:  # "1.00x faster" would read as a win
+    if abs(ratio - 1) <= _TIE_TOLERANCE:  # "1.00x faster" would read as a win
         return f"{figures} — as fast as {plan.strategy}"
     verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
     return f"{figures} — {plan.strategy} is {verdict}"
@@ -293,14 +281,14 @@ def render_search(plans: Sequence[Plan]) -> str:
     headers.append("vs the best")
     rows = []
     for rank, plan in enumerate(plans, start=1):
-        peak = max(device_memory(plan))
+        peak = max(_device_memory(plan))
         rows.append(
             [
                 str(rank),
                 str(plan.num_stages // plan.virtual_stages),
                 str(plan.data_parallel),
                 f"{plan.chunks} x {plan.micro_batch}",
-                checkpoint_label(plan).replace(" stages checkpoint", ""),
+                _checkpoint_label(plan).replace(" stages checkpoint", ""),
                 schedule_label(plan),
                 format_time(plan.step_time),
                 format_rate(plan.throughput),

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopipe.planning.cost_model import CostModel, LayerCosts
+from autopipe.planning.cost_model import CostModel
 from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.layer_costs import calibrated_figures
+from autopipe.planning.layer_costs import LayerCosts, calibrated_figures
 from autopipe.planning.quantities import parse_rate
 from profiler.profile import Profile
 
-__all__ = ["RunnerFigures"]
+__all__ = []
 
 
 @dataclass(frozen=True)

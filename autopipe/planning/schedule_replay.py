@@ -25,16 +25,7 @@ from numpy.typing import NDArray
 
 from autopipe.planning.interleaving import rank_order, spared
 
-__all__ = [
-    "ALL",
-    "ALL_BUT_ONE",
-    "NONE",
-    "RECOMPUTE_CODES",
-    "Operation",
-    "makespans",
-    "recomputes",
-    "replay_order",
-]
+__all__ = ["makespans"]
 
 # Which micro-batches a stage re-computes, by checkpoint mode: none, all, or all but the one
 # whose backward the stage runs first (:func:`autopipe.planning.interleaving.spared`: the last in

@@ -31,7 +31,7 @@ from autopipe.planning.spans import prefix_sums, stage_bounds, stage_spans
 from autopipe.planning.stage_limits import MemoryCache, MemoryLimits
 from autopipe.planning.tolerances import BISECT_RELAXED
 
-__all__ = ["Relaxation"]
+__all__ = []
 
 Array = NDArray[np.float64]
 Ints = NDArray[np.int64]

@@ -10,7 +10,7 @@ from autopipe.planning.screening import Relaxation
 from autopipe.planning.search_space import Config, Space
 from autopipe.planning.tolerances import SAME_TIME
 
-__all__ = ["annotate", "breakdown", "explain_infeasible", "why_slower"]
+__all__ = []
 
 # Faster configurations that do not fit, named on the best plan.
 _UNFIT_NOTES = 3
@@ -54,7 +54,7 @@ def _peak(plan: Plan) -> float:
     return max(stage.memory for stage in plan.stages)
 
 
-def why_slower(plan: Plan, best: Plan) -> str:
+def _why_slower(plan: Plan, best: Plan) -> str:
     """One line on why ``plan`` predicts a longer step than ``best``."""
     if plan.step_time <= best.step_time * (1 + SAME_TIME):
         same = "ties with the best"
@@ -95,7 +95,7 @@ def annotate(
     """Fills every plan's ``notes``: why it loses to the best, or, on the best, the search."""
     best = plans[0]
     for plan in plans[1:]:
-        plan.notes = [why_slower(plan, best)]
+        plan.notes = [_why_slower(plan, best)]
     interleaved = stats.get("interleaved", 0)
     replayed = f", {interleaved} interleaved by replayed schedules" if interleaved else ""
     best.notes = [

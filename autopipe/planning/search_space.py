@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopipe.planning.cost_model import CostModel, LayerCosts, ProfileLines, optimizer_factor
+from autopipe.planning.cost_model import CostModel
 from autopipe.planning.devices import DeviceSpec
+from autopipe.planning.layer_costs import LayerCosts, ProfileLines, optimizer_factor
 from autopipe.planning.runner_figures import RunnerFigures
 from autopipe.planning.screening import MemoryCache
 from profiler.profile import Profile
 
-__all__ = ["Config", "Space", "chunk_options", "configurations"]
+__all__ = []
 
 
 @dataclass(frozen=True)

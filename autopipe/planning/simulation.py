@@ -52,7 +52,7 @@ from autopipe.planning.schedule_replay import (
     replay_order,
 )
 
-__all__ = ["KINDS", "Event", "StageTimes", "checkpointed", "makespan", "simulate", "stage_times"]
+__all__ = ["simulate"]
 
 KINDS = ("forward", "recompute", "backward", "weight", "transfer")
 # Backward takes about twice the forward (gradients of inputs and of weights).

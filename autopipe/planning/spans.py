@@ -12,15 +12,7 @@ from numpy.typing import ArrayLike, NDArray
 if TYPE_CHECKING:
     from autopipe.planning.cost_model import CostModel
 
-__all__ = [
-    "fits_memory",
-    "overflows",
-    "prefix_sums",
-    "split_fits",
-    "stage_bounds",
-    "stage_memory",
-    "stage_spans",
-]
+__all__ = []
 
 
 def stage_bounds(balance: Sequence[int]) -> NDArray[np.int64]:

@@ -8,7 +8,7 @@ from numpy.typing import NDArray
 from autopipe.planning.cost_model import CostModel, RangeMax
 from autopipe.planning.spans import prefix_sums
 
-__all__ = ["MemoryCache", "MemoryLimits"]
+__all__ = []
 
 Array = NDArray[np.float64]
 Ints = NDArray[np.int64]

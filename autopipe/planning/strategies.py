@@ -10,7 +10,7 @@ import numpy as np
 from autopipe.planning.minmax import minmax_partition
 from autopipe.planning.spans import prefix_sums, stage_bounds
 
-__all__ = ["parameters", "uniform"]
+__all__ = []
 
 
 def uniform(n: int, stages: int) -> list[int]:

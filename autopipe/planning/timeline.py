@@ -17,8 +17,6 @@ from autopipe.planning.quantities import format_time
 from autopipe.planning.report import schedule_label
 from autopipe.planning.simulation import (
     KINDS,
-    Event,
-    StageTimes,
     checkpointed,
     makespan,
     simulate,
@@ -30,29 +28,21 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
-    "COLORS",
-    "KINDS",
-    "PICTURE_FORMATS",
-    "Event",
-    "StageTimes",
     "check_picture_path",
     "checkpointed",
     "draw_stage_bars",
     "draw_timeline",
-    "makespan",
     "require_matplotlib",
-    "simulate",
-    "stage_times",
 ]
 
-COLORS = {
+_COLORS = {
     "forward": "#4C72B0",
     "recompute": "#8172B3",
     "backward": "#DD8452",
     "weight": "#55A868",
     "transfer": "#9A9A9A",
 }
-PICTURE_FORMATS = ("png", "svg")
+_PICTURE_FORMATS = ("png", "svg")
 
 
 # ----------------------------------------------------------------------------------------
@@ -88,7 +78,7 @@ def check_picture_path(path: str | os.PathLike[str], what: str = "picture") -> s
         ValueError: the extension is neither ``.png`` nor ``.svg``.
     """
     suffix = Path(path).suffix.lower().lstrip(".")
-    if suffix not in PICTURE_FORMATS:
+    if suffix not in _PICTURE_FORMATS:
         raise ValueError(
             f"cannot draw the {what} to {os.fspath(path)}: use a .png or .svg file name"
         )
@@ -177,7 +167,7 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
                 ax.broken_barh(
                     bars,
                     (k % rows - 0.38, 0.76),
-                    facecolors=COLORS[kind],
+                    facecolors=_COLORS[kind],
                     edgecolors="white",
                     linewidth=0.6,
                     hatch=_HATCHES[(k // rows) % len(_HATCHES)] or None,
@@ -202,7 +192,7 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
         ax.spines[side].set_visible(False)
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor=COLORS[kind], label=kind) for kind in present]
+    handles = [Patch(facecolor=_COLORS[kind], label=kind) for kind in present]
     handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"))
     for j in range(1, min(virtual, len(_HATCHES))):
         label = f"local stage {j} (stages {j * rows}-{(j + 1) * rows - 1})"
@@ -297,7 +287,7 @@ def draw_stage_bars(plans: Mapping[str, Plan], path: str | os.PathLike[str]) -> 
                 heights,
                 bar * 0.9,
                 bottom=bottom,
-                color=COLORS[kind],
+                color=_COLORS[kind],
                 label="_nolegend_" if kind in seen else kind,
             )
             seen.add(kind)

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = [
-    "BISECT_INTERVALS",
-    "BISECT_MINMAX",
-    "BISECT_RELAXED",
-    "IMPROVEMENT",
-    "SAME_TIME",
-]
+__all__ = []
 
 # Two step times (or a time and a cap) this close, relative to their size, are the same:
 # the sums behind them add the same layer figures in another order and differ by rounding.

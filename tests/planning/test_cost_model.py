@@ -5,14 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autopipe.planning.cost_model import (
-    CostModel,
-    LayerCosts,
-    ProfileLines,
-    RangeMax,
-    optimizer_factor,
-)
+from autopipe.planning.cost_model import CostModel, RangeMax, optimizer_factor
 from autopipe.planning.devices import DeviceSpec
+from autopipe.planning.layer_costs import LayerCosts, ProfileLines
 from tests.support.planning_cases import random_profile
 
 

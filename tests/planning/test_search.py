@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe import PlanningError, plan
-from autopipe.planning.config_search import chunk_options, search
+from autopipe.planning.config_search import search
 from autopipe.planning.names import SEARCH_CHECKPOINTS
 from autopipe.planning.report import render_search
 from autopipe.planning.search_notes import breakdown
+from autopipe.planning.search_space import chunk_options
 from tests.support.planning_cases import linear_profile, random_profile
 
 
