@@ -26,7 +26,6 @@ from profiler.profile import Profile
 
 __all__ = ["DEFAULT_TIMEOUT", "init_distributed"]
 
-SCHEDULE_NAMES = ALL_SCHEDULES  # every schedule the distributed runner executes
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
@@ -204,8 +203,8 @@ def check_arguments(
     plan: Any,
 ) -> str | None:
     """What is wrong with one rank's arguments, or ``None``."""
-    if schedule not in SCHEDULE_NAMES:
-        return f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}"
+    if schedule not in ALL_SCHEDULES:
+        return f"unknown schedule {schedule!r}: choose one of {', '.join(ALL_SCHEDULES)}"
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         return f"chunks must be a positive integer, got {chunks!r}"
     if not callable(loss_fn):
