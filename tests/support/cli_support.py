@@ -12,6 +12,15 @@ ROOT = Path(__file__).resolve().parents[2]
 MLP = str(ROOT / "examples" / "mlp.py")
 FAST = ["--repeats", "1", "--warmup", "0"]
 
+# A model file small enough to profile in a moment.
+SMALL_MODEL = """
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+sample = torch.randn(8, 4)
+"""
+
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))

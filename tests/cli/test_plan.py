@@ -1,0 +1,232 @@
+"""Tests of ``autopipe plan`` (autopipe.cli.plan)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopipe
+from autopipe.planning.planner import default_chunks, evaluate
+from autopipe.planning.plans import Plan
+from profiler.profile import Profile
+from tests.support.cli_support import (
+    FAST,
+    MLP,
+    RESIDUAL_MODEL,
+    ROOT,
+    SMALL_MODEL,
+    assert_error,
+    make_profile_file,
+    run,
+)
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_profile_file(tmp_path_factory)
+
+
+def test_plan_example(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", MLP, *FAST, "--json", str(out_file))
+    assert code == 0, err
+    result = Plan.load(out_file)
+    assert sum(result.balance) == 16 and len(result.balance) == 2
+    assert result.chunks == 8 and result.micro_batch == 4  # 4 x stages by default
+    assert f"balance     {result.balance}" in out
+    assert "16 layers on 2 stages" in out
+    assert "(embed.." in out and "..head)" in out
+    assert "uniform [8, 8]" in out
+    profile = Profile.from_dict(result.profile)
+    uniform = evaluate(profile, [8, 8], chunks=result.chunks)
+    assert result.step_time <= uniform.step_time * (1 + 1e-9)
+    assert "plan written to" in err and "Traceback" not in err
+
+
+def test_plan_hugging_face_example(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out_file = tmp_path / "plan.json"
+    example = str(ROOT / "examples" / "gpt2.py")
+    argv = ["plan", example, *FAST, "--stages", "4", "--chunks", "4", "--json", str(out_file)]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "17 layers on 4 stages" in out and "..lm_head)" in out
+    result = Plan.load(out_file)
+    # Traced and cut between blocks: embeddings, 12 blocks, final norm, LM head.
+    assert len(result.balance) == 4 and sum(result.balance) >= 14
+    assert result.stages[-1].layers[-1] == "lm_head"
+    blocks = [name for stage in result.stages for name in stage.layers if "/h/" in name]
+    assert len(blocks) == 12
+    assert "Traceback" not in err
+
+
+def test_plan_from_profile(capsys: pytest.CaptureFixture[str], profile_file: Path) -> None:
+    code, out, err = run(capsys, "plan", "--profile", str(profile_file), "--stages", "3")
+    assert code == 0, err
+    assert "16 layers on 3 stages" in out
+    assert "12 micro-batches" in out or "11 micro-batches" in out  # 4 x 3, capped by 32
+    assert "uniform [6, 5, 5]" in out
+
+
+def test_plan_options(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--profile",
+        str(profile_file),
+        "--stages",
+        "2",
+        "--chunks",
+        "4",
+        "--memory",
+        "1GiB,2GiB",
+        "--checkpoint",
+        "never",
+        "--schedule",
+        "1f1b",
+        "--optimizer",
+        "sgd",
+        "--bandwidth",
+        "10GB/s",
+        "--json",
+        str(out_file),
+    )
+    assert code == 0, err
+    result = Plan.load(out_file)
+    assert result.chunks == 4 and result.checkpoint == "never" and result.schedule == "1f1b"
+    assert [s.capacity for s in result.stages] == [2**30, 2**31]
+    assert result.devices[0].bandwidth == 1e10
+    assert "of which send" in out and "/ 1.00 GiB" in out
+
+
+def test_uniform_strategy_compares_with_optimal(
+    capsys: pytest.CaptureFixture[str], profile_file: Path
+) -> None:
+    code, out, _ = run(capsys, "plan", "--profile", str(profile_file), "--strategy", "uniform")
+    assert code == 0
+    assert "balance     [8, 8]" in out
+    assert "optimal [" in out
+
+
+def test_cuda_profile_names_stage_devices(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    profile = Profile.load(profile_file)
+    profile.device = "cuda:0"
+    path = tmp_path / "cuda.json"
+    profile.save(path)
+    out_file = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "--profile", str(path), "--json", str(out_file))
+    assert code == 0
+    assert [s.device for s in Plan.load(out_file).stages] == ["cuda:0", "cuda:1"]
+
+
+def test_virtual_stages(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", "--profile", str(profile_file), "--stages", "2", "--virtual-stages", "2"]
+    argv += ["--schedule", "1f1b", "--chunks", "4", "--memory", "1GiB,2GiB"]
+    code, out, err = run(capsys, *argv, "--json", str(out_file))
+    assert code == 0, err
+    assert "16 layers on 4 stages [cpu] on 2 devices, 2 per device (interleaved)" in out
+    assert "per device (its stages together)" in out
+    result = Plan.load(out_file)
+    assert result.virtual_stages == 2 and result.num_devices == 2
+    assert result.checkpoint == "never"  # torch's interleaved schedules keep activations
+    assert [s.capacity for s in result.stages] == [2**30, 2**31, 2**30, 2**31]
+    picture = tmp_path / "t.png"  # one row per device, its two stages hatched apart
+    code, _, err = run(capsys, *argv, "--timeline", str(picture))
+    assert code == 0, err
+    assert picture.read_bytes().startswith(b"\x89PNG")
+    # With --search: 1 or 2 stages per device are both configurations of the search.
+    search = ["plan", "--profile", str(profile_file), "--search", "--devices", "2"]
+    code, out, err = run(capsys, *search, "--virtual-stages", "2", "--top", "200")
+    assert code == 0, err
+    assert "interleaved 1f1b, 2 stages per device" in out and "looped bfs" in out
+    assert "interleaved by replayed schedules" in out
+
+
+def test_wrap_defaults_to_the_command_lines_chunks() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+    wrapped = autopipe.wrap(model, torch.randn(32, 4), stages=2)
+    try:
+        assert wrapped.plan.chunks == default_chunks(2, 32) == 8
+    finally:
+        wrapped.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--memory", "16XB"], "cannot parse memory size '16XB'"),
+        (["--memory", "1GB,2GB,3GB"], "--memory lists 3 sizes but there are 2 stages"),
+        (["--memory", "1KB"], "does not fit"),
+        (["--stages", "20"], "cannot split 16 layers into 20"),
+        (["--bandwidth", "fast"], "cannot parse bandwidth 'fast'"),
+        (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+    ],
+)
+def test_bad_plan_options(
+    capsys: pytest.CaptureFixture[str],
+    profile_file: Path,
+    tmp_path: Path,
+    args: list[str],
+    expected: str,
+) -> None:
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", "--profile", str(profile_file), *args, "--json", str(out_file)]
+    assert_error(*run(capsys, *argv), expected)
+    assert not out_file.exists()
+
+
+def test_too_many_stages_before_profiling(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "good.py"
+    path.write_text(SMALL_MODEL)
+    assert_error(*run(capsys, "plan", str(path), "--stages", "4"), "use --stages 3 or fewer")
+
+
+def test_plan_non_sequential_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "residual.py"
+    path.write_text(RESIDUAL_MODEL)
+    out_json = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, "--json", str(out_json))
+    assert code == 0, err
+    plan = Plan.load(out_json)
+    # Units: inp, blocks/0..3, out — cut along module calls.
+    assert sum(plan.balance) == 6 and len(plan.balance) == 2
+    assert "(inp.." in out and "..out)" in out
+
+
+def test_plan_batch_and_auto(capsys: pytest.CaptureFixture[str], profile_file: Path) -> None:
+    argv = ["plan", "--profile", str(profile_file), "--batch", "16", "--checkpoint", "auto"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "batch 16 as 8 micro-batches of 2" in out and "checkpoint auto (" in out
+    assert_error(*run(capsys, "plan", "--profile", str(profile_file), "--devices", "4"), "--search")
+    assert_error(*run(capsys, "plan", "--profile", str(profile_file), "--even"), "--search")
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2", "--even"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+
+
+def test_plan_under_autocast_names_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "good.py"
+    path.write_text(SMALL_MODEL)
+    plan_file = tmp_path / "plan.json"
+    argv = ["plan", str(path), "--autocast", "float16", "--json", str(plan_file), *FAST]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "optimizer adam, autocast float16\n" in out and "dtype" not in out
+    assert Plan.load(plan_file).profile["autocast"] == "float16"
+    code, out, err = run(capsys, "plan", str(path), *FAST)
+    assert code == 0, err
+    assert "autocast" not in out and "dtype" not in out
