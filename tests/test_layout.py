@@ -90,6 +90,17 @@ def test_subpackages_state_their_public_names():
     assert SUBPACKAGES and missing == []
 
 
+def test_no_public_name_shadows_a_module_of_its_package():
+    """``package.name`` is one attribute: a function named like a submodule hides it."""
+    shadowed = [
+        f"{package}.{name}"
+        for package in sorted(SUBPACKAGES)
+        for name in _public_names(SOURCES[package]) or []
+        if f"{package}.{name}" in SOURCES
+    ]
+    assert shadowed == []
+
+
 def test_no_import_cycle_in_the_library():
     grimp = pytest.importorskip("grimp")  # installed with import-linter
     graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True)

@@ -45,7 +45,7 @@ class DistributedPipeline(PipelineRunner):
     Waits on other ranks are bounded by the process group's timeout (see
     :func:`init_distributed`).
 
-    Any other model is traced and cut into units by :mod:`autopipe.gpipe.wrap` (a unit sends
+    Any other model is traced and cut into units by :mod:`autopipe.graph.sequential` (a unit sends
     every tensor live across its cut); its stage keeps the units' own names, while
     :meth:`named_parameters`, :meth:`state_dict` and :meth:`gather_state_dict` use the
     original model's.

@@ -54,7 +54,7 @@ def search_plan(
     """The fastest configuration of this group's ranks for ``model``; a collective.
 
     Args:
-        model: the model (an ``nn.Sequential``, or one :mod:`autopipe.gpipe.wrap` can split).
+        model: the model (an ``nn.Sequential``, or one :mod:`autopipe.graph.sequential` can split).
         sample: the global mini-batch a step will take.
         group: the process group (default: the world); a plan uses all its ranks.
         device: where rank 0 profiles (default: the device the ranks run on,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autopipe.gpipe.gpipe import GPipe
-from autopipe.gpipe.wrap import wrap
 from autopipe.gpipe.wrapped import WrappedPipeline
+from autopipe.gpipe.wrapping import wrap
 
 __all__ = ["GPipe", "WrappedPipeline", "wrap"]

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from autopipe.gpipe.wrap import wrap
+from autopipe.gpipe.wrapping import wrap
 
 transformers = pytest.importorskip("transformers")
 

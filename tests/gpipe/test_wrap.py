@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from autopipe.gpipe import GPipe
-from autopipe.gpipe.wrap import WrappedPipeline, prepare, wrap
+from autopipe.gpipe.wrapping import WrappedPipeline, prepare, wrap
 from autopipe.graph.stage_modules import UnitModule
 from autopipe.graph.tracing import TracingError
 from autopipe.planning.plans import Plan

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from autopipe.gpipe.wrap import wrap
+from autopipe.gpipe.wrapping import wrap
 from autopipe.graph.grad_modes import KEY, insert_grad_modes
 from autopipe.graph.tracing import TracingError, trace
 from tests.support.wrap_models import GRAD_FORMS, GradRegion

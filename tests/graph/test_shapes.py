@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autopipe.gpipe.wrap import WrappedPipeline, wrap
+from autopipe.gpipe.wrapping import WrappedPipeline, wrap
 from autopipe.graph.tracing import TracingError
 
 
