@@ -77,6 +77,7 @@ def baseline_balance(
 ) -> list[int]:
     """The balance a comparison strategy picks (ignoring memory limits)."""
     from autopipe.planning import blockpartition, strategies
+
     if strategy == "uniform":
         return strategies.uniform(len(costs), stages)
     if strategy == "parameters":

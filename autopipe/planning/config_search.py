@@ -56,7 +56,6 @@ from profiler.profile import Profile
 __all__ = ["search"]
 
 
-
 @dataclass
 class _Found:
     value: float

@@ -22,7 +22,6 @@ __all__ = []
 FloatArray = NDArray[np.float64]
 
 
-
 def bottleneck(costs: Sequence[float] | FloatArray, balance: Sequence[int]) -> float:
     """The largest stage sum of ``costs`` under ``balance``."""
     values = np.asarray(costs, dtype=float)

@@ -73,11 +73,16 @@ class RunnerFigures:
             measured.get("virtual_overhead_s"),
         )
 
+    @property
+    def replayed_overhead(self) -> float:
+        """Seconds per stage and micro-batch on the runtime torch uses for virtual stages and
+        zero bubble: measured apart when calibrated for it, else ``overhead``."""
+        return self.overhead if self.virtual_overhead is None else self.virtual_overhead
+
     def overhead_for(self, virtual_stages: int, schedule: str) -> float:
-        """Seconds per stage and micro-batch: torch runs virtual stages and zero bubble on
-        another runtime, measured apart when calibrated for them."""
-        if (virtual_stages > 1 or schedule == "zb") and self.virtual_overhead is not None:
-            return self.virtual_overhead
+        """Seconds per stage and micro-batch of the runtime that runs the schedule."""
+        if virtual_stages > 1 or schedule == "zb":
+            return self.replayed_overhead
         return self.overhead
 
     def cost_model(

@@ -87,7 +87,7 @@ class Space:
         )
         self.overhead = self.runner.overhead
         # Torch runs virtual stages on another runtime, with its own cost per operation.
-        self.virtual_overhead = self.runner.overhead_for(2, "gpipe")
+        self.virtual_overhead = self.runner.replayed_overhead
         self.bandwidth = self.runner.bandwidth
         self.latency = self.runner.latency
         self.allreduce = self.runner.allreduce_bandwidth

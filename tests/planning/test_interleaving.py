@@ -170,6 +170,7 @@ def test_virtual_stage_split_is_the_best_of_all_splits() -> None:
 
 def test_local_search_is_never_worse_than_its_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     from autopipe.planning import interleaved_balance
+
     monkeypatch.setattr(interleaved_balance, "EXHAUSTIVE", 0)  # as for large models
     options = {"chunks": 4, "virtual_stages": 2, "schedule": "1f1b", "checkpoint": "never"}
     for profile in _random_profiles(15, seed=2):

@@ -395,6 +395,7 @@ def test_uneven_micro_batches_time_at_the_mean_size_and_memory_at_the_largest():
 
 def test_single_device_configurations_use_the_scales_of_one_rank_alone():
     from autopipe.planning import search
+
     profile = linear_profile([1.0] * 4, batch=8, chunks=2)
     plain = {k: plan(profile, k, checkpoint="never").step_time for k in (1, 2)}
     profile.meta["calibration"] = {"compute_scale": 2.0, "alone_compute_scale": 1.0}
