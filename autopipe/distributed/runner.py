@@ -56,8 +56,10 @@ __all__: list[str] = []  # internal: DistributedPipeline is the public class
 
 
 class PipelineRunner:
-    """This rank's stage of a planned pipeline: :class:`autopipe.distributed.DistributedPipeline`
-    but for building it from a search, which runs pipelines of this class to calibrate.
+    """This rank's stage of a planned pipeline: all of DistributedPipeline but ``from_search``.
+
+    The ranks' calibration times steps of this class and the search calibrates, so the
+    search's constructor sits above both, in :class:`autopipe.distributed.DistributedPipeline`.
 
     See :class:`autopipe.distributed.DistributedPipeline` for the arguments; two more let a
     search hand over what it already did on every rank:
