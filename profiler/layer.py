@@ -258,11 +258,11 @@ class _Pass:
         stays behind as newly saved tensors (``fresh`` bytes).
         """
         args = self.arguments()
-        torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.backward(self.forward(args))
-        torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         return max(0, torch.cuda.max_memory_allocated(self.device) - baseline - fresh)
 
 
