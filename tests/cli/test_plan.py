@@ -203,7 +203,10 @@ def test_plan_non_sequential_model(capsys: pytest.CaptureFixture[str], tmp_path:
     plan = Plan.load(out_json)
     # Units: inp, blocks/0..3, out — cut along module calls.
     assert sum(plan.balance) == 6 and len(plan.balance) == 2
-    assert "(inp.." in out and "..out)" in out
+    # The first stage starts at inp and the last ends at out (a stage of one unit shows only
+    # its name, and the measured balance may give either stage a single unit).
+    assert "(inp.." in out or "(inp)" in out
+    assert "..out)" in out or "(out)" in out
 
 
 def test_plan_batch_and_auto(capsys: pytest.CaptureFixture[str], profile_file: Path) -> None:
