@@ -12,6 +12,7 @@ from torch import nn
 
 from autopipe.gpipe.microbatch import TensorOrTensors, check, gather, scatter
 from autopipe.gpipe.pipeline import Pipeline
+from autopipe.gpipe.tied import Replicas
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
 from autopipe.planning.names import FIXED_CHECKPOINT_MODES
 from profiler.devices import resolve_device, stage_devices
@@ -112,10 +113,20 @@ class GPipe(nn.Module):
             one per partition (as a plan with ``checkpoint="auto"`` chooses them).
         deferred_batch_norm: update batch-norm running statistics once per mini-batch, from
             all of its samples, instead of once per micro-batch.
+        replicate_shared: give every later partition using a shared tensor a copy even
+            when it is on the owner's device (for testing the replicated path on one
+            device); by default only partitions on other devices get one.
+
+    A parameter or buffer that layers of several partitions use (a tied embedding and LM
+    head) stays with the first of them; each later partition on another device reads a
+    copy on its own device, made afresh from it at every forward. A parameter's copy is
+    differentiable, so the parameter receives the sum of all its copies' gradients, as in
+    the plain module; the module's ``parameters()`` and ``state_dict()`` hold it once.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: an argument is invalid or there are too few devices.
+        ValueError: an argument is invalid, there are too few devices, or a tensor used on
+            several devices cannot be replicated (a shared batch norm's running statistics).
     """
 
     balance: list[int]
@@ -132,6 +143,7 @@ class GPipe(nn.Module):
         chunks: int = 1,
         checkpoint: str | Sequence[str] = "except_last",
         deferred_batch_norm: bool = False,
+        replicate_shared: bool = False,
     ) -> None:
         super().__init__()
         balance = _validate(module, balance, chunks, checkpoint)
@@ -149,10 +161,22 @@ class GPipe(nn.Module):
         layers = list(module._modules.items())
         partitions = []
         start = 0
-        for size, device in zip(self.balance, self.devices):
-            part = nn.Sequential(OrderedDict(layers[start : start + size]))
-            partitions.append(part.to(device))
+        for size in self.balance:
+            partitions.append(nn.Sequential(OrderedDict(layers[start : start + size])))
             start += size
+        names = {
+            id(t): n
+            for n, t in reversed(
+                [
+                    *module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False),
+                ]
+            )
+        }
+        replicas = Replicas(partitions, self.devices, names, force=replicate_shared)
+        with replicas.moving(partitions):
+            for part, device in zip(partitions, self.devices):
+                part.to(device)
         # The layers are registered under their own names so that state_dict() matches the
         # plain module; the partitions share those layers but are kept out of the module tree
         # so that nothing is listed twice.
@@ -160,6 +184,7 @@ class GPipe(nn.Module):
             self.add_module(name, layer)
         object.__setattr__(self, "_partitions", nn.ModuleList(partitions))
         object.__setattr__(self, "_pipeline", None)
+        object.__setattr__(self, "_replicas", replicas)
 
     @classmethod
     def from_plan(cls, module: nn.Sequential, plan: Plan, **kwargs: Any) -> GPipe:
@@ -188,6 +213,12 @@ class GPipe(nn.Module):
             checkpoint=plan.checkpoint if plan.checkpoint != "auto" else plan.stage_checkpoints,
             **kwargs,
         )
+
+    @property
+    def replicated(self) -> dict[str, tuple[int, ...]]:
+        """The tensors several partitions hold, by name: the partitions, the owner first."""
+        replicas: Replicas = self.__dict__["_replicas"]
+        return replicas.stages
 
     @property
     def partitions(self) -> nn.ModuleList:
@@ -235,6 +266,8 @@ class GPipe(nn.Module):
         else:
             input = tuple(t.to(first) for t in input)
         batches = scatter(input, self.chunks)
+        replicas: Replicas = self.__dict__["_replicas"]
+        replicas.refresh()  # from the parameters as they are now, in the caller's grad mode
         training = self.training and torch.is_grad_enabled()
         m = len(batches)
         modes = [self.checkpoint] if isinstance(self.checkpoint, str) else self.checkpoint

@@ -95,6 +95,7 @@ def wrap(
     autocast: str | None = None,
     dynamic: DynamicSpec | None = None,
     deferred_batch_norm: bool | None = None,
+    replicate_shared: bool = False,
 ) -> WrappedPipeline:
     """Splits any model into balanced pipeline stages and returns it ready to train.
 
@@ -146,6 +147,12 @@ def wrap(
             on when the model has a BatchNorm with running statistics and ``chunks > 1``;
             ``False`` updates them once per micro-batch, with a warning. The model's own
             modules are not converted: the pipeline runs deferred views of them.
+        replicate_shared: give each later stage using a shared parameter its own copy even
+            on the owner's device (to test the replicated path with one device). By
+            default a parameter shared by stages on different devices (a tied embedding
+            and LM head) stays with the first of them, and each later stage reads a copy on
+            its device, made afresh at every forward; its gradient is the sum of the
+            copies', and ``parameters()`` and ``state_dict()`` hold it once.
 
     Returns:
         A :class:`WrappedPipeline`: call it like the model; ``.plan`` and ``.pipeline``
@@ -155,7 +162,8 @@ def wrap(
         autopipe.graph.tracing.TracingError: the model cannot be traced; the message says why and
             what to do.
         ValueError: bad arguments, inputs or outputs that are not batch-major, too few
-            units for the stages, or a shared parameter that the plan puts on two devices.
+            units for the stages, or a shared tensor written during forward (a running
+            statistic, a counter) that the plan puts on two devices.
         autopipe.PlanningError: no split fits the memory.
     """
     bad_chunks = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
@@ -208,6 +216,13 @@ def wrap(
     plan = make_plan(
         profile, names, chunks=chunks, memory=memory, checkpoint=checkpoint, strategy=strategy
     )
-    check_placement(model_units.shared, stage_of_units(plan.balance), names, model_units.names)
-    pipeline = GPipe.from_plan(nn.Sequential(*units), plan)
+    check_placement(
+        model_units.shared,
+        stage_of_units(plan.balance),
+        names,
+        model_units.names,
+        written=model_units.written,
+        replicate=replicate_shared,
+    )
+    pipeline = GPipe.from_plan(nn.Sequential(*units), plan, replicate_shared=replicate_shared)
     return WrappedPipeline(model, pipeline, plan, model_units.io)

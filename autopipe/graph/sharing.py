@@ -1,8 +1,8 @@
-"""Parameters and written buffers used by several units: kept on one device, or refused."""
+"""Parameters and written buffers used by several units: shared, replicated, or refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -12,7 +12,15 @@ from torch import Tensor, nn
 
 from profiler.devices import resolve_device
 
-__all__ = ["SharedState", "adjacent_boundaries", "check_placement", "find_shared", "unit_state"]
+__all__ = [
+    "SharedState",
+    "adjacent_boundaries",
+    "check_placement",
+    "find_shared",
+    "find_written",
+    "unit_state",
+    "unit_writes",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,50 @@ def unit_state(root: nn.Module, nodes: Iterable[fx.Node]) -> list[Tensor]:
         elif isinstance(obj, nn.Parameter) or (isinstance(obj, Tensor) and _written(node)):
             found.append(obj)
     return found
+
+
+def unit_writes(root: nn.Module, nodes: Iterable[fx.Node]) -> list[Tensor]:
+    """The tensors a unit may write in place during forward: a copy of them cannot stand in.
+
+    Args:
+        root: the module the graph's targets resolve in.
+        nodes: the unit's ``get_attr`` and ``call_module`` nodes.
+
+    Returns:
+        Every buffer of a called module (which may update it, as batch norm does) and each
+        tensor read by ``get_attr`` that some node of the graph writes.
+    """
+    found: list[Tensor] = []
+    for node in nodes:
+        target = str(node.target)
+        if _is_module(root, target):
+            found.extend(root.get_submodule(target).buffers())
+        else:
+            obj = _attr(root, target)
+            if isinstance(obj, Tensor) and _written(node):
+                found.append(obj)
+    return found
+
+
+def find_written(model: nn.Module, writes: Iterable[Iterable[Tensor]]) -> set[str]:
+    """The names (as :func:`find_shared` gives them) of the tensors some unit may write.
+
+    Args:
+        model: the model, which names the tensors.
+        writes: for each unit, what it may write (see :func:`unit_writes`).
+    """
+    names = _names(model)
+    return {names[id(t)] for tensors in writes for t in tensors if id(t) in names}
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    named = chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    for name, tensor in named:
+        names.setdefault(id(tensor), name)
+    return names
 
 
 def _written(attr: fx.Node) -> bool:
@@ -96,12 +148,7 @@ def find_shared(model: nn.Module, state: Sequence[Iterable[Tensor]]) -> list[Sha
         model: the model, which names the tensors.
         state: for each unit, its state (see :func:`unit_state`).
     """
-    names: dict[int, str] = {}
-    named = chain(
-        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
-    )
-    for name, tensor in named:
-        names.setdefault(id(tensor), name)
+    names = _names(model)
     users: dict[int, set[int]] = {}
     for k, tensors in enumerate(state):
         for tensor in tensors:
@@ -131,24 +178,40 @@ def check_placement(
     stage_of_unit: Sequence[int],
     devices: Sequence[str],
     unit_names: Sequence[str],
+    written: Collection[str] = (),
+    replicate: bool = False,
 ) -> None:
-    """Refuses a placement that puts the users of one tensor on different devices.
+    """Refuses a placement that needs a copy of a tensor that is written during forward.
 
-    Stages on the same device may share a tensor: its gradient accumulates in one place.
+    Stages on the same device share a tensor: its gradient accumulates in one place.
+    Stages on different devices (any stages with ``replicate``) each hold a copy of a
+    parameter or read-only buffer (see :class:`autopipe.gpipe.GPipe`); a tensor the units
+    write in place (running statistics, a counter) would have copies that drift apart.
+
+    Args:
+        shared: the tensors several units use.
+        stage_of_unit: the stage of each unit.
+        devices: the device of each stage.
+        unit_names: the name of each unit, for the message.
+        written: the names of the tensors some unit may write (:func:`find_written`).
+        replicate: whether stages on one device get copies too.
 
     Raises:
-        ValueError: a shared parameter or buffer would be needed on two devices; the message
-            names it and its units.
+        ValueError: a written parameter or buffer would be needed on two devices (or two
+            stages with ``replicate``); the message names it and its units.
     """
     for item in shared:
-        placed = {_device(devices[stage_of_unit[u]]) for u in item.units}
-        if len(placed) > 1:
+        if item.name not in written:
+            continue
+        stages = {stage_of_unit[u] for u in item.units}
+        placed = {_device(devices[k]) for k in stages}
+        if len(placed) > 1 or (replicate and len(stages) > 1):
             where = ", ".join(
                 f"{unit_names[u]} (stage {stage_of_unit[u]}, {devices[stage_of_unit[u]]})"
                 for u in item.units
             )
             raise ValueError(
-                f"{item.name} is shared by units on different devices: {where}; a tied "
-                "parameter must stay on one device: give those stages the same device, use "
-                "fewer stages, or untie it"
+                f"{item.name} is shared by units on different devices: {where}; it is "
+                "written during forward, so it cannot be replicated on each of them: give "
+                "those stages the same device, use fewer stages, or untie it"
             )

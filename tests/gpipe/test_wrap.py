@@ -258,11 +258,16 @@ def test_shared_parameter_on_one_device_is_allowed() -> None:
     wrapped.close()
 
 
-def test_shared_parameter_across_devices_is_refused() -> None:
+def test_shared_parameter_across_devices_is_replicated() -> None:
     x = torch.randn(4, 4)
     profile = wrap(TiedEnds(), (x,), stages=2).plan.profile
-    with pytest.raises(ValueError, match=r"first\.weight is shared by units on different devices"):
-        wrap(TiedEnds(), (x,), devices=["cpu", "meta"], profile=Profile.from_dict(profile))
+    model = TiedEnds()
+    wrapped = wrap(model, (x,), devices=["cpu", "meta"], profile=Profile.from_dict(profile))
+    # The first stage keeps the parameter; the last reads a copy on its own device.
+    assert list(wrapped.pipeline.replicated.values()) == [(0, 1)]
+    assert model.first.weight.device.type == "cpu" and model.last.weight is model.first.weight
+    assert model.mid2.weight.device.type == "meta"
+    wrapped.close()
 
 
 def test_profile_reuse_and_mismatch() -> None:

@@ -162,8 +162,14 @@ def test_check_placement() -> None:
     check_placement(shared, [0, 0, 1, 1], ["cpu", "cpu"], names)  # one device: fine
     check_placement(shared, [0, 0, 1, 1], ["cuda:0", "cuda"], names)
     check_placement(shared, [0, 0, 0, 0], ["cpu", "meta"], names)
+    # On two devices each stage holds a copy, unless the units write the tensor.
+    check_placement(shared, [0, 0, 1, 1], ["cpu", "meta"], names)
+    written = {"wte.weight"}
+    check_placement(shared, [0, 0, 1, 1], ["cpu", "cpu"], names, written=written)
     with pytest.raises(ValueError, match=r"wte\.weight is shared by units on different devices"):
-        check_placement(shared, [0, 0, 1, 1], ["cpu", "meta"], names)
+        check_placement(shared, [0, 0, 1, 1], ["cpu", "meta"], names, written=written)
+    with pytest.raises(ValueError, match=r"written during forward"):
+        check_placement(shared, [0, 0, 1, 1], ["cpu", "cpu"], names, written, replicate=True)
 
 
 def test_mode_dependent_graphs_share_one_split() -> None:

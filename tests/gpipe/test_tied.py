@@ -1,0 +1,226 @@
+"""Tied parameters across stages: each later stage reads a copy, the parameter gets the sum."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from autopipe.gpipe import GPipe
+from autopipe.gpipe.wrapping import WrappedPipeline, wrap
+
+
+@pytest.fixture(autouse=True)
+def _float64() -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _assert_close(actual: Any, expected: Any) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, shared: nn.Linear | None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.shared = shared
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.fc(x))
+        return x if self.shared is None else self.shared(x)
+
+
+class SharedLinearEnds(nn.Module):
+    """Four blocks; the first and the last call one and the same Linear."""
+
+    def __init__(self, width: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        shared = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            _Block(width, shared if i in (0, depth - 1) else None) for i in range(depth)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _gpt2() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callable[[Any], Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    # The default config ties the LM head to the token embedding; only the sizes are small.
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=16, vocab_size=40, n_positions=16, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 40, (4, 8))
+    return model, (ids,), {"use_cache": False}, lambda out: out.logits.square().mean()
+
+
+def _shared_linear() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callable[[Any], Tensor]]:
+    model = SharedLinearEnds()
+    return model, (torch.randn(6, 8),), {}, lambda out: (out - 0.5).square().mean()
+
+
+MODELS = {"gpt2": _gpt2, "shared_linear": _shared_linear}
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def _copies_match(wrapped: WrappedPipeline, model: nn.Module) -> None:
+    """Each later stage's copy is a tensor of its own, equal bit for bit to the parameter."""
+    copies = wrapped.pipeline.__dict__["_replicas"].current()
+    assert copies
+    params = {id(p): p for p in model.parameters()}
+    storage = {p.data_ptr() for p in params.values()}
+    for name, stage, tensor in copies:
+        assert stage > 0, name
+        assert tensor.data_ptr() not in storage, name
+        assert not isinstance(tensor, nn.Parameter)
+        source = tensor.grad_fn.next_functions[0][0].variable if tensor.grad_fn else None
+        assert source is not None and id(source) in params, name
+        assert torch.equal(tensor.detach(), source.detach()), name
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("build", sorted(MODELS))
+def test_training_equals_the_plain_model(build: str, optimizer: str, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = MODELS[build]()
+    reference = copy.deepcopy(model)
+    wrapped = wrap(
+        model, args, kwargs=kwargs, stages=2, chunks=2, checkpoint=checkpoint,
+        replicate_shared=True,
+    )  # fmt: skip
+    replicated = wrapped.pipeline.replicated
+    assert replicated and all(stages == (0, 1) for stages in replicated.values())
+    assert list(wrapped.state_dict()) == list(reference.state_dict())
+    assert [n for n, _ in wrapped.named_parameters()] == [
+        n for n, _ in reference.named_parameters()
+    ]
+    ours, theirs = (
+        OPTIMIZERS[optimizer](wrapped.parameters()),
+        OPTIMIZERS[optimizer](reference.parameters()),
+    )
+    for _ in range(3):
+        losses = []
+        for net, opt in ((wrapped, ours), (reference, theirs)):
+            opt.zero_grad()
+            loss = loss_of(net(*args, **kwargs))
+            loss.backward()
+            if net is wrapped:  # the copies this step used: of the parameters as they were
+                _copies_match(wrapped, model)
+            opt.step()
+            losses.append(loss.detach())
+        _assert_close(losses[0], losses[1])
+        for (name, p), (_, q) in zip(wrapped.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-9, atol=1e-10, msg=name)
+    wrapped.close()
+
+
+@pytest.mark.parametrize("build", sorted(MODELS))
+def test_gradients_accumulate_over_calls_like_the_plain_model(build: str) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = MODELS[build]()
+    reference = copy.deepcopy(model)
+    wrapped = wrap(model, args, kwargs=kwargs, stages=2, chunks=2, replicate_shared=True)
+    for net in (wrapped, reference):
+        for _ in range(2):  # no zero_grad between: the gradients add up
+            loss_of(net(*args, **kwargs)).backward()
+    for (name, p), (_, q) in zip(wrapped.named_parameters(), reference.named_parameters()):
+        assert p.grad is not None, name
+        _assert_close(p.grad, q.grad)
+    wrapped.close()
+
+
+@pytest.mark.parametrize("build", sorted(MODELS))
+def test_a_plain_state_dict_sets_every_copy(build: str) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs, _ = MODELS[build]()
+    wrapped = wrap(model, args, kwargs=kwargs, stages=2, chunks=2, replicate_shared=True)
+    torch.manual_seed(1)
+    other, _, _, _ = MODELS[build]()
+    wrapped.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        out, expected = wrapped(*args, **kwargs), other(*args, **kwargs)
+    expected = expected.logits if build == "gpt2" else expected
+    _assert_close(out.logits if build == "gpt2" else out, expected)
+    for name, _, tensor in wrapped.pipeline.__dict__["_replicas"].current():
+        assert any(torch.equal(tensor, p) for p in other.parameters()), name
+    wrapped.close()
+
+
+def test_without_the_option_one_device_keeps_one_tensor() -> None:
+    torch.manual_seed(0)
+    wrapped = wrap(SharedLinearEnds(), (torch.randn(6, 8),), stages=2, chunks=2)
+    assert wrapped.pipeline.replicated == {}
+    wrapped.close()
+
+
+def test_gpipe_of_a_sequential_with_a_tied_weight() -> None:
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), last)
+    reference = copy.deepcopy(model)
+    pipe = GPipe(model, [2, 3], devices=["cpu", "cpu"], chunks=2, replicate_shared=True)
+    assert pipe.replicated == {"0.weight": (0, 1)}
+    assert pipe.partitions[1][2] is not last and pipe[4] is not last
+    assert list(pipe.state_dict()) == list(reference.state_dict())
+    x = torch.randn(6, 4)
+    for net in (pipe, reference):
+        net(x).square().sum().backward()
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        _assert_close(p.grad, q.grad)
+    ((_, _, copied),) = pipe.__dict__["_replicas"].current()
+    assert copied.data_ptr() != first.weight.data_ptr()
+    # The clone follows the original layer's mode and dtype.
+    pipe.eval()
+    pipe.to(torch.float32)
+    with torch.no_grad():
+        assert pipe(x.float()).dtype == torch.float32
+    ((_, _, copied),) = pipe.__dict__["_replicas"].current()
+    assert copied.dtype == torch.float32 and not pipe.partitions[1][2].training
+    pipe.close()
+
+
+def test_a_shared_batch_norm_on_two_stages_is_refused() -> None:
+    norm = nn.BatchNorm1d(4)
+    model = nn.Sequential(norm, nn.Linear(4, 4), nn.Sequential(nn.Tanh(), norm))
+    with pytest.raises(ValueError, match=r"running_mean .*running statistic of BatchNorm1d"):
+        GPipe(model, [1, 2], devices=["cpu", "cpu"], replicate_shared=True)
+
+
+class _CountedEnds(nn.Module):
+    """The first and the last layer both add to one counter buffer."""
+
+    calls: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.mid1, self.mid2, self.last = (nn.Linear(4, 4) for _ in range(4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.first(x) + self.calls
+        self.calls.add_(1)
+        x = self.last(torch.tanh(self.mid2(torch.tanh(self.mid1(x)))))
+        return x + self.calls
+
+
+def test_a_written_buffer_on_two_stages_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"calls is shared .* written during forward"):
+        wrap(_CountedEnds(), (torch.randn(4, 4),), stages=2, chunks=2, replicate_shared=True)
