@@ -224,3 +224,20 @@ class _CountedEnds(nn.Module):
 def test_a_written_buffer_on_two_stages_is_refused() -> None:
     with pytest.raises(ValueError, match=r"calls is shared .* written during forward"):
         wrap(_CountedEnds(), (torch.randn(4, 4),), stages=2, chunks=2, replicate_shared=True)
+
+
+def test_under_autocast_the_copies_are_cast_as_the_parameter_is() -> None:
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = _shared_linear()
+    reference = copy.deepcopy(model)
+    wrapped = wrap(model, args, stages=2, chunks=1, replicate_shared=True)
+    for net in (wrapped, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = net(*args, **kwargs)
+        assert out.dtype == torch.bfloat16
+        loss_of(out.float()).backward()
+    for (name, p), (_, q) in zip(wrapped.named_parameters(), reference.named_parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-4, msg=name)
+    wrapped.close()
