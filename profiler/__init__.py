@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from profiler.fit import fit_linear
-from profiler.profile import PROFILE_VERSION, LayerProfile, Profile
+from profiler.profile import PROFILE_VERSION, LayerProfile, Profile, TiedState
 
 if TYPE_CHECKING:
     from profiler.measure import profile_layers, profile_model
@@ -18,6 +18,7 @@ __all__ = [
     "PROFILE_VERSION",
     "LayerProfile",
     "Profile",
+    "TiedState",
     "fit_linear",
     "profile_layers",
     "profile_model",

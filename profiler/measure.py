@@ -16,7 +16,7 @@ from profiler.devices import resolve_device
 from profiler.layer import CacheFlush, as_tensors, measure_layer, state_storages, tensor_bytes
 from profiler.pooling import layer_signature, pool_identical
 from profiler.precision import autocast_pass, check_autocast, current_autocast
-from profiler.profile import LayerProfile, Profile
+from profiler.profile import LayerProfile, Profile, TiedState
 
 __all__ = [
     "default_batch_sizes",
@@ -25,6 +25,7 @@ __all__ = [
     "profile_model",
     "sample_arguments",
     "sequential_inputs_problem",
+    "tied_state",
 ]
 
 Inputs = tuple[Tensor, ...]
@@ -236,6 +237,52 @@ def _profile_layer(
     return profile, outputs, [f.output_saved for f in figures], returns_tuple
 
 
+def tied_state(
+    layers: Sequence[nn.Module], names: Sequence[str], owner: nn.Module | None = None
+) -> list[TiedState]:
+    """The parameters and buffers that several of ``layers`` use, by identity.
+
+    Each layer is profiled on a copy of its own, so every user counts such a tensor in its
+    ``param_bytes``; the planner needs to know which, to hold it once per stage.
+
+    Args:
+        layers: the layers, in order.
+        names: their names, which name a tensor without ``owner``: ``layer.param``.
+        owner: the model the layers take their parameters from (a model traced into
+            units, the ``nn.Sequential`` itself), whose names for the tensor are listed.
+    """
+    known: dict[int, list[str]] = {}
+    if owner is not None:
+        for name, tensor in [
+            *owner.named_parameters(remove_duplicate=False),
+            *owner.named_buffers(remove_duplicate=False),
+        ]:
+            known.setdefault(id(tensor), []).append(name)
+    found: dict[int, tuple[Tensor, bool, list[int], list[str]]] = {}
+    for index, (layer, layer_name) in enumerate(zip(layers, names, strict=True)):
+        state = [
+            *((n, t, False) for n, t in layer.named_parameters()),
+            *((n, t, True) for n, t in layer.named_buffers()),
+        ]
+        for name, tensor, buffer in state:
+            entry = found.setdefault(id(tensor), (tensor, buffer, [], []))
+            if index not in entry[2]:
+                entry[2].append(index)
+                entry[3].append(f"{layer_name}.{name}")
+    tied = []
+    for key, (tensor, buffer, users, local) in found.items():
+        if len(users) > 1:
+            tied.append(
+                TiedState(
+                    names=known.get(key) or local,
+                    layers=users,
+                    bytes=tensor.numel() * tensor.element_size(),
+                    buffer=buffer,
+                )
+            )
+    return tied
+
+
 def profile_layers(
     layers: Sequence[nn.Module],
     sample: Tensor | tuple[Any, ...],
@@ -250,6 +297,7 @@ def profile_layers(
     pool: bool = True,
     cold_cache: bool = True,
     autocast: str | None = None,
+    owner: nn.Module | None = None,
 ) -> Profile:
     """Measures the time and memory of each layer of a sequential model.
 
@@ -286,6 +334,9 @@ def profile_layers(
             run as the caller does, under its autocast if it has one. The profile records
             it (:attr:`Profile.autocast`). On the CPU prefer ``bfloat16``: a few layers
             (e.g. ``nn.LSTM``) have no CPU ``float16`` kernel and fail.
+        owner: the model whose parameters the layers use (e.g. the model traced into
+            them), which names the tensors several layers share in :attr:`Profile.tied`;
+            default: ``layer.param`` names.
 
     Returns:
         The profile: per-layer forward/backward seconds and saved/output bytes at each
@@ -357,6 +408,7 @@ def profile_layers(
         dtype=_dtype(layers, tensors),
         meta=meta,
         autocast=autocast,
+        tied=tied_state(layers, layer_names, owner),
     )
 
 
@@ -383,4 +435,5 @@ def profile_model(model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwar
         raise ValueError(problem)
     children = list(model.named_children())
     kwargs.setdefault("names", [name for name, _ in children])
+    kwargs.setdefault("owner", model)
     return profile_layers([child for _, child in children], sample, **kwargs)

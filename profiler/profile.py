@@ -16,7 +16,7 @@ from profiler.fit import fit_linear, segments
 from profiler.jsonfile import read_json, write_json
 from profiler.precision import check_autocast
 
-__all__ = ["PROFILE_VERSION", "LayerProfile", "Profile"]
+__all__ = ["PROFILE_VERSION", "LayerProfile", "Profile", "TiedState"]
 
 PROFILE_VERSION = 1
 
@@ -72,6 +72,27 @@ _LAYER_TIMES = ("forward", "backward", "backward_input")
 _LAYER_BYTES = ("saved", "output", "peak", "shared")
 
 
+@dataclass
+class TiedState:
+    """A parameter (or buffer) that several layers use: one tensor, counted in each.
+
+    Every user's :attr:`LayerProfile.param_bytes` (or ``buffer_bytes``) includes it; a
+    stage holding several of them holds it once.
+
+    Attributes:
+        names: its names in the model, the first one first (``lm_head.weight`` and
+            ``transformer.wte.weight`` for GPT-2's tied head).
+        layers: the indices of the layers that use it, ascending.
+        bytes: its size.
+        buffer: a buffer (no gradient, no optimizer state), not a parameter.
+    """
+
+    names: list[str]
+    layers: list[int]
+    bytes: int
+    buffer: bool = False
+
+
 def _check_count(value: object, where: str, what: str) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{where} is {value!r}; {what} must be an integer >= 1")
@@ -117,6 +138,31 @@ def _check_fields(kind: type, data: dict[str, Any], where: str) -> None:
             raise ValueError(f"not a valid autopipe profile: {where} lacks field {name!r}")
 
 
+def _check_tied(tied: object, n: int) -> None:
+    """Each tied entry names itself, lists two or more distinct layers and has a size."""
+    if not isinstance(tied, list):
+        raise ValueError(f"tied must be a list, got {tied!r}")
+    for i, item in enumerate(tied):
+        where = f"tied[{i}]"
+        if not isinstance(item, TiedState):
+            raise ValueError(f"{where} must be a TiedState, got {item!r}")
+        names = item.names
+        if not isinstance(names, list) or not names or not all(isinstance(x, str) for x in names):
+            raise ValueError(f"{where}.names must be a non-empty list of strings, got {names!r}")
+        layers = item.layers
+        ok = isinstance(layers, list) and all(
+            isinstance(k, int) and not isinstance(k, bool) and 0 <= k < n for k in layers
+        )
+        if not ok or len(layers) < 2 or any(a >= b for a, b in itertools.pairwise(layers)):
+            raise ValueError(
+                f"{where}.layers is {layers!r}; it must list two or more ascending layer "
+                f"indices below {n}"
+            )
+        _check_amount(item.bytes, f"{where}.bytes", _BYTES)
+        if not isinstance(item.buffer, bool):
+            raise ValueError(f"{where}.buffer must be true or false, got {item.buffer!r}")
+
+
 @dataclass
 class Profile:
     """Measurements of every layer of a model on one device.
@@ -136,6 +182,8 @@ class Profile:
         autocast: the ``torch.autocast`` dtype every forward and backward ran under
             (``bfloat16`` or ``float16``), ``None`` without autocast (and in profiles
             saved before it was recorded).
+        tied: the parameters and buffers several layers use (empty in profiles saved
+            before they were recorded, and written only when there are some).
     """
 
     layers: list[LayerProfile]
@@ -150,6 +198,7 @@ class Profile:
     version: int = PROFILE_VERSION
     meta: dict[str, Any] = field(default_factory=dict)
     autocast: str | None = None
+    tied: list[TiedState] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, Sequence) or not self.layers:
@@ -176,6 +225,7 @@ class Profile:
             if not isinstance(layer, LayerProfile):
                 raise ValueError(f"layers[{i}] must be a LayerProfile, got {layer!r}")
             _check_layer(layer, f"layers[{i}]", n)
+        _check_tied(self.tied, len(self.layers))
 
         self._fits: dict[tuple[int, str], tuple[float, float]] = {}
 
@@ -240,6 +290,8 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if not self.tied:  # profiles without tied state read as before it was recorded
+            del data["tied"]
         data["fits"] = [
             {key: list(value) for key, value in self.fits(i).items()} for i in range(len(self))
         ]
@@ -264,7 +316,14 @@ class Profile:
                 raise ValueError(f"layers[{i}] must be an object, got {layer!r}")
             _check_fields(LayerProfile, layer, f"layers[{i}]")
             layers.append(LayerProfile(**layer))
-        return cls(layers=layers, **given)
+        tied = given.pop("tied", [])
+        if not isinstance(tied, list) or not all(isinstance(t, dict) for t in tied):
+            raise ValueError(
+                f"not a valid autopipe profile: tied must be a list of objects, got {tied!r}"
+            )
+        for i, item in enumerate(tied):
+            _check_fields(TiedState, item, f"tied[{i}]")
+        return cls(layers=layers, tied=[TiedState(**t) for t in tied], **given)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the profile as JSON, atomically (no half-written file on failure)."""

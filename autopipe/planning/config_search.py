@@ -309,6 +309,7 @@ class _Ranking:
             self.infeasible.append((bound, config))
             return
         value = pipeline_time(model, balance) + _allreduce(model, balance)
+        value += model.tied_time(balance)
         self.record(config, _Found(value, balance, model, True))
 
     def _program(self, config: Config, bound: float, limit: float) -> None:

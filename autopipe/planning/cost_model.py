@@ -32,6 +32,17 @@ its D copies once per step (ring all-reduce, after the pipeline drains, no overl
     a_k(s, e) = 2 · (D − 1) / D · P(s,e) / allreduce_bandwidth
 
 The stages' rings use disjoint devices and run at once, so a step costs ``max_k a_k``.
+
+A tensor several layers use (tied, :class:`profiler.profile.TiedState`) is counted in each
+user's ``P`` (or ``Buf``); a stage holds one copy of it however many of its layers use
+it, so ``P(s,e)`` counts it once per stage that holds a user. The ``n ≥ 2`` stages holding
+copies of a tied parameter sum their gradients once per step (a ring all-reduce over the
+links between them, after the pipeline drains)::
+
+    t = 2 · (n − 1) / n · bytes / bandwidth + 2 · (n − 1) · λ
+
+with the slowest bandwidth and the largest latency of the holders' links (else the
+all-reduce bandwidth; free when neither is known), added to the step time.
 """
 
 from __future__ import annotations
@@ -190,6 +201,19 @@ class CostModel:
         self._saved = prefix_sums(layers.saved - self._shared)
         self._params = prefix_sums(layers.params)
         self._state = prefix_sums(layers.params * (2.0 + optimizer) + layers.buffers)
+        # Per tied tensor, how many of its users lie before each layer: a stage [s, e)
+        # holds cnt[e] − cnt[s] of them, and counts the tensor once instead.
+        self.tied = list(layers.tied)
+        n = len(layers)
+        self._tied_users = np.zeros((len(self.tied), n + 1))
+        for i, item in enumerate(self.tied):
+            used = np.zeros(n)
+            used[list(item.layers)] = 1.0
+            self._tied_users[i] = prefix_sums(used)
+        self._tied_params = np.array([0.0 if t.buffer else float(t.bytes) for t in self.tied])
+        self._tied_state = np.array(
+            [float(t.bytes) * (1.0 if t.buffer else 2.0 + optimizer) for t in self.tied]
+        )
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output])
         self._sends = np.concatenate([[0.0], layers.output[:-1], [0.0]])
@@ -249,9 +273,23 @@ class CostModel:
         volume = sends / device.bandwidth if device.bandwidth is not None else 0.0 * sends
         return np.where(np.asarray(e) < self.num_layers, volume + device.latency, 0.0)
 
+    def _repeats(self, weights: Array, s: Index, e: Index) -> Array:
+        """``Σ_t weights_t · (users of t in [s, e) − 1)⁺``: tied bytes counted twice."""
+        total = np.zeros(np.broadcast(np.asarray(s), np.asarray(e)).shape)
+        for users, weight in zip(self._tied_users, weights, strict=True):
+            total = total + weight * np.maximum(users[e] - users[s] - 1.0, 0.0)
+        return total
+
+    def holds_tied(self, s: Index, e: Index) -> list[NDArray[np.bool_]]:
+        """Per tied tensor, whether a stage of layers ``[s, e)`` holds a copy of it."""
+        return [users[e] - users[s] > 0 for users in self._tied_users]
+
     def state_memory(self, s: Index, e: Index) -> Array:
         """Parameters, gradients, optimizer state and buffers of layers ``[s, e)``."""
-        return self._state[e] - self._state[s]
+        state = self._state[e] - self._state[s]
+        if self.tied:
+            state = state - self._repeats(self._tied_state, s, e)
+        return state
 
     def _work(self, k: int, s: Index, e: Index, mode: str) -> Array:
         fwd = self._fwd[e] - self._fwd[s]
@@ -356,8 +394,34 @@ class CostModel:
         return 2.0 * (d - 1) / d / self.allreduce_bandwidth
 
     def param_bytes(self, s: Index, e: Index) -> Array:
-        """Parameter (and so gradient) bytes of layers ``[s, e)``."""
-        return self._params[e] - self._params[s]
+        """Parameter (and so gradient) bytes of layers ``[s, e)``, a tied one once."""
+        params = self._params[e] - self._params[s]
+        if self.tied:
+            params = params - self._repeats(self._tied_params, s, e)
+        return params
+
+    def tied_times(self, balance: Sequence[int]) -> list[float]:
+        """Per tied tensor, seconds per step to sum its copies' gradients under ``balance``
+        (0 for buffers and for a tensor held by one stage)."""
+        bounds = np.concatenate([[0], np.cumsum(balance)]).astype(np.int64)
+        starts, ends = bounds[:-1], bounds[1:]
+        times = []
+        for item, held in zip(self.tied, self.holds_tied(starts, ends), strict=True):
+            holders = [self.devices[k] for k in np.flatnonzero(held)]
+            n = len(holders)
+            if item.buffer or n < 2:
+                times.append(0.0)
+                continue
+            links = [d.bandwidth for d in holders if d.bandwidth is not None]
+            bandwidth = min(links) if links else self.allreduce_bandwidth
+            volume = 2.0 * (n - 1) / n * item.bytes
+            latency = 2.0 * (n - 1) * max(d.latency for d in holders)
+            times.append((volume / bandwidth if bandwidth else 0.0) + latency)
+        return times
+
+    def tied_time(self, balance: Sequence[int]) -> float:
+        """Seconds per step to sum the gradients of every tied parameter's copies."""
+        return float(sum(self.tied_times(balance)))
 
     def allreduce_time(self, s: Index, e: Index) -> Array:
         """Seconds per step to all-reduce the gradients of a stage holding ``[s, e)``."""

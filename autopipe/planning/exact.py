@@ -13,6 +13,13 @@ hold within memory:
 With data parallelism the all-reduce term ``max_k a_k = α·max_k P_k`` depends on the split
 too: :mod:`autopipe.planning.capsearch` minimizes it with a branch and bound over a cap on every
 stage's parameters, each cap a mask on the stage matrices.
+
+Tied parameters are exact in memory: a stage's matrix entry for ``[s, e)`` counts one copy
+of each tied tensor it uses (:meth:`CostModel.state_memory`). The time to sum the copies'
+gradients depends on how many stages hold each one, which no per-stage score carries: the
+passes minimize the step without it, and the value returned adds it for the split found
+(so a split that spreads a tied parameter over fewer stages, equal otherwise, may be
+missed by at most that sum).
 """
 
 from __future__ import annotations
@@ -158,10 +165,12 @@ def _stage_times(model: CostModel, balance: list[int]) -> Array:
 
 
 def split_value(model: CostModel, balance: list[int]) -> float:
-    """The predicted step time of ``balance``: pipeline plus all-reduce, fits ignored."""
+    """The predicted step time of ``balance``: pipeline, all-reduce and the sums of tied
+    parameters' gradients, fits ignored."""
     starts, ends = _bounds(balance)
     allreduce = float(np.max(model.allreduce_time(starts, ends)))
-    return gpipe_step_time(_stage_times(model, balance), model.chunks) + allreduce
+    pipeline = gpipe_step_time(_stage_times(model, balance), model.chunks)
+    return pipeline + allreduce + model.tied_time(balance)
 
 
 def _explain(model: CostModel) -> str:
@@ -272,7 +281,9 @@ def solve_split(model: CostModel, stop: float = np.inf) -> tuple[float, list[int
     if alpha > 0 and model.num_stages > 1:
         if _dp(tables, tables.time, "max") is None:
             return None
-        return _with_allreduce(tables, alpha, stop)
+        bound, split = _with_allreduce(tables, alpha, stop)
+        # At or above ``stop`` the bound may be a lower bound: the tied sums' least is 0.
+        return (bound + model.tied_time(split) if bound < stop else bound), split
     found = _pipeline(tables, tables.time)
     if found is None:
         return None

@@ -9,7 +9,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from profiler.fit import segments
-from profiler.profile import Profile
+from profiler.profile import Profile, TiedState
 
 __all__ = ["LayerCosts"]
 
@@ -123,6 +123,8 @@ class LayerCosts:
     shared: Array | None = None
     # Of ``backward``, the input's gradient alone (measured), or None: unknown.
     backward_input: Array | None = None
+    # Tensors several layers use, counted in each user's params (or buffers).
+    tied: tuple[TiedState, ...] = ()
 
     def __post_init__(self) -> None:
         if self.shared is None:  # frozen: set once, at construction
@@ -161,6 +163,7 @@ class ProfileLines:
         buffers: buffer bytes per layer.
         scale: ``(fixed_scale, compute_scale)`` applied to times.
         split_backward: whether every layer's backward to its input alone was measured.
+        tied: the tensors several layers use (see :class:`profiler.profile.TiedState`).
     """
 
     names: list[str]
@@ -171,6 +174,7 @@ class ProfileLines:
     buffers: Array
     scale: tuple[float, float] = (1.0, 1.0)
     split_backward: bool = False
+    tied: tuple[TiedState, ...] = ()
 
     @classmethod
     def from_profile(cls, profile: Profile, alone: bool = False) -> ProfileLines:
@@ -194,6 +198,7 @@ class ProfileLines:
             buffers=np.array([float(layer.buffer_bytes) for layer in profile.layers]),
             scale=_compute_scale(profile, alone),
             split_backward=all(layer.backward_input is not None for layer in profile.layers),
+            tied=tuple(profile.tied),
         )
 
     def figure(self, name: str, micro_batch: float) -> Array:
@@ -231,4 +236,5 @@ class ProfileLines:
             )
             if self.split_backward
             else None,
+            tied=self.tied,
         )

@@ -18,7 +18,7 @@ from autopipe.planning.interleaved_balance import interleaved_split, pipeline_ti
 from autopipe.planning.interleaving import rank_stages
 from autopipe.planning.names import STRATEGIES
 from autopipe.planning.plan_settings import MemorySpec, PlanSettings, build_model, check_profile
-from autopipe.planning.plans import Plan, StagePlan
+from autopipe.planning.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.quantities import format_bytes
 from autopipe.planning.spans import overflows, stage_bounds
 from profiler.profile import Profile
@@ -238,6 +238,7 @@ def describe(
         parts = model.stage_parts(k, s, e)
         transfer = float(model.transfer_time(k, e))
         state = float(model.state_memory(s, e))
+        held = [bool(h) for h in model.holds_tied(s, e)]
         stages.append(
             StagePlan(
                 index=k,
@@ -259,6 +260,7 @@ def describe(
                 allreduce=float(model.allreduce_time(s, e)),
                 forward=float(parts.forward),
                 weight=float(parts.backward * model.weight_share(s, e)),
+                tied=float(sum(t.bytes for t, h in zip(model.tied, held, strict=True) if h)),
             )
         )
     times = np.array([stage.time for stage in stages])
@@ -267,7 +269,9 @@ def describe(
     # for balanced stages only).
     pipeline = pipeline_time(model, balance) if _replayed(model) else gpipe_step_time(times, m)
     allreduce = max(stage.allreduce for stage in stages)
-    total = pipeline + allreduce
+    tied = _tied(model, balance)
+    tied_time = sum(item.time for item in tied)
+    total = pipeline + allreduce + tied_time
     # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.
     bubble = 1.0 - m * float(times.sum()) / (ranks * pipeline) if pipeline > 0 else 0.0
     return Plan(
@@ -290,4 +294,25 @@ def describe(
         allreduce=allreduce,
         throughput=total_batch / total if total > 0 else 0.0,
         virtual_stages=model.virtual_stages,
+        tied=tied,
+        tied_time=tied_time,
     )
+
+
+def _tied(model: CostModel, balance: list[int]) -> list[TiedPlan]:
+    """Each tied tensor's copies under ``balance``: the stages holding one, and the time
+    to sum their gradients."""
+    bounds = stage_bounds(balance)
+    starts, ends = np.array(bounds[:-1]), np.array(bounds[1:])
+    held = model.holds_tied(starts, ends)
+    times = model.tied_times(balance)
+    return [
+        TiedPlan(
+            names=list(item.names),
+            stages=[int(k) for k in np.flatnonzero(h)],
+            bytes=int(item.bytes),
+            time=time,
+            buffer=item.buffer,
+        )
+        for item, h, time in zip(model.tied, held, times, strict=True)
+    ]

@@ -11,7 +11,7 @@ from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES
 from profiler.jsonfile import read_json, write_json
 from profiler.profile import Profile
 
-__all__ = ["Plan", "StagePlan"]
+__all__ = ["Plan", "StagePlan", "TiedPlan"]
 
 PLAN_VERSION = 2
 # Version 1 plans load too: they lack the fields added in 2, whose defaults hold for them.
@@ -44,6 +44,8 @@ class StagePlan:
             the overhead included); 0 in plans that predate it.
         weight: of the backward, the seconds that compute the weights' gradients (zero
             bubble runs them apart, when a device would otherwise wait).
+        tied: bytes of the tied parameters and buffers the stage holds a copy of, part of
+            ``param_memory`` (parameters with their gradients and optimizer state).
     """
 
     index: int
@@ -65,10 +67,31 @@ class StagePlan:
     allreduce: float = 0.0
     forward: float = 0.0
     weight: float = 0.0
+    tied: float = 0.0
 
     @property
     def size(self) -> int:
         return self.stop - self.start
+
+
+@dataclass
+class TiedPlan:
+    """A tensor several layers use, and where the plan keeps its copies.
+
+    Attributes:
+        names: its names in the model, the first one first.
+        stages: the stages holding a copy (every stage with a layer that uses it).
+        bytes: the size of one copy (without gradient and optimizer state).
+        time: seconds per step to sum the copies' gradients, part of the step time (0
+            for one copy, and for a buffer, which has none).
+        buffer: a buffer, not a parameter.
+    """
+
+    names: list[str]
+    stages: list[int]
+    bytes: int
+    time: float = 0.0
+    buffer: bool = False
 
 
 @dataclass
@@ -100,6 +123,9 @@ class Plan:
         virtual_stages: stages per rank (v); the stages are K·v, stage s on rank
             ``s % K``, and ``step_time`` is the interleaved schedule's (see
             :mod:`autopipe.planning.interleaving`).
+        tied: the tensors several layers use, with the stages holding their copies.
+        tied_time: seconds per step summing tied parameters' gradients between the stages
+            holding copies, part of ``step_time``.
     """
 
     balance: list[int]
@@ -123,11 +149,14 @@ class Plan:
     throughput: float = 0.0
     notes: list[str] = field(default_factory=list)
     virtual_stages: int = 1
+    tied: list[TiedPlan] = field(default_factory=list)
+    tied_time: float = 0.0
 
     @property
     def pipeline_time(self) -> float:
-        """Seconds per step of the pipeline alone: ``step_time`` less the all-reduce."""
-        return self.step_time - self.allreduce
+        """Seconds per step of the pipeline alone: ``step_time`` less the all-reduce and
+        the tied parameters' gradient sums."""
+        return self.step_time - self.allreduce - self.tied_time
 
     @property
     def num_devices(self) -> int:
@@ -151,6 +180,10 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["efficiency"] = self.efficiency
+        if not self.tied:  # plans of untied models read as before tied state was planned
+            del data["tied"], data["tied_time"]
+            for stage in data["stages"]:
+                del stage["tied"]
         return data
 
     @classmethod
@@ -161,13 +194,15 @@ class Plan:
                 f"plan format version {version!r} is not supported (expected {PLAN_VERSION}); "
                 "re-create it with `autopipe plan`"
             )
-        fields = {k: v for k, v in data.items() if k not in ("stages", "devices", "efficiency")}
+        skip = ("stages", "devices", "efficiency", "tied")
+        fields = {k: v for k, v in data.items() if k not in skip}
         # Version 1 had one checkpoint mode for all stages.
         stages = [{"checkpoint": data["checkpoint"], **s} for s in data["stages"]]
         fields["version"] = PLAN_VERSION
         plan = cls(
             stages=[StagePlan(**s) for s in stages],
             devices=[DeviceSpec.from_dict(d) for d in data["devices"]],
+            tied=[TiedPlan(**t) for t in data.get("tied", [])],
             **fields,
         )
         _check_plan(plan)

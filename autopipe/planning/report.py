@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopipe.planning.plans import Plan, StagePlan
+from autopipe.planning.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.quantities import format_bytes, format_time
 
 __all__ = ["precision_label", "render_plan", "render_search"]
@@ -196,8 +196,23 @@ def render_summary(plan: Plan) -> str:
     if plan.virtual_stages > 1:
         memory = ", ".join(format_bytes(m) for m in _device_memory(plan))
         lines.append(("memory", f"{memory} per device (its stages together)"))
+    lines += [("tied", tied_line(item)) for item in plan.tied]
     width = max(len(key) for key, _ in lines)
     return "\n".join(f"{key.ljust(width)}  {value}" for key, value in lines)
+
+
+def tied_line(item: TiedPlan) -> str:
+    """Where a tied tensor's copies are, e.g. ``lm_head.weight = transformer.wte.weight on
+    stages 0, 3 (1.5 MiB each; gradients summed, 0.4 ms a step)``."""
+    names = " = ".join(item.names)
+    size = format_bytes(item.bytes)
+    if len(item.stages) == 1:
+        return f"{names} on stage {item.stages[0]} (one copy, {size})"
+    where = f"{names} on stages {', '.join(str(k) for k in item.stages)} ({size} each"
+    if item.buffer:
+        return f"{where}; a buffer, copied)"
+    cost = f", {format_time(item.time)} a step" if item.time > 0 else ""
+    return f"{where}; gradients summed{cost})"
 
 
 def render_comparison(plan: Plan, baseline: Plan | str, name: str = "uniform") -> str:
