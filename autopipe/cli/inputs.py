@@ -79,11 +79,15 @@ def measure_model(
     Returns:
         The profile and the micro-batch count it was measured for.
     """
-    model, sample = _load(args, args.dtype)
+    from autopipe.cli.model_file import load_split
+
+    owner, model, sample = load_split(
+        args.model, args.dtype, granularity=args.granularity, leaf_modules=args.leaf_modules
+    )
     if check_model is not None:
         check_model(model)
     chunks: int = args.chunks or default_chunks(stages, batch or _batch_size(sample))
-    return _measure(model, sample, args, chunks), chunks
+    return _measure(model, sample, args, chunks, owner), chunks
 
 
 def _load_profile(args: argparse.Namespace) -> Profile:
@@ -132,9 +136,16 @@ def load_matching(
 
 
 def _measure(
-    model: nn.Sequential, sample: Sample, args: argparse.Namespace, chunks: int
+    model: nn.Sequential,
+    sample: Sample,
+    args: argparse.Namespace,
+    chunks: int,
+    owner: nn.Module | None = None,
 ) -> Profile:
-    """Profiles ``model``, reporting progress on stderr and failures as one line."""
+    """Profiles ``model``, reporting progress on stderr and failures as one line.
+
+    ``owner`` is the model its layers were traced from, which names shared parameters.
+    """
     from profiler.measure import profile_model
     from profiler.progress import TerminalProgress
 
@@ -157,6 +168,7 @@ def _measure(
             repeats=args.repeats,
             progress=progress,
             autocast=args.autocast,
+            owner=owner or model,
         )
     except ValueError:
         raise

@@ -25,6 +25,7 @@ __all__ = [
     "as_sequential",
     "load_model_file",
     "load_sequential",
+    "load_split",
 ]
 
 Sample = Tensor | tuple[Tensor, ...]
@@ -376,6 +377,19 @@ def load_sequential(
         ModelFileError: see :func:`load_model_file` and :func:`as_sequential`.
         ValueError: ``dtype`` is not one of :data:`profiler.precision.DTYPES`.
     """
+    _, layers, sample = load_split(path, dtype, granularity=granularity, leaf_modules=leaf_modules)
+    return layers, sample
+
+
+def load_split(
+    path: str | Path,
+    dtype: str | None = None,
+    *,
+    granularity: str | None = None,
+    leaf_modules: Iterable[str] = (),
+) -> tuple[nn.Module, nn.Sequential, Sample]:
+    """:func:`load_sequential`, with the model its layers take their parameters from
+    (which names the parameters several layers share)."""
     loaded = load_model_file(path)
     model, sample, kwargs = loaded.model, loaded.sample, loaded.kwargs
     if dtype is not None:
@@ -386,6 +400,7 @@ def load_sequential(
         if keys:
             _, cast = cast_model(model, tuple(kwargs[key] for key in keys), dtype)
             kwargs = {**kwargs, **dict(zip(keys, cast, strict=True))}
-    return as_sequential(
+    layers, flat = as_sequential(
         model, sample, path, kwargs=kwargs, granularity=granularity, leaf_modules=leaf_modules
     )
+    return model, layers, flat

@@ -53,6 +53,8 @@ def test_plan_hugging_face_example(capsys: pytest.CaptureFixture[str], tmp_path:
     code, out, err = run(capsys, *argv)
     assert code == 0, err
     assert "17 layers on 4 stages" in out and "..lm_head)" in out
+    # GPT-2's default config ties its head to the token embedding: a copy on both ends.
+    assert "tied        transformer.wte.weight = lm_head.weight on stages 0, 3 (8.00 MiB" in out
     result = Plan.load(out_file)
     # Traced and cut between blocks: embeddings, 12 blocks, final norm, LM head.
     assert len(result.balance) == 4 and sum(result.balance) >= 14
@@ -233,3 +235,62 @@ def test_plan_under_autocast_names_it(capsys: pytest.CaptureFixture[str], tmp_pa
     code, out, err = run(capsys, "plan", str(path), *FAST)
     assert code == 0, err
     assert "autocast" not in out and "dtype" not in out
+
+
+TIED_MODEL = """import torch
+from torch import nn
+
+
+class TiedEnds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.mid1 = nn.Linear(4, 4)
+        self.mid2 = nn.Linear(4, 4)
+        self.last = nn.Linear(4, 4)
+        self.last.weight = self.first.weight
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.mid2(torch.tanh(self.mid1(self.first(x))))))
+
+
+model = TiedEnds()
+sample = torch.randn(8, 4)
+"""
+
+TIED_SEQUENTIAL = """import torch
+from torch import nn
+
+a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+b.weight = a.weight
+model = nn.Sequential(a, nn.Tanh(), b)
+sample = torch.randn(8, 4)
+"""
+
+
+def test_plan_marks_tied_parameters(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "tied.py"
+    path.write_text(TIED_MODEL)
+    plan_file = tmp_path / "plan.json"
+    argv = ["plan", str(path), "--stages", "4", "--json", str(plan_file), *FAST]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    # The 4x4 float32 weight is used by the first and the last unit: a copy on each stage.
+    line = "tied        first.weight = last.weight on stages 0, 3 (64 B each; gradients summed)\n"
+    assert line in out
+    result = Plan.load(plan_file)
+    assert [s.tied for s in result.stages] == [64, 0, 0, 64]
+    profile_file = tmp_path / "tied.profile.json"
+    code, _, err = run(capsys, "profile", str(path), "-o", str(profile_file), *FAST)
+    assert code == 0, err
+    code, out, err = run(capsys, "plan", "--profile", str(profile_file), "--stages", "4")
+    assert code == 0, err
+    assert line in out
+    code, out, err = run(capsys, "plan", str(path), "--stages", "1", *FAST)
+    assert code == 0, err
+    assert "tied        first.weight = last.weight on stage 0 (one copy, 64 B)\n" in out
+
+    path.write_text(TIED_SEQUENTIAL)
+    code, out, err = run(capsys, "plan", str(path), "--stages", "3", *FAST)
+    assert code == 0, err
+    assert "tied        0.weight = 2.weight on stages 0, 2 (64 B each; gradients summed)\n" in out
