@@ -207,6 +207,7 @@ def wrap(
             names=model_units.names,
             batch_sizes=[micro, 2 * micro],
             autocast=autocast,
+            owner=model,  # names the tensors several units use by the model's names
         )
     # A profile of unit_sequential (`autopipe profile`) writes module paths with "/".
     elif [name.replace("/", ".") for name in profile.names] != model_units.names:

@@ -74,3 +74,14 @@ def test_planned_parameter_bytes_equal_each_stages_own(model, sample, stages):
             for stage in result.stages:
                 params, buffers = _held_bytes(layers[stage.start : stage.stop])
                 assert stage.param_memory == (2 + 2) * params + buffers, balance
+
+
+def test_wrap_profiles_tied_tensors_by_the_models_names():
+    from autopipe import wrap
+
+    wrapped = wrap(TiedEnds(), (torch.randn(4, 4),), stages=2, chunks=2)
+    tied = wrapped.plan.profile["tied"]
+    assert tied == [
+        {"names": ["first.weight", "last.weight"], "layers": [0, 3], "bytes": 64, "buffer": False}
+    ]
+    assert [t.stages for t in wrapped.plan.tied] == [[0, 1]]
