@@ -36,8 +36,9 @@ The stages' rings use disjoint devices and run at once, so a step costs ``max_k 
 A tensor several layers use (tied, :class:`profiler.profile.TiedState`) is counted in each
 user's ``P`` (or ``Buf``); a stage holds one copy of it however many of its layers use
 it, so ``P(s,e)`` counts it once per stage that holds a user. The ``n ≥ 2`` stages holding
-copies of a tied parameter sum their gradients once per step (a ring all-reduce over the
-links between them, after the pipeline drains)::
+copies of a tied parameter (``n`` ranks: a rank's virtual stages share one) sum their
+gradients once per step (a ring all-reduce over the links between them, after the
+pipeline drains)::
 
     t = 2 · (n − 1) / n · bytes / bandwidth + 2 · (n − 1) · λ
 
@@ -408,7 +409,8 @@ class CostModel:
         times = []
         for item, held in zip(self.tied, self.holds_tied(starts, ends), strict=True):
             holders = [self.devices[k] for k in np.flatnonzero(held)]
-            n = len(holders)
+            # A rank's virtual stages share one tensor: the ring runs between ranks.
+            n = len({int(k) % self.num_ranks for k in np.flatnonzero(held)})
             if item.buffer or n < 2:
                 times.append(0.0)
                 continue

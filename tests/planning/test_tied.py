@@ -218,3 +218,13 @@ def test_optimal_with_tied_parameters_matches_brute_force(
     assert all(s.memory <= s.capacity for s in found.stages if s.capacity is not None)
     again = evaluate(profile, found.balance, devices, **kwargs)
     assert found.step_time == pytest.approx(again.step_time, rel=1e-12)
+
+
+def test_virtual_stages_of_one_rank_sum_nothing_between_them():
+    devices = [DeviceSpec("cpu", bandwidth=100.0)] * 4
+    on_rank_0 = TiedState(names=["w"], layers=[0, 2], bytes=60)
+    apart = evaluate(_tied_profile(A), [1, 1, 1, 1], devices, virtual_stages=2)
+    together = evaluate(_tied_profile(on_rank_0), [1, 1, 1, 1], devices, virtual_stages=2)
+    # Stages 0 and 3 run on ranks 0 and 1 (of two); stages 0 and 2 both on rank 0.
+    assert apart.tied[0].stages == [0, 3] and apart.tied_time == pytest.approx(60 / 100)
+    assert together.tied[0].stages == [0, 2] and together.tied_time == 0
