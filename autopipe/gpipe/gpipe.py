@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -310,6 +311,16 @@ class GPipe(nn.Module):
         state = self.__dict__.copy()
         state["_pipeline"] = None
         return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GPipe:
+        # The last forward's copies of tied tensors are graph nodes, which deepcopy refuses;
+        # the copy makes its own at its first forward anyway.
+        replicas: Replicas = self.__dict__["_replicas"]
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        with replicas.detached():
+            clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return clone
 
     def train(self, mode: bool = True) -> GPipe:
         super().train(mode)

@@ -162,6 +162,11 @@ class Replicas:
                 held[item.name].append(item.partition)
         return {name: tuple(parts) for name, parts in held.items()}
 
+    def held(self) -> list[tuple[Tensor, tuple[int, ...]]]:
+        """Each replicated tensor and the partitions holding it, the owner first."""
+        stages = self.stages
+        return [(self.tensors[key], stages[name]) for key, name in self.names.items()]
+
     def current(self) -> list[tuple[str, int, Tensor]]:
         """The copy each partition read at the last forward: name, partition, tensor."""
         return [(c.name, c.partition, getattr(c.holder, c.key)) for c in self.copies]
@@ -199,6 +204,18 @@ class Replicas:
                     self.tensors[key] = moved[key]
             for table, name, key in holders:
                 table[name] = moved[key]
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        """Shows detached copies inside the block: ``copy.deepcopy`` refuses graph nodes."""
+        saved = [(item, item.holder.__dict__[item.key]) for item in self.copies]
+        for item, tensor in saved:
+            item.holder.__dict__[item.key] = tensor.detach()
+        try:
+            yield
+        finally:
+            for item, tensor in saved:
+                item.holder.__dict__[item.key] = tensor
 
     def refresh(self) -> None:
         """Makes each partition's copies from the tensors as they are now.

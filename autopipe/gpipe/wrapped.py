@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from autopipe.gpipe.gpipe import refuse_device_move
 from autopipe.graph.stage_modules import UnitModule
@@ -88,6 +88,19 @@ class WrappedPipeline(nn.Module):
     def pipeline(self) -> GPipe:
         pipeline: GPipe = self.__dict__["_autopipe_pipeline"]
         return pipeline
+
+    @property
+    def replicated(self) -> dict[str, tuple[int, ...]]:
+        """The model's tensors that several stages hold (a tied embedding and LM head), by
+        their first name in the model: the stages holding a copy, the owner first."""
+        model: nn.Module = self.__dict__["_autopipe_model"]
+        names: dict[int, str] = {}
+        named: list[tuple[str, Tensor]] = [*model.named_parameters(remove_duplicate=False)]
+        named += model.named_buffers(remove_duplicate=False)
+        for name, tensor in named:
+            names.setdefault(id(tensor), name)
+        held = self.pipeline.__dict__["_replicas"].held()
+        return {names.get(id(t), "<unnamed>"): stages for t, stages in held}
 
     @property
     def units(self) -> list[str]:

@@ -73,6 +73,10 @@ def _shared_linear() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callab
 
 
 MODELS = {"gpt2": _gpt2, "shared_linear": _shared_linear}
+TIED = {
+    "gpt2": {"transformer.wte.weight": (0, 1)},
+    "shared_linear": {"blocks.0.shared.weight": (0, 1), "blocks.0.shared.bias": (0, 1)},
+}
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -105,8 +109,7 @@ def test_training_equals_the_plain_model(build: str, optimizer: str, checkpoint:
         model, args, kwargs=kwargs, stages=2, chunks=2, checkpoint=checkpoint,
         replicate_shared=True,
     )  # fmt: skip
-    replicated = wrapped.pipeline.replicated
-    assert replicated and all(stages == (0, 1) for stages in replicated.values())
+    assert wrapped.replicated == TIED[build]
     assert list(wrapped.state_dict()) == list(reference.state_dict())
     assert [n for n, _ in wrapped.named_parameters()] == [
         n for n, _ in reference.named_parameters()
@@ -166,7 +169,7 @@ def test_a_plain_state_dict_sets_every_copy(build: str) -> None:
 def test_without_the_option_one_device_keeps_one_tensor() -> None:
     torch.manual_seed(0)
     wrapped = wrap(SharedLinearEnds(), (torch.randn(6, 8),), stages=2, chunks=2)
-    assert wrapped.pipeline.replicated == {}
+    assert wrapped.replicated == {} and wrapped.pipeline.replicated == {}
     wrapped.close()
 
 
@@ -187,6 +190,11 @@ def test_gpipe_of_a_sequential_with_a_tied_weight() -> None:
         _assert_close(p.grad, q.grad)
     ((_, _, copied),) = pipe.__dict__["_replicas"].current()
     assert copied.data_ptr() != first.weight.data_ptr()
+    twin = copy.deepcopy(pipe)  # the copies are graph nodes: deepcopy refuses those
+    _assert_close(twin(x), pipe(x))
+    ((_, _, copied),) = twin.__dict__["_replicas"].current()
+    assert copied.data_ptr() != twin[0].weight.data_ptr() and twin[4] is not pipe[4]
+    twin.close()
     # The clone follows the original layer's mode and dtype.
     pipe.eval()
     pipe.to(torch.float32)
