@@ -50,6 +50,11 @@ class DistributedPipeline(PipelineRunner):
     :meth:`named_parameters`, :meth:`state_dict` and :meth:`gather_state_dict` use the
     original model's.
 
+    A parameter used by stages on several ranks (a tied embedding and LM head) has a copy on
+    each; after every step the copies' gradients are summed over the ranks holding them
+    (:class:`autopipe.distributed.tied.TiedGradients`), so an ordinary optimizer keeps them
+    equal. A buffer that units on two ranks use and may write is refused (``ValueError``).
+
     Replicas (D > 1, see :class:`autopipe.distributed.replicas.ReplicaSync`) start from replica 0's
     state; each step's gradients and floating-point buffers (BatchNorm statistics) are
     averaged over a stage's replicas, so they stay identical. With D > 1 the group must

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,9 @@ class Prepared:
         rebuild: ``rebuild(output, training)`` turns the last layer's output into the
             model's (what ``loss_fn`` receives).
         wrapped: whether the model was auto-wrapped.
+        written: ``id`` of the buffers that several units use and some unit may write
+            (found in the traced graph); ``None`` when the model's code is not known, so
+            any buffer may be written.
     """
 
     sequential: nn.Sequential
@@ -40,6 +43,7 @@ class Prepared:
     flatten: Callable[[Any], Any] = _identity
     rebuild: Callable[[Any, bool], Any] = _as_is
     wrapped: bool = False
+    written: frozenset[int] | None = None
 
 
 def _one_input(inputs: Any, what: str) -> Any:
@@ -92,7 +96,11 @@ def prepare_model(model: nn.Module, sample: Any) -> Prepared:
         ) from exc
     units = SequentialModel.of(layout)
     io = units.io
-    return Prepared(units.sequential(), io.flatten(sample), io.flatten, io.rebuild, wrapped=True)
+    # The shared state the trace reports is the parameters and the buffers it may write.
+    named = dict(model.named_buffers(remove_duplicate=False))
+    written = frozenset(id(named[s.name]) for s in units.shared if s.name in named)
+    sequential = units.sequential()
+    return Prepared(sequential, io.flatten(sample), io.flatten, io.rebuild, True, written)
 
 
 def original_names(stage: nn.Module, model: nn.Module) -> dict[str, str]:
@@ -101,33 +109,25 @@ def original_names(stage: nn.Module, model: nn.Module) -> dict[str, str]:
     Call it before the stage is moved (moving replaces buffers). Keys of tensors the model
     does not own keep their name.
     """
+    owners = tensor_names(model)
+    state = stage.state_dict(keep_vars=True)
+    return {key: owners.get(id(value), key) for key, value in state.items()}
+
+
+def tensor_names(model: nn.Module) -> dict[int, str]:
+    """Each tensor's first name in the model (a tied tensor has several), by ``id``."""
     owners: dict[int, str] = {}
     for name, tensor in [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
     ]:
         owners.setdefault(id(tensor), name)
-    state = stage.state_dict(keep_vars=True)
-    return {key: owners.get(id(value), key) for key, value in state.items()}
+    return owners
 
 
-def shared_state(layers: Sequence[nn.Module], balance: Sequence[int]) -> str | None:
-    """Names a parameter or buffer used by layers of two stages, or ``None``.
-
-    Ranks hold separate copies of what they use, so a tensor shared across stages would
-    be trained as two tensors.
-    """
-    stage_of: dict[int, int] = {}
-    start = 0
-    for stage, size in enumerate(balance):
-        for index in range(start, start + size):
-            for name, tensor in [*layers[index].named_parameters(), *layers[index].named_buffers()]:
-                first = stage_of.setdefault(id(tensor), stage)
-                if first != stage:
-                    return (
-                        f"{name} of layer {index} is shared by stages {first} and {stage}; "
-                        "a tensor can only live on one rank, so choose a split (plan) that "
-                        "keeps its users on one stage"
-                    )
-        start += size
-    return None
+def state_keys(model: nn.Module) -> list[tuple[str, str]]:
+    """The model's ``state_dict`` keys, each with the name :func:`original_names` gives
+    its tensor: the tensor's first name, which a tied tensor's other keys share."""
+    owners = tensor_names(model)
+    state = model.state_dict(keep_vars=True)
+    return [(key, owners.get(id(value), key)) for key, value in state.items()]

@@ -92,7 +92,8 @@ def check_layout(world: int, data_parallel: int, given: int | None, plan: Plan |
     return world // data_parallel
 
 
-def _timeout(group: dist.ProcessGroup | None, device: torch.device) -> timedelta | None:
+def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> timedelta | None:
+    """The timeout of ``group`` (default: the world), for the sub-groups made from it."""
     # Sub-groups wait as long as their parent; the backend's options are the only record.
     try:
         parent = group or dist.group.WORLD
@@ -115,7 +116,7 @@ def make_layout(
         return ReplicaLayout(1, k, rank, 0, group, None)
     parent: Any = group or dist.group.WORLD
     members = [dist.get_global_rank(parent, i) for i in range(world)]
-    options: dict[str, Any] = {"timeout": _timeout(group, device)}
+    options: dict[str, Any] = {"timeout": group_timeout(group, device)}
     pipelines = [
         dist.new_group(members[r * k : (r + 1) * k], **options) for r in range(data_parallel)
     ]
@@ -196,7 +197,7 @@ def _buckets(tensors: Sequence[Tensor], limit: int) -> Iterator[list[Tensor]]:
         yield bucket
 
 
-def _flat(
+def bucketed(
     tensors: Sequence[Tensor], collective: Callable[[Tensor], Any], limit: int = BUCKET_BYTES
 ) -> None:
     """Runs ``collective(flat)`` on each bucket flattened, then copies ``flat`` back."""
@@ -215,7 +216,7 @@ def all_reduce_mean(tensors: Sequence[Tensor], group: dist.ProcessGroup, size: i
         dist.all_reduce(flat, group=group)  # SUM: AVG is not available on every backend
         flat.div_(size)
 
-    _flat(tensors, mean)
+    bucketed(tensors, mean)
 
 
 def _merge_batch_norm(norms: Sequence[DeferredBatchNorm], group: dist.ProcessGroup) -> None:
@@ -303,7 +304,7 @@ class ReplicaSync:
         if self.group is None:
             return
         source = dist.get_global_rank(self.group, 0)
-        _flat(self.state, lambda flat: dist.broadcast(flat, src=source, group=self.group))
+        bucketed(self.state, lambda flat: dist.broadcast(flat, src=source, group=self.group))
 
     @contextmanager
     def step(self) -> Iterator[None]:

@@ -13,7 +13,13 @@ from torch import Tensor, nn
 
 from autopipe.distributed.collectives import collective, rank_device, share_from_rank0
 from autopipe.distributed.padding import MicroBatchPadding
-from autopipe.distributed.prepared import Prepared, original_names, prepare_model
+from autopipe.distributed.prepared import (
+    Prepared,
+    original_names,
+    prepare_model,
+    state_keys,
+    tensor_names,
+)
 from autopipe.distributed.replicas import (
     ReplicaSync,
     check_layout,
@@ -39,6 +45,7 @@ from autopipe.distributed.stage import (
     fingerprint,
     merge_state_dicts,
 )
+from autopipe.distributed.tied import TiedGradients, make_tie_groups, shared_across_stages
 from autopipe.distributed.virtual import (
     RankStages,
     build_stages,
@@ -158,11 +165,11 @@ class PipelineRunner:
         if self.batch_size % chunks:  # uneven micro-batches run padded to the largest
             options["padded"] = True
         options.update(plan_options or {})
-        sequential = self._model.sequential
+        sequential, written = self._model.sequential, self._model.written
 
         def make() -> tuple[dict[str, Any] | None, list[Any]]:
             made, specs = setup_on_rank0(
-                sequential, sample, k * v, self.device, plan, profile, options, autocast
+                sequential, sample, k * v, self.device, plan, profile, options, autocast, k, written
             )
             # A plan every rank already holds needs no second trip; a given one does, as
             # the ranks agreed only on its balance.
@@ -198,7 +205,16 @@ class PipelineRunner:
             self.schedule_name,
         )
         self._original = original_names(self.module, model)  # before moving replaces buffers
+        # Tensors of several stages, found by identity before moving replaces buffers; the
+        # parameters among them have a copy on each rank using them (TiedGradients).
+        shared = shared_across_stages(list(layers.values()), self.plan.balance, k)
+        self._keys = state_keys(model)
+        owners = tensor_names(model)
+        self._shared = {owners.get(id(t)) for t, _ in shared} - {None}
         self.module.to(self.device)
+        ties = [(t, where) for t, where in shared if isinstance(t, nn.Parameter)]
+        groups = make_tie_groups(ties, self.layout, self.group, self.device)
+        self._tied = TiedGradients(ties, groups, self.stage_index)
         self._sync = ReplicaSync(self.module, self.layout)
         collective(self.rank, "receive replica 0's state", self._sync.broadcast_state)
         if self._model.wrapped:  # the loss sees the model's outputs, not the flat tensors
@@ -273,7 +289,11 @@ class PipelineRunner:
         layout = self.layout
         self._loss.values.clear()
         try:
-            with self._sync.step(), autocast_pass(self.device.type, self.autocast):
+            # The copies' gradients are summed after the replicas' average: every copy then
+            # sums the same averaged values, in the same group order on every replica, so the
+            # copies stay bitwise equal however many replicas reduce in whichever order.
+            tied, sync = self._tied.step(), self._sync.step()
+            with tied, sync, autocast_pass(self.device.type, self.autocast):
                 self.schedule.step(*args, **kwargs)
             loss = self._sync.mean_loss(self._loss.mean()) if self.is_last else None
         except BaseException as exc:
@@ -346,7 +366,30 @@ class PipelineRunner:
         # In stage order, so that the keys come in the original model's order.
         pairs = [pair for part in parts[: self.num_stages] for pair in part]
         stages = sorted(pairs, key=lambda pair: pair[0])
-        return merge_state_dicts(state for _, state in stages)
+        return self._plain_state(stages)
+
+    def _plain_state(
+        self, stages: list[tuple[int, OrderedDict[str, Tensor]]]
+    ) -> OrderedDict[str, Tensor]:
+        """The stages' states as the plain model's ``state_dict``: one entry per key.
+
+        A tensor of several stages comes from each (its copies are equal): the first is
+        kept. Every key of a tied tensor (``lm_head.weight`` as well as
+        ``transformer.wte.weight``) gets it, in the plain model's order.
+        """
+        seen: set[str] = set()
+        parts = []
+        for _, state in stages:
+            parts.append(OrderedDict((k, v) for k, v in state.items() if k not in seen))
+            seen.update(k for k in state if k in self._shared)
+        merged = merge_state_dicts(parts)
+        plain: OrderedDict[str, Tensor] = OrderedDict()
+        for key, name in self._keys:
+            if name in merged:
+                plain[key] = merged[name]
+        for key, value in merged.items():
+            plain.setdefault(key, value)  # a tensor the model does not name: as the stage has it
+        return plain
 
     def __repr__(self) -> str:
         module = self.module

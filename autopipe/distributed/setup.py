@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from autopipe.distributed import cpu_binding
 from autopipe.distributed.collectives import collective
 from autopipe.distributed.padding import rows_mixing_layer
-from autopipe.distributed.prepared import shared_state
 from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
+from autopipe.distributed.tied import shared_state
 from autopipe.distributed.virtual import check_virtual
 from autopipe.planning.names import ALL_SCHEDULES
 from autopipe.planning.planner import plan as make_plan
@@ -294,6 +294,8 @@ def setup_on_rank0(
     profile: Profile | Mapping[str, Any] | None,
     options: dict[str, Any],
     autocast: str | None = None,
+    ranks: int | None = None,
+    written: frozenset[int] | None = None,
 ) -> tuple[Plan, list[Any]]:
     """Profiles (if needed), plans (if needed) and measures the boundary tensors.
 
@@ -308,13 +310,15 @@ def setup_on_rank0(
             are required (``data_parallel`` and ``batch``, the global batch, for replicas).
         autocast: the autocast dtype the pipeline runs under: the profile's (made so, or
             checked) and the boundary tensors' dtypes.
+        ranks: the ranks of one pipeline (K; default ``num_stages``).
+        written: the buffers some layer may write (:attr:`Prepared.written`).
 
     Returns:
         The plan and the specs of the tensors leaving every layer, for one micro-batch.
 
     Raises:
         ValueError: the profile does not fit the model or the autocast, no plan fits, or
-            the plan splits a shared tensor between stages.
+            the plan puts the users of a buffer that may be written on two ranks.
     """
     chunks, schedule = options["chunks"], options["schedule"]
     if plan is None:
@@ -343,7 +347,7 @@ def setup_on_rank0(
             "costs do not apply",
             stacklevel=3,
         )
-    shared = shared_state(list(sequential), plan.balance)
+    shared = shared_state(list(sequential), plan.balance, ranks, written)
     if shared:
         raise ValueError(shared)
     tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)

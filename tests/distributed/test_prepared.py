@@ -1,4 +1,4 @@
-"""Any model as the layers of a distributed pipeline, and tensors shared across stages."""
+"""Any model as the layers of a distributed pipeline."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopipe.distributed.prepared import prepare_model, shared_state
+from autopipe.distributed.prepared import prepare_model
 from tests.support.wrap_models import ResidualMLP
 
 
@@ -24,10 +24,3 @@ def test_non_sequential_models_are_wrapped_or_rejected() -> None:
     with pytest.raises(ValueError, match="pass an nn.Sequential"):
         prepare_model(nn.Linear(2, 2), [x])
 
-
-def test_shared_parameters_across_stages_are_refused() -> None:
-    shared = nn.Linear(4, 4)
-    layers = [shared, nn.ReLU(), nn.Linear(4, 4)]
-    layers[2].weight = shared.weight
-    assert shared_state(layers, [1, 2]) is not None
-    assert shared_state(layers, [3]) is None

@@ -717,6 +717,167 @@ def _batchnorm_training() -> dict[str, Any]:
     return results
 
 
+# Tied parameters: one copy per rank holding a user, the copies' gradients summed.
+TIED_STEPS = 3
+TIED_VOCAB = 128
+TIED_TOKENS = 8
+
+
+class TiedBlock(nn.Module):
+    """A block applying a Linear it may share with another block, then one of its own."""
+
+    def __init__(self, shared: nn.Linear, out: int) -> None:
+        super().__init__()
+        self.shared = shared
+        self.own = nn.Linear(shared.out_features, out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.own(torch.tanh(self.shared(x)))
+
+
+def make_tied_linear(middle: bool = False) -> nn.Sequential:
+    """8 layers whose first and last apply one Linear (``0.shared`` is ``7.shared``), and
+    with ``middle`` the fifth as well."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    return nn.Sequential(
+        TiedBlock(shared, 8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        TiedBlock(shared, 8) if middle else nn.Linear(8, 8),
+        nn.GELU(),
+        nn.Linear(8, 8),
+        TiedBlock(shared, 3),
+    )
+
+
+def make_tied_gpt2() -> nn.Module:
+    """Hugging Face GPT-2, default config but tiny (its LM head tied to the embedding), no
+    dropout (the ranks draw other random numbers than one process)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        vocab_size=TIED_VOCAB,
+        n_positions=TIED_TOKENS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def lm_loss(output: Any, target: Tensor) -> Tensor:
+    return nn.functional.cross_entropy(output.logits.reshape(-1, TIED_VOCAB), target.reshape(-1))
+
+
+def tied_case(kind: str) -> tuple[Any, Any, Tensor, Tensor]:
+    """The model, its loss and one batch (inputs, targets) of a tied case."""
+    generator = torch.Generator().manual_seed(3)
+    if kind == "gpt2":
+        ids = torch.randint(0, TIED_VOCAB, (BATCH, TIED_TOKENS + 1), generator=generator)
+        return make_tied_gpt2(), lm_loss, ids[:, :-1], ids[:, 1:]
+    x, y = make_batch()
+    return make_tied_linear(middle=kind == "linear3"), loss_fn, x, y
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam":
+        # GPT-2's key biases get gradients of rounding noise only (softmax ignores them);
+        # Adam's default eps would turn the noise into full steps of either sign.
+        return torch.optim.Adam(params, lr=0.01, eps=1e-6)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def tied_runs(world: int) -> list[dict[str, Any]]:
+    """The tied cases run on ``world`` ranks: model, schedule, D, v and whether the plan is
+    made on rank 0 (else a given balance puts the first and last layers on two ranks)."""
+    if world == 2:
+        runs = [
+            {"kind": kind, "schedule": schedule, "d": 1, "v": 1}
+            for kind in ("linear", "gpt2")
+            for schedule in ("1f1b", "gpipe")
+        ]
+        runs.append({"kind": "linear", "schedule": "zb", "d": 1, "v": 2})
+        # Stages 0 and 2 on rank 0 use the Linear that stage 3 on rank 1 uses too.
+        runs.append({"kind": "linear3", "schedule": "1f1b", "d": 1, "v": 2, "balance": [2] * 4})
+        return runs
+    return [
+        {"kind": "gpt2", "schedule": "1f1b", "d": 1, "v": 1},
+        {"kind": "linear", "schedule": "gpipe", "d": 1, "v": 1},
+        {"kind": "gpt2", "schedule": "1f1b", "d": 2, "v": 1},
+    ]
+
+
+def _tied_run(run: dict[str, Any], optimizer: str) -> dict[str, Any]:
+    """Two steps without ``zero_grad``, then TIED_STEPS optimizer steps: after each, the
+    loss and every parameter of this rank (under the model's names)."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planning.planner import evaluate
+    from tests.support.planning_cases import linear_profile
+
+    model, loss, x, y = tied_case(run["kind"])
+    chunks = REPLICA_CHUNKS if run["d"] > 1 else CHUNKS
+    given = None
+    if "balance" in run:
+        profile = linear_profile([1.0] * len(model))
+        options = {"chunks": chunks, "schedule": run["schedule"], "virtual_stages": run["v"]}
+        given = evaluate(profile, run["balance"], **options)
+    pipe = DistributedPipeline(
+        model,
+        x,
+        loss_fn=loss,
+        chunks=chunks,
+        schedule=run["schedule"],
+        data_parallel=run["d"],
+        virtual_stages=run["v"],
+        plan=given,
+    )
+    result: dict[str, Any] = {"balance": pipe.plan.balance, "stages": pipe.stage_indices}
+    result["names"] = [name for name, _ in pipe.module.named_parameters()]
+    pipe.step(x, y)
+    pipe.step(x, y)  # no zero_grad: only each step's own gradients are summed
+    result["twice"] = _grads(pipe)
+    pipe.module.zero_grad()
+    opt = make_optimizer(optimizer, pipe.module.parameters())
+    steps = []
+    for _ in range(TIED_STEPS):
+        value = pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        steps.append({"loss": value, "params": params})
+    result["steps"] = steps
+    result["state"] = pipe.gather_state_dict()
+    return result
+
+
+def _tied(world: int) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+
+    results: dict[str, Any] = {}
+    for index, run in enumerate(tied_runs(world)):
+        for optimizer in ("adam", "sgd"):
+            results[f"{index} {optimizer}"] = _tied_run(run, optimizer)
+    # A buffer that layers on two ranks use and may write cannot be copied.
+    norm = nn.BatchNorm1d(8)
+    layers = [nn.Sequential(nn.Linear(8, 8), norm), nn.Tanh(), nn.Linear(8, 8)]
+    model = nn.Sequential(*layers, nn.Sequential(norm, nn.Linear(8, 3)))
+    x, _ = make_batch()
+    try:
+        DistributedPipeline(model, x, loss_fn=loss_fn, chunks=CHUNKS, deferred_batch_norm=False)
+    except ValueError as exc:
+        results["refused"] = str(exc)
+    return results
+
+
 def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     from autopipe.distributed import init_distributed
 
@@ -742,6 +903,8 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         torch.save(_batchnorm(world), workdir / f"rank{rank}.pt")
     elif scenario == "batchnorm-training":
         torch.save(_batchnorm_training(), workdir / f"rank{rank}.pt")
+    elif scenario == "tied":
+        torch.save(_tied(world), workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):
         _failing(rank, world, stay=scenario == "stuck")
     # Every rank leaves together and closes the group: a gloo group torn down by interpreter
