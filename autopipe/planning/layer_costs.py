@@ -130,6 +130,20 @@ class LayerCosts:
         if self.shared is None:  # frozen: set once, at construction
             object.__setattr__(self, "shared", np.zeros(len(self.names)))
 
+    def first_use(self) -> tuple[Array, Array]:
+        """``(params, buffers)`` with each tied tensor counted at its first user only.
+
+        Additive, and never above what a stage holds (a stage without the first user of
+        a tied tensor holds a copy these leave out), so bounds built on prefix sums of
+        them stay lower bounds.
+        """
+        params, buffers = self.params.copy(), self.buffers.copy()
+        for item in self.tied:
+            later = list(item.layers[1:])
+            target = buffers if item.buffer else params
+            target[later] = np.maximum(target[later] - item.bytes, 0.0)
+        return params, buffers
+
     @property
     def shared_bytes(self) -> Array:
         """``shared`` as an array (zeros when not measured)."""

@@ -55,7 +55,9 @@ class Relaxation:
             prefix_sums(layers.forward * (1 + m.fraction(mu)) + layers.backward) for mu in m.modes
         ]
         self.work_lists = [w.tolist() for w in self.work]
-        self.params = prefix_sums(layers.params)
+        # Tied tensors once (at their first user): a stage's parameters from below.
+        once = layers.first_use()[0]
+        self.params = prefix_sums(once)
         self.param_list = self.params.tolist()
         self.speed = [d.speed for d in m.devices]
         boundary = float(layers.output[:-1].min()) if n > 1 else 0.0
@@ -72,7 +74,7 @@ class Relaxation:
             smallest = np.partition(layers.output[:-1], stages - 2)[: stages - 1]
             extra = float(smallest.sum()) - (stages - 1) * boundary
             self.total += extra / float(bandwidths.pop())  # type: ignore[arg-type]
-        self.max_param = float(layers.params.max())
+        self.max_param = float(layers.params.max())  # a stage holds all of a layer
         self.extra = 0.0
         self._build_memory()
 

@@ -93,8 +93,9 @@ class Space:
         self.allreduce = self.runner.allreduce_bandwidth
         self.capacity = capacity
         self.optimizer = optimizer_factor(optimizer)
-        self.params = self.lines.params
-        state = self.params * (2.0 + self.optimizer) + self.lines.buffers
+        # Tied tensors once (at their first user): sums and maxima from below.
+        self.params, buffers = self.lines.at(1.0).first_use()
+        state = self.params * (2.0 + self.optimizer) + buffers
         self.state, self.state_max = float(state.sum()), state
         self._at: dict[tuple[int, float, bool], tuple[LayerCosts, float, float, float]] = {}
         self._compute: dict[tuple[int, float, bool, float], tuple[float, float]] = {}

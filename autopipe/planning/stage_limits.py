@@ -44,7 +44,9 @@ class MemoryLimits:
         cache = {} if cache is None else cache
         layers = m.layers
         self.n = m.num_layers
-        self._state = prefix_sums(layers.params * (2.0 + m.optimizer) + layers.buffers)
+        # Tied tensors once (at their first user): a stage's state from below.
+        params, buffers = layers.first_use()
+        self._state = prefix_sums(params * (2.0 + m.optimizer) + buffers)
         # As in the cost model: shared bytes count once, added back at a stage's start.
         self._shared = layers.shared_bytes
         self._saved = prefix_sums(layers.saved - self._shared)

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe import DeviceSpec, PlanningError, plan
+from autopipe.planning.config_search import search
 from autopipe.planning.planner import evaluate
 from autopipe.planning.plans import Plan, TiedPlan
 from autopipe.planning.report import render_plan
 from profiler.profile import Profile, TiedState
+from tests.planning.test_search import exhaustive
 from tests.support.planning_cases import linear_profile, random_profile, splits
 
 # Layer parameters 100, 80, 50, 100 bytes; A (60 bytes) is used by layers 0 and 3, B (40
@@ -228,3 +230,40 @@ def test_virtual_stages_of_one_rank_sum_nothing_between_them():
     # Stages 0 and 3 run on ranks 0 and 1 (of two); stages 0 and 2 both on rank 0.
     assert apart.tied[0].stages == [0, 3] and apart.tied_time == pytest.approx(60 / 100)
     assert together.tied[0].stages == [0, 2] and together.tied_time == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 5),
+    devices=st.integers(1, 4),
+    batch=st.integers(1, 6),
+    memory=st.one_of(st.none(), st.integers(3_000, 30_000)),
+)
+def test_search_with_tied_parameters_equals_exhaustive_plans(seed, n, devices, batch, memory):
+    """The search's bounds count a tied tensor from below: no configuration that fits is
+    dropped (free links: the gradient sums take no time, every plan is exact)."""
+    rng = np.random.default_rng(seed)
+    profile = _random_tied(rng, random_profile(rng, n))
+    options = {"memory": memory}
+    checkpoints, schedules = ("never", "except_last", "auto"), ("gpipe", "1f1b")
+    expected = exhaustive(
+        profile, devices, batch=batch, checkpoints=checkpoints, schedules=schedules, **options
+    )
+    kwargs = {"batch": batch, "checkpoints": checkpoints, "schedules": schedules, **options}
+    if not expected:
+        with pytest.raises(PlanningError, match="no configuration"):
+            search(profile, devices, **kwargs)
+        return
+    found = search(profile, devices, top=3, **kwargs)
+    assert found[0].step_time == pytest.approx(expected[0][0], rel=1e-9)
+
+
+def test_search_finds_a_single_device_that_holds_a_tied_tensor_once():
+    # Counted twice, the tied 400 bytes would not fit 4·(100 + 500) = 2400 bytes.
+    profile = linear_profile([1.0, 1.0], params=[500, 500])
+    profile = Profile.from_dict(
+        {**profile.to_dict(), "tied": [{"names": ["w"], "layers": [0, 1], "bytes": 400}]}
+    )
+    found = search(profile, 1, memory=2400, checkpoints=("never",), schedules=("gpipe",))
+    assert found[0].stages[0].param_memory == 2400
