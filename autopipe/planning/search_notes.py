@@ -26,7 +26,8 @@ def breakdown(plan: Plan) -> dict[str, float]:
     ``work`` is a device's own compute (``M·mean c`` less re-computation), ``recompute``
     the re-computed forwards, ``bubble`` the pipeline's fill and drain
     (``(K−1)·mean c``), ``imbalance`` the wait on the slowest stage
-    (``(M−1)·(max c − mean c)``) and ``allreduce`` the gradient all-reduce. With v
+    (``(M−1)·(max c − mean c)``), ``allreduce`` the gradient all-reduce and, when
+    there are any, ``tied`` the sums of tied parameters' gradients. With v
     virtual stages per device, ``mean c`` is a device's share ``Σc / K``, the fill and
     drain shrink to ``(K−1)·Σc / (K·v)``, and ``imbalance`` is what the replayed
     schedule takes beyond both.
@@ -38,16 +39,19 @@ def breakdown(plan: Plan) -> dict[str, float]:
     if v == 1:
         bubble, imbalance = (k - 1) * mean, (m - 1) * (plan.bottleneck - mean)
     else:
-        pipeline = plan.step_time - plan.allreduce - m * mean
+        pipeline = plan.step_time - plan.allreduce - plan.tied_time - m * mean
         bubble = min((ranks - 1) * mean / v, pipeline)
         imbalance = pipeline - bubble
-    return {
+    parts = {
         "work": m * mean - recompute,
         "recompute": recompute,
         "bubble": bubble,
         "imbalance": imbalance,
         "allreduce": plan.allreduce,
     }
+    if plan.tied_time > 0:
+        parts["tied"] = plan.tied_time
+    return parts
 
 
 def _peak(plan: Plan) -> float:
@@ -62,6 +66,9 @@ def _why_slower(plan: Plan, best: Plan) -> str:
             return f"{same} on {_devices(plan.num_devices)} vs {best.num_devices}"
         return f"{same}; peak memory {format_bytes(_peak(plan))} vs {format_bytes(_peak(best))}"
     mine, theirs = breakdown(plan), breakdown(best)
+    for part in {*mine, *theirs}:  # a part only one of them has is 0 in the other
+        mine.setdefault(part, 0.0)
+        theirs.setdefault(part, 0.0)
     worse = sorted(mine, key=lambda part: theirs[part] - mine[part])
     reasons: list[str] = []
     for part in worse[:2]:
@@ -78,7 +85,11 @@ def _why_slower(plan: Plan, best: Plan) -> str:
                 text += f" ({plan.chunks} micro-batches vs {best.chunks})"
             reasons.append(text)
         else:
-            label = {"recompute": "re-computation", "imbalance": "stage imbalance"}
+            label = {
+                "recompute": "re-computation",
+                "imbalance": "stage imbalance",
+                "tied": "tied gradient sums",
+            }
             name = label.get(part, "all-reduce")
             reasons.append(f"{name} {format_time(mine[part])} vs {format_time(theirs[part])}")
     slower = plan.step_time / best.step_time if best.step_time > 0 else float("inf")

@@ -267,3 +267,15 @@ def test_search_finds_a_single_device_that_holds_a_tied_tensor_once():
     )
     found = search(profile, 1, memory=2400, checkpoints=("never",), schedules=("gpipe",))
     assert found[0].stages[0].param_memory == 2400
+
+
+def test_search_breakdown_names_the_tied_gradient_sums():
+    from autopipe.planning.search_notes import breakdown
+
+    devices = [DeviceSpec("cpu", bandwidth=100.0)] * 2
+    result = evaluate(_tied_profile(A, B), [2, 2], devices)
+    parts = breakdown(result)
+    assert parts["tied"] == result.tied_time > 0
+    assert sum(parts.values()) == pytest.approx(result.step_time, rel=1e-12)
+    untied = linear_profile([1.0, 1.0, 1.0, 1.0], params=[100, 80, 50, 100])
+    assert "tied" not in breakdown(evaluate(untied, [2, 2], devices))
