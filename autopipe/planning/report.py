@@ -290,7 +290,7 @@ def render_search(plans: Sequence[Plan]) -> str:
     One row per configuration: K devices per pipeline, D replicas, M micro-batches (of b
     samples), checkpointing, schedule (with virtual stages: torch's interleaved schedule and
     the stages per device), predicted step time, throughput, peak memory per device and
-    why it is slower than the best.
+    why it is slower than the best; the best plan's tied parameters last.
     """
     headers = ["#", "K", "D", "M", "checkpoint", "schedule", "step", "throughput", "memory"]
     headers.append("vs the best")
@@ -313,4 +313,5 @@ def render_search(plans: Sequence[Plan]) -> str:
         )
     table = _table(headers, rows, {0, 1, 2, 3, 6, 7, 8})
     notes = [f"- {note}" for note in plans[0].notes] if plans else []
-    return "\n".join([table, *notes])
+    tied = [f"- tied {tied_line(item)}" for item in plans[0].tied] if plans else []
+    return "\n".join([table, *notes, *tied])

@@ -279,3 +279,15 @@ def test_search_breakdown_names_the_tied_gradient_sums():
     assert sum(parts.values()) == pytest.approx(result.step_time, rel=1e-12)
     untied = linear_profile([1.0, 1.0, 1.0, 1.0], params=[100, 80, 50, 100])
     assert "tied" not in breakdown(evaluate(untied, [2, 2], devices))
+
+
+def test_search_report_marks_the_best_plans_tied_parameters():
+    from autopipe.planning.report import render_search
+
+    found = search(_tied_profile(A), 2, checkpoints=("never",), schedules=("gpipe",), top=2)
+    out = render_search(found)
+    stages = ", ".join(str(k) for k in found[0].tied[0].stages)
+    word = "stages" if len(found[0].tied[0].stages) > 1 else "stage"
+    assert f"\n- tied head.weight = embed.weight on {word} {stages} (" in out
+    untied = linear_profile([1.0, 1.0, 1.0, 1.0], params=[100, 80, 50, 100])
+    assert "tied" not in render_search(search(untied, 2, checkpoints=("never",), top=2))
