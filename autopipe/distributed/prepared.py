@@ -36,6 +36,8 @@ class Prepared:
         written: ``id`` of the buffers that several units use and some unit may write
             (found in the traced graph); ``None`` when the model's code is not known, so
             any buffer may be written.
+        owner: the model the layers come from, whose names a profile gives the tensors
+            several layers use (``None``: the layers' own names).
     """
 
     sequential: nn.Sequential
@@ -44,6 +46,7 @@ class Prepared:
     rebuild: Callable[[Any, bool], Any] = _as_is
     wrapped: bool = False
     written: frozenset[int] | None = None
+    owner: nn.Module | None = None
 
 
 def _one_input(inputs: Any, what: str) -> Any:
@@ -100,7 +103,9 @@ def prepare_model(model: nn.Module, sample: Any) -> Prepared:
     named = dict(model.named_buffers(remove_duplicate=False))
     written = frozenset(id(named[s.name]) for s in units.shared if s.name in named)
     sequential = units.sequential()
-    return Prepared(sequential, io.flatten(sample), io.flatten, io.rebuild, True, written)
+    return Prepared(
+        sequential, io.flatten(sample), io.flatten, io.rebuild, True, written, owner=model
+    )
 
 
 def original_names(stage: nn.Module, model: nn.Module) -> dict[str, str]:

@@ -169,7 +169,17 @@ class PipelineRunner:
 
         def make() -> tuple[dict[str, Any] | None, list[Any]]:
             made, specs = setup_on_rank0(
-                sequential, sample, k * v, self.device, plan, profile, options, autocast, k, written
+                sequential,
+                sample,
+                k * v,
+                self.device,
+                plan,
+                profile,
+                options,
+                autocast,
+                k,
+                written,
+                owner=self._model.owner,
             )
             # A plan every rank already holds needs no second trip; a given one does, as
             # the ranks agreed only on its balance.

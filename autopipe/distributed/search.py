@@ -116,6 +116,7 @@ def search_prepared(
                 (prepared.sample,),  # the first layer's one argument
                 device=here,
                 batch_sizes=_sizes(batch, prepared.sequential),
+                owner=prepared.owner if prepared.owner is not None else prepared.sequential,
             ).to_dict()
 
         what, failed = "receive the profile from rank 0", "rank 0 could not profile the model"

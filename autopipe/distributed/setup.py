@@ -296,6 +296,7 @@ def setup_on_rank0(
     autocast: str | None = None,
     ranks: int | None = None,
     written: frozenset[int] | None = None,
+    owner: nn.Module | None = None,
 ) -> tuple[Plan, list[Any]]:
     """Profiles (if needed), plans (if needed) and measures the boundary tensors.
 
@@ -312,6 +313,7 @@ def setup_on_rank0(
             checked) and the boundary tensors' dtypes.
         ranks: the ranks of one pipeline (K; default ``num_stages``).
         written: the buffers some layer may write (:attr:`Prepared.written`).
+        owner: the model whose names the profile gives tied tensors (:attr:`Prepared.owner`).
 
     Returns:
         The plan and the specs of the tensors leaving every layer, for one micro-batch.
@@ -325,7 +327,12 @@ def setup_on_rank0(
         if profile is None:
             # The sample is the first layer's one argument: a tensor, or a tuple.
             profile = profile_model(
-                sequential, (sample,), device=device, chunks=chunks, autocast=autocast
+                sequential,
+                (sample,),
+                device=device,
+                chunks=chunks,
+                autocast=autocast,
+                owner=owner if owner is not None else sequential,
             )
         elif not isinstance(profile, Profile):
             profile = Profile.from_dict(dict(profile))
