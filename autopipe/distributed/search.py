@@ -23,6 +23,7 @@ from autopipe.distributed.collectives import rank_device, share_from_rank0
 from autopipe.distributed.prepared import Prepared, prepare_model
 from autopipe.errors import PlanningError
 from autopipe.planning.config_search import search
+from autopipe.planning.names import SCHEDULES, SEARCH_CHECKPOINTS
 from autopipe.planning.plans import Plan
 from profiler.measure import doubling_batch_sizes, profile_model
 from profiler.profile import Profile
@@ -46,8 +47,8 @@ def search_plan(
     profile: Profile | None = None,
     calibrate: bool = False,
     memory: int | str | None = None,
-    schedules: Sequence[str] = ("gpipe", "1f1b"),
-    checkpoints: Sequence[str] = ("never", "except_last", "always", "auto"),
+    schedules: Sequence[str] = SCHEDULES,
+    checkpoints: Sequence[str] = SEARCH_CHECKPOINTS,
     virtual_stages: Sequence[int] = (1,),
     optimizer: str | float = "adam",
 ) -> Plan:
@@ -97,8 +98,8 @@ def search_prepared(
     profile: Profile | None = None,
     calibrate: bool = False,
     memory: int | str | None = None,
-    schedules: Sequence[str] = ("gpipe", "1f1b"),
-    checkpoints: Sequence[str] = ("never", "except_last", "always", "auto"),
+    schedules: Sequence[str] = SCHEDULES,
+    checkpoints: Sequence[str] = SEARCH_CHECKPOINTS,
     virtual_stages: Sequence[int] = (1,),
     optimizer: str | float = "adam",
 ) -> Plan:

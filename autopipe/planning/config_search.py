@@ -97,7 +97,7 @@ def search(
     *,
     memory: int | str | None = None,
     batch: int | None = None,
-    schedules: Sequence[str] = ("gpipe", "1f1b"),
+    schedules: Sequence[str] = SCHEDULES,
     checkpoints: Sequence[str] = SEARCH_CHECKPOINTS,
     optimizer: str | float = "adam",
     bandwidth: float | str | None = None,
