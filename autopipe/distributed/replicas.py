@@ -197,6 +197,22 @@ def _buckets(tensors: Sequence[Tensor], limit: int) -> Iterator[list[Tensor]]:
         yield bucket
 
 
+def add_to_earlier(
+    params: Sequence[Tensor], earlier: Sequence[Tensor | None], fresh: Sequence[Tensor | None]
+) -> None:
+    """Sets each parameter's ``.grad`` to what it held before a step plus the step's own.
+
+    A step's collectives reduce only its own gradients (``.grad`` is cleared before it), so
+    gradients accumulated over earlier steps without ``zero_grad`` are not reduced again.
+    """
+    with torch.no_grad():
+        for p, old, new in zip(params, earlier, fresh):
+            if old is None:
+                p.grad = new
+            else:
+                p.grad = old if new is None else old.add_(new)
+
+
 def bucketed(
     tensors: Sequence[Tensor], collective: Callable[[Tensor], Any], limit: int = BUCKET_BYTES
 ) -> None:
@@ -326,7 +342,7 @@ class ReplicaSync:
             yield
         except BaseException:
             self._discard_statistics()
-            self._add(earlier, [p.grad for p in self.params])  # no peer may be listening
+            add_to_earlier(self.params, earlier, [p.grad for p in self.params])  # no peer listens
             raise
         fresh = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         try:
@@ -337,19 +353,11 @@ class ReplicaSync:
                 norm.commit()
         finally:
             self._discard_statistics()  # committed, or never to be: a failed step's
-            self._add(earlier, fresh)
+            add_to_earlier(self.params, earlier, fresh)
 
     def _discard_statistics(self) -> None:
         for norm in self.norms:
             norm.set_pending(0, None, None)
-
-    def _add(self, earlier: Sequence[Tensor | None], fresh: Sequence[Tensor | None]) -> None:
-        with torch.no_grad():
-            for p, old, new in zip(self.params, earlier, fresh):
-                if old is None:
-                    p.grad = new
-                else:
-                    p.grad = old if new is None else old.add_(new)
 
     def mean_loss(self, loss: Tensor) -> Tensor:
         """The mean of ``loss`` over the replicas (the last stage's); a collective."""

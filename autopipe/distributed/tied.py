@@ -11,7 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.distributed.replicas import ReplicaLayout, bucketed, group_timeout
+from autopipe.distributed.replicas import (
+    ReplicaLayout,
+    add_to_earlier,
+    bucketed,
+    group_timeout,
+)
 
 __all__: list[str] = []  # internal to the distributed runner
 
@@ -194,7 +199,7 @@ class TiedGradients:
         try:
             yield
         except BaseException:
-            self._add(earlier)  # no peer may be listening
+            add_to_earlier(self.params, earlier, [p.grad for p in self.params])  # no peer listens
             raise
         for p in self.params:
             if p.grad is None:
@@ -203,10 +208,4 @@ class TiedGradients:
             for group, params in self.parts:
                 bucketed([p.grad for p in params if p.grad is not None], _summed(group))
         finally:
-            self._add(earlier)
-
-    def _add(self, earlier: Sequence[Tensor | None]) -> None:
-        with torch.no_grad():
-            for p, old in zip(self.params, earlier):
-                if old is not None:
-                    p.grad = old if p.grad is None else old.add_(p.grad)
+            add_to_earlier(self.params, earlier, [p.grad for p in self.params])
