@@ -46,6 +46,15 @@ class LayerProfile:
         backward_input: of ``backward``, the seconds of the input's gradient alone (the
             rest computes the weights' gradients, which zero-bubble schedules run apart).
             ``None`` (older profiles): unknown.
+        flops: floating-point operations of the forward per batch size, as
+            ``torch.utils.flop_counter`` counts them (a multiply-add is two); ``None``: not
+            counted.
+        backward_flops: the same for the backward (input and weight gradients).
+        backward_input_flops: of ``backward_flops``, those of the input's gradient alone.
+        traffic: bytes the forward's operations read and write (each operation's tensor
+            inputs and outputs, what a kernel without fusion moves through memory); ``None``:
+            not counted.
+        backward_traffic: the same for the backward.
     """
 
     name: str
@@ -59,6 +68,11 @@ class LayerProfile:
     peak: list[int] | None = None
     shared: list[int] | None = None
     backward_input: list[float] | None = None
+    flops: list[float] | None = None
+    backward_flops: list[float] | None = None
+    backward_input_flops: list[float] | None = None
+    traffic: list[float] | None = None
+    backward_traffic: list[float] | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -70,6 +84,8 @@ _TIMES = "times must be finite numbers of seconds >= 0"
 _BYTES = "byte counts must be finite numbers >= 0"
 _LAYER_TIMES = ("forward", "backward", "backward_input")
 _LAYER_BYTES = ("saved", "output", "peak", "shared")
+_LAYER_COUNTS = ("flops", "backward_flops", "backward_input_flops", "traffic", "backward_traffic")
+_COUNTS = "operation and byte counts must be finite numbers >= 0"
 
 
 @dataclass
@@ -117,7 +133,8 @@ def _check_layer(layer: LayerProfile, where: str, n: int) -> None:
     for what in ("name", "kind"):
         if not isinstance(getattr(layer, what), str):
             raise ValueError(f"{where}.{what} must be a string, got {getattr(layer, what)!r}")
-    for figures, rule in ((_LAYER_TIMES, _TIMES), (_LAYER_BYTES, _BYTES)):
+    checks = ((_LAYER_TIMES, _TIMES), (_LAYER_BYTES, _BYTES), (_LAYER_COUNTS, _COUNTS))
+    for figures, rule in checks:
         for what in figures:
             values = getattr(layer, what)
             if values is not None or what in ("forward", "backward", "saved", "output"):
@@ -292,6 +309,10 @@ class Profile:
         data = asdict(self)
         if not self.tied:  # profiles without tied state read as before it was recorded
             del data["tied"]
+        for layer in data["layers"]:  # uncounted layers read as before counts existed
+            for what in _LAYER_COUNTS:
+                if layer[what] is None:
+                    del layer[what]
         data["fits"] = [
             {key: list(value) for key, value in self.fits(i).items()} for i in range(len(self))
         ]
