@@ -20,10 +20,12 @@ from profiler.precision import autocast_pass
 __all__ = [
     "CacheFlush",
     "LayerFigures",
+    "Pass",
     "as_tensors",
     "measure_layer",
     "state_storages",
     "storage_bytes",
+    "storage_key",
     "tensor_bytes",
 ]
 
@@ -56,11 +58,15 @@ def as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
     )
 
 
-def _storage_key(tensor: Tensor) -> tuple[int, int]:
-    """(identity, bytes) of the memory block behind a tensor."""
+def storage_key(tensor: Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the memory block behind a tensor.
+
+    The identity is the storage object's own, not its data pointer: every storage on the
+    meta device has data pointer 0, and shapes-only counting must still tell them apart.
+    """
     try:
         storage = tensor.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
+        return storage._cdata, storage.nbytes()
     except (RuntimeError, NotImplementedError):
         # Tensors without a plain storage (sparse, some subclasses): count them as they are.
         return id(tensor), tensor.numel() * tensor.element_size()
@@ -70,7 +76,7 @@ def storage_bytes(tensors: list[Tensor], exclude: AbstractSet[int] = frozenset()
     """Bytes of the distinct storages behind ``tensors``, skipping those in ``exclude``."""
     seen: dict[int, int] = {}
     for tensor in tensors:
-        key, nbytes = _storage_key(tensor)
+        key, nbytes = storage_key(tensor)
         if nbytes and key not in exclude:
             seen[key] = nbytes
     return sum(seen.values())
@@ -80,14 +86,14 @@ def tensor_bytes(tensors: tuple[Tensor, ...]) -> int:
     """Bytes of the tensors themselves, each distinct view counted once."""
     seen: dict[tuple[Any, ...], int] = {}
     for t in tensors:
-        key = (_storage_key(t)[0], t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = (storage_key(t)[0], t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         seen[key] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
 def state_storages(layer: nn.Module) -> set[int]:
     """Identities of the storages of a layer's parameters and buffers."""
-    return {_storage_key(t)[0] for t in (*layer.parameters(), *layer.buffers())}
+    return {storage_key(t)[0] for t in (*layer.parameters(), *layer.buffers())}
 
 
 def _leaf(tensor: Tensor) -> Tensor:
@@ -125,7 +131,7 @@ class CacheFlush:
             self.buffer.fill_(1.0)
 
 
-class _Pass:
+class Pass:
     """Forward and backward passes of one layer on a fixed input, with fixed gradients."""
 
     def __init__(
@@ -242,9 +248,9 @@ class _Pass:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             targets = self.forward(args)
         nbytes = storage_bytes(packed, exclude)
-        fresh = storage_bytes(packed, {*exclude, *(_storage_key(a)[0] for a in args)})
-        outputs = {_storage_key(t)[0] for t in targets}
-        others = {_storage_key(t)[0] for t in packed} - outputs
+        fresh = storage_bytes(packed, {*exclude, *(storage_key(a)[0] for a in args)})
+        outputs = {storage_key(t)[0] for t in targets}
+        others = {storage_key(t)[0] for t in packed} - outputs
         of_output = storage_bytes(packed, {*exclude, *others})
         packed.clear()
         self.backward(targets)
@@ -297,7 +303,7 @@ def measure_layer(
         Median forward and backward seconds (and of a backward to the input alone), saved
         bytes and, on CUDA, the peak.
     """
-    runs = _Pass(layer, inputs, device, label, flush, autocast)
+    runs = Pass(layer, inputs, device, label, flush, autocast)
     # The first pass counts saved tensors and allocates parameter gradients, so the
     # later passes (and the peak) see gradients as existing state, not as transients.
     saved, fresh, of_output = runs.saved(exclude)

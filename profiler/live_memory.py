@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from profiler.layer import state_storages
+from profiler.layer import state_storages, storage_key
 
 __all__ = ["SavedMemory"]
 
@@ -48,7 +48,7 @@ class SavedMemory:
     """
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._exclude = {storage_key(t)[0] for t in exclude}
         self._counts: dict[int, int] = {}
         self._bytes: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -69,11 +69,7 @@ class SavedMemory:
         self.peak = self.live
 
     def _pack(self, tensor: Tensor) -> Any:
-        try:
-            storage = tensor.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            return tensor
+        key, nbytes = storage_key(tensor)
         if not nbytes or key in self._exclude:
             return tensor
         with self._lock:

@@ -1,0 +1,198 @@
+"""Counts what one layer computes and holds without storage: FLOPs, memory traffic, bytes.
+
+The layer runs on fake tensors (``torch._subclasses.FakeTensorMode``) that claim the
+profiling device but hold no data, so a layer of a model too large for any host is
+counted as cheaply as a small one, and the device's own kernels are chosen (the CPU's
+fused attention, say) with its autocast rules. The bytes saved for backward are counted
+by the same saved-tensor accounting the measuring profiler uses
+(:meth:`profiler.layer.Pass.saved`), so they are the bytes a measurement on that device
+finds.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from profiler.layer import Pass, as_tensors, state_storages, storage_key, tensor_bytes
+from profiler.precision import autocast_pass
+
+__all__ = ["LayerCounts", "Traffic", "count_layer", "meta_copy", "to_meta"]
+
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """One layer's counts at one batch size."""
+
+    flops: float
+    backward_flops: float
+    backward_input_flops: float
+    traffic: float
+    backward_traffic: float
+    saved: int
+    input_saved: int  # of ``saved``: the input's storages
+    output_saved: int  # of ``saved``: the output's storages
+    output: int  # bytes of the output, what crosses a cut after the layer
+
+
+class Traffic(TorchDispatchMode):
+    """Sums the bytes each operation reads and writes: its tensor inputs and outputs.
+
+    That is what kernels without fusion move through memory, the figure a roofline
+    estimate divides by the memory bandwidth. Views and other operations that alias their
+    input move nothing and are skipped; a tensor passed twice to one operation is read once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not getattr(func, "is_view", False) and func not in _NO_TRAFFIC:
+            seen: set[tuple[int, int, tuple[int, ...]]] = set()
+            for value in (*tree_leaves((args, kwargs)), *tree_leaves(out)):
+                if isinstance(value, Tensor):
+                    key = (storage_key(value)[0], value.storage_offset(), tuple(value.shape))
+                    if key not in seen:
+                        seen.add(key)
+                        self.bytes += value.numel() * value.element_size()
+        return out
+
+
+# Operations that only describe tensors or alias them; they launch no memory traffic.
+_NO_TRAFFIC = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.lift_fresh.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_numel.default,
+    torch.ops.aten.sym_storage_offset.default,
+}
+
+
+def to_meta(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Storage-free copies of ``tensors`` on the meta device (same shapes and dtypes)."""
+    return tuple(t.detach().to(META) for t in tensors)
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device.
+
+    No storage is copied (a deep copy of a large layer would briefly double it): each
+    tensor is replaced by a meta one of its shape in the copy; tied tensors stay one.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in module.parameters():
+        if id(tensor) not in memo:
+            meta = torch.empty_like(tensor, device=META)
+            memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    for tensor in module.buffers():
+        memo.setdefault(id(tensor), torch.empty_like(tensor, device=META))
+    return copy.deepcopy(module, memo)
+
+
+def _fakify(module: nn.Module, mode: FakeTensorMode, device: torch.device) -> None:
+    """Replaces the (meta) state of ``module`` by fake tensors on ``device``, in place."""
+    made: dict[int, Tensor] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    fake = FakeTensor(mode, param.detach().to(META), device)
+                    made[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
+                sub._parameters[name] = made[id(param)]  # type: ignore[assignment]
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                if id(buffer) not in made:
+                    made[id(buffer)] = FakeTensor(mode, buffer.to(META), device)
+                sub._buffers[name] = made[id(buffer)]
+
+
+def _flops(counter: FlopCounterMode) -> float:
+    return float(counter.get_total_flops())
+
+
+def count_layer(
+    layer: nn.Module,
+    inputs: tuple[Tensor, ...],
+    device: torch.device,
+    *,
+    label: str = "the layer",
+    autocast: str | None = None,
+) -> tuple[LayerCounts, tuple[Tensor, ...], bool]:
+    """Counts one layer as it would run on ``device``, without storage.
+
+    Args:
+        layer: a copy of the layer with its state on the meta device (:func:`meta_copy`);
+            its state is replaced by fake tensors.
+        inputs: its positional inputs, on the meta device; floating ones get gradients.
+        device: the device whose kernels and autocast rules apply (it must exist here:
+            ``cuda`` only where CUDA is available).
+        label: how error messages name the layer.
+        autocast: run the forward and backward under ``torch.autocast`` with this dtype.
+
+    Returns:
+        The counts, the layer's outputs on the meta device, and whether they were a tuple.
+
+    Raises:
+        RuntimeError: the layer needs tensor values (``.item()``, ``nonzero``), which fake
+            tensors do not have.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    _fakify(layer, mode, device)
+    exclude = state_storages(layer)
+    fakes = tuple(FakeTensor(mode, t.detach().to(META), device) for t in inputs)
+    with mode:
+        runs = Pass(layer, fakes, device, label, None, autocast)
+        saved, fresh, of_output = runs.saved(exclude)
+        forward_flops = FlopCounterMode(display=False)
+        backward_flops = FlopCounterMode(display=False)
+        forward_bytes, backward_bytes = Traffic(), Traffic()
+        args = runs.arguments()
+        with forward_flops, forward_bytes:
+            targets = runs.forward(args)
+        with backward_flops, backward_bytes:
+            runs.backward(targets)
+        input_flops = FlopCounterMode(display=False)
+        args = runs.arguments()
+        targets = runs.forward(args)
+        wanted = [a for a in args if a.requires_grad]
+        if targets and wanted:
+            with input_flops, autocast_pass(device.type, autocast):
+                torch.autograd.grad(targets, wanted, runs.grads, allow_unused=True)
+        del targets, args
+        # What the next layer gets: the outputs as the model passes them, without autograd.
+        with torch.no_grad(), autocast_pass(device.type, autocast):
+            raw = layer(*runs.arguments())
+        outputs = as_tensors(raw, f"the output of {label}")
+        returns_tuple = not isinstance(raw, Tensor)
+        shapes = [(tuple(t.shape), t.dtype) for t in outputs]
+        output_bytes = tensor_bytes(outputs)
+    counts = LayerCounts(
+        flops=_flops(forward_flops),
+        backward_flops=_flops(backward_flops),
+        backward_input_flops=min(_flops(input_flops), _flops(backward_flops)),
+        traffic=float(forward_bytes.bytes),
+        backward_traffic=float(backward_bytes.bytes),
+        saved=saved,
+        input_saved=saved - fresh,
+        output_saved=of_output,
+        output=output_bytes,
+    )
+    metas = tuple(torch.empty(shape, dtype=dtype, device=META) for shape, dtype in shapes)
+    return counts, metas, returns_tuple
