@@ -17,6 +17,7 @@ from autopipe.errors import TracingError
 from autopipe.graph.export import check_symbolic_batch, export_graph, strip_checks
 from autopipe.graph.flat_io import FlatSpec, check_batch_major
 from autopipe.graph.grad_modes import KEY, inline_grad_regions, tracking
+from autopipe.graph.meta import META, has_meta_state, meta_construct, meta_shadow, rebind_state
 from autopipe.graph.shapes import DynamicSpec, InputShapes, dynamic_dims, input_names
 from autopipe.graph.values import (
     GradModeInterpreter,
@@ -198,6 +199,17 @@ def trace(
     model is traced with its cache off (``config.use_cache`` is ``False`` for the trace):
     the graph returns no ``past_key_values``.
 
+    A model whose parameters or buffers are on the meta device (all or some of them) is
+    traced on meta, with the sample moved there: real tensors are stood in for by meta ones
+    during the trace, and the graph reads the model's own tensors afterwards. Meta tensors
+    hold no values, so the checks of the graph against the model compare less there: the
+    outputs' and buffers' shapes and dtypes, not their values, and which outputs require a
+    gradient and which parameters and inputs receive one (when the model's own code runs on
+    meta; where it cannot, e.g. a check on the values of a tensor made from constants that
+    torch.export resolved, torch.fx's graph is refused and torch.export's kept unchecked).
+    Code that needs tensor values (``Tensor.item()``, ``torch.nonzero``) cannot be traced
+    on meta.
+
     Args:
         model: the model.
         args: its positional inputs; tensors become graph inputs, other values constants.
@@ -209,7 +221,7 @@ def trace(
 
     Raises:
         TracingError: neither tracer could trace the model; the message names the
-            construct and a fix.
+            construct and a fix (on meta: the construct that needs tensor values).
         ValueError: the inputs or outputs are not batch-major tensors, or bad arguments.
     """
     if method not in METHODS:
@@ -220,8 +232,19 @@ def trace(
     flat = _FlatModel(model, inputs)
     names = input_names(model, inputs)
     dims = (dynamic_dims(model, inputs, tensors, dynamic), names)
-    with torch.enable_grad(), _without_cache(model):
-        return _trace(model, flat, tensors, inputs, batch, list(leaf_modules), method, dims)
+    meta = has_meta_state(model)
+    if meta:
+        tensors = tuple(t.to(META) for t in tensors)
+    with torch.enable_grad(), _without_cache(model), meta_shadow(model) if meta else _nothing():
+        traced = _trace(model, flat, tensors, inputs, batch, list(leaf_modules), method, dims)
+    if meta:  # export's graph module holds the stand-ins of the real tensors
+        rebind_state(traced.root, model, PREFIX)
+    return traced
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 @contextlib.contextmanager
@@ -264,8 +287,9 @@ def _trace(
                     inline_grad_regions(root, graph)
             strip_checks(graph)
             values, output, buffers = record_values(root, graph, tensors)
-            _verify(flat, tensors, (output, buffers), name)
-            _verify_gradients(flat, root, graph, tensors, name)
+            # False: the model cannot run on meta, export's graph is kept unchecked.
+            if _verify(flat, tensors, (output, buffers), name):
+                _verify_gradients(flat, root, graph, tensors, name)
             break
         except Exception as exc:
             errors.append((name, exc))
@@ -295,15 +319,32 @@ def _verify(
     tensors: tuple[Tensor, ...],
     result: tuple[Any, dict[int, Tensor]],
     name: str,
-) -> None:
+) -> bool:
     """Checks that the graph computes the model's outputs and buffer updates on the sample.
 
     torch.fx can trace the wrong branch (``isinstance`` on a proxy) or run code eagerly
     instead of recording it without noticing; a mismatch makes fx fail so that export is
-    tried. Export's graph is trusted but warned about.
+    tried. Export's graph is trusted but warned about. On meta only shapes and dtypes are
+    compared; when the model's own code cannot run there (it reads values), fx's graph is
+    refused and export's kept unchecked.
+
+    Returns:
+        Whether the graph was checked (``False``: export's graph, the model not runnable).
     """
-    if same_results(result, run_quietly(flat, flat, *tensors)):
-        return
+    try:
+        expected = run_quietly(flat, flat, *tensors)
+    except Exception as exc:
+        construct = meta_construct(exc) if tensors and tensors[0].is_meta else None
+        if construct is None:
+            raise
+        if name == "fx":
+            raise ValueError(
+                f"the model's code cannot run on the meta device ({construct}), so the fx "
+                "graph cannot be checked"
+            ) from exc
+        return False
+    if same_results(result, expected):
+        return True
     message = (
         f"the {name} graph does not compute the model's outputs or buffer updates on the "
         "sample (Python code that depends on the tracer, e.g. isinstance checks on tensors?)"
@@ -311,6 +352,7 @@ def _verify(
     if name == "fx":
         raise ValueError(message)
     warnings.warn(f"wrap(): {message}", stacklevel=4)
+    return True
 
 
 class _GradientMismatch(ValueError):
@@ -346,6 +388,9 @@ def _verify_gradients(
 
 
 def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
+    meta = _meta_failure(model, errors)
+    if meta is not None:
+        return meta
     parts = []
     hint = (
         "move the data-dependent code into a submodule and pass it in leaf_modules=, or "
@@ -372,3 +417,22 @@ def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
             if "Cache'> in output" in str(exc):
                 hint = "pass use_cache=False (training needs no key/value cache)"
     return f"cannot trace {type(model).__name__}: " + "; ".join(parts) + f". Fix: {hint}"
+
+
+def _meta_failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str | None:
+    """The message for a model on meta whose code needs tensor values, else ``None``."""
+    if not has_meta_state(model):
+        return None
+    found = [(name, exc, meta_construct(exc)) for name, exc in errors]
+    hits = [(name, exc, construct) for name, exc, construct in found if construct]
+    if not hits:
+        return None
+    name, exc, construct = hits[-1]
+    where = getattr(exc, "autopipe_module", None)
+    place = f" in {where[0]} ({where[1]})" if where else ""
+    return (
+        f"cannot trace {type(model).__name__} on the meta device: its code{place} needs "
+        f"tensor values, which meta tensors do not hold ({construct}; {name}: "
+        f"{_one_line(exc, 120)}). Fix: build the model (or the module doing it) with real "
+        "weights, or compute that value outside the model and pass it as an input"
+    )
