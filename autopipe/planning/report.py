@@ -8,7 +8,7 @@ from typing import Any
 from autopipe.planning.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.quantities import format_bytes, format_time
 
-__all__ = ["precision_label", "render_plan", "render_search"]
+__all__ = ["estimate_label", "precision_label", "render_plan", "render_search"]
 
 _BAR_WIDTH = 20
 # Step times closer than this (relative) tie: the cost model is not that exact.
@@ -103,7 +103,22 @@ def render_header(plan: Plan) -> str:
     precision = precision_label(profile)
     if precision:
         second += f", {precision}"
-    return f"{first}\n{second}"
+    estimate = estimate_label(profile)
+    return f"{first}\n{second}" + (f"\n{estimate}" if estimate else "")
+
+
+def estimate_label(profile: Mapping[str, Any]) -> str:
+    """For times estimated by :func:`autopipe.planning.estimates.estimate_profile`, what
+    they were estimated for; empty for measured times."""
+    meta = profile.get("meta")
+    found = meta.get("estimate") if isinstance(meta, Mapping) else None
+    if not isinstance(found, Mapping):
+        return ""
+    target = found.get("target", "?")
+    name = found.get("name")
+    where = f"{name} ({target})" if name and name != target else str(target)
+    how = "efficiencies fitted to measurements" if found.get("fitted") else "default efficiencies"
+    return f"times estimated for {where} from counted FLOPs and bytes, not measured ({how})"
 
 
 def precision_label(profile: Mapping[str, Any]) -> str:
