@@ -287,3 +287,9 @@ def test_a_plan_of_an_estimated_profile_says_so_and_round_trips(tmp_path: Path) 
 def test_a_plan_of_measured_times_has_no_estimate_line() -> None:
     profile = dataclasses.replace(counted_profile(), meta={})
     assert "estimated" not in render_plan(plan(profile, 2))
+
+
+def test_a_re_estimate_keeps_where_the_counts_come_from() -> None:
+    again = estimate_profile(estimate_profile(counted_profile(), H100), find_device("l40s"))
+    assert again.meta["estimate"]["target"] == "l40s"
+    assert again.meta["estimate"]["counted_on"] == "meta"
