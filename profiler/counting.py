@@ -60,7 +60,7 @@ class Traffic(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if not getattr(func, "is_view", False) and func not in _NO_TRAFFIC:
-            seen: set[tuple[int, int, tuple[int, ...]]] = set()
+            seen: set[tuple[Any, ...]] = set()
             for value in (*tree_leaves((args, kwargs)), *tree_leaves(out)):
                 if isinstance(value, Tensor):
                     key = (storage_key(value)[0], value.storage_offset(), tuple(value.shape))
@@ -99,10 +99,10 @@ def meta_copy(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for tensor in module.parameters():
         if id(tensor) not in memo:
-            meta = torch.empty_like(tensor, device=META)
-            memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad)
-    for tensor in module.buffers():
-        memo.setdefault(id(tensor), torch.empty_like(tensor, device=META))
+            empty = torch.empty_like(tensor, device=META)
+            memo[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+    for buffer in module.buffers():
+        memo.setdefault(id(buffer), torch.empty_like(buffer, device=META))
     return copy.deepcopy(module, memo)
 
 

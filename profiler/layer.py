@@ -20,6 +20,7 @@ from profiler.precision import autocast_pass
 __all__ = [
     "CacheFlush",
     "LayerFigures",
+    "OneValue",
     "Pass",
     "as_tensors",
     "measure_layer",
@@ -56,6 +57,17 @@ def as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
     raise ValueError(
         f"{what} is a {type(value).__name__}; expected a tensor or a non-empty tuple of tensors"
     )
+
+
+class OneValue(nn.Module):
+    """A layer called with its inputs as one tuple, as ``nn.Sequential`` passes a tuple."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *inputs: Tensor) -> Any:
+        return self.layer(inputs)
 
 
 def storage_key(tensor: Tensor) -> tuple[int, int]:

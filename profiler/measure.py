@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import platform
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from profiler.count_pass import CountedLayer, count_layers
+from profiler.counting import META
 from profiler.devices import resolve_device
-from profiler.layer import CacheFlush, as_tensors, measure_layer, state_storages, tensor_bytes
-from profiler.pooling import layer_signature, pool_identical
-from profiler.precision import autocast_pass, check_autocast, current_autocast
+from profiler.layer import CacheFlush, tensor_bytes
+from profiler.materialize import has_meta
+from profiler.measure_pass import MeasureSettings, measure_layers
+from profiler.pooling import pool_identical
+from profiler.precision import check_autocast, current_autocast
 from profiler.profile import LayerProfile, Profile, TiedState
 
 __all__ = [
@@ -105,17 +109,6 @@ def sequential_inputs_problem(model: nn.Module, sample: Any) -> str | None:
     )
 
 
-class _OneValue(nn.Module):
-    """A layer called with its inputs as one tuple, as ``nn.Sequential`` passes a tuple."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, *inputs: Tensor) -> Any:
-        return self.layer(inputs)
-
-
 def _resize(tensors: Inputs, size: int, device: torch.device) -> Inputs:
     """The sample at another batch size, repeating it when ``size`` exceeds it.
 
@@ -160,81 +153,6 @@ def _batch_sizes(batch_sizes: Sequence[int] | None, micro_batch: int) -> list[in
     if len(set(sizes)) != len(sizes):
         raise ValueError(f"batch_sizes must be distinct, got {sizes}")
     return sorted(sizes)
-
-
-def _profile_layer(
-    layer: nn.Module,
-    name: str,
-    inputs: list[Inputs],
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-    previous: list[int] | None,
-    flush: CacheFlush | None,
-    autocast: str | None,
-    packed: bool = False,
-) -> tuple[LayerProfile, list[Inputs], list[int], bool]:
-    """Measures a copy of ``layer`` at every batch size.
-
-    Args:
-        previous: per batch size, the bytes of its output that the layer before saves
-            (``None`` for the first layer).
-        packed: call the layer with its inputs as one tuple (the previous layer returned
-            one) rather than as separate arguments.
-
-    Returns:
-        The layer's profile, its outputs, the bytes of them that it saves itself, and
-        whether they are a tuple (which the next layer takes as one value).
-    """
-    replica = copy.deepcopy(layer).to(device)
-    label = f"layer {name} ({type(layer).__name__})"
-    call: nn.Module = _OneValue(replica) if packed else replica
-    try:
-        exclude = state_storages(replica)
-        figures = [
-            measure_layer(
-                call,
-                x,
-                device,
-                exclude=exclude,
-                warmup=warmup,
-                repeats=repeats,
-                label=label,
-                flush=flush,
-                autocast=autocast,
-            )
-            for x in inputs
-        ]
-        # Under autocast the next layer gets what the model passes it: half-precision outputs.
-        with torch.no_grad(), autocast_pass(device.type, autocast):
-            raw = [call(*x) for x in inputs]
-        outputs = [as_tensors(out, f"the output of {label}") for out in raw]
-        returns_tuple = not isinstance(raw[0], Tensor)
-        del raw
-        params = sum(p.numel() * p.element_size() for p in replica.parameters())
-        buffers = sum(b.numel() * b.element_size() for b in replica.buffers())
-    finally:
-        del replica, call
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    peaks = [f.peak for f in figures if f.peak is not None]
-    profile = LayerProfile(
-        name=name,
-        # The input storages this layer saves that the previous layer saved as its output.
-        shared=[0] * len(figures)
-        if previous is None
-        else [min(f.input_saved, p) for f, p in zip(figures, previous, strict=True)],
-        kind=type(layer).__name__,
-        forward=[f.forward for f in figures],
-        backward=[f.backward for f in figures],
-        backward_input=[min(f.backward_input, f.backward) for f in figures],
-        saved=[f.saved for f in figures],
-        output=[tensor_bytes(out) for out in outputs],
-        param_bytes=params,
-        buffer_bytes=buffers,
-        peak=peaks if len(peaks) == len(figures) else None,
-    )
-    return profile, outputs, [f.output_saved for f in figures], returns_tuple
 
 
 def tied_state(
@@ -298,6 +216,8 @@ def profile_layers(
     cold_cache: bool = True,
     autocast: str | None = None,
     owner: nn.Module | None = None,
+    measure: bool = True,
+    count: bool = True,
 ) -> Profile:
     """Measures the time and memory of each layer of a sequential model.
 
@@ -369,33 +289,49 @@ def profile_layers(
 
     cuda = [dev.index] if dev.type == "cuda" else []
     on_device: AbstractContextManager[Any] = torch.cuda.device(dev) if cuda else nullcontext()
-    results: list[LayerProfile] = []
-    signatures: list[str] = []
-    previous: list[int] | None = None
-    flush = CacheFlush(dev) if cold_cache else None
+    stateless = any(has_meta(layer) for layer in layers)
+    meta: dict[str, Any] = {}
     with (
         torch.random.fork_rng(devices=cuda),
         on_device,
         torch.inference_mode(False),
         torch.enable_grad(),
     ):
-        inputs = [_resize(tensors, size, dev) for size in sizes]
-        input_bytes = [tensor_bytes(x) for x in inputs]
-        for i, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
-            signatures.append(layer_signature(layer, inputs))
-            result, inputs, previous, packed = _profile_layer(
-                layer, name, inputs, dev, warmup, repeats, previous, flush, autocast, packed
+        counted = _count(layers, layer_names, tensors, sizes, dev, autocast, packed, count, measure)
+        if isinstance(counted, str):
+            meta["uncounted"] = counted
+            counted = None
+        signatures = None if counted is None else [c.signature for c in counted]
+        if measure:
+            settings = MeasureSettings(
+                dev, warmup, repeats, CacheFlush(dev) if cold_cache else None, autocast
             )
-            results.append(result)
-            if progress is not None:
-                progress(i + 1, len(layers), name)
-        del inputs
-
-    meta: dict[str, Any] = {}
-    if pool:
+            inputs = [_resize(tensors, size, dev) for size in sizes]
+            input_bytes = [tensor_bytes(x) for x in inputs]
+            results, signatures = measure_layers(
+                layers,
+                layer_names,
+                inputs,
+                settings,
+                packed=packed,
+                signatures=signatures,
+                reuse=pool,
+                progress=progress,
+            )
+            del inputs
+        else:
+            assert counted is not None  # counting is required without measuring
+            input_bytes = [tensor_bytes(_resize(tensors, size, META)) for size in sizes]
+            results = _counted_profiles(layers, layer_names, counted)
+            meta["unmeasured"] = True
+    if counted is not None:
+        results = [_with_counts(r, c) for r, c in zip(results, counted, strict=True)]
+    if pool and signatures is not None:
         results, groups = pool_identical(results, signatures)
         if groups:
             meta["pooled"] = groups
+    if stateless:
+        meta["meta_device"] = True
     return Profile(
         layers=results,
         batch_sizes=sizes,
@@ -409,6 +345,71 @@ def profile_layers(
         meta=meta,
         autocast=autocast,
         tied=tied_state(layers, layer_names, owner),
+    )
+
+
+def _count(
+    layers: list[nn.Module],
+    names: list[str],
+    tensors: Inputs,
+    sizes: list[int],
+    device: torch.device,
+    autocast: str | None,
+    packed: bool,
+    count: bool,
+    measure: bool,
+) -> list[CountedLayer] | str | None:
+    """The count pass; a string says why a layer could not be counted (only when the
+    counts are optional: the layers have real state and are measured)."""
+    required = not measure or any(has_meta(layer) for layer in layers)
+    if not (count or required):
+        return None
+    inputs = [_resize(tensors, size, META) for size in sizes]
+    try:
+        return count_layers(layers, inputs, names, device, autocast=autocast, packed=packed)
+    except ValueError as exc:
+        if required:
+            raise
+        return str(exc)
+
+
+def _counted_profiles(
+    layers: list[nn.Module], names: list[str], counted: list[CountedLayer]
+) -> list[LayerProfile]:
+    """Profiles with the counted bytes and zero times, for layers that are not measured."""
+    results: list[LayerProfile] = []
+    previous: list[int] | None = None
+    for layer, name, found in zip(layers, names, counted, strict=True):
+        zeros = [0.0] * len(found.counts)
+        results.append(
+            LayerProfile(
+                name=name,
+                kind=type(layer).__name__,
+                forward=zeros,
+                backward=list(zeros),
+                backward_input=list(zeros),
+                saved=[c.saved for c in found.counts],
+                output=[c.output for c in found.counts],
+                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+                buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers()),
+                shared=[0] * len(found.counts)
+                if previous is None
+                else [min(c.input_saved, p) for c, p in zip(found.counts, previous, strict=True)],
+            )
+        )
+        previous = [c.output_saved for c in found.counts]
+    return results
+
+
+def _with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
+    counts = counted.counts
+    return replace(
+        profile,
+        flops=[c.flops for c in counts],
+        backward_flops=[c.backward_flops for c in counts],
+        backward_input_flops=[c.backward_input_flops for c in counts],
+        traffic=[c.traffic for c in counts],
+        backward_traffic=[c.backward_traffic for c in counts],
     )
 
 

@@ -266,7 +266,9 @@ def test_default_batch_sizes() -> None:
 def test_batch_sizes_beyond_the_sample_repeat_it() -> None:
     SEEN.clear()
     sample = torch.randn(2, 3)
-    profile = profile_layers([Record(), nn.Linear(3, 1)], sample, batch_sizes=[5, 1], repeats=1)
+    profile = profile_layers(
+        [Record(), nn.Linear(3, 1)], sample, batch_sizes=[5, 1], repeats=1, count=False
+    )
     assert profile.batch_sizes == [1, 5]
     assert profile.input == [1 * 3 * F32, 5 * 3 * F32]
     assert profile.layers[1].saved == [1 * 3 * F32, 5 * 3 * F32]

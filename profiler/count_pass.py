@@ -1,0 +1,99 @@
+"""Counts every layer of a model in order, without storage: each distinct layer once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from profiler.counting import LayerCounts, count_layer, meta_copy
+from profiler.layer import OneValue
+from profiler.pooling import layer_signature
+
+__all__ = ["CountedLayer", "count_layers"]
+
+Inputs = tuple[Tensor, ...]
+
+
+@dataclass(frozen=True)
+class CountedLayer:
+    """One layer's counts at each batch size, and what identifies its cost.
+
+    Attributes:
+        signature: equal for layers that do the same work (:func:`layer_signature`).
+        counts: one per batch size.
+        first: the index of the first layer with this signature (itself when new).
+    """
+
+    signature: str
+    counts: list[LayerCounts]
+    first: int
+
+
+def _fresh(tensors: Inputs) -> Inputs:
+    """New meta tensors of the same shapes: each layer's inputs are storages of its own."""
+    return tuple(torch.empty_like(t) for t in tensors)
+
+
+def count_layers(
+    layers: Sequence[nn.Module],
+    inputs: Sequence[Inputs],
+    names: Sequence[str],
+    device: torch.device,
+    *,
+    autocast: str | None = None,
+    packed: bool = False,
+) -> list[CountedLayer]:
+    """Counts the layers in order, each on the previous one's outputs.
+
+    A layer with the signature of one counted before (same code, modes, state shapes and
+    input shapes) does the same work and returns the same shapes: it takes that layer's
+    counts, so a model of 80 identical blocks costs one block's count.
+
+    Args:
+        layers: the layers, on any device (the meta device included); they are not run,
+            storage-free copies are.
+        inputs: the first layer's inputs at each batch size, on the meta device.
+        names: the layers' names, for error messages.
+        device: whose kernels to count (see :func:`profiler.counting.count_layer`).
+        autocast: the autocast dtype the layers run under, or ``None``.
+        packed: the first layer takes its inputs as one tuple.
+
+    Raises:
+        ValueError: a layer cannot run without tensor values; the message names it.
+    """
+    results: list[CountedLayer] = []
+    seen: dict[str, tuple[int, list[Inputs], bool]] = {}
+    current = [tuple(x) for x in inputs]
+    for index, (layer, name) in enumerate(zip(layers, names, strict=True)):
+        signature = layer_signature(layer, current) + f"#packed={packed}"
+        if signature in seen:
+            first, outputs, packed = seen[signature]
+            results.append(CountedLayer(signature, results[first].counts, first))
+            current = [_fresh(out) for out in outputs]
+            continue
+        label = f"layer {name} ({type(layer).__name__})"
+        counts, outputs = [], []
+        returns_tuple = False
+        for x in current:
+            call = meta_copy(layer)
+            try:
+                found, out, returns_tuple = count_layer(
+                    OneValue(call) if packed else call, x, device, label=label, autocast=autocast
+                )
+            except Exception as exc:
+                message = " ".join(str(exc).split())[:300]
+                raise ValueError(
+                    f"cannot count {label} without tensor values: {type(exc).__name__}: "
+                    f"{message}. Code that reads values (.item(), nonzero, data-dependent "
+                    "shapes) needs real weights: build the model on a real device"
+                ) from None
+            counts.append(found)
+            outputs.append(out)
+        seen[signature] = (index, outputs, returns_tuple)
+        results.append(CountedLayer(signature, counts, index))
+        current = [_fresh(out) for out in outputs]
+        packed = returns_tuple
+    return results
