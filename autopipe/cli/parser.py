@@ -56,9 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def selected_command(args: argparse.Namespace) -> Command:
-    """The command the parsed ``args`` ask for: ``plan --search`` runs the search."""
+    """The command the parsed ``args`` ask for: ``plan --search`` runs the search.
+
+    Raises:
+        ValueError: an option of the search without ``--search``.
+    """
     if args.command == "plan" and args.search:
         return search_command
+    if args.command == "plan" and args.shard_optimizer:
+        raise ValueError(
+            "--shard-optimizer goes with --search: a plan of --stages has one replica, "
+            "with no copies to shard the optimizer state over"
+        )
     command: Command = args.func
     return command
 
@@ -131,7 +140,9 @@ def _add_plan_parser(commands: Any) -> None:
         "--optimizer",
         default="adam",
         help="optimizer whose state counts toward memory: adam, adamw, sgd, momentum, none, "
-        "or state bytes per parameter byte (default: adam)",
+        "their mixed-precision forms adam-mixed, adamw-mixed, sgd-mixed, momentum-mixed "
+        "(float32 master weights and state for 2-byte parameters: adam-mixed is 16 bytes "
+        "per parameter in all), or state bytes per parameter byte (default: adam)",
     )
     parser.add_argument(
         "--bandwidth",
@@ -198,6 +209,13 @@ def _add_search_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only replica and micro-batch counts that split the batch into equal parts "
         "(what the distributed runner needs for models with BatchNorm)",
+    )
+    search.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="shard each stage's optimizer state over its data-parallel replicas (ZeRO-1, "
+        "DeepSpeed stage 1, Megatron-LM's distributed optimizer): a stage holds 1/D of it, "
+        "at the same step time",
     )
 
 

@@ -55,6 +55,7 @@ def search_command(args: argparse.Namespace) -> int:
         top=args.top,
         even=args.even,
         virtual_stages=tuple(range(1, args.virtual_stages + 1)),
+        shard_optimizer=args.shard_optimizer,
     )
     best = plans[0]
     if args.timeline:

@@ -27,6 +27,10 @@ plans them (the replayed schedule, :mod:`autopipe.planning.interleaved_balance`)
 A configuration is expanded only while its bound is below the ``top``-th best step time
 found so far, so the returned ranking equals that of exhaustive :func:`autopipe.plan`
 calls (ties may pick another balance of the same step time).
+
+With ``shard_optimizer`` the replicas of each configuration shard its stages' optimizer
+state (ZeRO-1); ``"auto"`` searches that way and returns each plan unsharded where that
+loses nothing (:mod:`autopipe.planning.optimizer_sharding`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from autopipe.planning.exact import solve_split, split_value
 from autopipe.planning.interleaved_balance import pipeline_time
 from autopipe.planning.intervals import IntervalSolver
 from autopipe.planning.names import CHECKPOINT_MODES, SCHEDULES, SEARCH_CHECKPOINTS
+from autopipe.planning.optimizer_sharding import check_shard_optimizer, settle
 from autopipe.planning.plan_settings import check_profile
 from autopipe.planning.planner import describe, interleaved_balance
 from autopipe.planning.plans import Plan
@@ -106,6 +111,7 @@ def search(
     max_chunks: int | None = None,
     even: bool = False,
     virtual_stages: Sequence[int] = (1,),
+    shard_optimizer: bool | str = False,
 ) -> list[Plan]:
     """Ranks the pipeline × data-parallel configurations of ``devices`` identical devices.
 
@@ -133,6 +139,12 @@ def search(
             without checkpointing, each valued by the replayed schedule
             (:mod:`autopipe.planning.interleaved_balance`) with the runner's calibrated
             ``virtual_overhead_s`` when there is one.
+        shard_optimizer: ``True``: the D replicas of each configuration shard its stages'
+            optimizer state (ZeRO stage 1, DeepSpeed's stage 1 or Megatron-LM's
+            distributed optimizer; same step time, ``opt / D`` state bytes per parameter
+            byte). ``"auto"``: search so, then return each plan unsharded where it fits
+            unsharded as fast; a plan that stays sharded records it and notes why
+            (unsharded it does not fit, or is slower). ``False`` (default): no sharding.
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its
@@ -153,6 +165,7 @@ def search(
         isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1
     ):
         raise ValueError(f"max_chunks must be a positive integer or None, got {max_chunks!r}")
+    shard = check_shard_optimizer(shard_optimizer)
     capacity = None if memory is None else parse_bytes(memory)
     space = Space(
         profile,
@@ -160,6 +173,7 @@ def search(
         bandwidth=bandwidth,
         allreduce_bandwidth=allreduce_bandwidth,
         optimizer=optimizer,
+        shard_optimizer=shard is not False,
     )
     if isinstance(virtual_stages, int):
         raise TypeError(
@@ -172,7 +186,7 @@ def search(
         raise ValueError(f"virtual_stages must be positive integers, got {virtual_stages!r}")
     configs = configurations(
         devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even,
-        tuple(virtual_stages),
+        tuple(virtual_stages), shard is not False,
     )  # fmt: skip
     ranking = _Ranking(space, top, checkpoints)
     ranking.run(configs)
@@ -180,20 +194,25 @@ def search(
     if not ranked:
         raise PlanningError(explain_infeasible(space, configs, devices))
     profile_dict = profile.to_dict()
+    settled = [settle(space, c, f.model, f.balance, shard == "auto") for c, f in ranked]
     plans = [
         describe(
-            f.model,
-            f.balance,
+            s.model,
+            s.balance,
             profile,
             "optimal",
             optimizer,
             batch=total_batch,
             record=profile_dict,
         )
-        for _, f in ranked
+        for s in settled
     ]
     ranking.infeasible.sort(key=lambda item: item[0])
     annotate(plans, space, ranking.infeasible, ranking.stats, devices)
+    # On the best, and on a runner-up only where it shards otherwise than the best.
+    for result, s in zip(plans, settled, strict=True):
+        if s.note and (result is plans[0] or result.shard_optimizer != plans[0].shard_optimizer):
+            result.notes.append(s.note)
     return plans
 
 

@@ -12,12 +12,13 @@ the last stage). Its peak memory is::
 
     m_k(s, e) = P(s,e) · (2 + opt) + Buf(s,e) + ck_k · in(s) + keep_k · S(s,e) + peak(s,e)
 
-with parameters P (plus gradients and ``opt`` optimizer states per parameter byte), buffers
-Buf, the stage's boundary input ``in(s)``, the saved-for-backward bytes S of one
-micro-batch and the largest transient peak of a layer. Of the ``n_k`` micro-batches in
-flight on stage k (GPipe: M; 1F1B: min(M, K−k); with virtual stages see
-:mod:`autopipe.planning.interleaving`), ``ck_k`` are checkpointed and keep only
-their input; the others keep all saved tensors, and a re-computation holds one
+with parameters P (plus gradients and ``opt`` optimizer state bytes per parameter byte,
+see :func:`optimizer_factor`; ``adam-mixed``: 6, float32 master weights and Adam state for
+2-byte parameters), buffers Buf, the stage's boundary input ``in(s)``, the
+saved-for-backward bytes S of one micro-batch and the largest transient peak of a layer.
+Of the ``n_k`` micro-batches in flight on stage k (GPipe: M; 1F1B: min(M, K−k); with
+virtual stages see :mod:`autopipe.planning.interleaving`), ``ck_k`` are checkpointed and
+keep only their input; the others keep all saved tensors, and a re-computation holds one
 micro-batch's saved tensors at a time (``keep_k = n_k − ck_k``, at least 1).
 
 Checkpoint mode ``auto`` decides per stage: a stage runs ``never`` if its memory fits, else
@@ -32,6 +33,15 @@ its D copies once per step (ring all-reduce, after the pipeline drains, no overl
     a_k(s, e) = 2 · (D − 1) / D · P(s,e) / allreduce_bandwidth
 
 The stages' rings use disjoint devices and run at once, so a step costs ``max_k a_k``.
+
+With ``shard_optimizer`` (ZeRO stage 1, as DeepSpeed's ``zero_optimization.stage = 1`` and
+Megatron-LM's ``--use-distributed-optimizer``) each of a stage's D copies keeps the
+optimizer state of only a 1/D share of its parameters: ``P · (2 + opt / D)`` in place of
+``P · (2 + opt)``, weights and gradients still whole. The gradient all-reduce then becomes a
+reduce-scatter (each copy gets the summed gradients of its share and updates it) plus an
+all-gather of the updated parameters: ``(D − 1)/D · P`` each, the ring all-reduce's
+``2 · (D − 1)/D · P`` in all, so the step time model does not change. With D = 1 it changes
+nothing.
 
 A tensor several layers use (tied, :class:`profiler.profile.TiedState`) is counted in each
 user's ``P`` (or ``Buf``); a stage holds one copy of it however many of its layers use
@@ -129,6 +139,8 @@ class CostModel:
         allreduce_bandwidth: bytes/s of the all-reduce; ``None`` treats it as free.
         virtual_stages: stages per rank (v, see :mod:`autopipe.planning.interleaving`); the
             devices are then K·v stages, stage s on rank ``s % K``.
+        shard_optimizer: each stage's D replicas shard its optimizer state (ZeRO-1, see
+            the module docstring): a stage holds ``opt / D`` state bytes per parameter byte.
     """
 
     def __init__(
@@ -144,6 +156,7 @@ class CostModel:
         data_parallel: int = 1,
         allreduce_bandwidth: float | None = None,
         virtual_stages: int = 1,
+        shard_optimizer: bool = False,
     ) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(
@@ -167,6 +180,8 @@ class CostModel:
             )
         if data_parallel < 1:
             raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+        if not isinstance(shard_optimizer, bool):  # "no" would read as True
+            raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
         if virtual_stages < 1 or len(devices) % virtual_stages:
             raise ValueError(
                 f"{len(devices)} stages do not split into {virtual_stages} virtual stages per "
@@ -184,6 +199,10 @@ class CostModel:
         self.data_parallel = data_parallel
         self.allreduce_bandwidth = allreduce_bandwidth
         self.virtual_stages = virtual_stages
+        self.shard_optimizer = shard_optimizer
+        # Bytes a stage holds per parameter byte: weight, gradient and its optimizer state.
+        own = optimizer / data_parallel if shard_optimizer else optimizer
+        self.state_factor = 2.0 + own
         # Stage k runs on rank k % K as local stage k // K; one replay of each rank's order.
         ranks = len(self.devices) // virtual_stages
         held = [in_flight(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)]
@@ -201,7 +220,7 @@ class CostModel:
         self._shared = layers.shared_bytes
         self._saved = prefix_sums(layers.saved - self._shared)
         self._params = prefix_sums(layers.params)
-        self._state = prefix_sums(layers.params * (2.0 + optimizer) + layers.buffers)
+        self._state = prefix_sums(layers.params * self.state_factor + layers.buffers)
         # Per tied tensor, how many of its users lie before each layer: a stage [s, e)
         # holds cnt[e] − cnt[s] of them, and counts the tensor once instead.
         self.tied = list(layers.tied)
@@ -213,7 +232,7 @@ class CostModel:
             self._tied_users[i] = prefix_sums(used)
         self._tied_params = np.array([0.0 if t.buffer else float(t.bytes) for t in self.tied])
         self._tied_state = np.array(
-            [float(t.bytes) * (1.0 if t.buffer else 2.0 + optimizer) for t in self.tied]
+            [float(t.bytes) * (1.0 if t.buffer else self.state_factor) for t in self.tied]
         )
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output])
@@ -286,7 +305,8 @@ class CostModel:
         return [users[e] - users[s] > 0 for users in self._tied_users]
 
     def state_memory(self, s: Index, e: Index) -> Array:
-        """Parameters, gradients, optimizer state and buffers of layers ``[s, e)``."""
+        """Parameters, gradients, optimizer state (a 1/D share when sharded) and buffers of
+        layers ``[s, e)``."""
         state = self._state[e] - self._state[s]
         if self.tied:
             state = state - self._repeats(self._tied_state, s, e)

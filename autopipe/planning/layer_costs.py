@@ -13,8 +13,22 @@ from profiler.profile import Profile, TiedState
 
 __all__ = ["LayerCosts"]
 
-# Optimizer state bytes per parameter byte.
-OPTIMIZER_STATES = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+# Optimizer state bytes per parameter byte. The ``-mixed`` names are mixed-precision
+# training with 2-byte (bfloat16 or float16) parameters and gradients whose optimizer keeps
+# float32 master weights (4 bytes per parameter) besides its float32 state: Adam's m and v
+# make 12 bytes per parameter, 6 per parameter byte, so 16 bytes per parameter with the
+# weight and gradient; SGD's master weights alone 2, with momentum 4.
+OPTIMIZER_STATES = {
+    "none": 0.0,
+    "sgd": 0.0,
+    "momentum": 1.0,
+    "adam": 2.0,
+    "adamw": 2.0,
+    "sgd-mixed": 2.0,
+    "momentum-mixed": 4.0,
+    "adam-mixed": 6.0,
+    "adamw-mixed": 6.0,
+}
 # The figures of a layer that scale with the micro-batch size.
 _FIGURES = ("forward", "backward", "backward_input", "saved", "shared", "output", "peak")
 
@@ -81,7 +95,17 @@ def _compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]
 
 
 def optimizer_factor(optimizer: str | float) -> float:
-    """Optimizer state bytes per parameter byte, from a name or a number."""
+    """Optimizer state bytes per parameter byte, from a name or a number.
+
+    The names (case-insensitive): ``none`` and ``sgd`` 0, ``momentum`` 1, ``adam`` and
+    ``adamw`` 2 (state in the parameters' dtype), and for mixed precision with 2-byte
+    parameters and float32 master weights ``sgd-mixed`` 2, ``momentum-mixed`` 4,
+    ``adam-mixed`` and ``adamw-mixed`` 6 (4 master + 4 m + 4 v bytes per 2-byte parameter;
+    16 bytes per parameter with the weight and gradient). The ``-mixed`` factors assume the
+    profile's parameter bytes are those of the 2-byte parameters (profile with
+    ``--dtype bfloat16``); a float32 profile under autocast trains float32 weights, which
+    ``adam`` describes.
+    """
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
         if not (math.isfinite(optimizer) and optimizer >= 0):
             raise ValueError(

@@ -38,6 +38,7 @@ class PlanSettings:
     overhead: float | None = None
     virtual_stages: int = 1
     padded: bool = False
+    shard_optimizer: bool = False
 
 
 def check_profile(profile: object, caller: str) -> None:
@@ -114,6 +115,8 @@ def build_model(
         raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
     if not isinstance(settings.padded, bool):  # "no" would read as True
         raise TypeError(f"padded must be True or False, got {settings.padded!r}")
+    if not isinstance(settings.shard_optimizer, bool):
+        raise TypeError(f"shard_optimizer must be True or False, got {settings.shard_optimizer!r}")
     alone = len(specs) // v * settings.data_parallel == 1
     lines = ProfileLines.from_profile(profile, alone)
     # Micro-batches of uneven size take the mean size's time in all, unless the runner pads
@@ -128,4 +131,5 @@ def build_model(
         optimizer_factor(settings.optimizer),
         data_parallel=settings.data_parallel,
         virtual_stages=v,
+        shard_optimizer=settings.shard_optimizer,
     )

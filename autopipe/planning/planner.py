@@ -53,6 +53,7 @@ def plan(
     overhead: float | None = None,
     virtual_stages: int = 1,
     padded: bool = False,
+    shard_optimizer: bool = False,
 ) -> Plan:
     """Plans the pipeline with the smallest predicted step time that fits every device.
 
@@ -86,6 +87,12 @@ def plan(
             stages together must fit its device (the capacity of its first stage).
         padded: every micro-batch runs at the size of the largest, ``ceil(batch / M)``
             rows (the distributed runner pads uneven ones), not their mean size.
+        shard_optimizer: the D replicas shard each stage's optimizer state among them
+            (ZeRO stage 1, DeepSpeed's stage 1 or Megatron-LM's distributed optimizer):
+            a stage holds ``opt / D`` optimizer state bytes per parameter byte, not
+            ``opt``; the step time is unchanged (reduce-scatter plus all-gather move what
+            the all-reduce moves, see :mod:`autopipe.planning.cost_model`). No effect with
+            ``data_parallel=1``.
 
     Raises:
         PlanningError: no split fits, or the chosen strategy's split does not fit; the
@@ -109,6 +116,7 @@ def plan(
         overhead=overhead,
         virtual_stages=virtual_stages,
         padded=padded,
+        shard_optimizer=shard_optimizer,
     )
     model = build_model(profile, devices, settings)
     if model.num_stages > model.num_layers:
@@ -296,6 +304,7 @@ def describe(
         virtual_stages=model.virtual_stages,
         tied=tied,
         tied_time=tied_time,
+        shard_optimizer=model.shard_optimizer and model.data_parallel > 1,
     )
 
 

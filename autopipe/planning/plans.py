@@ -13,9 +13,10 @@ from profiler.profile import Profile
 
 __all__ = ["Plan", "StagePlan", "TiedPlan"]
 
-PLAN_VERSION = 2
-# Version 1 plans load too: they lack the fields added in 2, whose defaults hold for them.
-_READABLE = (1, 2)
+PLAN_VERSION = 3
+# Older plans load too: they lack the fields added since (3: ``shard_optimizer``), whose
+# defaults hold for them.
+_READABLE = (1, 2, 3)
 
 
 @dataclass
@@ -126,6 +127,9 @@ class Plan:
         tied: the tensors several layers use, with the stages holding their copies.
         tied_time: seconds per step summing tied parameters' gradients between the stages
             holding copies, part of ``step_time``.
+        shard_optimizer: the ``data_parallel`` replicas shard each stage's optimizer
+            state (ZeRO stage 1): the stages' ``param_memory`` holds a 1/D share of it
+            (always ``False`` with one replica; plans before version 3 did not shard).
     """
 
     balance: list[int]
@@ -151,6 +155,7 @@ class Plan:
     virtual_stages: int = 1
     tied: list[TiedPlan] = field(default_factory=list)
     tied_time: float = 0.0
+    shard_optimizer: bool = False
 
     @property
     def pipeline_time(self) -> float:
@@ -246,6 +251,8 @@ def _check_plan(plan: Plan) -> None:
         _count(size, f"balance[{k}]")
     for what in ("chunks", "micro_batch", "data_parallel", "virtual_stages"):
         _count(getattr(plan, what), what)
+    if not isinstance(plan.shard_optimizer, bool):
+        raise ValueError(f"shard_optimizer is {plan.shard_optimizer!r}; it must be true or false")
     if len(plan.stages) != len(plan.balance):
         raise ValueError(
             f"balance {plan.balance} has {len(plan.balance)} stages but stages lists "

@@ -100,6 +100,8 @@ def render_header(plan: Plan) -> str:
         f"strategy {plan.strategy}, schedule {plan.schedule}, "
         f"checkpoint {_checkpoint_label(plan)}, optimizer {plan.optimizer}"
     )
+    if plan.shard_optimizer:
+        second += f" (optimizer state sharded over {plan.data_parallel} replicas, ZeRO-1)"
     precision = precision_label(profile)
     if precision:
         second += f", {precision}"

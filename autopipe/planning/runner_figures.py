@@ -96,6 +96,7 @@ class RunnerFigures:
         *,
         data_parallel: int = 1,
         virtual_stages: int = 1,
+        shard_optimizer: bool = False,
     ) -> CostModel:
         """The cost model of ``devices`` (one per stage) running ``costs`` with these figures.
 
@@ -108,6 +109,7 @@ class RunnerFigures:
             optimizer: optimizer state bytes per parameter byte.
             data_parallel: replicas of the pipeline.
             virtual_stages: stages per device.
+            shard_optimizer: the replicas shard each stage's optimizer state (ZeRO-1).
         """
         return CostModel(
             costs,
@@ -120,4 +122,5 @@ class RunnerFigures:
             data_parallel=data_parallel,
             allreduce_bandwidth=self.allreduce_bandwidth,
             virtual_stages=virtual_stages,
+            shard_optimizer=shard_optimizer,
         )

@@ -149,8 +149,15 @@ def explain_infeasible(space: Space, configs: Sequence[Config], devices: int) ->
         ((Relaxation(space.model(c), space.memory_ends).shortfall(), c) for c in picks),
         key=lambda x: x[0],
     )
+    fixes = "add memory or devices, or use a smaller batch"
+    if space.optimizer > 0 and not space.shard_optimizer and devices > 1:
+        # Replicas could shard the optimizer state (ZeRO-1).
+        fixes = (
+            "add memory or devices, use a smaller batch, or shard the optimizer state over "
+            "the replicas (--shard-optimizer, shard_optimizer=True)"
+        )
     return (
         f"no configuration of up to {devices} devices fits {format_bytes(space.capacity or 0)} "
         f"per device: the closest, {closest.label()}, needs at least {format_bytes(missing)} "
-        "more per device; add memory or devices, or use a smaller batch"
+        f"more per device; {fixes}"
     )

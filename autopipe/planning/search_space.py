@@ -67,7 +67,12 @@ def chunk_options(batch: int, limit: int) -> list[tuple[int, int]]:
 
 
 class Space:
-    """Shared figures for building and bounding configurations."""
+    """Shared figures for building and bounding configurations.
+
+    With ``shard_optimizer`` every configuration's replicas shard its stages' optimizer
+    state (ZeRO-1: ``opt / D`` state bytes per parameter byte, see
+    :mod:`autopipe.planning.cost_model`), and the bounds count that share.
+    """
 
     def __init__(
         self,
@@ -77,8 +82,10 @@ class Space:
         bandwidth: float | str | None,
         allreduce_bandwidth: float | str | None,
         optimizer: str | float,
+        shard_optimizer: bool = False,
     ) -> None:
         self.profile = profile
+        self.shard_optimizer = shard_optimizer
         self.lines = ProfileLines.from_profile(profile)
         self.lines_alone = ProfileLines.from_profile(profile, alone=True)
         # The figures :func:`autopipe.plan` builds its model with, for the same arguments.
@@ -94,10 +101,10 @@ class Space:
         self.capacity = capacity
         self.optimizer = optimizer_factor(optimizer)
         # Tied tensors once (at their first user): sums and maxima from below.
-        self.params, buffers = self.lines.at(1.0).first_use()
-        state = self.params * (2.0 + self.optimizer) + buffers
-        self.state, self.state_max = float(state.sum()), state
-        self._at: dict[tuple[int, float, bool], tuple[LayerCosts, float, float, float]] = {}
+        self.params, self.buffers = self.lines.at(1.0).first_use()
+        self._at: dict[tuple[int, float, bool], tuple[LayerCosts, float, float]] = {}
+        self._single: dict[tuple[int, float, bool, float], float] = {}
+        self._state: dict[float, float] = {}
         self._compute: dict[tuple[int, float, bool, float], tuple[float, float]] = {}
         self.memory_ends: MemoryCache = {}
 
@@ -108,8 +115,24 @@ class Space:
             DeviceSpec(name, self.capacity, 1.0, self.bandwidth, self.latency) for name in names
         ]
 
-    def model(self, config: Config) -> CostModel:
+    def state_factor(self, replicas: int, shard: bool | None = None) -> float:
+        """Bytes a stage holds per parameter byte with ``replicas`` copies: weight,
+        gradient and optimizer state (a 1/D share of it when sharded)."""
+        sharded = self.shard_optimizer if shard is None else shard
+        return 2.0 + (self.optimizer / replicas if sharded else self.optimizer)
+
+    def state(self, replicas: int) -> float:
+        """All layers' parameters, gradients, optimizer state and buffers with
+        ``replicas`` copies (tied tensors once, at their first user)."""
+        factor = self.state_factor(replicas)
+        if factor not in self._state:
+            self._state[factor] = float((self.params * factor + self.buffers).sum())
+        return self._state[factor]
+
+    def model(self, config: Config, shard: bool | None = None) -> CostModel:
+        """The configuration's cost model; ``shard`` overrides the space's sharding."""
         v = config.virtual
+        sharded = self.shard_optimizer if shard is None else shard
         devices = self.devices(config.stages)
         return self.runner.cost_model(
             self.figures(config.micro_batch, config.mean_batch, config.alone)[0],
@@ -120,24 +143,33 @@ class Space:
             self.optimizer,
             data_parallel=config.replicas,
             virtual_stages=v,
+            shard_optimizer=sharded,
         )
 
     def figures(
         self, micro: int, mean: float, alone: bool = False
-    ) -> tuple[LayerCosts, float, float, float]:
+    ) -> tuple[LayerCosts, float, float]:
         """Per micro-batch size (and mean size, for times; ``alone``: on one device): the
-        layer costs, smallest boundary, largest single layer's memory and the total saved
-        activations."""
+        layer costs, smallest boundary and the total saved activations."""
         key = (micro, mean, alone)
         if key not in self._at:
             lines = self.lines_alone if alone else self.lines
             costs = lines.at(micro, time_batch=mean)
             boundary = float(costs.output[:-1].min()) if len(costs) > 1 else 0.0
-            single = float(np.max(self.state_max + costs.saved + costs.peak))
             # Shared bytes count once (more when a cut separates them: a lower bound).
             saved = float((costs.saved - costs.shared_bytes).sum())
-            self._at[key] = (costs, boundary, single, saved)
+            self._at[key] = (costs, boundary, saved)
         return self._at[key]
+
+    def single(self, config: Config) -> float:
+        """The least memory of the configuration's largest layer alone on a stage."""
+        factor = self.state_factor(config.replicas)
+        key = (config.micro_batch, config.mean_batch, config.alone, factor)
+        if key not in self._single:
+            costs = self.figures(config.micro_batch, config.mean_batch, config.alone)[0]
+            state = self.params * factor + self.buffers
+            self._single[key] = float(np.max(state + costs.saved + costs.peak))
+        return self._single[key]
 
     def compute(self, micro: int, mean: float, alone: bool, r: float) -> tuple[float, float]:
         """Total and largest per-layer compute with a re-computed share ``r``."""
@@ -152,9 +184,7 @@ class Space:
         """Tier 1: a lower bound on the configuration's value, and whether it may fit."""
         if config.virtual > 1:
             return self._virtual_bound(config)
-        costs, boundary, single, saved = self.figures(
-            config.micro_batch, config.mean_batch, config.alone
-        )
+        costs, boundary, saved = self.figures(config.micro_batch, config.mean_batch, config.alone)
         k, m = config.stages, config.chunks
         fastest = "never" if config.checkpoint == "auto" else config.checkpoint
         r = {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[fastest]
@@ -175,13 +205,13 @@ class Space:
         if config.schedule == "1f1b":
             ck = min(ck, 1)
         inputs = ck * (costs.input + (k - 1) * boundary)
-        need = self.state + keep * saved + inputs + float(costs.peak.max())
-        return value, single <= self.capacity and need <= k * self.capacity
+        need = self.state(config.replicas) + keep * saved + inputs + float(costs.peak.max())
+        return value, self.single(config) <= self.capacity and need <= k * self.capacity
 
     def _virtual_bound(self, config: Config) -> tuple[float, bool]:
         """Tier 1 for K·v interleaved stages: a device works ``M·C_r`` per step, at least
         the mean ``M·Σc / K``, and one micro-batch passes every stage in turn (``Σc``)."""
-        _, boundary, single, _ = self.figures(config.micro_batch, config.mean_batch)
+        boundary = self.figures(config.micro_batch, config.mean_batch)[1]
         k, m, stages = config.stages, config.chunks, config.stages * config.virtual
         work = self.compute(config.micro_batch, config.mean_batch, False, 0.0)[0]
         send = boundary / self.bandwidth if self.bandwidth else 0.0
@@ -191,7 +221,7 @@ class Space:
             alpha = 2.0 * (config.replicas - 1) / config.replicas / self.allreduce
         params = max(float(self.params.sum()) / stages, float(self.params.max()))
         value = max(total, m * total / k) + alpha * params
-        return value, self.capacity is None or single <= self.capacity
+        return value, self.capacity is None or self.single(config) <= self.capacity
 
 
 def configurations(
@@ -203,11 +233,13 @@ def configurations(
     max_chunks: int | None,
     even: bool = False,
     virtual_stages: Sequence[int] = (1,),
+    shard_optimizer: bool = False,
 ) -> list[Config]:
     """Every configuration of at most ``n_devices`` devices (see :func:`autopipe.search`).
 
     Replica counts that leave each replica as many samples as one replica fewer does are
-    left out: they only add all-reduce work. With ``even``, only replica and micro-batch
+    left out: they only add all-reduce work (unless the replicas shard the optimizer
+    state, whose share per device more replicas make smaller). With ``even``, only replica and micro-batch
     counts that divide the batch exactly. Virtual stages (v > 1) go with K >= 2, K·v
     layers at most, ``never`` checkpointing (torch's interleaved schedules keep every
     activation) and, for 1F1B, M a multiple of its rounds' micro-batches.
@@ -216,7 +248,7 @@ def configurations(
     for k in range(1, min(n_devices, layers) + 1):
         for d in range(1, min(n_devices // k, batch) + 1):
             replica = -(-batch // d)
-            if d > 1 and replica == -(-batch // (d - 1)):
+            if d > 1 and replica == -(-batch // (d - 1)) and not shard_optimizer:
                 continue
             if even and batch % d:
                 continue

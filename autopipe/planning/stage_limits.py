@@ -36,8 +36,9 @@ class MemoryLimits:
     def __init__(self, model: CostModel, cache: MemoryCache | None = None, extra: float = 0.0):
         """Args:
         model: the cost model.
-        cache: shared by models with the same ``layers`` object (and optimizer), so that
-            stages with the same memory signature are computed once.
+        cache: shared by models with the same ``layers`` object (and bytes held per
+            parameter byte), so that stages with the same memory signature are computed
+            once.
         extra: bytes added to every capacity.
         """
         self.model = m = model
@@ -46,7 +47,7 @@ class MemoryLimits:
         self.n = m.num_layers
         # Tied tensors once (at their first user): a stage's state from below.
         params, buffers = layers.first_use()
-        self._state = prefix_sums(params * (2.0 + m.optimizer) + buffers)
+        self._state = prefix_sums(params * m.state_factor + buffers)
         # As in the cost model: shared bytes count once, added back at a stage's start.
         self._shared = layers.shared_bytes
         self._saved = prefix_sums(layers.saved - self._shared)
@@ -64,7 +65,7 @@ class MemoryLimits:
             for mu in m.modes:
                 ck, keep = m.checkpointed(k, mu)
                 cap = m.capacity(k) + extra
-                key = (id(layers), m.optimizer, float(keep), float(ck), cap)
+                key = (id(layers), m.state_factor, float(keep), float(ck), cap)
                 if key not in cache:
                     const = ck * self._inputs + keep * self._shared
                     found = self._ends(self._state + keep * self._saved, const, cap)
