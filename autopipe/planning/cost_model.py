@@ -39,9 +39,10 @@ Megatron-LM's ``--use-distributed-optimizer``) each of a stage's D copies keeps 
 optimizer state of only a 1/D share of its parameters: ``P · (2 + opt / D)`` in place of
 ``P · (2 + opt)``, weights and gradients still whole. The gradient all-reduce then becomes a
 reduce-scatter (each copy gets the summed gradients of its share and updates it) plus an
-all-gather of the updated parameters: ``(D − 1)/D · P`` each, the ring all-reduce's
-``2 · (D − 1)/D · P`` in all, so the step time model does not change. With D = 1 it changes
-nothing.
+all-gather of the updated parameters: ``(D − 1)/D · P`` each (parameters and gradients of
+one dtype), the ring all-reduce's ``2 · (D − 1)/D · P`` in all, so the step time model does
+not change (the optimizer step, which it does not time, only gets shorter). With D = 1 it
+changes nothing.
 
 A tensor several layers use (tied, :class:`profiler.profile.TiedState`) is counted in each
 user's ``P`` (or ``Buf``); a stage holds one copy of it however many of its layers use
