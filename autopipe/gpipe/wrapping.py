@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from autopipe.gpipe.gpipe import GPipe
 from autopipe.gpipe.wrapped import WrappedPipeline
 from autopipe.graph.flat_io import FlatSpec
 from autopipe.graph.layout import Layout, layout_model, stage_of_units
+from autopipe.graph.meta import has_meta_state, materialize_units, unused_meta
 from autopipe.graph.sequential import SequentialModel, model_inputs, prepare, unit_sequential
 from autopipe.graph.shapes import DynamicSpec
 from autopipe.graph.sharing import check_placement
@@ -96,6 +97,7 @@ def wrap(
     dynamic: DynamicSpec | None = None,
     deferred_batch_norm: bool | None = None,
     replicate_shared: bool = False,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> WrappedPipeline:
     """Splits any model into balanced pipeline stages and returns it ready to train.
 
@@ -153,6 +155,20 @@ def wrap(
             and LM head) stays with the first of them, and each later stage reads a copy on
             its device, made afresh at every forward; its gradient is the sum of the
             copies', and ``parameters()`` and ``state_dict()`` hold it once.
+        init: for a model built on the meta device (all or partly): each stage's meta
+            tensors are given storage on that stage's device only (the whole model never
+            is on one device), the initializers that exist run on them
+            (``reset_parameters``, a Hugging Face model's ``_init_weights``; seeded by
+            the stage's index), then ``init(part)``, once per stage. ``part`` is an
+            ``nn.Module`` holding exactly that stage's new tensors under the model's names:
+            ``part.state_dict()`` has the model's keys of the stage (non-persistent buffers
+            aside), so ``part.load_state_dict(checkpoint, strict=False)`` loads the stage
+            from a (sharded) checkpoint; submodules all of whose tensors are the stage's
+            are the model's own modules in it. A parameter tied across stages is the first
+            stage's; a tensor no unit uses goes with its module's other tensors (else to
+            the first stage). Without ``init``, a meta tensor that no initializer writes
+            is refused (it would train from placeholder values). Only for a model with
+            meta tensors.
 
     Returns:
         A :class:`WrappedPipeline`: call it like the model; ``.plan`` and ``.pipeline``
@@ -162,8 +178,9 @@ def wrap(
         autopipe.graph.tracing.TracingError: the model cannot be traced; the message says why and
             what to do.
         ValueError: bad arguments, inputs or outputs that are not batch-major, too few
-            units for the stages, or a shared tensor written during forward (a running
-            statistic, a counter) that the plan puts on two devices.
+            units for the stages, a shared tensor written during forward (a running
+            statistic, a counter) that the plan puts on two devices, or a meta tensor that
+            nothing initializes (without ``init``).
         autopipe.PlanningError: no split fits the memory.
     """
     bad_chunks = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
@@ -173,6 +190,13 @@ def wrap(
     if chunks is None:
         chunks = default_chunks(len(names), _batch_size(sample, kwargs))
     check_autocast(autocast)
+    meta = has_meta_state(model)
+    if init is not None and not meta:
+        raise ValueError(
+            "init= initializes the tensors of a model built on the meta device, but the "
+            "model has none on meta; initialize it before wrap(), or build it under "
+            'torch.device("meta")'
+        )
     deferred, warning = resolve_deferred(deferred_batch_norm, model, chunks)
     if warning:
         warnings.warn(warning, stacklevel=2)
@@ -225,5 +249,11 @@ def wrap(
         written=model_units.written,
         replicate=replicate_shared,
     )
+    if meta:  # each stage's part, on its own device: the model never is on one
+        stage_of = stage_of_units(plan.balance)
+        held = [[u for u, s in zip(units, stage_of) if s == k] for k in range(len(names))]
+        extra = unused_meta(model, held)
+        for k, device in enumerate(plan.devices):
+            materialize_units(model, held[k], device.name, init, seed=k, extra=extra[k])
     pipeline = GPipe.from_plan(nn.Sequential(*units), plan, replicate_shared=replicate_shared)
     return WrappedPipeline(model, pipeline, plan, model_units.io)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-__all__ = ["has_meta_state", "rebind_state"]
+from profiler.materialize import materialize_part
+
+__all__ = ["has_meta_state", "materialize_units", "rebind_state", "unused_meta"]
 
 META = torch.device("meta")
 
@@ -114,3 +116,92 @@ def rebind_state(module: nn.Module, model: nn.Module, prefix: str = "model") -> 
                 object.__setattr__(holder, field, current)
             replaced += 1
     return replaced
+
+
+def _named_state(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+
+
+def unused_meta(model: nn.Module, stages: Sequence[Sequence[nn.Module]]) -> list[list[str]]:
+    """The meta tensors of the model that no stage's units use, as each stage takes them.
+
+    A tensor no graph reads (a rotary embedding's ``original_inv_freq``) still belongs to
+    the model; it goes to the first stage using another tensor of its module, else to the
+    first stage. The same on every rank: it depends on the model and the stages only.
+
+    Returns:
+        The names each stage materializes besides its units' tensors.
+    """
+    used: list[set[int]] = [
+        {id(t) for module in stage for _, t in _named_state(module)} for stage in stages
+    ]
+    everything = set().union(*used)
+    extra: list[list[str]] = [[] for _ in stages]
+    for prefix, sub in model.named_modules(remove_duplicate=False):
+        own = [
+            (name, t)
+            for name, t in (*sub._parameters.items(), *sub._buffers.items())
+            if t is not None
+        ]
+        siblings = {id(t) for _, t in own}
+        home = next((k for k, ids in enumerate(used) if siblings & ids), 0)
+        for name, tensor in own:
+            if tensor.is_meta and id(tensor) not in everything:
+                extra[home].append(f"{prefix}.{name}" if prefix else name)
+    return extra
+
+
+def materialize_units(
+    model: nn.Module,
+    modules: Sequence[nn.Module],
+    device: str | torch.device,
+    init: Callable[[nn.Module], None] | None = None,
+    *,
+    seed: int | None = 0,
+    extra: Sequence[str] = (),
+) -> nn.Module:
+    """Gives the model's meta tensors that ``modules`` (one stage's units) use storage on
+    ``device``, initializes them, and points the units' graphs at them.
+
+    Only those tensors are materialized (see :func:`profiler.materialize.materialize_part`);
+    tensors an earlier call materialized elsewhere (a tied parameter) are left where they
+    are. The default initializers run, then ``init(part)`` if given; without ``init``, a
+    tensor that no initializer writes is refused (it would train from placeholder values).
+
+    Args:
+        model: the model the units were traced from.
+        modules: the stage's units.
+        device: the stage's device.
+        init: called as ``init(part)``, ``part`` holding the new tensors under the model's
+            names (``part.state_dict()`` has the model's keys of this stage).
+        seed: seeds the default initialization.
+        extra: names of further meta tensors to materialize with them (see
+            :func:`unused_meta`).
+
+    Returns:
+        ``part``.
+
+    Raises:
+        ValueError: a tensor is left that nothing initializes (without ``init``), or the
+            units hold a meta tensor that is not the model's (a constant the trace made
+            on the meta device).
+    """
+    for module in modules:
+        rebind_state(module, model)
+    used = {id(t) for module in modules for _, t in _named_state(module)}
+    names = [name for name, t in _named_state(model) if t.is_meta and id(t) in used]
+    names += [name for name in extra if name not in names]
+    part = materialize_part(model, names, device, init, seed=seed, strict=init is None)
+    for module in modules:
+        rebind_state(module, model)
+    left = [name for module in modules for name, t in _named_state(module) if t.is_meta]
+    if left:
+        raise ValueError(
+            f"the units hold meta tensors that are not the model's ({', '.join(left[:3])}): "
+            "the trace made them on the meta device; build the model with real weights, or "
+            "create those tensors from the inputs' device in its code"
+        )
+    return part
