@@ -169,6 +169,8 @@ def _measure(
             progress=progress,
             autocast=args.autocast,
             owner=owner or model,
+            # For a catalog device the layers are counted, not timed here.
+            measure=not getattr(args, "target", None),
         )
     except ValueError:
         raise

@@ -335,6 +335,9 @@ def as_sequential(
             kwargs=kwargs,
             granularity=granularity or "blocks",
             leaf_modules=leaves,
+            # The commands plan and profile the training step: the eval graph would only
+            # double the trace, the longest part of planning a deep model.
+            both_modes=False,
         )
     except (TracingError, ValueError) as exc:
         raise ModelFileError(

@@ -12,6 +12,7 @@ from autopipe.cli.calibrate import calibrate_command
 from autopipe.cli.plan import plan_command
 from autopipe.cli.profile import profile_command
 from autopipe.cli.search import search_command
+from autopipe.cli.target import add_target_options
 from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES, STRATEGIES
 from autopipe.planning.planner import CHUNKS_PER_STAGE
 
@@ -172,6 +173,7 @@ def _add_plan_parser(commands: Any) -> None:
         "each split is (.png or .svg; needs matplotlib)",
     )
     add_tracing_options(parser)
+    add_target_options(parser)
     _add_search_options(parser)
     parser.set_defaults(func=plan_command)
 

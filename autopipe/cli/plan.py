@@ -14,6 +14,7 @@ from autopipe.cli.options import (
     default_stages,
     save,
 )
+from autopipe.cli.target import check_target_options, estimated, target_devices
 from autopipe.errors import PlanningError
 from autopipe.planning.names import STRATEGIES
 from autopipe.planning.planner import default_chunks
@@ -21,6 +22,7 @@ from autopipe.planning.planner import default_chunks
 if TYPE_CHECKING:
     from torch import nn
 
+    from autopipe.planning.devices import DeviceSpec
     from autopipe.planning.plans import Plan
     from profiler.profile import Profile
 
@@ -44,6 +46,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from autopipe.planning.report import render_plan
 
     check_precision(args)
+    target = check_target_options(args)
     if args.devices or args.allreduce_bandwidth or args.even:
         raise ValueError(
             "--devices, --allreduce-bandwidth and --even go with --search; use --stages"
@@ -70,6 +73,13 @@ def plan_command(args: argparse.Namespace) -> int:
 
     inputs = read_profile(args, stages, measure_batch=args.batch, check_model=check_layers)
     profile = inputs.profile
+    devices: int | list[str] | list[DeviceSpec]
+    if target is not None:
+        profile = estimated(profile, args, target)
+        devices = target_devices(args, target, stages, virtual, costs.memory)
+        memory = None  # each device's capacity is in its spec
+    else:
+        devices = _devices(profile, stages, virtual)
     chunks = (
         inputs.chunks or args.chunks or default_chunks(stages, inputs.batch or profile.batch_size)
     )
@@ -86,7 +96,6 @@ def plan_command(args: argparse.Namespace) -> int:
         "bandwidth": costs.bandwidth,
         "virtual_stages": virtual,
     }
-    devices = _devices(profile, stages, virtual)
     result = plan(profile, devices, strategy=args.strategy, **options)
     other = "optimal" if args.strategy == "uniform" else "uniform"
     baseline: Plan | str
@@ -122,7 +131,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def _strategy_plans(
     profile: Profile,
-    devices: int | list[str],
+    devices: int | list[str] | list[DeviceSpec],
     options: dict[str, Any],
     known: dict[str, Plan],
 ) -> dict[str, Plan]:

@@ -13,6 +13,7 @@ from autopipe.cli.options import (
     default_stages,
     save,
 )
+from autopipe.cli.target import check_target_options, estimated, search_links
 from autopipe.planning.names import SCHEDULES, SEARCH_CHECKPOINTS
 
 __all__: list[str] = []  # internal to the command line
@@ -33,6 +34,7 @@ def search_command(args: argparse.Namespace) -> int:
     from autopipe.planning.report import render_plan, render_search
 
     check_precision(args)
+    target = check_target_options(args)
     _check_search_options(args)
     costs = cost_options(args, memory_per_stage=False)
     memory = costs.memory
@@ -41,17 +43,25 @@ def search_command(args: argparse.Namespace) -> int:
     check_plan_outputs(args)  # --compare is refused above
     # --batch is the step's, across replicas: the layers are measured for the sample's.
     inputs = read_profile(args, devices)
+    profile = inputs.profile
+    bandwidth, allreduce = costs.bandwidth, costs.allreduce_bandwidth
+    if target is not None:
+        profile = estimated(profile, args, target)
+        memory = memory or target.memory
+        links = search_links(args, target, devices)
+        bandwidth = bandwidth or links[0]
+        allreduce = allreduce or links[1]
 
     plans = search(
-        inputs.profile,
+        profile,
         devices,
         memory=memory,
         batch=inputs.batch,
         schedules=(args.schedule,) if args.schedule else SCHEDULES,
         checkpoints=(args.checkpoint,) if args.checkpoint else SEARCH_CHECKPOINTS,
         optimizer=costs.optimizer,
-        bandwidth=costs.bandwidth,
-        allreduce_bandwidth=costs.allreduce_bandwidth,
+        bandwidth=bandwidth,
+        allreduce_bandwidth=allreduce,
         top=args.top,
         even=args.even,
         virtual_stages=tuple(range(1, args.virtual_stages + 1)),

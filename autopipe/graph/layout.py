@@ -32,17 +32,26 @@ def model_mode(model: nn.Module, training: bool) -> Iterator[None]:
 
 
 def trace_modes(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    both_modes: bool = True,
+    **options: Any,
 ) -> dict[str, Traced]:
     """Traces the model in its current mode and in the other one.
 
     Returns ``{"any": traced}`` when both modes give the same graph, else
     ``{"train": ..., "eval": ...}`` with the current mode first, or only the current mode
-    when tracing the other fails (e.g. batch norm in training on a sample of one).
+    when tracing the other fails (e.g. batch norm in training on a sample of one) or when
+    ``both_modes`` is false (a plan of the training step needs no eval graph, and a trace
+    of a deep model takes a while).
     """
     current = "train" if model.training else "eval"
     other = "eval" if current == "train" else "train"
     first = trace(model, args, kwargs, **options)
+    if not both_modes:
+        return {current: first}
     try:
         with model_mode(model, current == "eval"):
             second = trace(model, args, kwargs, **options)

@@ -39,15 +39,24 @@ def prepare(
     leaf_modules: Iterable[str | type[nn.Module]] = (),
     method: str = "auto",
     dynamic: DynamicSpec | None = None,
+    both_modes: bool = True,
 ) -> Layout:
     """Traces the model (in both modes) and splits it into units that can be cut between.
 
     Takes the arguments of :func:`autopipe.wrap`; this is its first half, to inspect the
     units (``layout.names``, ``layout.liveness``, ``layout.merged``) without planning.
+    With ``both_modes`` false only the model's current mode is traced (see
+    :func:`autopipe.graph.layout.trace_modes`).
     """
     args, inputs = model_inputs(sample, kwargs)
     traced = trace_modes(
-        model, args, inputs, leaf_modules=list(leaf_modules), method=method, dynamic=dynamic
+        model,
+        args,
+        inputs,
+        both_modes=both_modes,
+        leaf_modules=list(leaf_modules),
+        method=method,
+        dynamic=dynamic,
     )
     return layout_model(model, traced, granularity)
 
@@ -169,6 +178,7 @@ def unit_sequential(
     granularity: str = "blocks",
     leaf_modules: Iterable[str | type[nn.Module]] = (),
     method: str = "auto",
+    both_modes: bool = True,
 ) -> tuple[nn.Sequential, tuple[Tensor, ...]]:
     """The model as an ``nn.Sequential`` of its units, with the sample flattened to match.
 
@@ -183,6 +193,7 @@ def unit_sequential(
         granularity=granularity,
         leaf_modules=leaf_modules,
         method=method,
+        both_modes=both_modes,
     )
     model_units = SequentialModel.of(layout)
     return model_units.sequential(), model_units.io.flatten(sample, kwargs, "sample")
