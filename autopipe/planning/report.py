@@ -74,12 +74,40 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int
     return "\n".join(line(row) for row in [headers, *rows])
 
 
+def _device_list(names: set[str]) -> str:
+    """The stages' devices in index order, a run of four or more as ``h100:0..h100:31``."""
+
+    def key(name: str) -> tuple[str, int, str]:
+        prefix, _, index = name.rpartition(":")
+        return (prefix, int(index), "") if index.isdigit() and prefix else (name, -1, name)
+
+    ordered = sorted(names, key=key)
+    parts: list[str] = []
+    run: list[str] = []
+
+    def close() -> None:
+        if len(run) >= 4:
+            parts.append(f"{run[0]}..{run[-1]}")
+        else:
+            parts.extend(run)
+        run.clear()
+
+    for name in ordered:
+        if run:
+            (prefix, index, _), (last_prefix, last, _) = key(name), key(run[-1])
+            if prefix != last_prefix or index != last + 1 or index < 0:
+                close()
+        run.append(name)
+    close()
+    return ", ".join(parts)
+
+
 def render_header(plan: Plan) -> str:
     """Two lines on what was planned: layers, stages, batch split and settings."""
     profile = plan.profile
     layers = sum(plan.balance)
-    devices = sorted({stage.device for stage in plan.stages})
-    where = ", ".join(devices)
+    devices = {stage.device for stage in plan.stages}
+    where = _device_list(devices)
     device_name = profile.get("device_name")
     if device_name and device_name not in devices:
         where += f" ({device_name})"
