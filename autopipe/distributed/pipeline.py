@@ -112,6 +112,23 @@ class DistributedPipeline(PipelineRunner):
             and a step splits the batch; ``False`` updates them once per micro-batch (and
             averages them over replicas), with a warning. The model's own modules are not
             converted: the stages run deferred views of them.
+        init: for a model built on the meta device (all or partly; each rank builds it
+            so, e.g. ``with torch.device("meta"): Model(config)``): after planning, each
+            rank gives storage on :attr:`device` to the meta tensors of its own stages only
+            (virtual stages each on their own), the other stages' staying on meta, so no
+            rank ever holds the whole model. The initializers that exist run on them
+            (``reset_parameters``, a Hugging Face model's ``_init_weights``; seeded by the
+            stage's index), then ``init(part)``, once per stage: ``part`` is an
+            ``nn.Module`` holding exactly that stage's new tensors under the model's names,
+            so ``part.load_state_dict(checkpoint, strict=False)`` loads the rank's part of a
+            (sharded) checkpoint (``part.state_dict()`` lists its keys; non-persistent
+            buffers aside). A tensor no unit uses goes with its module's other tensors.
+            A parameter tied across ranks is materialized by each holder; the first
+            holder's values are then broadcast to the others, so the copies start equal.
+            Without ``init``, a meta tensor that no initializer writes is refused on every
+            rank (it would train from placeholder values). Only for a model with meta
+            tensors; the model is traced on meta (see :func:`autopipe.graph.trace`) and
+            rank 0 profiles its units without their values.
 
     Raises:
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
@@ -137,6 +154,7 @@ class DistributedPipeline(PipelineRunner):
         autocast: str | None = None,
         checkpoint: str = "never",
         deferred_batch_norm: bool | None = None,
+        init: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -155,6 +173,7 @@ class DistributedPipeline(PipelineRunner):
             autocast=autocast,
             checkpoint=checkpoint,
             deferred_batch_norm=deferred_batch_norm,
+            init=init,
         )
 
     @classmethod
@@ -187,7 +206,7 @@ class DistributedPipeline(PipelineRunner):
                 ``schedules``, ``checkpoints``, ``virtual_stages``, ``calibrate``,
                 ``profile``, ``optimizer``).
             **kwargs: more constructor arguments (``autocast``, ``plan_options`` are not
-                searched).
+                searched; ``init`` for a model on the meta device).
 
         Raises:
             ValueError: no configuration of the group's size fits (on every rank).

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.distributed.collectives import collective, rank_device, share_from_rank0
+from autopipe.distributed.meta_stages import broadcast_ties, init_problem, materialize_stages
 from autopipe.distributed.padding import MicroBatchPadding
 from autopipe.distributed.prepared import (
     Prepared,
@@ -54,6 +55,7 @@ from autopipe.distributed.virtual import (
     stage_states,
     virtual_problem,
 )
+from autopipe.graph.meta import has_meta_state, rebind_state
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
 from autopipe.planning.plans import Plan
@@ -97,6 +99,7 @@ class PipelineRunner:
         autocast: str | None = None,
         checkpoint: str = "never",
         deferred_batch_norm: bool | None = None,
+        init: Callable[[nn.Module], None] | None = None,
         prepared: Prepared | None = None,
         plan_shared: bool = False,
     ) -> None:
@@ -121,6 +124,7 @@ class PipelineRunner:
         self._steps = 0
         self._broken = False
         self._deferred, warning = False, None
+        self._meta = has_meta_state(model)
         # Exchange what must agree before anything can hang on a disagreement; a rank with
         # bad arguments still joins, so that every rank raises instead of waiting.
         try:
@@ -131,6 +135,7 @@ class PipelineRunner:
             problem = problem or data_parallel_problem(self.data_parallel)
             problem = problem or virtual_problem(virtual_stages)
             problem = problem or checkpoint_problem(checkpoint)
+            problem = problem or init_problem(model, self._meta, init)
             check_autocast(autocast)
             if not problem:
                 self._deferred, warning = resolve_deferred(
@@ -146,6 +151,7 @@ class PipelineRunner:
         settings["autocast"] = autocast
         settings["checkpoint"] = checkpoint
         settings["deferred_batch_norm"] = self._deferred
+        settings["meta device"] = self._meta  # the ties' broadcast needs every rank alike
         agree(self.rank, world, problem, fingerprint(layers, **settings) if not problem else {})
         if warning:  # at the call of DistributedPipeline, a subclass
             warnings.warn(warning, stacklevel=3)
@@ -192,7 +198,7 @@ class PipelineRunner:
             self.plan = plan
         else:
             self.plan = Plan.from_dict(planned)
-        self._build(layers, sample, specs, loss_fn, model)
+        self._build(layers, sample, specs, loss_fn, model, init)
 
     def _build(
         self,
@@ -201,9 +207,23 @@ class PipelineRunner:
         specs: list[Any],
         loss_fn: Any,
         model: nn.Module,
+        init: Callable[[nn.Module], None] | None = None,
     ) -> None:
         k, micro = self.num_stages, self._padding.rows
         self.stage_indices = stage_indices(self.stage_index, k, self.virtual_stages)
+        if self._meta:  # this rank's stages only: no rank holds the whole model
+            problem = None
+            try:
+                units = list(layers.values())
+                materialize_stages(
+                    model, units, self.plan.balance, self.stage_indices, self.device, init
+                )
+                for unit in self._model.sequential:  # the deferred views' originals
+                    rebind_state(unit, model)
+            except ValueError as exc:
+                problem = str(exc)
+            # A stage that cannot be initialized is refused on every rank, none waiting.
+            agree(self.rank, dist.get_world_size(self.group), problem, {})
         self.module, stages = build_stages(
             layers,
             self.plan,
@@ -225,6 +245,8 @@ class PipelineRunner:
         ties = [(t, where) for t, where in shared if isinstance(t, nn.Parameter)]
         groups = make_tie_groups(ties, self.layout, self.group, self.device)
         self._tied = TiedGradients(ties, groups, self.stage_index)
+        if self._meta:  # each holder initialized its copy: the first one's values win
+            collective(self.rank, "share the tied parameters", broadcast_ties, self._tied.parts)
         self._sync = ReplicaSync(self.module, self.layout)
         collective(self.rank, "receive replica 0's state", self._sync.broadcast_state)
         if self._model.wrapped:  # the loss sees the model's outputs, not the flat tensors
