@@ -14,7 +14,7 @@ from autopipe.graph.meta import has_meta_state, rebind_state
 from autopipe.graph.sequential import SequentialModel, prepare
 from autopipe.graph.tracing import TracingError, trace
 from profiler.materialize import materialize
-from tests.support.meta_models import ItemGate, build, gpt2, llama, small_cnn, token_ids
+from tests.support.meta_models import ItemGate, MaskedPick, build, gpt2, llama, small_cnn, token_ids
 from tests.support.wrap_models import ResidualMLP
 
 pytest.importorskip("transformers")
@@ -114,17 +114,26 @@ def test_a_gpt2_partly_on_meta_keeps_its_real_tensors_in_the_graph() -> None:
     assert traced.root.get_parameter("model.transformer.h.1.mlp.c_fc.weight").is_meta
 
 
-def test_code_that_reads_values_is_refused_on_meta_with_the_fix() -> None:
-    model = build(ItemGate, meta=True)
+@pytest.mark.parametrize(
+    ("factory", "construct"), [(ItemGate, "Tensor.item()"), (MaskedPick, "torch.nonzero")]
+)
+def test_code_that_reads_values_is_refused_on_meta_with_the_fix(
+    factory: Callable[[], nn.Module], construct: str
+) -> None:
+    model = build(factory, meta=True)
     with pytest.raises(TracingError) as info:
         trace(model, (torch.randn(4, 4),))
     message = str(info.value)
     assert "\n" not in message
-    assert "on the meta device" in message and "Tensor.item()" in message
+    assert "on the meta device" in message and construct in message
     assert "Fix: build the model (or the module doing it) with real weights" in message
 
 
-def test_the_same_code_traces_with_real_weights() -> None:
-    model = build(ItemGate, meta=False)
-    traced = trace(model, (torch.randn(4, 4),))
-    assert traced.method in ("fx", "export")
+@pytest.mark.parametrize("factory", [ItemGate, MaskedPick])
+def test_the_same_code_traces_with_real_weights(factory: Callable[[], nn.Module]) -> None:
+    model = build(factory, meta=False)
+    x = torch.randn(4, 4)
+    traced = trace(model, (x,))
+    assert traced.values[traced.graph.find_nodes(op="output")[0].args[0][0].name].shape == (
+        tuple(model(x).shape)
+    )

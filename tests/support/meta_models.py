@@ -12,6 +12,7 @@ __all__ = [
     "SMALL_GPT2",
     "SMALL_LLAMA",
     "ItemGate",
+    "MaskedPick",
     "build",
     "gpt2",
     "llama",
@@ -93,6 +94,22 @@ class ItemGate(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         scale = self.a.weight.abs().sum().item()
         return self.b(self.a(x) * scale)
+
+
+class MaskedPick(nn.Module):
+    """Keeps the features a mask buffer selects (``torch.nonzero``: a size from values)."""
+
+    mask: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = torch.nonzero(self.mask).flatten()
+        return self.b(self.a(x).index_select(1, keep))
 
 
 def load_from(state: dict[str, Tensor]) -> Callable[[nn.Module], None]:
