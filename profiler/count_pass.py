@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from profiler.counting import LayerCounts, count_layer, meta_copy
+from profiler.counting import LayerCounts, count_layer, fresh_like, meta_copy
 from profiler.layer import OneValue
 from profiler.pooling import layer_signature
 
@@ -30,11 +30,6 @@ class CountedLayer:
     signature: str
     counts: list[LayerCounts]
     first: int
-
-
-def _fresh(tensors: Inputs) -> Inputs:
-    """New meta tensors of the same shapes: each layer's inputs are storages of its own."""
-    return tuple(torch.empty_like(t) for t in tensors)
 
 
 def count_layers(
@@ -72,7 +67,7 @@ def count_layers(
         if signature in seen:
             first, outputs, packed = seen[signature]
             results.append(CountedLayer(signature, results[first].counts, first))
-            current = [_fresh(out) for out in outputs]
+            current = [fresh_like(out) for out in outputs]
             continue
         label = f"layer {name} ({type(layer).__name__})"
         counts, outputs = [], []
@@ -94,6 +89,6 @@ def count_layers(
             outputs.append(out)
         seen[signature] = (index, outputs, returns_tuple)
         results.append(CountedLayer(signature, counts, index))
-        current = [_fresh(out) for out in outputs]
+        current = [fresh_like(out) for out in outputs]
         packed = returns_tuple
     return results

@@ -25,7 +25,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.layer import Pass, as_tensors, state_storages, storage_key, tensor_bytes
 from profiler.precision import autocast_pass
 
-__all__ = ["LayerCounts", "Traffic", "count_layer", "meta_copy", "to_meta"]
+__all__ = [
+    "CpuKernels",
+    "LayerCounts",
+    "Traffic",
+    "count_layer",
+    "fresh_like",
+    "meta_copy",
+    "to_meta",
+]
 
 META = torch.device("meta")
 
@@ -83,6 +91,67 @@ _NO_TRAFFIC = {
     torch.ops.aten.sym_numel.default,
     torch.ops.aten.sym_storage_offset.default,
 }
+
+
+class CpuKernels(TorchDispatchMode):
+    """Gives fake results the dtypes the CPU kernels give where the fake kernels differ.
+
+    PyTorch's fake layer, group and batch norms return their statistics (mean and inverse
+    deviation, saved for backward) in the input's dtype on the CPU, but the CPU kernels
+    keep them in float32 when a half-precision input meets float32 weights, as under
+    autocast, which leaves a norm's weights in float32: the saved bytes would come out
+    short. The fake group norm's backward also returns a float32 input gradient there,
+    where the kernel returns the input's dtype.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        state = _NORM_STATE.get(func)
+        if state is not None and _mixed_on_cpu(args[0], [args[i] for i in state]):
+            output, mean, rstd = out
+            out = (output, mean.to(torch.float32), rstd.to(torch.float32))
+        elif func is _GROUP_NORM_BACKWARD and _mixed_on_cpu(args[1], [args[4]]):
+            grad, *rest = out
+            out = (None if grad is None else grad.to(args[1].dtype), *rest)
+        return out
+
+
+def _mixed_on_cpu(x: Tensor, state: list[Any]) -> bool:
+    """A half-precision CPU input with float32 weights or statistics."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and any(isinstance(t, Tensor) and t.dtype != x.dtype for t in state)
+    )
+
+
+# Each norm's parameter and running-statistic arguments, whose dtype decides the kernel's.
+_NORM_STATE = {
+    torch.ops.aten.native_layer_norm.default: (2, 3),
+    torch.ops.aten.native_group_norm.default: (1, 2),
+    torch.ops.aten.native_batch_norm.default: (1, 2, 3, 4),
+}
+_GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
+
+
+def fresh_like(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Meta tensors with the shapes, strides and dtypes of ``tensors`` on new storages,
+    shared as theirs are.
+
+    What one layer passes the next must keep its layout: a transposed output (a
+    batch-first LSTM's) is copied by a next layer that needs it contiguous, not saved,
+    and a tensor passed on twice (or two views of one storage) is one, as in a measured run.
+    """
+    storages: dict[int, torch.UntypedStorage] = {}
+    fresh = []
+    for tensor in tensors:
+        key, nbytes = storage_key(tensor)
+        if key not in storages:
+            storages[key] = torch.empty(nbytes, dtype=torch.uint8, device=META).untyped_storage()
+        view = torch.empty(0, dtype=tensor.dtype, device=META)
+        view.set_(storages[key], tensor.storage_offset(), tensor.shape, tensor.stride())
+        fresh.append(view)
+    return tuple(fresh)
 
 
 def to_meta(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -157,7 +226,7 @@ def count_layer(
     _fakify(layer, mode, device)
     exclude = state_storages(layer)
     fakes = tuple(FakeTensor(mode, t.detach().to(META), device) for t in inputs)
-    with mode:
+    with mode, CpuKernels():
         runs = Pass(layer, fakes, device, label, None, autocast)
         saved, fresh, of_output = runs.saved(exclude)
         forward_flops = FlopCounterMode(display=False)
@@ -176,13 +245,15 @@ def count_layer(
             with input_flops, autocast_pass(device.type, autocast):
                 torch.autograd.grad(targets, wanted, runs.grads, allow_unused=True)
         del targets, args
-        # What the next layer gets: the outputs as the model passes them, without autograd.
+        # What the next layer gets: the outputs as the model passes them, without autograd,
+        # computed from the inputs themselves so that an input passed through stays the
+        # same tensor (the measuring pass counts a tensor returned twice once).
         with torch.no_grad(), autocast_pass(device.type, autocast):
-            raw = layer(*runs.arguments())
+            raw = layer(*fakes)
         outputs = as_tensors(raw, f"the output of {label}")
         returns_tuple = not isinstance(raw, Tensor)
-        shapes = [(tuple(t.shape), t.dtype) for t in outputs]
         output_bytes = tensor_bytes(outputs)
+        metas = fresh_like(outputs)
     counts = LayerCounts(
         flops=_flops(forward_flops),
         backward_flops=_flops(backward_flops),
@@ -194,5 +265,4 @@ def count_layer(
         output_saved=of_output,
         output=output_bytes,
     )
-    metas = tuple(torch.empty(shape, dtype=dtype, device=META) for shape, dtype in shapes)
     return counts, metas, returns_tuple
