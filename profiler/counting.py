@@ -58,7 +58,8 @@ class Traffic(TorchDispatchMode):
 
     That is what kernels without fusion move through memory, the figure a roofline
     estimate divides by the memory bandwidth. Views and other operations that alias their
-    input move nothing and are skipped; a tensor passed twice to one operation is read once.
+    input move nothing and are skipped, as are queries that return no tensor (a tensor's
+    device, its sizes); a tensor passed twice to one operation is read once.
     """
 
     def __init__(self) -> None:
@@ -67,9 +68,11 @@ class Traffic(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if not getattr(func, "is_view", False) and func not in _NO_TRAFFIC:
+        results = tree_leaves(out)
+        moves = any(isinstance(value, Tensor) for value in results)
+        if moves and not getattr(func, "is_view", False) and func not in _NO_TRAFFIC:
             seen: set[tuple[Any, ...]] = set()
-            for value in (*tree_leaves((args, kwargs)), *tree_leaves(out)):
+            for value in (*tree_leaves((args, kwargs)), *results):
                 if isinstance(value, Tensor):
                     key = (storage_key(value)[0], value.storage_offset(), tuple(value.shape))
                     if key not in seen:
@@ -86,6 +89,8 @@ _NO_TRAFFIC = {
     torch.ops.aten.empty.memory_format,
     torch.ops.aten.empty_strided.default,
     torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
     torch.ops.aten.sym_size.int,
     torch.ops.aten.sym_stride.int,
     torch.ops.aten.sym_numel.default,
