@@ -197,7 +197,11 @@ def measure_layers(
         if remaining is not None:
             remaining[signature] -= 1
             if remaining[signature] == 0:
-                kept.pop(signature, None)
+                done = kept.pop(signature, None)
+                if done is not None:
+                    # Freed now, not when this loop's variables are next assigned: after
+                    # the next layer has been materialized beside it.
+                    done.call = None
         # The input storages this layer saves that the previous layer saved as its output.
         profile.shared = (
             [0] * len(inputs)
