@@ -44,7 +44,7 @@ from autopipe.planning.estimates import Efficiency, estimate_profile, fit_effici
 from autopipe.planning.planner import evaluate
 from autopipe.planning.plans import Plan
 from autopipe.planning.timeline import checkpointed
-from benchmarks.balance.stage_timing import StageTimer, Timing, as_tuple, summarize
+from benchmarks.balance.stage_timing import StageTimer, as_tuple, summarize
 from benchmarks.models import ZOO
 from benchmarks.planning.estimates_report import draw, render
 from benchmarks.processes import MALLOC, rerun_with_stable_malloc
@@ -63,10 +63,13 @@ SOURCES = ("measured", "fitted", "default")
 NEGLIGIBLE = 1e-7
 GOAL = 0.05  # the estimate's split within 5% of the measured profile's
 # Timed rounds and dropped warm-up rounds of every split's step; full and --quick.
-REPEATS, WARMUP = 15, 3
+REPEATS, WARMUP = 20, 3
 QUICK_REPEATS, QUICK_WARMUP = 3, 1
 # Fewer rounds (not under MIN_REPEATS) for a model whose steps would take longer than this.
-STEP_BUDGET, MIN_REPEATS = 150.0, 7
+STEP_BUDGET, MIN_REPEATS = 100.0, 7
+# Rounds of stage timing per round of steps: a round of stages costs less than one of steps
+# (a micro-batch per stage) and their medians are noisier (milliseconds each).
+STAGE_ROUNDS = 2
 
 
 class _Spread(nn.Module):
@@ -109,7 +112,7 @@ def _pipeline(seq: nn.Sequential, sample: tuple[Tensor, ...], p: Plan) -> GPipe:
 
 def time_steps(
     pipes: list[GPipe], sample: tuple[Tensor, ...], repeats: int, warmup: int
-) -> list[Timing]:
+) -> list[list[float]]:
     """Seconds of whole training steps of each pipeline, round-robin in a new order each
     round, the garbage collector paused within a round; the warm-up rounds are dropped.
 
@@ -142,20 +145,26 @@ def time_steps(
     finally:
         if enabled:
             gc.enable()
-    return [summarize(s) for s in samples]
+    return samples
 
 
-def _stages(p: Plan, timer: StageTimer) -> list[Timing]:
-    """Each stage of a plan alone: forward + backward + its share of re-computation."""
-    return [
-        timer.stage(
-            s.start,
-            s.stop,
-            p.micro_batch,
-            sum(checkpointed(p, i, s.index) for i in range(p.chunks)) / p.chunks,
-        )
-        for s in p.stages
-    ]
+def _stages(p: Plan, timer: StageTimer) -> list[list[float]]:
+    """Each stage of a plan alone, per round: forward + backward + its share of
+    re-computation (a no-grad forward)."""
+    out = []
+    for s in p.stages:
+        share = sum(checkpointed(p, i, s.index) for i in range(p.chunks)) / p.chunks
+        train = timer.samples[(s.start, s.stop, p.micro_batch, True)]
+        forward = timer.samples[(s.start, s.stop, p.micro_batch, False)]
+        out.append([t + share * f for t, f in zip(train, forward, strict=True)])
+    return out
+
+
+def _paired(samples: list[float], reference: list[float]) -> dict[str, float]:
+    """The median of the per-round ratios (both ran in every round, so a change in load
+    hits both), with their quartiles and spread."""
+    timing = summarize([a / b for a, b in zip(samples, reference, strict=True)])
+    return {"median": timing.median, "q1": timing.q1, "q3": timing.q3, "spread": timing.spread}
 
 
 def _layer_rows(measured: Profile, fitted: Profile, default: Profile) -> list[dict[str, Any]]:
@@ -243,27 +252,32 @@ def bench_model(
         for s in p.stages:
             jobs.add((s.start, s.stop, p.micro_batch, True))
             jobs.add((s.start, s.stop, p.micro_batch, False))
-    rounds = steps[0].repeats
-    timer.run(jobs, rounds)
-    stage_times = {k: _stages(splits[k], timer) for k in keys}
+    rounds = len(steps[0])
+    timer.run(jobs, STAGE_ROUNDS * rounds)
+    per_stage = {k: _stages(splits[k], timer) for k in keys}
+    # A pipeline of K devices waits for its slowest stage: per round, the largest.
+    worst = {k: [max(t) for t in zip(*per_stage[k])] for k in keys}
     print(
-        f"    {len(keys)} distinct splits x {rounds} rounds, {len(jobs)} stage jobs x {rounds} in "
-        f"{time.perf_counter() - begin:.1f} s",
+        f"    {len(keys)} distinct splits x {rounds} rounds, {len(jobs)} stage jobs x "
+        f"{STAGE_ROUNDS * rounds} in {time.perf_counter() - begin:.1f} s",
         file=sys.stderr,
     )
     measured_split = {r["stages"]: tuple(r["balance"]) for r in rows if r["source"] == "measured"}
+    predicted = {r["stages"]: r["measured_profile_step"] for r in rows if r["source"] == "measured"}
     for row in rows:
         key, base = tuple(row["balance"]), measured_split[row["stages"]]
         step, ref = steps[keys.index(key)], steps[keys.index(base)]
-        worst = max(stage_times[key], key=lambda t: t.median)
-        ref_worst = max(stage_times[base], key=lambda t: t.median)
+        step_ratio, bottleneck_ratio = _paired(step, ref), _paired(worst[key], worst[base])
         row.update(
             same_as_measured=key == base,
-            step=step.to_dict(),
-            step_ratio=step.median / ref.median,
-            stage_times=[t.median for t in stage_times[key]],
-            bottleneck=worst.to_dict(),
-            bottleneck_ratio=worst.median / ref_worst.median,
+            predicted_ratio=row["measured_profile_step"] / predicted[row["stages"]],
+            step=summarize(step).to_dict(),
+            step_ratio=step_ratio["median"],
+            step_ratio_spread=step_ratio,
+            stage_times=[statistics.median(t) for t in per_stage[key]],
+            bottleneck=summarize(worst[key]).to_dict(),
+            bottleneck_ratio=bottleneck_ratio["median"],
+            bottleneck_ratio_spread=bottleneck_ratio,
         )
     return {
         "model": name,
@@ -272,6 +286,7 @@ def bench_model(
         "micro_batch": -(-measured.batch_size // CHUNKS),
         "profile_seconds": profile_seconds,
         "repeats": rounds,
+        "stage_rounds": STAGE_ROUNDS * rounds,
         "fit": {
             "efficiency": fit.efficiency.to_dict(),
             "median_error": fit.median_error,
@@ -284,8 +299,9 @@ def bench_model(
         "splits": [
             {
                 "balance": list(k),
-                "step": steps[i].to_dict(),
-                "stages": [t.to_dict() for t in stage_times[k]],
+                "step": summarize(steps[i]).to_dict(),
+                "stages": [summarize(t).to_dict() for t in per_stage[k]],
+                "bottleneck": summarize(worst[k]).to_dict(),
             }
             for i, k in enumerate(keys)
         ],

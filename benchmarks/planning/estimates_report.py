@@ -27,13 +27,17 @@ def held(ratio: float, goal: float) -> bool:
     return ratio <= 1 + goal
 
 
-def _cell(row: dict[str, Any] | None, key: str, goal: float) -> str:
+def _cell(row: dict[str, Any] | None, key: str, goal: float, quartiles: bool = True) -> str:
     if row is None:
         return "-"
     if row["same_as_measured"]:
         return "same split"
     ratio = row[key]
-    return f"{ratio:.3f}" + ("" if held(ratio, goal) else " ✗")
+    text = f"{ratio:.3f}" + ("" if held(ratio, goal) else " ✗")
+    spread = row.get(f"{key}_spread")
+    if quartiles and spread:
+        text += f" [{spread['q1']:.2f}, {spread['q3']:.2f}]"
+    return text
 
 
 def _intro(results: dict[str, Any]) -> list[str]:
@@ -77,9 +81,14 @@ def _intro(results: dict[str, Any]) -> list[str]:
         "split costs nothing on this executor, not that it balances. *Measured bottleneck*: "
         "each stage timed alone on its micro-batch (forward + backward + its share of "
         "re-computation, round-robin), the slowest stage, the one a pipeline of K devices "
-        "waits for every micro-batch. A ratio is the estimate's split over the measured "
-        f"profile's split; the goal is at most {1 + results['goal']:.2f} (✗ marks a miss). "
-        "Ratios closer to 1 than the spread of the two measurements are ties.",
+        "waits for every micro-batch. A measured ratio is the estimate's split over the "
+        "measured profile's split, the median of the per-round ratios (both splits ran in "
+        "every round), with its quartiles in brackets; the goal is at most "
+        f"{1 + results['goal']:.2f} (✗ marks a median above it). A ratio whose quartiles "
+        "straddle 1 is a tie within the machine's noise. *Predicted ratio*: the same ratio "
+        "by the measured profile's own costs (`evaluate` of each split on it), free of "
+        "timing noise at benchmark time: what choosing the estimate's split costs by the "
+        "profile the planner would have had.",
         "",
     ]
 
@@ -106,10 +115,15 @@ def _summary(results: dict[str, Any]) -> list[str]:
         )
     columns = [(k, s) for k in results["stages"] for s in ("fitted", "default")]
     head = " | ".join(f"K={k} {s}" for k, s in columns)
-    for key, title in (("step_ratio", "step"), ("bottleneck_ratio", "bottleneck")):
+    titles = (
+        ("step_ratio", "Measured step"),
+        ("bottleneck_ratio", "Measured bottleneck"),
+        ("predicted_ratio", "Predicted step (measured profile)"),
+    )
+    for key, title in titles:
         lines += [
             "",
-            f"Measured {title} of the estimate's split / of the measured profile's split:",
+            f"{title} of the estimate's split / of the measured profile's split:",
             "",
             f"| model | {head} |",
             "|---" + "|---:" * len(columns) + "|",
