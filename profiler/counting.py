@@ -109,7 +109,8 @@ class CpuKernels(TorchDispatchMode):
     keep them in float32 when a half-precision input meets float32 weights, as under
     autocast, which leaves a norm's weights in float32: the saved bytes would come out
     short. The fake group norm's backward also returns a float32 input gradient there,
-    where the kernel returns the input's dtype.
+    where the kernel returns the input's dtype. The CPU embedding bag's ``offset2bag``
+    (saved for backward) keeps the one extra element it was built with.
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -121,6 +122,10 @@ class CpuKernels(TorchDispatchMode):
         elif func is _GROUP_NORM_BACKWARD and _mixed_on_cpu(args[1], [args[4]]):
             grad, *rest = out
             out = (None if grad is None else grad.to(args[1].dtype), *rest)
+        elif func is _EMBEDDING_BAG and out[1].device.type == "cpu" and out[1].numel():
+            output, offset2bag, *rest = out
+            longer = offset2bag.new_empty(offset2bag.numel() + 1)[: offset2bag.numel()]
+            out = (output, longer, *rest)
         return out
 
 
@@ -140,6 +145,7 @@ _NORM_STATE = {
     torch.ops.aten.native_batch_norm.default: (1, 2, 3, 4),
 }
 _GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
+_EMBEDDING_BAG = torch.ops.aten._embedding_bag.default
 
 
 def fresh_like(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
