@@ -131,7 +131,30 @@ def _summary(results: dict[str, Any]) -> list[str]:
         for m in results["models"]:
             cells = [_cell(_row(m, k, s), key, goal) for k, s in columns]
             lines.append(f"| {m['model']} | " + " | ".join(cells) + " |")
+        lines += ["", _tally(results, key)]
     return [*lines, ""]
+
+
+def _tally(results: dict[str, Any], key: str) -> str:
+    """How many estimated splits met the goal, and how many misses are ties."""
+    goal = results["goal"]
+    rows = [
+        r
+        for m in results["models"]
+        for r in m["rows"]
+        if r["source"] != "measured" and r["stages"] in results["stages"]
+    ]
+    same = sum(r["same_as_measured"] for r in rows)
+    other = [r for r in rows if not r["same_as_measured"]]
+    missed = [r for r in other if not held(r[key], goal)]
+    ties = [r for r in missed if r.get(f"{key}_spread") and r[f"{key}_spread"]["q1"] <= 1]
+    text = (
+        f"Of {len(rows)} estimated splits, {same} are the measured profile's own; of the "
+        f"other {len(other)}, {len(other) - len(missed)} are within {goal:.0%}"
+    )
+    if ties:
+        text += f"; of the {len(missed)} misses, {len(ties)} are ties (their quartiles reach 1)"
+    return text + "."
 
 
 def _model(m: dict[str, Any], goal: float) -> list[str]:
