@@ -11,7 +11,9 @@ finds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,21 +191,42 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _fakify(module: nn.Module, mode: FakeTensorMode, device: torch.device) -> None:
-    """Replaces the (meta) state of ``module`` by fake tensors on ``device``, in place."""
+@contextlib.contextmanager
+def fake_state(
+    modules: Sequence[nn.Module], mode: FakeTensorMode, device: torch.device
+) -> Iterator[None]:
+    """Replaces the parameters and buffers of ``modules`` by fake tensors on ``device``
+    (no data: a real tensor's stand-in costs nothing) for the block, then puts them back.
+
+    A tensor several modules hold stays one fake tensor. Run the modules inside ``mode``.
+    """
     made: dict[int, Tensor] = {}
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None:
-                if id(param) not in made:
-                    fake = FakeTensor(mode, param.detach().to(META), device)
-                    made[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
-                sub._parameters[name] = made[id(param)]  # type: ignore[assignment]
-        for name, buffer in list(sub._buffers.items()):
-            if buffer is not None:
-                if id(buffer) not in made:
-                    made[id(buffer)] = FakeTensor(mode, buffer.to(META), device)
-                sub._buffers[name] = made[id(buffer)]
+    saved: list[tuple[dict[str, Any], str, Tensor]] = []
+    for module in modules:
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, tensor in list(table.items()):
+                    if tensor is None:
+                        continue
+                    if id(tensor) not in made:
+                        fake: Tensor = FakeTensor(mode, tensor.detach().to(META), device)
+                        if isinstance(tensor, nn.Parameter):
+                            fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                        made[id(tensor)] = fake
+                    saved.append((table, name, tensor))
+                    table[name] = made[id(tensor)]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for table, name, tensor in reversed(saved):
+            table[name] = tensor
+
+
+def fake_inputs(
+    tensors: Sequence[Tensor], mode: FakeTensorMode, device: torch.device | None = None
+) -> tuple[Tensor, ...]:
+    """Fake copies of ``tensors`` (shapes and dtypes, no data), on ``device`` or their own."""
+    return tuple(FakeTensor(mode, t.detach().to(META), device or t.device) for t in tensors)
 
 
 def _flops(counter: FlopCounterMode) -> float:
@@ -237,10 +260,9 @@ def count_layer(
             tensors do not have.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    _fakify(layer, mode, device)
-    exclude = state_storages(layer)
-    fakes = tuple(FakeTensor(mode, t.detach().to(META), device) for t in inputs)
-    with mode, CpuKernels():
+    fakes = fake_inputs(inputs, mode, device)
+    with fake_state([layer], mode, device), mode, CpuKernels():
+        exclude = state_storages(layer)
         runs = Pass(layer, fakes, device, label, None, autocast)
         saved, fresh, of_output = runs.saved(exclude)
         forward_flops = FlopCounterMode(display=False)

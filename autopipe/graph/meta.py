@@ -43,31 +43,33 @@ def meta_construct(exc: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def meta_shadow(model: nn.Module) -> Iterator[None]:
-    """Replaces the model's real parameters and buffers by meta ones for the block.
+def meta_shadow(*models: nn.Module) -> Iterator[None]:
+    """Replaces the models' real parameters and buffers by meta ones for the block.
 
     A model only partly on meta is traced all on meta (real and meta tensors cannot meet
-    in one operator); tied tensors stay one. The real tensors are put back afterwards:
-    graphs traced inside hold the meta stand-ins until :func:`rebind_state`.
+    in one operator); tied tensors stay one, across the models too. The real tensors are
+    put back afterwards: graphs traced inside hold the meta stand-ins until
+    :func:`rebind_state`.
     """
     made: dict[int, Tensor] = {}
     saved: list[tuple[dict[str, Tensor | None], str, Tensor]] = []
-    for sub in model.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, tensor in list(table.items()):
-                if tensor is None or tensor.is_meta:
-                    continue
-                if id(tensor) not in made:
-                    shadow = torch.empty_like(tensor, device=META)
-                    if isinstance(tensor, nn.Parameter):
-                        shadow = nn.Parameter(shadow, requires_grad=tensor.requires_grad)
-                    made[id(tensor)] = shadow
-                saved.append((table, name, tensor))  # type: ignore[arg-type]
-                table[name] = made[id(tensor)]  # type: ignore[assignment]
+    for model in models:
+        for sub in model.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, tensor in list(table.items()):
+                    if tensor is None or tensor.is_meta:
+                        continue
+                    if id(tensor) not in made:
+                        shadow = torch.empty_like(tensor, device=META)
+                        if isinstance(tensor, nn.Parameter):
+                            shadow = nn.Parameter(shadow, requires_grad=tensor.requires_grad)
+                        made[id(tensor)] = shadow
+                    saved.append((table, name, tensor))  # type: ignore[arg-type]
+                    table[name] = made[id(tensor)]  # type: ignore[assignment]
     try:
         yield
     finally:
-        for table, name, tensor in saved:
+        for table, name, tensor in reversed(saved):
             table[name] = tensor
 
 

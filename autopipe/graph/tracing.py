@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopipe.errors import TracingError
 from autopipe.graph.export import check_symbolic_batch, export_graph, strip_checks
@@ -27,6 +28,7 @@ from autopipe.graph.values import (
     run_quietly,
     same_results,
 )
+from profiler.counting import fake_inputs, fake_state
 
 __all__ = [
     "METHODS",
@@ -366,13 +368,30 @@ def _verify_gradients(
     receive one, exactly where the model's do (a lost ``torch.no_grad()`` region would
     train what the model freezes).
 
+    Which tensors get a gradient is decided by the code, not by the values, so both are
+    asked on fake stand-ins of the sample and the state first (shapes without data, on the
+    sample's device), where a backward costs nothing (on the sample a deep model's two
+    backwards were the longest part of its trace); on the sample itself only when the
+    model's code cannot run on fake tensors.
+
     Raises:
         ValueError: they differ; the message names the first difference.
     """
-    expected = gradient_flow(flat, flat, tensors)
-    if expected is None:  # the model itself cannot back-propagate on the sample
-        return
-    got = gradient_flow(flat, GradModeInterpreter(root, graph=graph).run, tensors)
+    interpreter = GradModeInterpreter(root, graph=graph)
+    expected = None
+    if not any(t.is_meta for t in tensors):
+        device = tensors[0].device
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        stand_ins = fake_inputs(tensors, mode)
+        with fake_state([flat, root], mode, device), mode:
+            expected = gradient_flow(flat, flat, stand_ins)
+            if expected is not None:
+                got = gradient_flow(flat, interpreter.run, stand_ins)
+    if expected is None:
+        expected = gradient_flow(flat, flat, tensors)
+        if expected is None:  # the model itself cannot back-propagate on the sample
+            return
+        got = gradient_flow(flat, interpreter.run, tensors)
     if got == expected:
         return
     if got is None:
