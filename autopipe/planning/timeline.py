@@ -22,6 +22,7 @@ from autopipe.planning.simulation import (
     simulate,
     stage_times,
 )
+from autopipe.planning.trace_events import trace, write_trace
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -33,6 +34,8 @@ __all__ = [
     "draw_stage_bars",
     "draw_timeline",
     "require_matplotlib",
+    "trace",
+    "write_trace",
 ]
 
 _COLORS = {
