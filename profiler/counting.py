@@ -49,6 +49,8 @@ class LayerCounts:
     backward_input_flops: float
     traffic: float
     backward_traffic: float
+    operations: int
+    backward_operations: int
     saved: int
     input_saved: int  # of ``saved``: the input's storages
     output_saved: int  # of ``saved``: the output's storages
@@ -67,12 +69,14 @@ class Traffic(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
+        self.operations = 0  # the operations that move bytes: a kernel launch each
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         results = tree_leaves(out)
         moves = any(isinstance(value, Tensor) for value in results)
         if moves and not getattr(func, "is_view", False) and func not in _NO_TRAFFIC:
+            self.operations += 1
             seen: set[tuple[Any, ...]] = set()
             for value in (*tree_leaves((args, kwargs)), *results):
                 if isinstance(value, Tensor):
@@ -296,6 +300,8 @@ def count_layer(
         backward_input_flops=min(_flops(input_flops), _flops(backward_flops)),
         traffic=float(forward_bytes.bytes),
         backward_traffic=float(backward_bytes.bytes),
+        operations=forward_bytes.operations,
+        backward_operations=backward_bytes.operations,
         saved=saved,
         input_saved=saved - fresh,
         output_saved=of_output,

@@ -410,6 +410,8 @@ def _with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
         backward_input_flops=[c.backward_input_flops for c in counts],
         traffic=[c.traffic for c in counts],
         backward_traffic=[c.backward_traffic for c in counts],
+        operations=[float(c.operations) for c in counts],
+        backward_operations=[float(c.backward_operations) for c in counts],
     )
 
 

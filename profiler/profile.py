@@ -55,6 +55,9 @@ class LayerProfile:
             inputs and outputs, what a kernel without fusion moves through memory); ``None``:
             not counted.
         backward_traffic: the same for the backward.
+        operations: operations of the forward that move bytes (kernel launches, each with a
+            fixed cost that small layers are bound by); ``None``: not counted.
+        backward_operations: the same for the backward.
     """
 
     name: str
@@ -73,6 +76,8 @@ class LayerProfile:
     backward_input_flops: list[float] | None = None
     traffic: list[float] | None = None
     backward_traffic: list[float] | None = None
+    operations: list[float] | None = None
+    backward_operations: list[float] | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -84,7 +89,15 @@ _TIMES = "times must be finite numbers of seconds >= 0"
 _BYTES = "byte counts must be finite numbers >= 0"
 _LAYER_TIMES = ("forward", "backward", "backward_input")
 _LAYER_BYTES = ("saved", "output", "peak", "shared")
-_LAYER_COUNTS = ("flops", "backward_flops", "backward_input_flops", "traffic", "backward_traffic")
+_LAYER_COUNTS = (
+    "flops",
+    "backward_flops",
+    "backward_input_flops",
+    "traffic",
+    "backward_traffic",
+    "operations",
+    "backward_operations",
+)
 _COUNTS = "operation and byte counts must be finite numbers >= 0"
 
 
