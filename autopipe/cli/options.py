@@ -140,14 +140,18 @@ def _check_picture(path: str, what: str) -> None:
 
 
 def check_plan_outputs(args: argparse.Namespace) -> None:
-    """Fails early when the ``--json`` plan or a ``--timeline``/``--compare`` picture cannot
-    be written."""
+    """Fails early when the ``--json`` plan, a ``--timeline``/``--compare`` picture or the
+    ``--trace`` cannot be written."""
     if args.json:
         check_writable(args.json, "plan")
     if args.timeline:
         _check_picture(args.timeline, "timeline")
     if args.compare:
         _check_picture(args.compare, "comparison")
+    if getattr(args, "trace", None):
+        from autopipe.planning.trace_events import check_trace_path
+
+        check_trace_path(args.trace)
 
 
 def save(obj: Plan | Profile, path: str, what: str) -> None:

@@ -172,6 +172,12 @@ def _add_plan_parser(commands: Any) -> None:
         help="also draw every strategy's stage times side by side, to see how balanced "
         "each split is (.png or .svg; needs matplotlib)",
     )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="also write the plan's simulated pipeline step as a Chrome trace (.json), one "
+        "track per device, to open in ui.perfetto.dev or chrome://tracing",
+    )
     add_tracing_options(parser)
     add_target_options(parser)
     _add_search_options(parser)

@@ -119,6 +119,11 @@ def plan_command(args: argparse.Namespace) -> int:
             known[baseline.strategy] = baseline
         draw_stage_bars(_strategy_plans(profile, devices, options, known), args.compare)
         drawn.append(f"comparison written to {args.compare}")
+    if args.trace:
+        from autopipe.planning.trace_events import write_trace
+
+        write_trace(result, args.trace)
+        drawn.append(f"trace written to {args.trace}")
     if args.json:
         save(result, args.json, "plan")
     sys.stdout.write(render_plan(result, baseline, other))

@@ -72,6 +72,10 @@ def search_command(args: argparse.Namespace) -> int:
         from autopipe.planning.timeline import draw_timeline
 
         draw_timeline(best, args.timeline)
+    if args.trace:
+        from autopipe.planning.trace_events import write_trace
+
+        write_trace(best, args.trace)
     if args.json:
         save(best, args.json, "plan")
     sys.stdout.write(render_search(plans) + "\n\nthe best plan:\n" + render_plan(best))
@@ -79,4 +83,6 @@ def search_command(args: argparse.Namespace) -> int:
         print(f"plan written to {args.json}", file=sys.stderr)
     if args.timeline:
         print(f"timeline written to {args.timeline}", file=sys.stderr)
+    if args.trace:
+        print(f"trace written to {args.trace}", file=sys.stderr)
     return 0
