@@ -26,7 +26,9 @@ __all__ = []
 
 T = TypeVar("T")
 # solve(cap, limit) -> (F(cap), largest stage parameters of its split, the split), or None
-# when nothing fits; F may be any value >= limit when it provably reaches the limit.
+# when nothing fits; F may be any value >= limit when it provably reaches the limit. The
+# cap is exact: a split's stages hold at most ``cap`` bytes (a slack admitting the last
+# peak at ``peak − 1`` would find the same split again and again, to the budget's end).
 Solver = Callable[[float, float], "tuple[float, float, T] | None"]
 
 

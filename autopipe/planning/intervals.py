@@ -99,7 +99,9 @@ class IntervalSolver:
     def _param_starts(self, cap: float) -> Ints:
         if cap != self._cap_starts[0]:
             params = self.r.params
-            lo = np.searchsorted(params, params - cap * (1 + SAME_TIME), side="left")
+            # Exact, as in :mod:`autopipe.planning.exact`: whole bytes, so the cap search's
+            # ``peak − 1`` excludes the peak (a relative slack would admit it again).
+            lo = np.searchsorted(params, params - cap, side="left")
             self._cap_starts = (cap, lo)
         return self._cap_starts[1]
 
