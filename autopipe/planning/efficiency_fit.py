@@ -2,9 +2,8 @@
 
 Each sample ``i`` (a layer, pass and batch size) has its compute seconds at the peak
 ``x_i = flops / peak``, its memory seconds ``y_i = traffic / bandwidth`` and its measured
-seconds ``t_i``, and ``n_i`` operations (kernel launches). With ``a = 1/η_f`` and
-``b = 1/η_m`` the model is ``t̂_i = max(a·x_i, b·y_i) + o·n_i``, fitted to minimize
-``Σ log(t̂_i / t_i)²``: the relative
+seconds ``t_i``. With ``a = 1/η_f`` and ``b = 1/η_m`` the model is
+``t̂_i = max(a·x_i, b·y_i) + o``, fitted to minimize ``Σ log(t̂_i / t_i)²``: the relative
 error, symmetric (an estimate half the measurement weighs as much as one twice it, where
 ``(t̂ − t) / t`` would let underestimates off lightly and bias the fit low).
 
@@ -29,22 +28,20 @@ _REFINED = 8
 _STEPS = 60
 
 
-def _estimate(params: np.ndarray, x: np.ndarray, y: np.ndarray, n: np.ndarray) -> np.ndarray:
+def _estimate(params: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     a, b, o = params
-    return np.maximum(a * x, b * y) + o * n
+    return np.maximum(a * x, b * y) + o
 
 
-def _objective(
-    params: np.ndarray, x: np.ndarray, y: np.ndarray, n: np.ndarray, t: np.ndarray
-) -> float:
+def _objective(params: np.ndarray, x: np.ndarray, y: np.ndarray, t: np.ndarray) -> float:
     # A sample the model gives 0 s (no work, no overhead) is as wrong as can be.
-    ratio = np.maximum(_estimate(params, x, y, n), 1e-300) / t
+    ratio = np.maximum(_estimate(params, x, y), 1e-300) / t
     return float(np.sum(np.log(ratio) ** 2))
 
 
-def _columns(compute: np.ndarray, x: np.ndarray, y: np.ndarray, n: np.ndarray) -> np.ndarray:
+def _columns(compute: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """The model's derivatives by ``(a, b, o)`` when ``compute`` marks compute-bound samples."""
-    return np.stack([np.where(compute, x, 0.0), np.where(compute, 0.0, y), n])
+    return np.stack([np.where(compute, x, 0.0), np.where(compute, 0.0, y), np.ones_like(x)])
 
 
 def _bounded(params: np.ndarray, known: list[int], x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -60,16 +57,11 @@ def _bounded(params: np.ndarray, known: list[int], x: np.ndarray, y: np.ndarray)
 
 
 def _linear(
-    compute: np.ndarray,
-    x: np.ndarray,
-    y: np.ndarray,
-    n: np.ndarray,
-    t: np.ndarray,
-    default: np.ndarray,
+    compute: np.ndarray, x: np.ndarray, y: np.ndarray, t: np.ndarray, default: np.ndarray
 ) -> np.ndarray | None:
     """``(a, b, o)`` minimizing ``Σ ((t̂ − t) / t)²`` within a partition; ``None`` when it
     needs a non-positive ``a`` or ``b``."""
-    columns = _columns(compute, x, y, n)
+    columns = _columns(compute, x, y)
     known = [k for k in range(2) if np.any(columns[k] > 0)]
     params = default.copy()
     for free in ([*known, 2], known):  # with the overhead, then without if it went negative
@@ -85,13 +77,13 @@ def _linear(
 
 
 def _refine(
-    params: np.ndarray, x: np.ndarray, y: np.ndarray, n: np.ndarray, t: np.ndarray
+    params: np.ndarray, x: np.ndarray, y: np.ndarray, t: np.ndarray
 ) -> tuple[np.ndarray, float]:
     """Gauss-Newton steps on the log error from ``params``, halved until they improve."""
-    score = _objective(params, x, y, n, t)
+    score = _objective(params, x, y, t)
     for _ in range(_STEPS):
-        estimate = np.maximum(_estimate(params, x, y, n), 1e-300)
-        columns = _columns(params[0] * x >= params[1] * y, x, y, n)
+        estimate = np.maximum(_estimate(params, x, y), 1e-300)
+        columns = _columns(params[0] * x >= params[1] * y, x, y)
         free = [k for k in range(3) if np.any(columns[k] > 0)]
         step, *_ = np.linalg.lstsq((columns[free] / estimate).T, -np.log(estimate / t), rcond=None)
         size, improved = 1.0, False
@@ -100,7 +92,7 @@ def _refine(
             trial[free] += size * step
             trial[2] = max(trial[2], 0.0)
             if trial[0] > 0 and trial[1] > 0:
-                found = _objective(trial, x, y, n, t)
+                found = _objective(trial, x, y, t)
                 if found < score:
                     improved = found < score * (1 - 1e-12) and score - found > 1e-30
                     params, score = trial, found
@@ -112,11 +104,7 @@ def _refine(
 
 
 def solve(
-    x: np.ndarray,
-    y: np.ndarray,
-    t: np.ndarray,
-    default: tuple[float, float, float],
-    n: np.ndarray | None = None,
+    x: np.ndarray, y: np.ndarray, t: np.ndarray, default: tuple[float, float, float]
 ) -> tuple[tuple[float, float, float], list[str]]:
     """The fitted ``(η_f, η_m, overhead)`` and notes on what the samples could not tell.
 
@@ -125,23 +113,21 @@ def solve(
         y: memory seconds of each sample at the peak bandwidth.
         t: measured seconds of each sample, all > 0.
         default: ``(η_f, η_m, overhead)`` for what the samples do not determine.
-        n: operations of each sample, which the overhead is per; default: one each.
     """
-    n = np.ones_like(x) if n is None else n
     start = np.array([1.0 / default[0], 1.0 / default[1], default[2]])
     ratio = np.divide(x, y, out=np.full_like(x, np.inf), where=y > 0)
     steps = np.unique(ratio[(ratio > 0) & np.isfinite(ratio)])
     if len(steps) > _CANDIDATES:
         steps = steps[np.unique(np.linspace(0, len(steps) - 1, _CANDIDATES).round().astype(int))]
-    found = [(_objective(start, x, y, n, t), 0, start)]
+    found = [(_objective(start, x, y, t), 0, start)]
     for i, step in enumerate([*steps, np.inf], start=1):
-        params = _linear(ratio >= step, x, y, n, t, start)
+        params = _linear(ratio >= step, x, y, t, start)
         if params is not None:
-            found.append((_objective(params, x, y, n, t), i, params))
+            found.append((_objective(params, x, y, t), i, params))
     found.sort(key=lambda item: item[:2])
     best, score = found[0][2], found[0][0]
     for _, _, params in found[:_REFINED]:
-        params, refined = _refine(params, x, y, n, t)
+        params, refined = _refine(params, x, y, t)
         if refined < score:
             best, score = params, refined
     a, b, o = (float(v) for v in best)

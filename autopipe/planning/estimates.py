@@ -4,14 +4,12 @@ A profile counted on any device (the meta device will do) holds each layer's FLO
 memory traffic per pass and micro-batch size. On a device of the catalog, each layer,
 pass (forward, backward) and batch size takes::
 
-    t = max(flops / (η_f · peak[dtype]), traffic / (η_m · bandwidth)) + operations · overhead
+    t = max(flops / (η_f · peak[dtype]), traffic / (η_m · bandwidth)) + overhead
 
 ``peak[dtype]`` is the device's dense peak FLOP/s in the profile's ``autocast`` dtype if
 set, else in its ``dtype``; ``bandwidth`` is the device's memory bandwidth; ``η_f`` and
-``η_m`` are the shares of those peaks that layers reach, ``operations`` the pass's counted
-operations that move bytes (its kernel launches; one per pass in profiles counted before
-operations were) and ``overhead`` the fixed seconds of each (launch, dispatch: small
-layers are bound by them). The input-gradient part of the backward
+``η_m`` are the shares of those peaks that layers reach, and ``overhead`` the fixed seconds
+of a layer pass (its kernels' launches). The input-gradient part of the backward
 (``backward_input``, which zero-bubble schedules run apart) gets the FLOPs counted for it
 and the backward's traffic in proportion to those FLOPs. :func:`fit_efficiency` fits
 ``η_f``, ``η_m`` and ``overhead`` to a profile that was both measured and counted, so that a
@@ -48,9 +46,8 @@ __all__ = [
 #   transformer training steps reach 40-60 % of peak (MFU) on A100 and H100.
 # - η_m 0.7: elementwise and normalization kernels stream at 60-85 % of the spec-sheet
 #   memory bandwidth (a plain copy reaches about 90 %).
-# - overhead 5 µs per operation: a kernel launch costs a few µs, and a small layer's pass
-#   is bound by them; for large layers the launches overlap the GPU's work, so it matters
-#   little (a Llama-3-70B block's ~40 operations add 0.2 ms to 13 ms of matmuls).
+# - overhead 5 µs: a kernel launch costs a few µs, and a small layer's pass is bound by
+#   them; for large layers the launches overlap the GPU's work, so it matters little.
 DEFAULT_COMPUTE = 0.55
 DEFAULT_MEMORY = 0.7
 DEFAULT_OVERHEAD = 5e-6
@@ -67,7 +64,7 @@ class Efficiency:
     Attributes:
         compute: ``η_f``, the share of the peak FLOP/s.
         memory: ``η_m``, the share of the memory bandwidth.
-        overhead: fixed seconds per operation of a pass.
+        overhead: fixed seconds per layer and pass.
         fitted: fitted to measurements (:func:`fit_efficiency`), not the defaults.
     """
 
@@ -115,35 +112,30 @@ def _check_counted(profile: Profile) -> None:
 def _seconds(
     flops: Sequence[float] | np.ndarray,
     traffic: Sequence[float] | np.ndarray,
-    operations: Sequence[float] | np.ndarray | None,
     rates: tuple[float, float],
     e: Efficiency,
 ) -> np.ndarray:
     """The formula, per batch size; ``rates`` are the peak FLOP/s and bytes/s."""
     compute = np.asarray(flops, dtype=float) / (e.compute * rates[0])
     memory = np.asarray(traffic, dtype=float) / (e.memory * rates[1])
-    launches = 1.0 if operations is None else np.asarray(operations, dtype=float)
-    return np.maximum(compute, memory) + e.overhead * launches
+    return np.maximum(compute, memory) + e.overhead
 
 
 def _estimated(layer: LayerProfile, rates: tuple[float, float], e: Efficiency) -> LayerProfile:
     assert layer.flops is not None and layer.backward_flops is not None
     assert layer.traffic is not None and layer.backward_traffic is not None
-    operations = layer.backward_operations
-    backward = _seconds(layer.backward_flops, layer.backward_traffic, operations, rates, e)
+    backward = _seconds(layer.backward_flops, layer.backward_traffic, rates, e)
     part = None
     if layer.backward_input_flops is not None:
         flops = np.asarray(layer.backward_input_flops, dtype=float)
         total = np.asarray(layer.backward_flops, dtype=float)
         # Without weights the input's gradient is the whole backward.
         share = np.divide(flops, total, out=np.ones_like(total), where=total > 0)
-        share = np.minimum(share, 1.0)
-        traffic = np.asarray(layer.backward_traffic, dtype=float) * share
-        launches = None if operations is None else np.asarray(operations, dtype=float) * share
-        part = np.minimum(_seconds(flops, traffic, launches, rates, e), backward).tolist()
+        traffic = np.asarray(layer.backward_traffic, dtype=float) * np.minimum(share, 1.0)
+        part = np.minimum(_seconds(flops, traffic, rates, e), backward).tolist()
     return dataclasses.replace(
         layer,
-        forward=_seconds(layer.flops, layer.traffic, layer.operations, rates, e).tolist(),
+        forward=_seconds(layer.flops, layer.traffic, rates, e).tolist(),
         backward=backward.tolist(),
         backward_input=part,
     )
@@ -245,7 +237,7 @@ class EfficiencyFit:
         worst = max(compared, key=lambda layer: layer.error or 0.0)
         line = (
             f"fitted on {self.device}: η_f {e.compute:.3g}, η_m {e.memory:.3g}, overhead "
-            f"{format_time(e.overhead)} per operation; error per layer median "
+            f"{format_time(e.overhead)} per layer pass; error per layer median "
             f"{self.median_error:.1%}, max {self.max_error:.1%} ({worst.kind} {worst.name!r}), "
             f"over {len(compared)} of {len(self.layers)} layers"
         )
@@ -274,32 +266,25 @@ def fit_efficiency(
     _check_counted(profile)
     used = dtype or compute_dtype(profile)
     peak = device.peak(used)
-    x, y, n, t = [], [], [], []
+    x, y, t = [], [], []
     for layer in profile.layers:
         passes = (
-            (layer.forward, layer.flops, layer.traffic, layer.operations),
-            (
-                layer.backward,
-                layer.backward_flops,
-                layer.backward_traffic,
-                layer.backward_operations,
-            ),
+            (layer.forward, layer.flops, layer.traffic),
+            (layer.backward, layer.backward_flops, layer.backward_traffic),
         )
-        for times, flops, traffic, operations in passes:
+        for times, flops, traffic in passes:
             assert flops is not None and traffic is not None
-            launches = operations or [1.0] * len(times)
-            for seconds, f, m, k in zip(times, flops, traffic, launches):
+            for seconds, f, m in zip(times, flops, traffic):
                 if seconds > NEGLIGIBLE:
                     x.append(f / peak)
                     y.append(m / device.memory_bandwidth)
-                    n.append(k)
                     t.append(seconds)
     if not t:
         raise ValueError(
             "no layer of the profile measured more than about 0 s; fit on a measured profile"
         )
     default = (DEFAULT_COMPUTE, DEFAULT_MEMORY, DEFAULT_OVERHEAD)
-    found, notes = solve(np.array(x), np.array(y), np.array(t), default, np.array(n))
+    found, notes = solve(np.array(x), np.array(y), np.array(t), default)
     e = Efficiency(*found, fitted=True)
     layers = tuple(
         _compare(layer, estimated)
