@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -46,6 +48,7 @@ from autopipe.distributed.stage import (
     fingerprint,
     merge_state_dicts,
 )
+from autopipe.distributed.step_trace import StepRecorder, track_label
 from autopipe.distributed.tied import TiedGradients, make_tie_groups, shared_across_stages
 from autopipe.distributed.virtual import (
     RankStages,
@@ -59,6 +62,7 @@ from autopipe.graph.meta import has_meta_state, rebind_state
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
 from autopipe.planning.plans import Plan
+from autopipe.planning.trace_events import check_trace_path
 from profiler.precision import autocast_pass, check_autocast, current_autocast
 
 __all__: list[str] = []  # internal: DistributedPipeline is the public class
@@ -270,7 +274,9 @@ class PipelineRunner:
         """Whether this rank holds the last stage (reads the targets, returns the loss)."""
         return self.stage_index == self.num_stages - 1
 
-    def step(self, inputs: Any = None, target: Any = None) -> Tensor | None:
+    def step(
+        self, inputs: Any = None, target: Any = None, *, trace: str | os.PathLike[str] | None = None
+    ) -> Tensor | None:
         """Runs forward and backward of one mini-batch through the pipeline.
 
         Call it on every rank with the same mini-batch; only the first stage reads
@@ -281,6 +287,15 @@ class PipelineRunner:
         replica r takes rows ``[r*b, (r+1)*b)``) or this replica's shard (b rows, as a
         ``DistributedSampler`` gives); the gradients then are those of the mean loss over
         all D·M micro-batches.
+
+        Args:
+            inputs: the mini-batch's inputs (read on the first stage).
+            target: its targets (read on the last stage).
+            trace: a ``.json`` file: time every rank's forwards, backwards, loss and
+                waits on communication in this step and write them on rank 0 as a Chrome
+                trace, one track per rank, named as ``autopipe plan --trace`` names the
+                predicted step (:mod:`autopipe.distributed.step_trace`). Pass it on every
+                rank (rank 0's path is written); the step's results are the same.
 
         Returns:
             On the last stage's ranks, the mean of ``loss_fn`` over the micro-batches of
@@ -303,6 +318,8 @@ class PipelineRunner:
         failure: Exception | None = None
         try:
             args, kwargs = self._arguments(inputs, target)
+            if trace is not None and self.rank == 0:
+                check_trace_path(trace)
         except (ValueError, TypeError) as exc:
             args, kwargs, problem = (), {}, str(exc)
         except Exception as exc:  # e.g. out of memory moving the batch: still tell the others
@@ -325,9 +342,16 @@ class PipelineRunner:
             # sums the same averaged values, in the same group order on every replica, so the
             # copies stay bitwise equal however many replicas reduce in whichever order.
             tied, sync = self._tied.step(), self._sync.step()
-            with tied, sync, autocast_pass(self.device.type, self.autocast):
+            recorder = None
+            if trace is not None:  # every rank times its part of the step
+                recorder = StepRecorder(self.stages, self.schedule, self.device, self.group)
+            timed = recorder or contextlib.nullcontext()
+            with tied, sync, autocast_pass(self.device.type, self.autocast), timed:
                 self.schedule.step(*args, **kwargs)
             loss = self._sync.mean_loss(self._loss.mean()) if self.is_last else None
+            if recorder is not None and trace is not None:
+                label = track_label(self.stage_indices, self.replica_index, self.data_parallel)
+                recorder.write(trace, self.plan, label)
         except BaseException as exc:
             self._broken = True
             if hasattr(exc, "add_note"):

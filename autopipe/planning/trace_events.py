@@ -7,9 +7,10 @@ metadata events (``"ph": "M"``); each operation is a complete event (``"ph": "X"
 and ``dur`` in microseconds from the step's start) named by kind, stage and micro-batch:
 ``F s2 mb3`` a forward, ``R`` its re-computation, ``B`` a backward (``I`` the input's
 gradient under zero bubble), ``W`` the weights' gradient, ``send`` a stage sending its
-output, ``wait`` (measured) a rank waiting on a send or receive; ``args`` holds ``stage``,
-``micro_batch`` and ``kind``. The time a device spends on nothing is an ``idle`` event, so
-each device's events tile the step from its start to its end.
+output; measured steps also have ``loss s3 mb1`` (the last stage's loss) and ``wait`` (a
+rank blocked on sends and receives). ``args`` holds ``stage``, ``micro_batch`` and
+``kind`` (``kind`` only, for ``idle`` and ``wait``). The time a device spends on nothing
+is an ``idle`` event, so each device's events tile the step from its start to its end.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ __all__ = [
 
 # The letter an operation's name starts with, by kind (``backward`` depends on the schedule).
 _LETTERS = {"forward": "F", "recompute": "R", "backward": "B", "input": "I", "weight": "W"}
-_NAMED = {"transfer": "send", "wait": "wait"}
+_NAMED = {"transfer": "send", "wait": "wait", "loss": "loss"}
 _US = 1e6  # trace-event times are microseconds
 
 
@@ -78,12 +79,12 @@ def event_name(kind: str, stage: int, micro_batch: int) -> str:
 
     Args:
         kind: ``forward``, ``recompute``, ``backward``, ``input`` (zero bubble's input
-            gradient), ``weight``, ``transfer``, ``wait`` or ``idle``.
-        stage: the stage that runs it.
+            gradient), ``weight``, ``transfer``, ``loss``, ``wait`` or ``idle``.
+        stage: the stage that runs it; negative for an operation of no stage (a wait).
         micro_batch: its micro-batch.
     """
-    if kind == "idle":
-        return "idle"
+    if kind == "idle" or stage < 0:
+        return _NAMED.get(kind, kind)
     head = _LETTERS.get(kind) or _NAMED.get(kind, kind)
     return f"{head} s{stage} mb{micro_batch}"
 
@@ -131,9 +132,8 @@ def trace_document(
             if e.start > clock:
                 out.append(_slice(pid, "idle", "idle", clock, e.start))
             name = event_name(e.kind, e.stage, e.micro_batch)
-            out.append(
-                _slice(pid, name, e.kind, e.start, e.end, stage=e.stage, micro_batch=e.micro_batch)
-            )
+            where = {"stage": e.stage, "micro_batch": e.micro_batch} if e.stage >= 0 else {}
+            out.append(_slice(pid, name, e.kind, e.start, e.end, **where))
             clock = max(clock, e.end)
         if span > clock:
             out.append(_slice(pid, "idle", "idle", clock, span))
