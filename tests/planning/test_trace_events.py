@@ -146,6 +146,8 @@ def test_event_name() -> None:
     assert event_name("input", 0, 1) == "I s0 mb1"
     assert event_name("transfer", 1, 0) == "send s1 mb0"
     assert event_name("idle", 0, 0) == "idle"
+    assert event_name("loss", 3, 1) == "loss s3 mb1"
+    assert event_name("wait", -1, -1) == "wait"  # a measured wait belongs to no stage
 
 
 def test_write_trace(tmp_path: Path) -> None:
