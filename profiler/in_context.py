@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from profiler.devices import synchronize
 from profiler.layer import as_tensors
+from profiler.layer_names import layer_names, same_layer_name
 from profiler.measure import sample_arguments, sequential_inputs_problem
 from profiler.precision import autocast_pass
 from profiler.profile import Profile
@@ -114,8 +115,9 @@ def measure_compute_scale(
     """
     if len(model) != len(profile):
         raise ValueError(f"the profile has {len(profile)} layers but the model has {len(model)}")
-    for i, ((name, layer), seen) in enumerate(zip(model.named_children(), profile.layers)):
-        if (name, type(layer).__name__) != (seen.name, seen.kind):
+    named = zip(layer_names(model), model.children(), profile.layers)
+    for i, (name, layer, seen) in enumerate(named):
+        if not same_layer_name(seen.name, name) or type(layer).__name__ != seen.kind:
             raise ValueError(
                 f"layer {i} is {name} ({type(layer).__name__}) in the model but "
                 f"{seen.name} ({seen.kind}) in the profile: pass the profiled model"

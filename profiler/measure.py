@@ -16,6 +16,7 @@ from profiler.count_pass import CountedLayer, count_layers
 from profiler.counting import META
 from profiler.devices import resolve_device
 from profiler.layer import CacheFlush, tensor_bytes
+from profiler.layer_names import layer_names
 from profiler.materialize import has_meta
 from profiler.measure_pass import MeasureSettings, measure_layers
 from profiler.pooling import pool_identical
@@ -421,8 +422,9 @@ def profile_model(model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwar
     The sample is the model's positional inputs, as ``model(*sample)`` takes them: for
     ``nn.Sequential`` itself one tensor (``x`` or ``(x,)``), or ``((a, b),)`` for a first
     layer that takes a tuple. Between the layers a tuple is one value, as
-    ``nn.Sequential`` passes it on. Layer names are the children's names and kinds their
-    class names.
+    ``nn.Sequential`` passes it on. Layer names are the children's names (a traced model's
+    units: their modules' dotted names, see :func:`profiler.layer_names.layer_names`) and
+    kinds their class names.
 
     Raises:
         ValueError: ``model`` is not an ``nn.Sequential``, has no children, or cannot
@@ -437,6 +439,6 @@ def profile_model(model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwar
     if problem:
         raise ValueError(problem)
     children = list(model.named_children())
-    kwargs.setdefault("names", [name for name, _ in children])
+    kwargs.setdefault("names", layer_names(model))
     kwargs.setdefault("owner", model)
     return profile_layers([child for _, child in children], sample, **kwargs)

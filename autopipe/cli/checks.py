@@ -81,8 +81,13 @@ def _describe(figures: tuple[str, str, int, int], buffers: bool) -> str:
     return f"{name!r} ({kind}, {format_bytes(params)} of parameters{extra})"
 
 
-def _recorded(layer: LayerProfile) -> tuple[str, str, int, int]:
-    return layer.name, layer.kind, layer.param_bytes, layer.buffer_bytes
+def _recorded(layer: LayerProfile, name: str) -> tuple[str, str, int, int]:
+    """What the profile records of a layer, its name as the model spells it when they
+    match (a profile saved with ``h/3`` names the layer ``h.3``)."""
+    from profiler.layer_names import same_layer_name
+
+    recorded = name if same_layer_name(layer.name, name) else layer.name
+    return recorded, layer.kind, layer.param_bytes, layer.buffer_bytes
 
 
 def check_profile_matches(
@@ -91,7 +96,8 @@ def check_profile_matches(
     """Refuses a profile of other layers than ``model``'s, naming the first that differs.
 
     A profile records each layer's name, class and parameter and buffer bytes; all must
-    agree, or the plan would split another model's layers.
+    agree, or the plan would split another model's layers. Names match in either spelling
+    of a unit's module path (``h.3``, or ``h/3`` as older profiles wrote it).
 
     Raises:
         ValueError: the layer counts or one layer's figures differ.
@@ -105,10 +111,11 @@ def check_profile_matches(
             f"{profile_path} does not match {model_path}: the profile has {len(profile)} "
             f"layers, the model {len(model)}; {fix}"
         )
-    for index, (layer, (name, module)) in enumerate(
-        zip(profile.layers, model.named_children(), strict=True)
-    ):
-        recorded, found = _recorded(layer), _figures(name, module)
+    from profiler.layer_names import layer_names
+
+    named = zip(profile.layers, layer_names(model), model.children(), strict=True)
+    for index, (layer, name, module) in enumerate(named):
+        recorded, found = _recorded(layer, name), _figures(name, module)
         if recorded != found:
             buffers = recorded[:3] == found[:3]  # only the buffers differ: name them
             raise ValueError(

@@ -146,10 +146,11 @@ def _measure(
 
     ``owner`` is the model its layers were traced from, which names shared parameters.
     """
+    from profiler.layer_names import layer_names
     from profiler.measure import profile_model
     from profiler.progress import TerminalProgress
 
-    children = list(model.named_children())
+    children = list(zip(layer_names(model), model.children()))
     show = TerminalProgress(kinds={name: type(child).__name__ for name, child in children})
     done = 0
 

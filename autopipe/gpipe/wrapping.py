@@ -233,7 +233,7 @@ def wrap(
             autocast=autocast,
             owner=model,  # names the tensors several units use by the model's names
         )
-    # A profile of unit_sequential (`autopipe profile`) writes module paths with "/".
+    # Profiles saved before units were named by their dotted module paths wrote "/".
     elif [name.replace("/", ".") for name in profile.names] != model_units.names:
         raise ValueError(
             f"the profile's layers {profile.names} are not the model's units {model_units.names}"

@@ -164,8 +164,11 @@ class SequentialModel:
         return find_written(self.layout.traced[self.layout.primary].model, writes)
 
     def sequential(self) -> UnitSequential:
-        """The units as a :class:`UnitSequential` whose children are named after them."""
-        # Unit names are module paths; a child name of nn.Sequential cannot hold a dot.
+        """The units as a :class:`UnitSequential` whose children are named after them.
+
+        Its ``layer_names`` are the units' names (``h.3``), which profiles and plans use.
+        """
+        # A child name of nn.Sequential cannot hold a dot: the child keys are ``h/3``.
         names = [name.replace(".", "/") for name in self.names]
         return UnitSequential(OrderedDict(zip(names, self.units)))
 

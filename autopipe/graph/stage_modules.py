@@ -141,6 +141,12 @@ class UnitSequential(nn.Sequential):
     inputs, like any model's), and passes each unit's tuple on as one value.
     """
 
+    @property
+    def layer_names(self) -> list[str]:
+        """The units' names, the dotted module names of ``named_modules()`` (``h.3``): the
+        names a profile and a plan give the layers (child names cannot hold a dot)."""
+        return [getattr(unit, "name", key) for key, unit in self.named_children()]
+
     def forward(self, *tensors: Any) -> Any:
         value: Any = tensors
         for unit in self:
