@@ -63,6 +63,11 @@ def selected_command(args: argparse.Namespace) -> Command:
         ValueError: an option of the search without ``--search``.
     """
     if args.command == "plan" and args.search:
+        if args.export:
+            raise ValueError(
+                "--export goes with a plan of --stages; with --search, save the best plan "
+                "with --json and export it in Python: Plan.load(FILE).export(FORMAT)"
+            )
         return search_command
     if args.command == "plan" and args.shard_optimizer:
         raise ValueError(
@@ -159,6 +164,15 @@ def _add_plan_parser(commands: Any) -> None:
         "--json",
         metavar="FILE",
         help="also write the plan as JSON; its `balance` lists the layers per stage",
+    )
+    parser.add_argument(
+        "--export",
+        action="append",
+        metavar="FORMAT[=FILE]",
+        help="also write the split for another runtime, to FILE or stdout (the report then "
+        "goes to stderr); repeatable. FORMAT: torch (pipeline()'s split_spec, Python), "
+        "torch-json, torchtitan (module_fqns_per_model_part, TOML), torchtitan-json, "
+        "megatron (--pipeline-model-parallel-layout), deepspeed (PipelineModule parts, JSON)",
     )
     parser.add_argument(
         "--timeline",

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from autopipe.cli.exports import parse_exports, render_exports, to_stdout, write_exports
 from autopipe.cli.inputs import read_profile
 from autopipe.cli.options import (
     check_plan_outputs,
@@ -63,6 +64,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if isinstance(memory, list) and virtual > 1:  # one size per device: each of its stages
         memory = [memory[k % stages] for k in range(stages * virtual)]
     check_plan_outputs(args)
+    exports = parse_exports(args.export)
 
     def check_layers(model: nn.Sequential) -> None:
         if stages * virtual > len(model):
@@ -104,7 +106,8 @@ def plan_command(args: argparse.Namespace) -> int:
     except PlanningError as exc:
         baseline = str(exc)
 
-    # Pictures first: a failure to draw leaves no plan file and no report behind.
+    # Exports and pictures first: a failure leaves no plan file and no report behind.
+    exported = render_exports(result, exports)
     drawn = []
     if args.timeline:
         from autopipe.planning.timeline import draw_timeline
@@ -126,7 +129,10 @@ def plan_command(args: argparse.Namespace) -> int:
         drawn.append(f"trace written to {args.trace}")
     if args.json:
         save(result, args.json, "plan")
-    sys.stdout.write(render_plan(result, baseline, other))
+    # An export on stdout is meant to be redirected: the report goes to stderr then.
+    report = sys.stderr if to_stdout(exports) else sys.stdout
+    report.write(render_plan(result, baseline, other))
+    write_exports(exports, exported)
     if args.json:
         print(f"plan written to {args.json}", file=sys.stderr)
     for line in drawn:

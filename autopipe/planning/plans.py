@@ -182,6 +182,23 @@ class Plan:
     def num_stages(self) -> int:
         return len(self.balance)
 
+    def export(self, fmt: str) -> str:
+        """The split as another runtime takes it, as text to paste or save.
+
+        Formats (:data:`autopipe.planning.exports.EXPORT_FORMATS`): ``torch`` and
+        ``torch-json``, the ``split_spec`` of ``torch.distributed.pipelining.pipeline``;
+        ``torchtitan`` (TOML) and ``torchtitan-json``, its ``module_fqns_per_model_part``;
+        ``megatron``, Megatron-LM's ``--pipeline-model-parallel-layout`` (decoder-only
+        models); ``deepspeed`` (JSON), the layer boundaries of a ``PipelineModule``.
+
+        Raises:
+            ValueError: an unknown format, or a split it cannot express (the message
+                names the cut).
+        """
+        from autopipe.planning.exports import export_plan
+
+        return export_plan(self, fmt)
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["efficiency"] = self.efficiency
