@@ -292,7 +292,7 @@ class PipelineRunner:
             inputs: the mini-batch's inputs (read on the first stage).
             target: its targets (read on the last stage).
             trace: a ``.json`` file: time every rank's forwards, backwards, loss and
-                waits on communication in this step and write them on rank 0 as a Chrome
+                sends and receives in this step and write them on rank 0 as a Chrome
                 trace, one track per rank, named as ``autopipe plan --trace`` names the
                 predicted step (:mod:`autopipe.distributed.step_trace`). Pass it on every
                 rank (rank 0's path is written); the step's results are the same.

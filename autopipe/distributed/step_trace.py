@@ -3,13 +3,16 @@
 :class:`StepRecorder` times one step of a torch pipelining schedule on this rank: it wraps
 the ``PipelineStage`` methods every schedule calls (``forward_one_chunk``,
 ``backward_one_chunk``, ``backward_weight_one_chunk``), the schedule's loss, and torch's
-waits on sends and receives, for the step only. The wrappers only read the clock (on
-CUDA after synchronizing the device, so that an action's end is its kernels'), so the
-step computes exactly what it computes untraced. The ranks start from a barrier, each
-counting from when it leaves it, and rank 0 writes one trace with one track per rank,
-named as :func:`autopipe.planning.trace_events.trace` names the predicted step: ``F s1
-mb2``, ``B``, ``I`` and ``W`` (zero bubble's halves), ``loss``, and ``wait`` for time
-blocked on communication. A backward includes the forward's re-computation, if any.
+calls that post batches of sends and receives and wait for them, for the step only. The
+wrappers only read the clock (on CUDA after synchronizing the device, so that an action's
+end is its kernels'), so the step computes exactly what it computes untraced. The ranks
+start from a barrier, each counting from when it leaves it, and rank 0 writes one trace
+with one track per rank, named as :func:`autopipe.planning.trace_events.trace` names the
+predicted step: ``F s1 mb2``, ``B``, ``I`` and ``W`` (zero bubble's halves), ``loss``,
+then ``post`` for time spent posting sends and receives (gloo may block there until the
+peer is ready) and ``wait`` for time waiting for them. A backward includes the forward's
+re-computation, if any. The first step of a pipeline also sets up torch's stages: trace a
+later one.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from autopipe.planning.trace_events import (
 
 __all__: list[str] = []  # internal: DistributedPipeline.step(trace=...) records
 
-_WAIT = "_wait_batch_p2p"  # torch's wait on a batch of sends and receives
+# torch's calls that post a batch of sends and receives, and that wait for them
+_POST = ("_batch_p2p", "_sorted_batch_p2p")
+_WAIT = "_wait_batch_p2p"
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,8 @@ class StepRecorder:
 
         if hasattr(self.schedule, "_maybe_compute_loss"):
             self._patch(self.schedule, "_maybe_compute_loss", loss)
+        for name in _POST:
+            self._patch(torch_schedules, name, lambda *_, **__: (-1, -1, "post"))
         self._patch(torch_schedules, _WAIT, lambda *_, **__: (-1, -1, "wait"))
         return self
 

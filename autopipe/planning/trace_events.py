@@ -7,9 +7,10 @@ metadata events (``"ph": "M"``); each operation is a complete event (``"ph": "X"
 and ``dur`` in microseconds from the step's start) named by kind, stage and micro-batch:
 ``F s2 mb3`` a forward, ``R`` its re-computation, ``B`` a backward (``I`` the input's
 gradient under zero bubble), ``W`` the weights' gradient, ``send`` a stage sending its
-output; measured steps also have ``loss s3 mb1`` (the last stage's loss) and ``wait`` (a
-rank blocked on sends and receives). ``args`` holds ``stage``, ``micro_batch`` and
-``kind`` (``kind`` only, for ``idle`` and ``wait``). The time a device spends on nothing
+output; measured steps also have ``loss s3 mb1`` (the last stage's loss), ``post`` (a
+rank posting a batch of sends and receives) and ``wait`` (waiting for them). ``args``
+holds ``stage``, ``micro_batch`` and ``kind`` (``kind`` only, for ``idle``, ``post`` and
+``wait``). The time a device spends on nothing
 is an ``idle`` event, so each device's events tile the step from its start to its end.
 """
 
@@ -40,7 +41,7 @@ __all__ = [
 
 # The letter an operation's name starts with, by kind (``backward`` depends on the schedule).
 _LETTERS = {"forward": "F", "recompute": "R", "backward": "B", "input": "I", "weight": "W"}
-_NAMED = {"transfer": "send", "wait": "wait", "loss": "loss"}
+_NAMED = {"transfer": "send", "loss": "loss"}
 _US = 1e6  # trace-event times are microseconds
 
 
@@ -79,8 +80,9 @@ def event_name(kind: str, stage: int, micro_batch: int) -> str:
 
     Args:
         kind: ``forward``, ``recompute``, ``backward``, ``input`` (zero bubble's input
-            gradient), ``weight``, ``transfer``, ``loss``, ``wait`` or ``idle``.
-        stage: the stage that runs it; negative for an operation of no stage (a wait).
+            gradient), ``weight``, ``transfer``, ``loss``, ``post``, ``wait`` or ``idle``.
+        stage: the stage that runs it; negative for an operation of no stage (``post``,
+            ``wait``).
         micro_batch: its micro-batch.
     """
     if kind == "idle" or stage < 0:

@@ -73,7 +73,7 @@ def test_measured_trace(trace_run: list[dict[str, Any]], case: str) -> None:
         first: dict[tuple[str, int, int], float] = {}
         for e in row:
             kind = e["args"]["kind"]
-            if kind in ("idle", "wait"):
+            if kind in ("idle", "post", "wait"):
                 assert e["name"] == kind
                 continue
             s, i = e["args"]["stage"], e["args"]["micro_batch"]

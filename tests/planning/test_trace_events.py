@@ -148,6 +148,7 @@ def test_event_name() -> None:
     assert event_name("idle", 0, 0) == "idle"
     assert event_name("loss", 3, 1) == "loss s3 mb1"
     assert event_name("wait", -1, -1) == "wait"  # a measured wait belongs to no stage
+    assert event_name("post", -1, -1) == "post"
 
 
 def test_write_trace(tmp_path: Path) -> None:

@@ -48,8 +48,13 @@ def _grads(pipe: Any) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
 
 
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _case(workdir: Path, name: str, schedule: str, virtual: int, profile: Any) -> dict[str, Any]:
-    """Two steps untraced, and two of a copy with the first traced: the same numbers."""
+    """Three steps untraced, and the same on a copy with the second traced, and the first
+    step of another copy traced: the same numbers."""
     from autopipe.distributed import DistributedPipeline
 
     x, y = make_batch()
@@ -63,15 +68,22 @@ def _case(workdir: Path, name: str, schedule: str, virtual: int, profile: Any) -
     plain = DistributedPipeline(make_model(), x, **options)
     traced = DistributedPipeline(make_model(), x, **options)
     path = workdir / f"{name}.json"
-    losses: list[Any] = [plain.step(x, y), traced.step(x, y, trace=path)]
-    grads = [_grads(plain), _grads(traced)]
-    # Untraced again: the wrappers are gone, and the pipeline runs on.
-    losses += [plain.step(x, y), traced.step(x, y)]
-    grads += [_grads(plain), _grads(traced)]
-    equal = all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
-    equal = equal and all(torch.equal(grads[2][k], grads[3][k]) for k in grads[2])
+    fresh = DistributedPipeline(make_model(), x, **options)
+    first = fresh.step(x, y, trace=path)  # a pipeline's first step (it sets up torch's stages)
+    pairs: list[tuple[Any, Any]] = []
+    same = []
+    # Step by step the same numbers: a later step traced (it overwrites the file), then
+    # untraced again, the wrappers gone.
+    for trace in (None, path, None):
+        pairs.append((plain.step(x, y), traced.step(x, y, trace=trace)))
+        same.append(_same(_grads(plain), _grads(traced)))
+        if len(pairs) == 1:
+            pairs.append((pairs[0][0], first))
+            same.append(_same(_grads(plain), _grads(fresh)))
     if plain.is_last:
-        equal = equal and torch.equal(losses[0], losses[1]) and torch.equal(losses[2], losses[3])
+        same += [torch.equal(a, b) for a, b in pairs]
+    equal = all(same)
+    grads = [_grads(plain)]
     wrapped = [
         name
         for stage in traced.stages
