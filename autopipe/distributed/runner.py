@@ -305,12 +305,15 @@ class PipelineRunner:
             ValueError: a mini-batch of another size than the sample's (or, with replicas,
                 than the global and the per-replica batch), inputs of other shapes past
                 dim 0 or dtypes than the sample's, or a step under another autocast than
-                the pipeline's (its stages would exchange tensors of the wrong dtype). The
+                the pipeline's (its stages would exchange tensors of the wrong dtype), or
+                a ``trace`` rank 0 cannot write (not ``.json``, no such directory). The
                 ranks agree on it before the step sends anything: a step refused on one
                 rank is refused on every rank (the message names the rank), and the
                 pipeline can run the next one.
             RuntimeError: a step failed on this or another rank before (the pipeline's
                 ranks are out of step then), or the process group timed out.
+            OSError: rank 0 could not write the ``trace`` file; the step itself ran, and
+                the pipeline can run the next one.
         """
         if self._broken:
             raise RuntimeError("an earlier step failed; this pipeline cannot run again")
@@ -349,9 +352,6 @@ class PipelineRunner:
             with tied, sync, autocast_pass(self.device.type, self.autocast), timed:
                 self.schedule.step(*args, **kwargs)
             loss = self._sync.mean_loss(self._loss.mean()) if self.is_last else None
-            if recorder is not None and trace is not None:
-                label = track_label(self.stage_indices, self.replica_index, self.data_parallel)
-                recorder.write(trace, self.plan, label)
         except BaseException as exc:
             self._broken = True
             if hasattr(exc, "add_note"):
@@ -363,6 +363,9 @@ class PipelineRunner:
                 )
             raise
         self._steps += 1
+        if recorder is not None and trace is not None:  # after the step: it stays usable
+            label = track_label(self.stage_indices, self.replica_index, self.data_parallel)
+            recorder.write(trace, self.plan, label)
         return loss
 
     def _arguments(self, inputs: Any, target: Any) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
