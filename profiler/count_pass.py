@@ -83,7 +83,8 @@ def count_layers(
                 raise ValueError(
                     f"cannot count {label} without tensor values: {type(exc).__name__}: "
                     f"{message}. Code that reads values (.item(), nonzero, data-dependent "
-                    "shapes) needs real weights: build the model on a real device"
+                    "shapes, e.g. a mixture of experts' routing) needs real weights: build "
+                    "the model on a real device and measure it (without --target)"
                 ) from None
             counts.append(found)
             outputs.append(out)

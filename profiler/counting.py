@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -226,6 +227,19 @@ def fake_state(
             table[name] = tensor
 
 
+@contextlib.contextmanager
+def quiet_fakes() -> Iterator[None]:
+    """Keeps torch's fake tensors from logging a traceback for an operation they cannot run
+    (the error is raised anyway, and reported in one line by whoever catches it)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def fake_inputs(
     tensors: Sequence[Tensor], mode: FakeTensorMode, device: torch.device | None = None
 ) -> tuple[Tensor, ...]:
@@ -265,7 +279,7 @@ def count_layer(
     """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakes = fake_inputs(inputs, mode, device)
-    with fake_state([layer], mode, device), mode, CpuKernels():
+    with quiet_fakes(), fake_state([layer], mode, device), mode, CpuKernels():
         exclude = state_storages(layer)
         runs = Pass(layer, fakes, device, label, None, autocast)
         saved, fresh, of_output = runs.saved(exclude)
