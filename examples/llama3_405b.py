@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama3_70b import BATCH, SEQUENCE, llama  # noqa: E402
+from llama3_70b import BATCH, SEQUENCE, llama
 
 
 def model() -> torch.nn.Module:
