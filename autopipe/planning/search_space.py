@@ -238,10 +238,10 @@ def configurations(
     """Every configuration of at most ``n_devices`` devices (see :func:`autopipe.search`).
 
     Replica counts that leave each replica as many samples as one replica fewer does are
-    left out: they only add all-reduce work (unless the replicas shard the optimizer
-    state, whose share per device more replicas make smaller). With ``even``, only
-    replica and micro-batch counts that divide the batch exactly. Virtual stages (v > 1)
-    go with K >= 2, K·v layers at most, ``never`` checkpointing (torch's interleaved schedules keep every
+    left out: they only add all-reduce work (unless the replicas shard the optimizer state,
+    whose share per device more replicas make smaller). With ``even``, only replica and
+    micro-batch counts that divide the batch exactly. Virtual stages (v > 1) go with K >= 2,
+    K·v layers at most, ``never`` checkpointing (torch's interleaved schedules keep every
     activation) and, for 1F1B, M a multiple of its rounds' micro-batches.
     """
     out = []
