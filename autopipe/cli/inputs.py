@@ -127,11 +127,15 @@ def load_matching(
 ) -> tuple[nn.Sequential, Sample]:
     """The model file ``path``, cast as the profile was, refused if it has other layers."""
     from autopipe.cli.checks import check_profile_matches
+    from profiler.layer_names import layer_names
 
     # A profile made with --dtype measured the cast model: compare with that one.
     cast = profile.dtype if profile.dtype in DTYPES and profile.dtype != "float32" else None
     model, sample = _load(args, cast, path)
     check_profile_matches(profile, model, profile_path, path)
+    # A profile saved with slash names (h/3) plans with the names the model gives (h.3).
+    for layer, name in zip(profile.layers, layer_names(model), strict=True):
+        layer.name = name
     return model, sample
 
 
