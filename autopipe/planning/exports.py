@@ -72,6 +72,18 @@ def _check_modules(plan: Plan, fmt: str) -> None:
                     )
 
 
+def _dumps(data: dict[str, object]) -> str:
+    """JSON with one key a line and each list of names on one line, to read and diff."""
+
+    def value(item: object) -> str:
+        if isinstance(item, list) and item and all(isinstance(x, list) for x in item):
+            return "[\n" + ",\n".join(f"    {json.dumps(x)}" for x in item) + "\n  ]"
+        return json.dumps(item)
+
+    body = ",\n".join(f"  {json.dumps(key)}: {value(item)}" for key, item in data.items())
+    return "{\n" + body + "\n}\n"
+
+
 def _header(plan: Plan, comment: str) -> str:
     ranks, v = _ranks(plan), plan.virtual_stages
     placed = f", {v} per rank: rank r runs stages r, r+{ranks}, ..." if v > 1 else ""
@@ -121,7 +133,7 @@ def _torch_json(plan: Plan) -> str:
         "ranks": _ranks(plan),
         "virtual_stages": plan.virtual_stages,
     }
-    return json.dumps(data, indent=2) + "\n"
+    return _dumps(data)
 
 
 def _titan_module(path: str) -> str:
@@ -186,7 +198,7 @@ def _torchtitan_json(plan: Plan) -> str:
         "pipeline_parallel_degree": _ranks(plan),
         "pipeline_parallel_schedule": _torch_schedule(plan),
     }
-    return json.dumps(data, indent=2) + "\n"
+    return _dumps(data)
 
 
 def _deepspeed(plan: Plan) -> str:
@@ -200,7 +212,7 @@ def _deepspeed(plan: Plan) -> str:
     for size in plan.balance:
         parts.append(parts[-1] + size)
     data = {"num_stages": plan.num_stages, "parts": parts, "layers": _units(plan)}
-    return json.dumps(data, indent=2) + "\n"
+    return _dumps(data)
 
 
 def _megatron(plan: Plan) -> str:
