@@ -18,6 +18,8 @@ def test_unit_sequential_names_its_children_after_the_units_and_computes_the_mod
     assert isinstance(layers, UnitSequential)
     blocks = [f"blocks/{k}" for k in range(4)]
     assert [name for name, _ in layers.named_children()] == ["inp", *blocks, "out"]
+    # The names profiles and plans use are the modules' dotted names.
+    assert layers.layer_names == ["inp", *(b.replace("/", ".") for b in blocks), "out"]
     assert len(flat) == 1 and flat[0] is x
     (output,) = layers(*flat)
     torch.testing.assert_close(output, model(x))
