@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 
 from autopipe import __version__
 from autopipe.cli.arguments import add_measure_options, add_tracing_options, positive
+from autopipe.cli.bench import add_bench_parser
 from autopipe.cli.calibrate import calibrate_command
 from autopipe.cli.plan import plan_command
 from autopipe.cli.profile import profile_command
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(commands)
     _add_calibrate_parser(commands)
     _add_profile_parser(commands)
+    add_bench_parser(commands, _MODEL_HELP)
     return parser
 
 

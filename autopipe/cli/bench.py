@@ -1,0 +1,253 @@
+"""The ``autopipe bench`` command: train every split of a model for a few steps and compare."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autopipe.cli.bench_options import (
+    add_bench_arguments,
+    given_balance,
+    gpipe_devices,
+    profile_args,
+    strategy_names,
+)
+from autopipe.cli.inputs import read_profile
+from autopipe.cli.options import cost_options, default_stages
+from autopipe.errors import PlanningError
+from autopipe.planning.planner import default_chunks
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+    from autopipe.planning.bench_summary import Measured
+    from autopipe.planning.plans import Plan
+    from profiler.profile import Profile
+
+__all__: list[str] = []  # internal to the command line
+
+GIVEN = "given"  # the label of the --balance split
+LOSS = "mean of the output"
+LR = 1e-3  # the SGD learning rate of the benchmark's steps
+
+
+def add_bench_parser(commands: Any, epilog: str) -> None:
+    """``autopipe bench``."""
+    parser = commands.add_parser(
+        "bench",
+        help="train every balance strategy's split for a few steps and compare the times",
+        description="Profile MODEL.py (or load --profile FILE), split it into --stages "
+        "stages with every --strategies strategy (and --balance), run whole training steps "
+        "of each split (forward, the loss: the mean of the output, backward, an SGD step) "
+        "on the single-process GPipe or, with --ranks, on local distributed ranks, the "
+        "splits taking turns, and print each split's measured step against its prediction "
+        "and the ideal balanced bound.",
+        epilog=epilog,
+    )
+    add_bench_arguments(parser)
+    parser.set_defaults(func=bench_command)
+
+
+def load_units(
+    path: str, dtype: str | None, granularity: str | None, leaf_modules: Iterable[str]
+) -> tuple[nn.Sequential, Tensor | tuple[Tensor, ...]]:
+    """The model file's units and sample, as profiled; what every rank builds."""
+    from autopipe.cli.model_file import load_split
+
+    _, layers, sample = load_split(
+        path, dtype, granularity=granularity, leaf_modules=list(leaf_modules)
+    )
+    return layers, sample
+
+
+def _plans(
+    profile: Profile, stages: int, names: list[str], balance: list[int] | None, options: Any
+) -> dict[str, Plan]:
+    """Every strategy's plan, then the given balance's; a split that does not fit is an error."""
+    from autopipe.planning.planner import evaluate, plan
+    from autopipe.planning.quantities import format_bytes
+
+    plans = {name: plan(profile, stages, strategy=name, **options) for name in names}
+    if balance is not None:
+        given = evaluate(profile, balance, stages, strategy=GIVEN, **options)
+        for stage in given.stages:
+            if stage.capacity is not None and stage.memory > stage.capacity:
+                raise PlanningError(
+                    f"the --balance split {balance} does not fit: stage {stage.index} needs "
+                    f"{format_bytes(stage.memory)}, more than its "
+                    f"{format_bytes(stage.capacity)}; give another --balance or more --memory"
+                )
+        plans[GIVEN] = given
+    return plans
+
+
+class _Progress:
+    """The steps done, on stderr: one line rewritten on a terminal, else a line a round."""
+
+    def __init__(self, splits: int) -> None:
+        self.splits = splits
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        stream = sys.stderr
+        line = f"training step {done}/{total} ({label})"
+        if stream.isatty():
+            stream.write("\r" + line.ljust(60) + ("\n" if done >= total else ""))
+        elif done % self.splits == 0 or done >= total:
+            stream.write(f"round {done // self.splits}/{total // self.splits} done\n")
+        stream.flush()
+
+
+def _measure(
+    args: argparse.Namespace, plans: dict[str, Plan], stages: int, dtype: str | None
+) -> dict[str, Measured]:
+    build: Callable[[], Any] = functools.partial(
+        load_units, args.model, dtype, args.granularity, tuple(args.leaf_modules)
+    )
+    progress = _Progress(len(plans))
+    if args.ranks:
+        from autopipe.distributed.bench import time_splits_on_ranks
+
+        try:
+            return time_splits_on_ranks(
+                build,
+                plans,
+                ranks=args.ranks,
+                steps=args.steps,
+                warmup=args.warmup,
+                lr=LR,
+                progress=progress,
+            )
+        except RuntimeError as exc:  # a rank's failure, already one line
+            raise ValueError(str(exc)) from None
+    from autopipe.gpipe.bench import time_splits
+
+    layers, sample = build()
+    return time_splits(
+        layers,
+        sample,
+        plans,
+        steps=args.steps,
+        warmup=args.warmup,
+        devices=gpipe_devices(args, stages),
+        lr=LR,
+        progress=progress,
+    )
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """``autopipe bench``: plan every split, train each for a few steps, print the table."""
+    from autopipe.planning.bench_report import render_bench
+    from autopipe.planning.bench_summary import bench_record, summarize, unit_costs
+    from autopipe.planning.timeline import check_picture_path
+
+    if args.ranks and args.stages and args.stages != args.ranks:
+        raise ValueError(
+            f"--ranks {args.ranks} runs one stage per rank but --stages is {args.stages}; "
+            "give the same count, or leave out --stages"
+        )
+    stages: int = args.stages or args.ranks or default_stages()
+    names = strategy_names(args.strategies)
+    if not names and args.balance is None:
+        raise ValueError("--strategies names none; give at least one strategy or --balance")
+    if args.picture:
+        check_picture_path(args.picture, "benchmark picture")
+    memory = cost_options(
+        argparse.Namespace(
+            memory=args.memory, bandwidth=None, allreduce_bandwidth=None, optimizer="sgd"
+        )
+    ).memory
+    if isinstance(memory, list) and len(memory) != stages:
+        raise ValueError(
+            f"--memory lists {len(memory)} sizes but there are {stages} stages; give one "
+            "size for all or one per stage"
+        )
+
+    def check_units(model: nn.Sequential) -> None:
+        if stages > len(model):
+            raise PlanningError(
+                f"cannot split {len(model)} units into {stages} non-empty stages; "
+                f"use --stages {len(model)} or fewer"
+            )
+
+    inputs = read_profile(profile_args(args), stages, check_model=check_units)
+    profile = inputs.profile
+    count = len(profile.layers)
+    if stages > count:  # a loaded profile: checked here rather than by the planner
+        raise PlanningError(
+            f"cannot split {count} units into {stages} non-empty stages; "
+            f"use --stages {count} or fewer"
+        )
+    balance = given_balance(args.balance, stages, count)
+    chunks = inputs.chunks or args.chunks or default_chunks(stages, profile.batch_size)
+    options = {
+        "chunks": chunks,
+        "memory": memory,
+        "checkpoint": args.checkpoint,
+        "schedule": args.schedule,
+        "optimizer": "sgd",
+    }
+    plans = _plans(profile, stages, names, balance, options)
+    dtype = args.dtype or (profile.dtype if profile.dtype not in (None, "float32") else None)
+    runner = (
+        f"{args.ranks} local ranks (DistributedPipeline)"
+        if args.ranks
+        else f"GPipe in one process on {', '.join(dict.fromkeys(gpipe_devices(args, stages)))}"
+    )
+    print(
+        f"running {len(plans)} splits x {args.warmup} + {args.steps} steps on {runner}",
+        file=sys.stderr,
+    )
+    measured = _measure(args, plans, stages, dtype)
+    costs = unit_costs(profile, stages, **options)
+    summaries = [summarize(label, plans[label], measured[label], costs) for label in plans]
+    header = (
+        f"{stages} stages, {chunks} micro-batches, {args.schedule} schedule, checkpoint "
+        f"{args.checkpoint}, on {runner}; {args.steps} timed steps per split after "
+        f"{args.warmup} warm-up, loss: {LOSS}, SGD"
+    )
+    drawn = []
+    if args.picture:
+        from autopipe.planning.bench_report import draw_bench
+
+        draw_bench(summaries, args.picture)
+        drawn.append(f"picture written to {args.picture}")
+    if args.json:
+        settings = {
+            "model": args.model,
+            "stages": stages,
+            "chunks": chunks,
+            "schedule": args.schedule,
+            "checkpoint": args.checkpoint,
+            "runner": "distributed" if args.ranks else "gpipe",
+            "ranks": args.ranks,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "loss": LOSS,
+            "optimizer": "sgd",
+            "lr": LR,
+            "memory": memory,
+        }
+        record = bench_record(summaries, settings)
+        record["plans"] = {label: plan.to_dict() for label, plan in plans.items()}
+        _write_json(args.json, record)
+        drawn.append(f"results written to {args.json}")
+    sys.stdout.write(render_bench(summaries, header))
+    for line in drawn:
+        print(line, file=sys.stderr)
+    return 0
+
+
+def _write_json(path: str, record: dict[str, Any]) -> None:
+    target = Path(path)
+    temporary = target.with_name(target.name + ".tmp")
+    try:
+        temporary.write_text(json.dumps(record, indent=2) + "\n")
+        temporary.replace(target)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise ValueError(f"cannot write the results to {path}: {exc.strerror or exc}") from None

@@ -1,0 +1,165 @@
+"""The options of ``autopipe bench`` and the checks of their values."""
+
+from __future__ import annotations
+
+import argparse
+
+from autopipe.cli.arguments import add_tracing_options, positive
+from autopipe.cli.options import default_device
+from autopipe.planning.names import CHECKPOINT_MODES, STRATEGIES
+from profiler.precision import DTYPES
+
+__all__: list[str] = []  # internal to the command line
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``autopipe bench``."""
+    parser.add_argument("model", metavar="MODEL.py", help="the model file")
+    parser.add_argument(
+        "--stages",
+        type=positive,
+        metavar="K",
+        help="pipeline stages (default: --ranks, else as autopipe plan)",
+    )
+    parser.add_argument(
+        "--chunks", type=positive, metavar="M", help="micro-batches per step (default: as plan)"
+    )
+    parser.add_argument(
+        "--schedule", choices=SCHEDULES, default="gpipe", help="pipeline schedule (default: gpipe)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        choices=CHECKPOINT_MODES,
+        default="except_last",
+        help="activation checkpointing (default: except_last)",
+    )
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        metavar="NAME[,NAME...]",
+        help=f"the strategies to compare (default: {','.join(STRATEGIES)})",
+    )
+    parser.add_argument(
+        "--balance",
+        metavar="N[,N...]",
+        help="also run this split of your own: units per stage, e.g. 3,5,4",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=positive,
+        metavar="K",
+        help="run on K local processes, one per stage (gloo on the CPU, nccl on GPUs) with "
+        "the distributed runner, instead of the single-process GPipe",
+    )
+    parser.add_argument(
+        "--steps", type=positive, default=10, metavar="N", help="timed steps per split (10)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=non_negative,
+        default=2,
+        metavar="W",
+        help="untimed steps per split before timing (default: 2)",
+    )
+    parser.add_argument(
+        "--memory",
+        metavar="SIZE[,SIZE...]",
+        help="memory per device (one size, or one per stage): splits must fit it",
+    )
+    parser.add_argument(
+        "--device",
+        help="where to profile and run the stages (default: cuda:0 when CUDA is available, "
+        "else cpu); on CUDA the single-process stages go on cuda:0, cuda:1, ...",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, help="cast the model to this dtype first")
+    parser.add_argument(
+        "--profile", metavar="FILE", help="plan from this saved profile instead of profiling"
+    )
+    parser.add_argument(
+        "--profile-repeats",
+        type=positive,
+        default=5,
+        metavar="N",
+        help="timed runs per layer when profiling (default: 5)",
+    )
+    parser.add_argument(
+        "--profile-warmup",
+        type=non_negative,
+        default=2,
+        metavar="N",
+        help="untimed runs per layer when profiling (default: 2)",
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
+    parser.add_argument(
+        "--picture",
+        metavar="FILE",
+        help="also draw each split's measured step, its spread, prediction and the ideal "
+        "(.png or .svg; needs matplotlib)",
+    )
+    add_tracing_options(parser)
+
+
+def non_negative(text: str) -> int:
+    """An option value that must be an integer of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def strategy_names(text: str) -> list[str]:
+    """The strategies ``--strategies`` names, each once; an unknown one is a ``ValueError``."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {name!r} in --strategies: choose from {', '.join(STRATEGIES)}"
+            )
+    return list(dict.fromkeys(names))
+
+
+def given_balance(text: str | None, stages: int, units: int) -> list[int] | None:
+    """The ``--balance`` split, checked against the stage and unit counts (``None``: none)."""
+    if text is None:
+        return None
+    try:
+        balance = [int(part) for part in text.split(",")]
+    except ValueError:
+        balance = []
+    if not balance or min(balance) < 1:
+        raise ValueError(f"--balance expects positive unit counts such as 3,5,4, got {text!r}")
+    if len(balance) != stages:
+        raise ValueError(
+            f"--balance {text} has {len(balance)} stages but --stages is {stages}; give one "
+            "unit count per stage"
+        )
+    if sum(balance) != units:
+        raise ValueError(
+            f"--balance {text} sums to {sum(balance)} but the model has {units} units; "
+            f"give counts summing to {units}"
+        )
+    return balance
+
+
+def profile_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The options :func:`read_profile` reads, with the profiling ones of this command."""
+    values = {**vars(args), "repeats": args.profile_repeats, "warmup": args.profile_warmup}
+    values.update(batch=None, autocast=None)
+    return argparse.Namespace(**values)
+
+
+def gpipe_devices(args: argparse.Namespace, stages: int) -> list[str]:
+    """One device per stage for the single-process runs: ``--device`` for every stage, or
+    on CUDA the GPUs in turn."""
+    device: str = args.device or default_device()
+    if not device.startswith("cuda"):
+        return [device] * stages
+    import torch
+
+    count = torch.cuda.device_count()
+    return [f"cuda:{k % count}" for k in range(stages)]

@@ -1,0 +1,149 @@
+"""Tests of ``autopipe bench`` (autopipe.cli.bench)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autopipe.planning.names import STRATEGIES
+from tests.support.cli_support import SMALL_MODEL, assert_error, run
+
+# Profiling once per layer, quickly: the tests check what is reported, not how fast.
+QUICK = ["--profile-repeats", "1", "--profile-warmup", "0", "--chunks", "2"]
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> str:
+    path = tmp_path / "small.py"
+    path.write_text(SMALL_MODEL)  # Linear, ReLU, Linear: three units
+    return str(path)
+
+
+def test_bench_one_process(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str
+) -> None:
+    out_json, picture = tmp_path / "bench.json", tmp_path / "bench.png"
+    code, out, err = run(
+        capsys,
+        "bench",
+        model_file,
+        "--stages",
+        "2",
+        *QUICK,
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--balance",
+        "1,2",
+        "--json",
+        str(out_json),
+        "--picture",
+        str(picture),
+    )
+    assert code == 0, err
+    rows: dict[str, str] = {}
+    for line in out.splitlines():  # the first table: one row per split
+        if line.split():
+            rows.setdefault(line.split()[0], line)
+    for label in (*STRATEGIES, "given"):
+        assert label in rows
+    assert "[1, 2]" in rows["given"]
+    assert "loss: mean of the output" in out and "GPipe in one process on cpu" in out
+    assert "speed-up of the row over the column" in out
+    # Progress on stderr: one line a round, warm-up included.
+    assert "round 3/3 done" in err
+    assert picture.read_bytes().startswith(b"\x89PNG")
+
+    record = json.loads(out_json.read_text())
+    settings = record["settings"]
+    assert settings["stages"] == 2 and settings["chunks"] == 2
+    assert settings["runner"] == "gpipe" and settings["steps"] == 2 and settings["warmup"] == 1
+    splits = {split["label"]: split for split in record["splits"]}
+    assert set(splits) == {*STRATEGIES, "given"}
+    given = splits["given"]
+    assert given["balance"] == [1, 2] and given["steps"] == 2 and len(given["times"]) == 2
+    for key in ("measured", "spread", "predicted", "ideal", "stage_times", "saved_peak"):
+        assert key in given
+    assert given["measured_over_ideal"] == pytest.approx(given["measured"] / given["ideal"])
+    assert given["ideal"] == pytest.approx(sum(given["stage_times"]) / 2 * (2 + 2 - 1))
+    assert len(given["saved_peak"]) == 2 and all(p > 0 for p in given["saved_peak"])
+    assert record["speedups"]["given"]["optimal"] == pytest.approx(
+        splits["optimal"]["measured"] / given["measured"]
+    )
+    assert record["plans"]["given"]["balance"] == [1, 2]
+
+
+def test_bench_two_ranks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str
+) -> None:
+    out_json = tmp_path / "bench.json"
+    code, out, err = run(
+        capsys,
+        "bench",
+        model_file,
+        "--ranks",
+        "2",
+        *QUICK,
+        "--strategies",
+        "optimal,uniform",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+        str(out_json),
+    )
+    assert code == 0, err
+    assert "2 local ranks" in out
+    record = json.loads(out_json.read_text())
+    assert record["settings"]["runner"] == "distributed" and record["settings"]["ranks"] == 2
+    assert [split["label"] for split in record["splits"]] == ["optimal", "uniform"]
+    for split in record["splits"]:
+        assert len(split["times"]) == 2 and len(split["saved_peak"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--stages", "2", "--balance", "1,1"], "sums to 2 but the model has 3 units"),
+        (["--stages", "2", "--balance", "1,1,1"], "has 3 stages but --stages is 2"),
+        (["--stages", "2", "--balance", "1,x"], "positive unit counts such as 3,5,4"),
+        (["--stages", "4"], "cannot split 3 units into 4 non-empty stages"),
+        (["--stages", "2", "--memory", "1B"], "does not fit"),
+        (
+            ["--stages", "2", "--strategies", "", "--balance", "1,2", "--memory", "1B"],
+            "the --balance split [1, 2] does not fit",
+        ),
+        (["--stages", "2", "--strategies", "optimal,fastest"], "unknown strategy 'fastest'"),
+        (["--stages", "2", "--strategies", ""], "give at least one strategy or --balance"),
+        (["--stages", "3", "--ranks", "2"], "--ranks 2 runs one stage per rank"),
+        (["--stages", "2", "--memory", "1GiB,1GiB,1GiB"], "lists 3 sizes but there are 2"),
+        (["--stages", "2", "--picture", "bench.txt"], ".png or .svg"),
+    ],
+)
+def test_bench_bad_input(
+    capsys: pytest.CaptureFixture[str], model_file: str, options: list[str], message: str
+) -> None:
+    code, out, err = run(capsys, "bench", model_file, *QUICK, *options)
+    assert_error(code, out, err, message)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [(["--steps", "0"], "expected a positive integer"), (["--warmup", "-1"], "non-negative")],
+)
+def test_bench_usage_errors(
+    capsys: pytest.CaptureFixture[str], model_file: str, options: list[str], message: str
+) -> None:
+    code, out, err = run(capsys, "bench", model_file, *options)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("autopipe bench: error:")
+    assert message in err
+
+
+def test_bench_missing_model_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run(capsys, "bench", str(tmp_path / "none.py"), "--stages", "2", *QUICK)
+    assert_error(code, out, err, "none.py")
