@@ -199,7 +199,8 @@ def bench_command(args: argparse.Namespace) -> int:
         else f"GPipe in one process on {', '.join(dict.fromkeys(gpipe_devices(args, stages)))}"
     )
     print(
-        f"running {len(plans)} splits x {args.warmup} + {args.steps} steps on {runner}",
+        f"running {_count(len(plans), 'split')}, {_count(args.warmup, 'warm-up step')} and "
+        f"{_count(args.steps, 'timed step')} each, on {runner}",
         file=sys.stderr,
     )
     measured = _measure(args, plans, stages, dtype)
@@ -207,7 +208,7 @@ def bench_command(args: argparse.Namespace) -> int:
     summaries = [summarize(label, plans[label], measured[label], costs) for label in plans]
     header = (
         f"{stages} stages, {chunks} micro-batches, {args.schedule} schedule, checkpoint "
-        f"{args.checkpoint}, on {runner}; {args.steps} timed steps per split after "
+        f"{args.checkpoint}, on {runner}; {_count(args.steps, 'timed step')} per split after "
         f"{args.warmup} warm-up, loss: {LOSS}, SGD"
     )
     drawn = []
@@ -240,6 +241,10 @@ def bench_command(args: argparse.Namespace) -> int:
     for line in drawn:
         print(line, file=sys.stderr)
     return 0
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def _write_json(path: str, record: dict[str, Any]) -> None:

@@ -64,7 +64,12 @@ def render_bench(summaries: Sequence[SplitSummary], header: str = "") -> str:
     parts = [header] if header else []
     parts.append(_table(headers, rows, left=2))
     parts.append("")
-    parts.append("saved activations at the peak, per stage (measured / predicted):")
+    # The count sees the tensors the layers save for backward; the plan's figure also
+    # holds the stage's boundary inputs, so it is the larger where those are kept.
+    parts.append(
+        "activations at the peak, per stage: measured (saved for backward), predicted "
+        "(saved and boundary inputs):"
+    )
     memory = [
         [s.label, _memory(s), ", ".join(format_bytes(b) for b in s.predicted_activation)]
         for s in summaries

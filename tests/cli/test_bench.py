@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from autopipe.planning.names import STRATEGIES
-from tests.support.cli_support import SMALL_MODEL, assert_error, run
+from tests.support.cli_support import RESIDUAL_MODEL, SMALL_MODEL, assert_error, run
 
 # Profiling once per layer, quickly: the tests check what is reported, not how fast.
 QUICK = ["--profile-repeats", "1", "--profile-warmup", "0", "--chunks", "2"]
@@ -103,6 +103,28 @@ def test_bench_two_ranks(
     assert [split["label"] for split in record["splits"]] == ["optimal", "uniform"]
     for split in record["splits"]:
         assert len(split["times"]) == 2 and len(split["saved_peak"]) == 2
+
+
+def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "residual.py"
+    path.write_text(RESIDUAL_MODEL)  # no nn.Sequential: traced and cut into units
+    code, out, err = run(
+        capsys,
+        "bench",
+        str(path),
+        "--stages",
+        "2",
+        *QUICK,
+        "--strategies",
+        "optimal",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+    )
+    assert code == 0, err
+    assert out.splitlines()[2].startswith("optimal")
+    assert "1 timed step per split" in out
 
 
 @pytest.mark.parametrize(
