@@ -18,7 +18,7 @@ from autopipe.cli.bench_options import (
     strategy_names,
 )
 from autopipe.cli.inputs import read_profile
-from autopipe.cli.options import cost_options, default_stages
+from autopipe.cli.options import cost_options, default_device, default_stages
 from autopipe.errors import PlanningError
 from autopipe.planning.planner import default_chunks
 
@@ -120,6 +120,7 @@ def _measure(
                 steps=args.steps,
                 warmup=args.warmup,
                 lr=LR,
+                cuda=(args.device or default_device()).startswith("cuda"),
                 progress=progress,
             )
         except RuntimeError as exc:  # a rank's failure, already one line
@@ -234,7 +235,11 @@ def bench_command(args: argparse.Namespace) -> int:
             "memory": memory,
         }
         record = bench_record(summaries, settings)
-        record["plans"] = {label: plan.to_dict() for label, plan in plans.items()}
+        # Each plan without its copy of the profile, which `autopipe profile` saves.
+        record["plans"] = {
+            label: {key: value for key, value in plan.to_dict().items() if key != "profile"}
+            for label, plan in plans.items()
+        }
         _write_json(args.json, record)
         drawn.append(f"results written to {args.json}")
     sys.stdout.write(render_bench(summaries, header))

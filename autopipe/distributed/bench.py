@@ -132,13 +132,15 @@ def _rank_main(
         raise SystemExit(1) from None
 
 
-def _backend(ranks: int) -> str:
-    """nccl when this host has a GPU per rank, else gloo."""
-    if torch.cuda.is_available():
+def _backend(ranks: int, cuda: bool | None) -> str:
+    """nccl on GPUs (``cuda``; ``None``: when there are any), one per rank; else gloo."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda:
         if torch.cuda.device_count() < ranks:
             raise ValueError(
                 f"{ranks} ranks need {ranks} GPUs, and this host has "
-                f"{torch.cuda.device_count()}; use --ranks {torch.cuda.device_count()} or fewer"
+                f"{torch.cuda.device_count()}; use {torch.cuda.device_count()} ranks or fewer"
             )
         return "nccl"
     return "gloo"
@@ -153,6 +155,7 @@ def time_splits_on_ranks(
     warmup: int = 1,
     lr: float = 1e-3,
     timeout: float = 300.0,
+    cuda: bool | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Measured]:
     """Times training steps of every plan's split on ``ranks`` local processes.
@@ -168,6 +171,8 @@ def time_splits_on_ranks(
         warmup: untimed steps per split first.
         lr: the SGD learning rate.
         timeout: seconds any rank waits on another before failing.
+        cuda: run on GPUs with nccl (one per rank), or on the CPU with gloo; default:
+            on GPUs when there are any.
         progress: called with (steps done, steps in all, label) after every step.
 
     Returns:
@@ -186,7 +191,7 @@ def time_splits_on_ranks(
                 f"the {label} split has {plan.num_stages} stages, not one per rank of {ranks}"
             )
     options = {
-        "backend": _backend(ranks),
+        "backend": _backend(ranks, cuda),
         "timeout": timeout,
         "lr": lr,
         "steps": steps,

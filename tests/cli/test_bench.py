@@ -74,6 +74,7 @@ def test_bench_one_process(
         splits["optimal"]["measured"] / given["measured"]
     )
     assert record["plans"]["given"]["balance"] == [1, 2]
+    assert "profile" not in record["plans"]["given"]  # saved once by autopipe profile
 
 
 def test_bench_two_ranks(
