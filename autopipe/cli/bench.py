@@ -151,6 +151,11 @@ def bench_command(args: argparse.Namespace) -> int:
             f"--ranks {args.ranks} runs one stage per rank but --stages is {args.stages}; "
             "give the same count, or leave out --stages"
         )
+    if args.schedule != "gpipe" and not args.ranks:
+        raise ValueError(
+            f"--schedule {args.schedule} runs on the distributed runner: add --ranks K (the "
+            "single-process GPipe runs the gpipe schedule only)"
+        )
     stages: int = args.stages or args.ranks or default_stages()
     names = strategy_names(args.strategies)
     if not names and args.balance is None:

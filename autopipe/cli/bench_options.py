@@ -27,7 +27,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunks", type=positive, metavar="M", help="micro-batches per step (default: as plan)"
     )
     parser.add_argument(
-        "--schedule", choices=SCHEDULES, default="gpipe", help="pipeline schedule (default: gpipe)"
+        "--schedule",
+        choices=SCHEDULES,
+        default="gpipe",
+        help="pipeline schedule (default: gpipe; 1f1b needs --ranks)",
     )
     parser.add_argument(
         "--checkpoint",

@@ -143,6 +143,7 @@ def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         (["--stages", "2", "--strategies", "optimal,fastest"], "unknown strategy 'fastest'"),
         (["--stages", "2", "--strategies", ""], "give at least one strategy or --balance"),
         (["--stages", "3", "--ranks", "2"], "--ranks 2 runs one stage per rank"),
+        (["--stages", "2", "--schedule", "1f1b"], "add --ranks K"),
         (["--stages", "2", "--memory", "1GiB,1GiB,1GiB"], "lists 3 sizes but there are 2"),
         (["--stages", "2", "--picture", "bench.txt"], ".png or .svg"),
     ],
