@@ -65,9 +65,11 @@ def write_exports(exports: Sequence[Export], texts: Sequence[str]) -> None:
     Raises:
         ValueError: a file cannot be written.
     """
+    printed = False
     for export, text in zip(exports, texts, strict=True):
         if export.path is None:
-            sys.stdout.write(text)
+            sys.stdout.write(("\n" if printed else "") + text)  # a blank line between
+            printed = True
             continue
         try:
             with open(export.path, "w", encoding="utf-8") as file:

@@ -155,12 +155,17 @@ def _titan_parts(plan: Plan, fmt: str) -> list[list[str]]:
                 module = _titan_module(call.path)
                 first = owner.setdefault(module, (k, unit))
                 if first[0] != k:
+                    fix = (
+                        "plan with whole entries as units (--granularity blocks)"
+                        if "." in module
+                        else "torchtitan splits a model between its top-level modules"
+                    )
                     raise _refuse(
                         fmt,
                         f"the cut between stages {first[0]} and {k} (units {first[1]!r} and "
                         f"{unit!r}) lies inside {module!r}, which torchtitan keeps whole (its "
                         "splitter keeps top-level modules and the entries of a top-level "
-                        "ModuleList or ModuleDict); plan with coarser units",
+                        f"ModuleList or ModuleDict); {fix}",
                     )
                 if module not in names:
                     names.append(module)
