@@ -16,7 +16,7 @@ __all__ = ["EXPORT_FORMATS", "check_export_format", "export_plan"]
 # The model's own code, outside every module (a unit of no module call).
 _OWN_CODE = "forward"
 _PATH = re.compile(r"[^\s.#+]+(\.[^\s.#+]+)*")
-_VERSION_TORCH = "torch.distributed.pipelining.pipeline(module, mb_args, split_spec=...)"
+_TORCH_CALL = "torch.distributed.pipelining.pipeline(module, mb_args, split_spec=...)"
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,14 @@ def _split_points(plan: Plan, fmt: str) -> list[str]:
                 "begin only at a module's first call",
             )
         points.append(first.path)
+    repeated = {c.path for units in _units(plan) for u in units for c in _calls(u) if c.repeat > 1}
+    for path in points:
+        if path in repeated:  # it would begin a stage at each of its calls
+            raise _refuse(
+                fmt,
+                f"a stage begins at module {path!r}, which is called more than once; torch "
+                "splits before its every call: plan with the stage beginning elsewhere",
+            )
     return points
 
 
@@ -115,7 +123,7 @@ def _torch(plan: Plan) -> str:
     points = _split_points(plan, "torch")
     lines = [
         _header(plan, "#"),
-        f"# for {_VERSION_TORCH}",
+        f"# for {_TORCH_CALL}",
         "from torch.distributed.pipelining import SplitPoint",
         "",
         "split_spec = {",

@@ -186,6 +186,7 @@ def test_unknown_format_is_refused() -> None:
             "torch",
             r"stage 1 begins with unit 'b#2', call 2 of module 'b'",
         ),
+        (["a", "b", "c", "b#2"], [1, 3], "torch", r"module 'b', which is called more than once"),
         (
             ["inp", "blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.1.1", "head"],
             [4, 2],
