@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,16 +51,16 @@ def reference_step(model: nn.Module) -> tuple[Tensor, dict[str, Tensor], dict[st
     return loss.detach(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(rank: int, world: int, workdir: Path) -> dict[str, Any]:
-    """Builds this rank's stages from the exported split_spec and trains one step."""
+def _torch_stages(rank: int, plan: Plan) -> tuple[list[Any], list[nn.Module], Any]:
+    """This rank's stages as torch's pipeline() splits the model by the exported split_spec."""
     from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B, pipeline
 
-    plan = Plan.load(workdir / "plan.json")
     code: dict[str, Any] = {}
     exec(plan.export("torch"), code)  # the snippet as a user pastes it
-    model = make_llama()
-    x, y = make_tokens()
-    pipe = pipeline(model, mb_args=(x.tensor_split(CHUNKS)[0],), split_spec=code["split_spec"])
+    x = make_tokens()[0]
+    pipe = pipeline(
+        make_llama(), mb_args=(x.tensor_split(CHUNKS)[0],), split_spec=code["split_spec"]
+    )
     ranks = plan.num_stages // plan.virtual_stages
     indices = [rank + j * ranks for j in range(plan.virtual_stages)]  # looped placement
     stages: list[Any] = [pipe.build_stage(i, torch.device("cpu")) for i in indices]
@@ -67,28 +68,56 @@ def _train(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         schedule: Any = ScheduleInterleaved1F1B(stages, n_microbatches=CHUNKS, loss_fn=token_loss)
     else:
         schedule = ScheduleGPipe(stages[0], n_microbatches=CHUNKS, loss_fn=token_loss)
+    return stages, [pipe.get_stage_module(i) for i in indices], schedule
+
+
+def _torchtitan_stages(world: int, plan: Plan) -> tuple[list[Any], list[nn.Module], Any]:
+    """This rank's stages as torchtitan's splitter builds them from the exported config."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+    from torchtitan.distributed.pipeline_parallel import _pipeline_module_split
+
+    config = json.loads(plan.export("torchtitan-json"))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    name = config["pipeline_parallel_schedule"]
+    parts = config["module_fqns_per_model_part"]
+    stages, modules = _pipeline_module_split(make_llama(), mesh, name, torch.device("cpu"), parts)
+    kind = get_schedule_class(name)
+    run = stages if issubclass(kind, PipelineScheduleMulti) else stages[0]
+    return stages, modules, kind(run, n_microbatches=CHUNKS, loss_fn=token_loss)
+
+
+def _train(scenario: str, rank: int, world: int, workdir: Path) -> dict[str, Any]:
+    """Builds this rank's stages from the exported split and trains one step."""
+    plan = Plan.load(workdir / "plan.json")
+    built = _torch_stages(rank, plan) if scenario == "torch" else _torchtitan_stages(world, plan)
+    stages, modules, schedule = built
+    x, y = make_tokens()
     losses: list[Tensor] = []
     last = any(stage.is_last for stage in stages)
-    first = any(stage.is_first for stage in stages)
-    args = (x,) if first else ()
+    args = (x,) if any(stage.is_first for stage in stages) else ()
     kwargs: dict[str, Any] = {"target": y, "losses": losses} if last else {}
     schedule.step(*args, **kwargs)
-    modules = [pipe.get_stage_module(i) for i in indices]
-    params = [p for module in modules for p in module.parameters()]
-    names = {k: sorted(n for n, _ in pipe.get_stage_module(k).named_parameters()) for k in indices}
+    names = {
+        stage.stage_index: sorted(n for n, _ in module.named_parameters())
+        for stage, module in zip(stages, modules)
+    }
     grads = {
         n: p.grad.clone() for m in modules for n, p in m.named_parameters() if p.grad is not None
     }
-    torch.optim.SGD(params, lr=LR).step()
+    torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR).step()
     after = {n: p.detach().clone() for m in modules for n, p in m.named_parameters()}
     loss = torch.stack(losses).mean() if last else None
     return {"stages": names, "grads": grads, "params": after, "loss": loss}
 
 
-def run_ranks(world: int, workdir: Path, limit: float = 120.0) -> list[dict[str, Any]]:
-    """Runs ``_train`` on ``world`` spawned gloo ranks; every rank must succeed."""
+def run_ranks(
+    world: int, workdir: Path, scenario: str = "torch", limit: float = 120.0
+) -> list[dict[str, Any]]:
+    """Trains a step on ``world`` spawned gloo ranks, the stages built by ``scenario``'s
+    runtime (``torch`` or ``torchtitan``); every rank must succeed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "tests.support.export_workers", str(workdir)]
+    argv = [sys.executable, "-m", "tests.support.export_workers", scenario, str(workdir)]
     logs = [open(workdir / f"log{r}.txt", "w+") for r in range(world)]  # noqa: SIM115
     procs = [
         subprocess.Popen(
@@ -112,7 +141,7 @@ def run_ranks(world: int, workdir: Path, limit: float = 120.0) -> list[dict[str,
     return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def main(workdir: Path, rank: int, world: int) -> None:
+def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"file://{workdir / 'store'}",
@@ -122,10 +151,10 @@ def main(workdir: Path, rank: int, world: int) -> None:
     )
     torch.set_num_threads(1)
     try:
-        torch.save(_train(rank, world, workdir), workdir / f"rank{rank}.pt")
+        torch.save(_train(scenario, rank, world, workdir), workdir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
