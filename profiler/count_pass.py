@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -11,8 +11,9 @@ from torch import Tensor, nn
 from profiler.counting import LayerCounts, count_layer, fresh_like, meta_copy
 from profiler.layer import OneValue
 from profiler.pooling import layer_signature
+from profiler.profile import LayerProfile
 
-__all__ = ["CountedLayer", "count_layers"]
+__all__ = ["CountedLayer", "count_layers", "counted_profiles", "with_counts"]
 
 Inputs = tuple[Tensor, ...]
 
@@ -93,3 +94,46 @@ def count_layers(
         current = [fresh_like(out) for out in outputs]
         packed = returns_tuple
     return results
+
+
+def counted_profiles(
+    layers: list[nn.Module], names: list[str], counted: list[CountedLayer]
+) -> list[LayerProfile]:
+    """Profiles with the counted bytes and zero times, for layers that are not measured."""
+    results: list[LayerProfile] = []
+    previous: list[int] | None = None
+    for layer, name, found in zip(layers, names, counted, strict=True):
+        zeros = [0.0] * len(found.counts)
+        results.append(
+            LayerProfile(
+                name=name,
+                kind=type(layer).__name__,
+                forward=zeros,
+                backward=list(zeros),
+                backward_input=list(zeros),
+                saved=[c.saved for c in found.counts],
+                output=[c.output for c in found.counts],
+                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+                buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers()),
+                shared=[0] * len(found.counts)
+                if previous is None
+                else [min(c.input_saved, p) for c, p in zip(found.counts, previous, strict=True)],
+            )
+        )
+        previous = [c.output_saved for c in found.counts]
+    return results
+
+
+def with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
+    """The profile with the counts of ``counted`` at each batch size."""
+    counts = counted.counts
+    return replace(
+        profile,
+        flops=[c.flops for c in counts],
+        backward_flops=[c.backward_flops for c in counts],
+        backward_input_flops=[c.backward_input_flops for c in counts],
+        traffic=[c.traffic for c in counts],
+        backward_traffic=[c.backward_traffic for c in counts],
+        operations=[float(c.operations) for c in counts],
+        backward_operations=[float(c.backward_operations) for c in counts],
+    )

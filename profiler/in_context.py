@@ -16,9 +16,9 @@ from torch import Tensor, nn
 from profiler.devices import synchronize
 from profiler.layer import as_tensors
 from profiler.layer_names import layer_names, same_layer_name
-from profiler.measure import sample_arguments, sequential_inputs_problem
 from profiler.precision import autocast_pass
 from profiler.profile import Profile
+from profiler.samples import sample_arguments, sequential_inputs_problem
 
 __all__ = ["chunk_counts", "measure_compute_scale"]
 

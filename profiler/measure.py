@@ -6,13 +6,12 @@ import math
 import platform
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from profiler.count_pass import CountedLayer, count_layers
+from profiler.count_pass import CountedLayer, count_layers, counted_profiles, with_counts
 from profiler.counting import META
 from profiler.devices import resolve_device
 from profiler.layer import CacheFlush, tensor_bytes
@@ -21,15 +20,14 @@ from profiler.materialize import has_meta
 from profiler.measure_pass import MeasureSettings, measure_layers
 from profiler.pooling import pool_identical
 from profiler.precision import check_autocast, current_autocast
-from profiler.profile import LayerProfile, Profile, TiedState
+from profiler.profile import Profile, TiedState
+from profiler.samples import resize_sample, sample_arguments, sequential_inputs_problem
 
 __all__ = [
     "default_batch_sizes",
     "doubling_batch_sizes",
     "profile_layers",
     "profile_model",
-    "sample_arguments",
-    "sequential_inputs_problem",
     "tied_state",
 ]
 
@@ -51,76 +49,6 @@ def doubling_batch_sizes(batch: int, smallest: int = 1) -> list[int]:
         sizes.append(size)
         size *= 2
     return [*sizes, batch]
-
-
-def sample_arguments(sample: Any) -> tuple[Inputs, bool]:
-    """The sample's tensors, and whether the first layer takes them as one tuple.
-
-    The sample is the model's positional inputs, ``model(*sample)``; a tensor is one
-    input. A single input that is itself a tuple of tensors (``((a, b),)``) reaches the
-    first layer as one value, as ``nn.Sequential`` passes its input on.
-
-    Raises:
-        ValueError: not tensors sharing a non-zero batch dimension.
-    """
-    packed = isinstance(sample, (tuple, list)) and len(sample) == 1 and isinstance(sample[0], tuple)
-    return _sample_tensors(sample[0] if packed else sample), packed
-
-
-def _sample_tensors(sample: Any) -> Inputs:
-    """The sample as a tuple of tensors sharing a non-zero batch dimension."""
-    if isinstance(sample, Tensor):
-        tensors: Inputs = (sample,)
-    elif isinstance(sample, (tuple, list)) and sample:
-        if not all(isinstance(t, Tensor) for t in sample):
-            kinds = ", ".join(type(t).__name__ for t in sample)
-            raise ValueError(
-                f"sample must be a tensor or a tuple of tensors, got a tuple of {kinds}"
-            )
-        tensors = tuple(sample)
-    else:
-        raise ValueError(
-            f"sample must be a tensor or a non-empty tuple of tensors, got {type(sample).__name__}"
-        )
-    if any(t.dim() == 0 for t in tensors):
-        raise ValueError("sample tensors need a batch dimension (dim 0); got a 0-d tensor")
-    sizes = [t.shape[0] for t in tensors]
-    if len(set(sizes)) > 1:
-        raise ValueError(f"sample tensors disagree on the batch size (dim 0): {sizes}")
-    if sizes[0] == 0:
-        raise ValueError("sample has an empty batch (dim 0 is 0); it needs at least one sample")
-    return tensors
-
-
-def sequential_inputs_problem(model: nn.Module, sample: Any) -> str | None:
-    """Why ``model(*sample)`` cannot run for an ``nn.Sequential``, or ``None``.
-
-    ``nn.Sequential`` takes one input (a subclass may define a ``forward`` of its own), so
-    a sample of several tensors has no plain call; a tuple for the first layer is the
-    sample's one input: ``((a, b),)``.
-    """
-    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
-        return None
-    if not isinstance(sample, (tuple, list)) or len(sample) < 2:
-        return None
-    return (
-        f"an nn.Sequential takes one input, not {len(sample)} (the sample is the model's "
-        "positional inputs, model(*sample)): pass ((a, b),) to give its first layer the "
-        "tuple as one value, or a model whose forward takes the inputs"
-    )
-
-
-def _resize(tensors: Inputs, size: int, device: torch.device) -> Inputs:
-    """The sample at another batch size, repeating it when ``size`` exceeds it.
-
-    Every result owns a fresh storage, so saved-tensor bytes count only ``size`` rows.
-    """
-    out = []
-    with torch.no_grad():
-        for t in tensors:
-            rows = torch.arange(size, device=t.device) % t.shape[0]
-            out.append(t.detach().index_select(0, rows).to(device))
-    return tuple(out)
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -307,7 +235,7 @@ def profile_layers(
             settings = MeasureSettings(
                 dev, warmup, repeats, CacheFlush(dev) if cold_cache else None, autocast
             )
-            inputs = [_resize(tensors, size, dev) for size in sizes]
+            inputs = [resize_sample(tensors, size, dev) for size in sizes]
             input_bytes = [tensor_bytes(x) for x in inputs]
             results, signatures = measure_layers(
                 layers,
@@ -322,11 +250,11 @@ def profile_layers(
             del inputs
         else:
             assert counted is not None  # counting is required without measuring
-            input_bytes = [tensor_bytes(_resize(tensors, size, META)) for size in sizes]
-            results = _counted_profiles(layers, layer_names, counted)
+            input_bytes = [tensor_bytes(resize_sample(tensors, size, META)) for size in sizes]
+            results = counted_profiles(layers, layer_names, counted)
             meta["unmeasured"] = True
     if counted is not None:
-        results = [_with_counts(r, c) for r, c in zip(results, counted, strict=True)]
+        results = [with_counts(r, c) for r, c in zip(results, counted, strict=True)]
     if pool and signatures is not None:
         results, groups = pool_identical(results, signatures)
         if groups:
@@ -365,55 +293,13 @@ def _count(
     required = not measure or any(has_meta(layer) for layer in layers)
     if not (count or required):
         return None
-    inputs = [_resize(tensors, size, META) for size in sizes]
+    inputs = [resize_sample(tensors, size, META) for size in sizes]
     try:
         return count_layers(layers, inputs, names, device, autocast=autocast, packed=packed)
     except ValueError as exc:
         if required:
             raise
         return str(exc)
-
-
-def _counted_profiles(
-    layers: list[nn.Module], names: list[str], counted: list[CountedLayer]
-) -> list[LayerProfile]:
-    """Profiles with the counted bytes and zero times, for layers that are not measured."""
-    results: list[LayerProfile] = []
-    previous: list[int] | None = None
-    for layer, name, found in zip(layers, names, counted, strict=True):
-        zeros = [0.0] * len(found.counts)
-        results.append(
-            LayerProfile(
-                name=name,
-                kind=type(layer).__name__,
-                forward=zeros,
-                backward=list(zeros),
-                backward_input=list(zeros),
-                saved=[c.saved for c in found.counts],
-                output=[c.output for c in found.counts],
-                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers()),
-                shared=[0] * len(found.counts)
-                if previous is None
-                else [min(c.input_saved, p) for c, p in zip(found.counts, previous, strict=True)],
-            )
-        )
-        previous = [c.output_saved for c in found.counts]
-    return results
-
-
-def _with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
-    counts = counted.counts
-    return replace(
-        profile,
-        flops=[c.flops for c in counts],
-        backward_flops=[c.backward_flops for c in counts],
-        backward_input_flops=[c.backward_input_flops for c in counts],
-        traffic=[c.traffic for c in counts],
-        backward_traffic=[c.backward_traffic for c in counts],
-        operations=[float(c.operations) for c in counts],
-        backward_operations=[float(c.backward_operations) for c in counts],
-    )
 
 
 def profile_model(model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwargs: Any) -> Profile:

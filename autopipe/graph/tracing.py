@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +11,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopipe.errors import TracingError
 from autopipe.graph.export import check_symbolic_batch, export_graph, strip_checks
@@ -20,15 +18,11 @@ from autopipe.graph.flat_io import FlatSpec, check_batch_major
 from autopipe.graph.grad_modes import KEY, inline_grad_regions, tracking
 from autopipe.graph.meta import META, has_meta_state, meta_construct, meta_shadow, rebind_state
 from autopipe.graph.shapes import DynamicSpec, InputShapes, dynamic_dims, input_names
+from autopipe.graph.trace_checks import PREFIX, GradientMismatch, verify_gradients, verify_outputs
 from autopipe.graph.values import (
-    GradModeInterpreter,
     ValueInfo,
-    gradient_flow,
     record_values,
-    run_quietly,
-    same_results,
 )
-from profiler.counting import fake_inputs, fake_state, quiet_fakes
 
 __all__ = [
     "METHODS",
@@ -38,7 +32,6 @@ __all__ = [
     "trace",
 ]
 
-PREFIX = "model"  # the traced root holds the model under this name
 METHODS = ("auto", "fx", "export")
 
 
@@ -290,8 +283,8 @@ def _trace(
             strip_checks(graph)
             values, output, buffers = record_values(root, graph, tensors)
             # False: the model cannot run on meta, export's graph is kept unchecked.
-            if _verify(flat, tensors, (output, buffers), name):
-                _verify_gradients(flat, root, graph, tensors, name)
+            if verify_outputs(flat, tensors, (output, buffers), name):
+                verify_gradients(flat, root, graph, tensors, name)
             break
         except Exception as exc:
             errors.append((name, exc))
@@ -316,96 +309,6 @@ def _trace(
     )
 
 
-def _verify(
-    flat: _FlatModel,
-    tensors: tuple[Tensor, ...],
-    result: tuple[Any, dict[int, Tensor]],
-    name: str,
-) -> bool:
-    """Checks that the graph computes the model's outputs and buffer updates on the sample.
-
-    torch.fx can trace the wrong branch (``isinstance`` on a proxy) or run code eagerly
-    instead of recording it without noticing; a mismatch makes fx fail so that export is
-    tried. Export's graph is trusted but warned about. On meta only shapes and dtypes are
-    compared; when the model's own code cannot run there (it reads values), fx's graph is
-    refused and export's kept unchecked.
-
-    Returns:
-        Whether the graph was checked (``False``: export's graph, the model not runnable).
-    """
-    try:
-        expected = run_quietly(flat, flat, *tensors)
-    except Exception as exc:
-        construct = meta_construct(exc) if tensors and tensors[0].is_meta else None
-        if construct is None:
-            raise
-        if name == "fx":
-            raise ValueError(
-                f"the model's code cannot run on the meta device ({construct}), so the fx "
-                "graph cannot be checked"
-            ) from exc
-        return False
-    if same_results(result, expected):
-        return True
-    message = (
-        f"the {name} graph does not compute the model's outputs or buffer updates on the "
-        "sample (Python code that depends on the tracer, e.g. isinstance checks on tensors?)"
-    )
-    if name == "fx":
-        raise ValueError(message)
-    warnings.warn(f"wrap(): {message}", stacklevel=4)
-    return True
-
-
-class _GradientMismatch(ValueError):
-    """The graph gives gradients elsewhere than the model."""
-
-
-def _verify_gradients(
-    flat: _FlatModel, root: nn.Module, graph: fx.Graph, tensors: tuple[Tensor, ...], name: str
-) -> None:
-    """Checks that the graph's outputs require a gradient, and its parameters and inputs
-    receive one, exactly where the model's do (a lost ``torch.no_grad()`` region would
-    train what the model freezes).
-
-    Which tensors get a gradient is decided by the code, not by the values, so both are
-    asked on fake stand-ins of the sample and the state first (shapes without data, on the
-    sample's device), where a backward costs nothing (on the sample a deep model's two
-    backwards were the longest part of its trace); on the sample itself only when the
-    model's code cannot run on fake tensors.
-
-    Raises:
-        ValueError: they differ; the message names the first difference.
-    """
-    interpreter = GradModeInterpreter(root, graph=graph)
-    expected = None
-    if not any(t.is_meta for t in tensors):
-        device = tensors[0].device
-        mode = FakeTensorMode(allow_non_fake_inputs=False)
-        stand_ins = fake_inputs(tensors, mode)
-        with quiet_fakes(), fake_state([flat, root], mode, device), mode:
-            expected = gradient_flow(flat, flat, stand_ins)
-            if expected is not None:
-                got = gradient_flow(flat, interpreter.run, stand_ins)
-    if expected is None:
-        expected = gradient_flow(flat, flat, tensors)
-        if expected is None:  # the model itself cannot back-propagate on the sample
-            return
-        got = gradient_flow(flat, interpreter.run, tensors)
-    if got == expected:
-        return
-    if got is None:
-        raise _GradientMismatch(f"the {name} graph cannot back-propagate on the sample")
-    where = next(k for k in expected if got.get(k) != expected[k])
-    verb = "requires" if where.startswith("output") else "receives"
-    ours = f"{verb} a gradient" if got.get(where) else f"does not {verb[:-1]} a gradient"
-    raise _GradientMismatch(
-        f"{where.removeprefix(PREFIX + '.')} {ours} in the {name} graph, unlike in the model: "
-        "the graph lost a grad-mode region of its code (a torch.no_grad() or enable_grad() "
-        "block the tracer did not see)"
-    )
-
-
 def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
     meta = _meta_failure(model, errors)
     if meta is not None:
@@ -417,7 +320,7 @@ def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
     )
     for name, exc in errors:
         where = getattr(exc, "autopipe_module", None)
-        if isinstance(exc, _GradientMismatch):
+        if isinstance(exc, GradientMismatch):
             hint = (
                 "change the grad mode with torch.no_grad(), torch.enable_grad(), "
                 "torch.set_grad_enabled() or torch.inference_mode(), which the tracers keep"
