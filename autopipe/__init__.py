@@ -57,7 +57,15 @@ _HOMES = {
 }
 
 
+# Modules under a short name: ``autopipe.timeline.trace(plan)``.
+_MODULES = {"timeline": "autopipe.planning.timeline"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        module = importlib.import_module(_MODULES[name])
+        globals()[name] = module
+        return module
     if name in _HOMES:
         value = getattr(importlib.import_module(_HOMES[name]), name)
         globals()[name] = value  # later lookups skip this function
@@ -66,4 +74,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *_MODULES})

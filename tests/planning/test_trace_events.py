@@ -173,3 +173,12 @@ def test_bad_trace_path(tmp_path: Path, name: str, message: str) -> None:
     with pytest.raises(ValueError, match="is a directory"):
         check_trace_path(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_package_names_the_timeline_module() -> None:
+    import autopipe
+    from autopipe.planning import timeline, trace_events
+
+    assert autopipe.timeline is timeline
+    assert autopipe.timeline.trace is trace_events.trace
+    assert "timeline" in dir(autopipe)
