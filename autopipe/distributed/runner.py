@@ -51,7 +51,6 @@ from autopipe.distributed.stage import (
 from autopipe.distributed.step_trace import StepRecorder, track_label
 from autopipe.distributed.tied import TiedGradients, make_tie_groups, shared_across_stages
 from autopipe.distributed.virtual import (
-    RankStages,
     build_stages,
     make_schedule,
     stage_indices,
@@ -451,8 +450,8 @@ class PipelineRunner:
         return plain
 
     def __repr__(self) -> str:
-        module = self.module
-        names = module.layer_names() if isinstance(module, RankStages) else list(module._modules)
+        # The plan's names are the modules' dotted ones (the stage modules' keys cannot hold dots).
+        names = [name for i in self.stage_indices for name in self.plan.stages[i].layers]
         v = self.virtual_stages
         virtual = f", virtual_stages={v} {self.stage_indices}" if v > 1 else ""
         modes = {self.plan.stage_checkpoints[i] for i in self.stage_indices} - {"never"}
