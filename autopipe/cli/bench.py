@@ -198,6 +198,14 @@ def bench_command(args: argparse.Namespace) -> int:
         "optimizer": "sgd",
     }
     plans = _plans(profile, stages, names, balance, options)
+    # Strategies that give the same split run the same steps: each split is measured once
+    # (timed apart, their noise alone would tell them apart).
+    first_of: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for label, found in plans.items():
+        key = (tuple(found.balance), tuple(found.stage_checkpoints))
+        first_of[label] = seen.setdefault(key, label)
+    distinct = {label: found for label, found in plans.items() if first_of[label] == label}
     dtype = args.dtype or (profile.dtype if profile.dtype not in (None, "float32") else None)
     runner = (
         f"{args.ranks} local ranks (DistributedPipeline)"
@@ -205,13 +213,19 @@ def bench_command(args: argparse.Namespace) -> int:
         else f"GPipe in one process on {', '.join(dict.fromkeys(gpipe_devices(args, stages)))}"
     )
     print(
-        f"running {_count(len(plans), 'split')}, {_count(args.warmup, 'warm-up step')} and "
+        f"running {_count(len(distinct), 'split')}, {_count(args.warmup, 'warm-up step')} and "
         f"{_count(args.steps, 'timed step')} each, on {runner}",
         file=sys.stderr,
     )
-    measured = _measure(args, plans, stages, dtype)
+    measured = _measure(args, distinct, stages, dtype)
     costs = unit_costs(profile, stages, **options)
-    summaries = [summarize(label, plans[label], measured[label], costs) for label in plans]
+    summaries = [
+        summarize(label, plans[label], measured[first_of[label]], costs) for label in plans
+    ]
+    same: dict[str, list[str]] = {}
+    for label, first in first_of.items():
+        if first != label:
+            same.setdefault(first, []).append(label)
     header = (
         f"{stages} stages, {chunks} micro-batches, {args.schedule} schedule, checkpoint "
         f"{args.checkpoint}, on {runner}; {_count(args.steps, 'timed step')} per split after "
@@ -248,6 +262,8 @@ def bench_command(args: argparse.Namespace) -> int:
         _write_json(args.json, record)
         drawn.append(f"results written to {args.json}")
     sys.stdout.write(render_bench(summaries, header))
+    for first, labels in same.items():
+        print(f"{', '.join(labels)}: the same split as {first}, measured once")
     for line in drawn:
         print(line, file=sys.stderr)
     return 0

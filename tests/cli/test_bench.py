@@ -171,3 +171,21 @@ def test_bench_usage_errors(
 def test_bench_missing_model_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, err = run(capsys, "bench", str(tmp_path / "none.py"), "--stages", "2", *QUICK)
     assert_error(code, out, err, "none.py")
+
+
+def test_strategies_giving_one_split_are_measured_once(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str
+) -> None:
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", model_file, "--stages", "2", *QUICK, "--steps", "2", "--warmup", "0"]
+    code, out, err = run(capsys, *argv, "--balance", "1,2", "--json", str(out_json))
+    assert code == 0, err
+    record = json.loads(out_json.read_text())
+    splits = {split["label"]: split for split in record["splits"]}
+    twins = [label for label in splits if splits[label]["balance"] == splits["given"]["balance"]]
+    assert len(twins) >= 2  # a strategy finds the given split [1, 2] too
+    first, *others = twins
+    assert all(splits[label]["times"] == splits[first]["times"] for label in others)
+    assert f"{', '.join(others)}: the same split as {first}, measured once" in out
+    distinct = {tuple(split["balance"]) for split in record["splits"]}
+    assert f"running {len(distinct)} splits" in err
