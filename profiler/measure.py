@@ -20,15 +20,15 @@ from profiler.materialize import has_meta
 from profiler.measure_pass import MeasureSettings, measure_layers
 from profiler.pooling import pool_identical
 from profiler.precision import check_autocast, current_autocast
-from profiler.profile import Profile, TiedState
+from profiler.profile import Profile
 from profiler.samples import resize_sample, sample_arguments, sequential_inputs_problem
+from profiler.tied import tied_state
 
 __all__ = [
     "default_batch_sizes",
     "doubling_batch_sizes",
     "profile_layers",
     "profile_model",
-    "tied_state",
 ]
 
 Inputs = tuple[Tensor, ...]
@@ -82,52 +82,6 @@ def _batch_sizes(batch_sizes: Sequence[int] | None, micro_batch: int) -> list[in
     if len(set(sizes)) != len(sizes):
         raise ValueError(f"batch_sizes must be distinct, got {sizes}")
     return sorted(sizes)
-
-
-def tied_state(
-    layers: Sequence[nn.Module], names: Sequence[str], owner: nn.Module | None = None
-) -> list[TiedState]:
-    """The parameters and buffers that several of ``layers`` use, by identity.
-
-    Each layer is profiled on a copy of its own, so every user counts such a tensor in its
-    ``param_bytes``; the planner needs to know which, to hold it once per stage.
-
-    Args:
-        layers: the layers, in order.
-        names: their names, which name a tensor without ``owner``: ``layer.param``.
-        owner: the model the layers take their parameters from (a model traced into
-            units, the ``nn.Sequential`` itself), whose names for the tensor are listed.
-    """
-    known: dict[int, list[str]] = {}
-    if owner is not None:
-        for name, tensor in [
-            *owner.named_parameters(remove_duplicate=False),
-            *owner.named_buffers(remove_duplicate=False),
-        ]:
-            known.setdefault(id(tensor), []).append(name)
-    found: dict[int, tuple[Tensor, bool, list[int], list[str]]] = {}
-    for index, (layer, layer_name) in enumerate(zip(layers, names, strict=True)):
-        state = [
-            *((n, t, False) for n, t in layer.named_parameters()),
-            *((n, t, True) for n, t in layer.named_buffers()),
-        ]
-        for name, tensor, buffer in state:
-            entry = found.setdefault(id(tensor), (tensor, buffer, [], []))
-            if index not in entry[2]:
-                entry[2].append(index)
-                entry[3].append(f"{layer_name}.{name}")
-    tied = []
-    for key, (tensor, buffer, users, local) in found.items():
-        if len(users) > 1:
-            tied.append(
-                TiedState(
-                    names=known.get(key) or local,
-                    layers=users,
-                    bytes=tensor.numel() * tensor.element_size(),
-                    buffer=buffer,
-                )
-            )
-    return tied
 
 
 def profile_layers(

@@ -16,9 +16,10 @@ from autopipe.errors import TracingError
 from autopipe.graph.export import check_symbolic_batch, export_graph, strip_checks
 from autopipe.graph.flat_io import FlatSpec, check_batch_major
 from autopipe.graph.grad_modes import KEY, inline_grad_regions, tracking
-from autopipe.graph.meta import META, has_meta_state, meta_construct, meta_shadow, rebind_state
+from autopipe.graph.meta import META, has_meta_state, meta_shadow, rebind_state
 from autopipe.graph.shapes import DynamicSpec, InputShapes, dynamic_dims, input_names
-from autopipe.graph.trace_checks import PREFIX, GradientMismatch, verify_gradients, verify_outputs
+from autopipe.graph.trace_checks import PREFIX, verify_gradients, verify_outputs
+from autopipe.graph.trace_errors import failure_message
 from autopipe.graph.values import (
     ValueInfo,
     record_values,
@@ -135,11 +136,6 @@ class _Tracer(fx.Tracer):
                 if path:
                     self.failed_in = (path, type(m).__name__)
             raise
-
-
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _trace_fx(flat: _FlatModel, count: int, leaves: Sequence[Any]) -> fx.Graph:
@@ -289,7 +285,7 @@ def _trace(
         except Exception as exc:
             errors.append((name, exc))
     else:
-        raise TracingError(_failure(model, errors)) from errors[-1][1]
+        raise TracingError(failure_message(model, errors)) from errors[-1][1]
     outputs = _outputs(flat, graph, values)
     shapes = [values[n.name].shape or () for n in graph.find_nodes(op="output")[0].args[0]]
     out_labels = [outputs.label(i) for i in range(len(shapes))]
@@ -306,55 +302,4 @@ def _trace(
     exported = exported if name == "export" else None
     return Traced(
         model, root, graph, name, inputs, outputs, values, batch, training, device, exported
-    )
-
-
-def _failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
-    meta = _meta_failure(model, errors)
-    if meta is not None:
-        return meta
-    parts = []
-    hint = (
-        "move the data-dependent code into a submodule and pass it in leaf_modules=, or "
-        "express it with torch.where / torch.cond"
-    )
-    for name, exc in errors:
-        where = getattr(exc, "autopipe_module", None)
-        if isinstance(exc, GradientMismatch):
-            hint = (
-                "change the grad mode with torch.no_grad(), torch.enable_grad(), "
-                "torch.set_grad_enabled() or torch.inference_mode(), which the tracers keep"
-            )
-        if name == "fx":
-            place = f" in {where[0]} ({where[1]})" if where else ""
-            parts.append(f"torch.fx failed{place}: {_one_line(exc)}")
-            if where:
-                hint = (
-                    f"mark that submodule as a leaf (leaf_modules=[{where[0]!r}]) so that it "
-                    "runs as one opaque call, or express its control flow with torch.where / "
-                    "torch.cond"
-                )
-        else:
-            parts.append(f"torch.export (non-strict) failed: {_one_line(exc)}")
-            if "Cache'> in output" in str(exc):
-                hint = "pass use_cache=False (training needs no key/value cache)"
-    return f"cannot trace {type(model).__name__}: " + "; ".join(parts) + f". Fix: {hint}"
-
-
-def _meta_failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str | None:
-    """The message for a model on meta whose code needs tensor values, else ``None``."""
-    if not has_meta_state(model):
-        return None
-    found = [(name, exc, meta_construct(exc)) for name, exc in errors]
-    hits = [(name, exc, construct) for name, exc, construct in found if construct]
-    if not hits:
-        return None
-    name, exc, construct = hits[-1]
-    where = getattr(exc, "autopipe_module", None)
-    place = f" in {where[0]} ({where[1]})" if where else ""
-    return (
-        f"cannot trace {type(model).__name__} on the meta device: its code{place} needs "
-        f"tensor values, which meta tensors do not hold ({construct}; {name}: "
-        f"{_one_line(exc, 120)}). Fix: build the model (or the module doing it) with real "
-        "weights, or compute that value outside the model and pass it as an input"
     )
