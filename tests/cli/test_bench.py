@@ -174,18 +174,24 @@ def test_bench_missing_model_file(capsys: pytest.CaptureFixture[str], tmp_path: 
 
 
 def test_strategies_giving_one_split_are_measured_once(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    # Two units on two stages: every strategy, and the given balance, split them [1, 1].
+    path = tmp_path / "two.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))\n"
+        "sample = torch.randn(8, 4)\n"
+    )
     out_json = tmp_path / "bench.json"
-    argv = ["bench", model_file, "--stages", "2", *QUICK, "--steps", "2", "--warmup", "0"]
-    code, out, err = run(capsys, *argv, "--balance", "1,2", "--json", str(out_json))
+    argv = ["bench", str(path), "--stages", "2", *QUICK, "--steps", "2", "--warmup", "0"]
+    code, out, err = run(capsys, *argv, "--balance", "1,1", "--json", str(out_json))
     assert code == 0, err
     record = json.loads(out_json.read_text())
     splits = {split["label"]: split for split in record["splits"]}
-    twins = [label for label in splits if splits[label]["balance"] == splits["given"]["balance"]]
-    assert len(twins) >= 2  # a strategy finds the given split [1, 2] too
-    first, *others = twins
+    assert list(splits) == [*STRATEGIES, "given"]
+    first, *others = splits
+    assert all(splits[label]["balance"] == [1, 1] for label in splits)
     assert all(splits[label]["times"] == splits[first]["times"] for label in others)
     assert f"{', '.join(others)}: the same split as {first}, measured once" in out
-    distinct = {tuple(split["balance"]) for split in record["splits"]}
-    assert f"running {len(distinct)} splits" in err
+    assert "running 1 split," in err
