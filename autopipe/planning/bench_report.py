@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autopipe.planning.bench_summary import SplitSummary, speedups
 from autopipe.planning.quantities import format_bytes, format_time
-from autopipe.planning.timeline import check_picture_path, require_matplotlib
+from autopipe.planning.timeline import check_picture_path, new_figure, save_figure, time_unit
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -112,13 +111,11 @@ def draw_bench(summaries: Sequence[SplitSummary], path: str | os.PathLike[str]) 
     fmt = check_picture_path(path, "benchmark picture")
     if not summaries:
         raise ValueError("draw_bench needs at least one split")
-    require_matplotlib()
     import numpy as np
-    from matplotlib.figure import Figure
 
     largest = max(max(max(s.times), s.predicted, s.ideal) for s in summaries)
-    scale, unit = (1.0, "s") if largest >= 1 else (1e3, "ms") if largest >= 1e-3 else (1e6, "µs")
-    fig = Figure(figsize=(max(6.0, 1.6 * len(summaries) + 2.0), 4.5), layout="constrained")
+    scale, unit = time_unit(largest)
+    fig = new_figure(max(6.0, 1.6 * len(summaries) + 2.0), 4.5)
     ax: Axes = fig.add_subplot()
     xs = np.arange(len(summaries))
     medians = [s.measured * scale for s in summaries]
@@ -147,13 +144,4 @@ def draw_bench(summaries: Sequence[SplitSummary], path: str | os.PathLike[str]) 
     ax.set_ylim(0, largest * scale * 1.3)  # room for the legend above the bars
     ax.legend(loc="upper right", fontsize="small", ncol=3)
     ax.grid(axis="y", alpha=0.3)
-    # Written atomically: a failed save leaves no half-written picture.
-    target = Path(path)
-    temporary = target.with_name(target.name + ".tmp")
-    try:
-        fig.savefig(temporary, format=fmt, dpi=150)
-        os.replace(temporary, target)
-    except OSError as exc:
-        raise OSError(f"cannot write the picture to {path}: {exc.strerror or exc}") from None
-    finally:
-        temporary.unlink(missing_ok=True)
+    save_figure(fig, path, fmt, "picture")

@@ -88,7 +88,8 @@ def check_picture_path(path: str | os.PathLike[str], what: str = "picture") -> s
     return suffix
 
 
-def _new_figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
+    """A figure of ``width`` x ``height`` inches with a constrained layout."""
     require_matplotlib()
     # Figure without pyplot: no global state, no GUI backend, safe in threads and servers.
     from matplotlib.figure import Figure
@@ -96,7 +97,7 @@ def _new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _save(fig: Figure, path: str | os.PathLike[str], fmt: str, what: str) -> None:
+def save_figure(fig: Figure, path: str | os.PathLike[str], fmt: str, what: str) -> None:
     """Writes the figure atomically: a failed save leaves no half-written picture."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
@@ -109,7 +110,7 @@ def _save(fig: Figure, path: str | os.PathLike[str], fmt: str, what: str) -> Non
         Path(tmp).unlink(missing_ok=True)
 
 
-def _time_unit(seconds: float) -> tuple[float, str]:
+def time_unit(seconds: float) -> tuple[float, str]:
     """A scale and unit name that keep the axis numbers readable."""
     if seconds >= 1:
         return 1.0, "s"
@@ -150,11 +151,11 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
     fmt = check_picture_path(path, "timeline")
     events = simulate(plan)
     span = makespan(events)
-    scale, unit = _time_unit(span)
+    scale, unit = time_unit(span)
     virtual = max(plan.virtual_stages, 1)
     rows = plan.num_stages // virtual
     width = 12.0
-    fig = _new_figure(width, 1.7 + 0.55 * rows * (1.0 if virtual == 1 else 1.3))
+    fig = new_figure(width, 1.7 + 0.55 * rows * (1.0 if virtual == 1 else 1.3))
     ax = fig.add_subplot()
 
     present = [kind for kind in KINDS if any(e.kind == kind for e in events)]
@@ -235,7 +236,7 @@ def draw_timeline(plan: Plan, path: str | os.PathLike[str]) -> None:
                 fontsize=_LABEL_FONT,
                 color="white",
             )
-    _save(fig, path, fmt, "timeline")
+    save_figure(fig, path, fmt, "timeline")
 
 
 def _stage_bar_parts(plan: Plan) -> dict[str, list[float]]:
@@ -269,9 +270,9 @@ def draw_stage_bars(plans: Mapping[str, Plan], path: str | os.PathLike[str]) -> 
     if not plans:
         raise ValueError("draw_stage_bars needs at least one plan")
     largest = max(p.bottleneck for p in plans.values())
-    scale, unit = _time_unit(largest)
+    scale, unit = time_unit(largest)
     widest = max(p.num_stages for p in plans.values())
-    fig = _new_figure(max(7.0, 3.0 + 0.5 * widest * len(plans)), 4.8)
+    fig = new_figure(max(7.0, 3.0 + 0.5 * widest * len(plans)), 4.8)
     ax: Axes = fig.add_subplot()
     bar = 0.8 / widest
     seen: set[str] = set()
@@ -340,4 +341,4 @@ def draw_stage_bars(plans: Mapping[str, Plan], path: str | os.PathLike[str]) -> 
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    _save(fig, path, fmt, "stage bars")
+    save_figure(fig, path, fmt, "stage bars")
