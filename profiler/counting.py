@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,15 +197,16 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def fake_state(
-    modules: Sequence[nn.Module], mode: FakeTensorMode, device: torch.device
+def swapped_state(
+    modules: Sequence[nn.Module], stand_in: Callable[[Tensor], Tensor | None]
 ) -> Iterator[None]:
-    """Replaces the parameters and buffers of ``modules`` by fake tensors on ``device``
-    (no data: a real tensor's stand-in costs nothing) for the block, then puts them back.
+    """Replaces the parameters and buffers of ``modules`` by ``stand_in(tensor)`` for the
+    block (a parameter's stand-in becomes a parameter with its ``requires_grad``; ``None``
+    keeps the tensor), then puts the originals back.
 
-    A tensor several modules hold stays one fake tensor. Run the modules inside ``mode``.
+    A tensor several modules hold gets one stand-in.
     """
-    made: dict[int, Tensor] = {}
+    made: dict[int, Tensor | None] = {}
     saved: list[tuple[dict[str, Any], str, Tensor]] = []
     for module in modules:
         for sub in module.modules():
@@ -214,17 +215,30 @@ def fake_state(
                     if tensor is None:
                         continue
                     if id(tensor) not in made:
-                        fake: Tensor = FakeTensor(mode, tensor.detach().to(META), device)
-                        if isinstance(tensor, nn.Parameter):
-                            fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-                        made[id(tensor)] = fake
-                    saved.append((table, name, tensor))
-                    table[name] = made[id(tensor)]  # type: ignore[assignment]
+                        other = stand_in(tensor)
+                        if other is not None and isinstance(tensor, nn.Parameter):
+                            other = nn.Parameter(other, requires_grad=tensor.requires_grad)
+                        made[id(tensor)] = other
+                    replacement = made[id(tensor)]
+                    if replacement is not None:
+                        saved.append((table, name, tensor))
+                        table[name] = replacement  # type: ignore[assignment]
     try:
         yield
     finally:
         for table, name, tensor in reversed(saved):
             table[name] = tensor
+
+
+def fake_state(
+    modules: Sequence[nn.Module], mode: FakeTensorMode, device: torch.device
+) -> contextlib.AbstractContextManager[None]:
+    """Replaces the parameters and buffers of ``modules`` by fake tensors on ``device``
+    (no data: a real tensor's stand-in costs nothing) for the block, then puts them back.
+
+    A tensor several modules hold stays one fake tensor. Run the modules inside ``mode``.
+    """
+    return swapped_state(modules, lambda t: FakeTensor(mode, t.detach().to(META), device))
 
 
 @contextlib.contextmanager

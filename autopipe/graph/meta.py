@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from profiler.counting import swapped_state
 from profiler.materialize import materialize_part
 
 __all__ = ["has_meta_state", "materialize_units", "rebind_state", "unused_meta"]
@@ -42,8 +43,7 @@ def meta_construct(exc: BaseException) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def meta_shadow(*models: nn.Module) -> Iterator[None]:
+def meta_shadow(*models: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Replaces the models' real parameters and buffers by meta ones for the block.
 
     A model only partly on meta is traced all on meta (real and meta tensors cannot meet
@@ -51,26 +51,7 @@ def meta_shadow(*models: nn.Module) -> Iterator[None]:
     put back afterwards: graphs traced inside hold the meta stand-ins until
     :func:`rebind_state`.
     """
-    made: dict[int, Tensor] = {}
-    saved: list[tuple[dict[str, Tensor | None], str, Tensor]] = []
-    for model in models:
-        for sub in model.modules():
-            for table in (sub._parameters, sub._buffers):
-                for name, tensor in list(table.items()):
-                    if tensor is None or tensor.is_meta:
-                        continue
-                    if id(tensor) not in made:
-                        shadow = torch.empty_like(tensor, device=META)
-                        if isinstance(tensor, nn.Parameter):
-                            shadow = nn.Parameter(shadow, requires_grad=tensor.requires_grad)
-                        made[id(tensor)] = shadow
-                    saved.append((table, name, tensor))  # type: ignore[arg-type]
-                    table[name] = made[id(tensor)]  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for table, name, tensor in reversed(saved):
-            table[name] = tensor
+    return swapped_state(models, lambda t: None if t.is_meta else torch.empty_like(t, device=META))
 
 
 def _lookup(model: nn.Module, path: str) -> object:
