@@ -66,6 +66,10 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    parser.add_argument(
+        "--dtype", choices=["float32", "float64"], default="float32", help="of the weights"
+    )
     parser.add_argument("--save", type=Path, help="write the trained model's state_dict here")
     args = parser.parse_args()
 
@@ -78,7 +82,7 @@ def main() -> None:
     device = init_distributed(timeout=timedelta(minutes=5))
     data = batches(args.steps)
     pipe = DistributedPipeline(
-        model(args.layers),
+        model(args.layers).to(getattr(torch, args.dtype)),
         data[0],
         loss_fn=next_token_loss,
         chunks=args.chunks,
@@ -88,7 +92,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         tied = "; ".join(f"{' = '.join(t.names)} on stages {t.stages}" for t in pipe.plan.tied)
         print(f"plan: balance {pipe.plan.balance}; tied: {tied or 'none'}", flush=True)
-    optimizer = torch.optim.Adam(pipe.module.parameters(), lr=args.lr)
+    optimizer_class = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    optimizer = optimizer_class(pipe.module.parameters(), lr=args.lr)
     for step, tokens in enumerate(data):
         optimizer.zero_grad()
         loss = pipe.step(tokens, tokens)

@@ -77,8 +77,9 @@ def test_bytes_per_stage_are_exact(replicas, shard):
                 chunks=2,
                 batch=16,
             )
-            found = [(s.param_memory, s.memory) for s in result.stages]
-            assert found == pytest.approx(_by_hand(balance, replicas, shard))
+            found = [value for s in result.stages for value in (s.param_memory, s.memory)]
+            expected = [value for pair in _by_hand(balance, replicas, shard) for value in pair]
+            assert found == pytest.approx(expected)
             assert result.shard_optimizer == (shard and replicas > 1)
 
 

@@ -138,7 +138,10 @@ def test_trace_matches_the_simulation() -> None:
     assert len(busy) == len(events)
     ours = sorted((e["args"]["stage"], e["args"]["micro_batch"], e["ts"]) for e in busy)
     theirs = sorted((e.stage, e.micro_batch, e.start * 1e6) for e in events)
-    assert ours == pytest.approx(theirs)
+    # The same (stage, micro-batch) slots in the same order, at the same times (microseconds,
+    # rounded only by the trace's float formatting).
+    assert [key[:2] for key in ours] == [key[:2] for key in theirs]
+    assert [key[2] for key in ours] == pytest.approx([key[2] for key in theirs])
 
 
 def test_event_name() -> None:
