@@ -92,9 +92,10 @@ class Layout:
         traced: the traces, by mode key (``any``, or ``train`` and ``eval``).
         units: the units of each mode, aligned: unit ``k`` holds the same module calls.
         liveness: the boundary analysis of each mode.
-        shared: parameters and buffers used by several units: parameters read anywhere
-            (a copy on each stage holding a user, see :class:`autopipe.gpipe.GPipe`) and
-            buffers that no two adjacent units write.
+        shared: parameters and written buffers that several units use. Each stage
+            holding a user gets a copy of one that is only read (see
+            :class:`autopipe.gpipe.GPipe`), adjacent users too; the users of a written
+            one are never adjacent (they were merged).
         merged: why boundaries of the initial split were merged, one line each.
         written: the names of the parameters and buffers some unit may write in place.
     """
