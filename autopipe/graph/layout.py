@@ -11,7 +11,14 @@ from typing import Any
 from torch import Tensor, nn
 
 from autopipe.graph.liveness import Liveness, UnitIO, analyze
-from autopipe.graph.sharing import SharedState, adjacent_boundaries, find_shared, unit_state
+from autopipe.graph.sharing import (
+    SharedState,
+    adjacent_boundaries,
+    find_shared,
+    find_written,
+    unit_state,
+    unit_writes,
+)
 from autopipe.graph.stage_modules import UnitModule, build_graph_module
 from autopipe.graph.tracing import Traced, trace
 from autopipe.graph.units import Unit, merge_units, regroup, split_units, unit_paths
@@ -72,6 +79,11 @@ def _state(traced: Traced, io: UnitIO) -> list[Tensor]:
     return unit_state(traced.root, [*io.attrs, *calls])
 
 
+def _writes(traced: Traced, io: UnitIO) -> list[Tensor]:
+    calls = [n for n in io.nodes if n.op == "call_module"]
+    return unit_writes(traced.root, [*io.attrs, *calls])
+
+
 @dataclass
 class Layout:
     """Units that every traced mode can be cut between.
@@ -80,8 +92,12 @@ class Layout:
         traced: the traces, by mode key (``any``, or ``train`` and ``eval``).
         units: the units of each mode, aligned: unit ``k`` holds the same module calls.
         liveness: the boundary analysis of each mode.
-        shared: parameters and buffers read by several (non-adjacent) units.
+        shared: parameters and written buffers that several units use. Each stage
+            holding a user gets a copy of one that is only read (see
+            :class:`autopipe.gpipe.GPipe`), adjacent users too; the users of a written
+            one are never adjacent (they were merged).
         merged: why boundaries of the initial split were merged, one line each.
+        written: the names of the parameters and buffers some unit may write in place.
     """
 
     traced: dict[str, Traced]
@@ -89,6 +105,7 @@ class Layout:
     liveness: dict[str, Liveness]
     shared: list[SharedState]
     merged: list[str]
+    written: set[str]
 
     @property
     def names(self) -> list[str]:
@@ -131,8 +148,11 @@ def layout_model(
     model: nn.Module, traced: dict[str, Traced], granularity: str = "blocks"
 ) -> Layout:
     """Splits the traced model into units and merges them across boundaries that cannot
-    be cut (a non-tensor value crosses, in any mode) and between adjacent units that share
-    a parameter."""
+    be cut: a non-tensor value crosses (in any mode), or both sides use a tensor that some
+    unit writes in place (a shared batch norm's running statistics, a counter), which
+    copies on two stages would not keep equal. A parameter that is only read (a tied head,
+    a relative-position table every layer reads) does not merge its users: each stage
+    holding one gets a copy and the copies' gradients are summed."""
     paths = unit_paths(model, granularity)
     runs = {mode: split_units(t.graph, paths, t.values) for mode, t in traced.items()}
     primary = next(iter(traced))
@@ -146,15 +166,20 @@ def layout_model(
             for k in range(len(layout))
         ]
         shared = find_shared(model, state)
+        writes = [
+            _writes(traced[m], liveness[m].units[k]) for m in traced for k in range(len(layout))
+        ]
+        written = find_written(model, writes)
         bad: dict[int, str] = {}
         for mode, live in liveness.items():
             for b, why in live.invalid.items():
                 bad.setdefault(b, why if mode in ("any", primary) else f"{why} ({mode} mode)")
-        for b in adjacent_boundaries(shared):
-            names = [s.name for s in shared if b in s.units and b + 1 in s.units]
-            bad.setdefault(b, f"both sides use {names[0]}")
+        kept = [s for s in shared if s.name in written]
+        for b in adjacent_boundaries(kept):
+            names = [s.name for s in kept if b in s.units and b + 1 in s.units]
+            bad.setdefault(b, f"both sides use {names[0]}, which is written in place")
         if not bad:
-            return Layout(traced, units, liveness, shared, merged)
+            return Layout(traced, units, liveness, shared, merged, written)
         merged += [
             f"{layout[b].name} | {layout[b + 1].name}: {why}" for b, why in sorted(bad.items())
         ]

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from autopipe.graph.flat_io import FlatSpec
 from autopipe.graph.layout import Layout, layout_model, trace_modes
 from autopipe.graph.shapes import DynamicSpec, InputShapes
-from autopipe.graph.sharing import SharedState, find_written, unit_writes
+from autopipe.graph.sharing import SharedState
 from autopipe.graph.stage_modules import UnitModule, UnitSequential
 
 __all__ = ["ModelIO", "SequentialModel", "model_inputs", "prepare", "unit_sequential"]
@@ -149,19 +149,14 @@ class SequentialModel:
 
     @property
     def shared(self) -> list[SharedState]:
-        """Parameters and buffers read by several (non-adjacent) units."""
+        """Parameters and buffers that several units use (see :attr:`Layout.shared`)."""
         return self.layout.shared
 
     @property
     def written(self) -> set[str]:
         """The names of the parameters and buffers some unit may write in place: on two
         devices they cannot be replicated."""
-        writes = []
-        for mode, traced in self.layout.traced.items():
-            for io in self.layout.liveness[mode].units:
-                calls = [n for n in io.nodes if n.op == "call_module"]
-                writes.append(unit_writes(traced.root, [*io.attrs, *calls]))
-        return find_written(self.layout.traced[self.layout.primary].model, writes)
+        return self.layout.written
 
     def sequential(self) -> UnitSequential:
         """The units as a :class:`UnitSequential` whose children are named after them.

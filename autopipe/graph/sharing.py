@@ -162,7 +162,7 @@ def find_shared(model: nn.Module, state: Sequence[Iterable[Tensor]]) -> list[Sha
 
 
 def adjacent_boundaries(shared: Iterable[SharedState]) -> set[int]:
-    """Boundaries between consecutive units that share a tensor: merge them."""
+    """Boundaries between consecutive units that share one of ``shared``."""
     return {a for s in shared for a, b in zip(s.units, s.units[1:]) if b == a + 1}
 
 

@@ -65,6 +65,35 @@ def test_plan_hugging_face_example(capsys: pytest.CaptureFixture[str], tmp_path:
     assert "Traceback" not in err
 
 
+DEBERTA_MODEL = """from tests.support.hf_models import deberta_v2
+
+model, (sample,), _ = deberta_v2()
+"""
+
+
+def test_plan_deberta_v2_on_four_stages(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    path, out_file = tmp_path / "deberta.py", tmp_path / "plan.json"
+    path.write_text(DEBERTA_MODEL)
+    code, out, err = run(capsys, "plan", str(path), *FAST, "--stages", "4", "--json", str(out_file))
+    assert code == 0, err
+    result = Plan.load(out_file)
+    # Every encoder layer reads encoder.rel_embeddings.weight, and each is a unit still.
+    assert [name for stage in result.stages for name in stage.layers] == [
+        "embeddings",
+        *(f"encoder.layer.{i}" for i in range(4)),
+    ]
+    readers = [s.index for s in result.stages if s.stop > 1]  # a stage with an encoder layer
+    (tied,) = result.tied
+    assert tied.names == ["encoder.rel_embeddings.weight"] and tied.stages == readers
+    # The float32 table, 16 relative positions of 32 numbers, counted on each reader.
+    assert [s.tied for s in result.stages] == [
+        2048 if s.index in readers else 0 for s in result.stages
+    ]
+    where = ", ".join(map(str, readers))
+    assert f"tied        encoder.rel_embeddings.weight on stages {where} (2.00 KiB each" in out
+
+
 def test_plan_from_profile(capsys: pytest.CaptureFixture[str], profile_file: Path) -> None:
     code, out, err = run(capsys, "plan", "--profile", str(profile_file), "--stages", "3")
     assert code == 0, err

@@ -14,10 +14,16 @@ from torch import Tensor, nn
 from autopipe.distributed.tied import shared_across_stages, shared_state
 from tests.support.dist_workers import (
     CHUNKS,
+    SHARED_CHUNKS,
+    SHARED_NAMES,
+    SHARED_RUNS,
+    SHARED_STEPS,
     TIED_STEPS,
     TiedBlock,
     make_optimizer,
+    mse,
     scenario_results,
+    shared_case,
     tied_case,
     tied_runs,
 )
@@ -141,3 +147,67 @@ def test_tied_parameters_train_as_the_plain_model(
 ) -> None:
     world, results = tied_run
     check_tied(results, world)
+
+
+@functools.cache
+def shared_reference(kind: str) -> dict[str, Any]:
+    """The plain model trained in one process as the ranks train the pipeline."""
+    with one_thread():
+        model, x, y = shared_case(kind)
+
+        def step() -> Tensor:
+            pairs = zip(x.tensor_split(SHARED_CHUNKS), y.tensor_split(SHARED_CHUNKS))
+            loss = torch.stack([mse(model(xb), yb) for xb, yb in pairs]).mean()
+            loss.backward()
+            return loss.detach()
+
+        first = step()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = []
+        for _ in range(SHARED_STEPS):
+            loss = step()
+            opt.step()
+            opt.zero_grad()
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            steps.append({"loss": loss, "params": params})
+        return {"first": first, "grads": grads, "steps": steps, "keys": list(model.state_dict())}
+
+
+def exact(actual: Tensor, expected: Tensor, name: str) -> None:
+    """float64 equality up to the order of a few additions (micro-batches, ranks)."""
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_parameter_every_layer_reads_trains_as_the_plain_model(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    results = scenario_results("shared", 2, tmp_path, limit=300)
+    for index, run in enumerate(SHARED_RUNS):
+        ref, shared = shared_reference(run["kind"]), SHARED_NAMES[run["kind"]]
+        ranks = [result[index] for result in results]
+        key = f"{run['kind']} {run['schedule']}"
+        assert [part["balance"] for part in ranks] == [run["balance"]] * 2, key
+        # Both ranks read the parameter: each holds a copy and gets the model's gradient.
+        assert all(shared in part["grads"] for part in ranks), key
+        assert ref["grads"][shared].abs().max() > 1e-3, key  # far above the tolerance
+        exact(ranks[1]["first"], ref["first"], f"{key} loss")
+        for rank, part in enumerate(ranks):
+            for name, grad in part["grads"].items():
+                exact(grad, ref["grads"][name], f"{key} rank {rank} {name}")
+            for step, (mine, theirs) in enumerate(zip(part["steps"], ref["steps"])):
+                if rank == 1:
+                    exact(mine["loss"], theirs["loss"], f"{key} step {step} loss")
+                for name, value in mine["params"].items():
+                    exact(value, theirs["params"][name], f"{key} step {step} {name}")
+        held = set().union(*(part["grads"] for part in ranks))
+        assert held == set(ref["grads"]), key
+        for step in range(SHARED_STEPS):
+            copies = [part["steps"][step]["params"][shared] for part in ranks]
+            assert torch.equal(copies[0], copies[1]), f"{key} step {step}"
+        # The model's keys first, in its order; what the stages hold that the model does not
+        # name (export's lifted constants, non-persistent buffers) follows, as they hold it.
+        state = ranks[0]["state"]
+        assert list(state)[: len(ref["keys"])] == ref["keys"], key
+        for name, value in ref["steps"][-1]["params"].items():
+            exact(state[name], value, f"{key} state {name}")

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from autopipe.gpipe import GPipe
 from autopipe.gpipe.wrapping import WrappedPipeline, wrap
+from autopipe.graph import stage_of_units
+from tests.support.wrap_models import SharedBias
 
 
 @pytest.fixture(autouse=True)
@@ -72,10 +74,17 @@ def _shared_linear() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callab
     return model, (torch.randn(6, 8),), {}, lambda out: (out - 0.5).square().mean()
 
 
-MODELS = {"gpt2": _gpt2, "shared_linear": _shared_linear}
+def _shared_bias() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callable[[Any], Tensor]]:
+    model = SharedBias()
+    return model, (torch.randn(6, 8),), {}, lambda out: (out - 0.5).square().mean()
+
+
+MODELS = {"gpt2": _gpt2, "shared_linear": _shared_linear, "shared_bias": _shared_bias}
 TIED = {
     "gpt2": {"transformer.wte.weight": (0, 1)},
     "shared_linear": {"blocks.0.shared.weight": (0, 1), "blocks.0.shared.bias": (0, 1)},
+    # Every block reads the bias: whatever the split, both stages hold a copy.
+    "shared_bias": {"bias": (0, 1)},
 }
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
@@ -248,4 +257,55 @@ def test_under_autocast_the_copies_are_cast_as_the_parameter_is() -> None:
     for (name, p), (_, q) in zip(wrapped.named_parameters(), reference.named_parameters()):
         assert p.grad is not None and p.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-4, msg=name)
+    wrapped.close()
+
+
+def test_deberta_v2_on_four_stages_trains_like_the_plain_model() -> None:
+    """Every encoder layer reads ``encoder.rel_embeddings.weight``: each stage holding one
+    gets a copy, counted in its memory, and the copies' gradients sum to the model's."""
+    pytest.importorskip("transformers")
+    from tests.support.hf_models import deberta_v2
+
+    torch.manual_seed(0)
+    model, args, _ = deberta_v2()
+    reference = copy.deepcopy(model)
+    target = torch.randn(4, 8, 32)
+    wrapped = wrap(model, args, stages=4, chunks=2, replicate_shared=True)
+    assert wrapped.units == ["embeddings", *(f"encoder.layer.{i}" for i in range(4))]
+    stage = stage_of_units(wrapped.plan.balance)
+    readers = tuple(sorted({stage[k] for k in range(1, 5)}))
+    assert wrapped.replicated == {"encoder.rel_embeddings.weight": readers}
+    # Each stage counts the table (4096 float64 bytes) once, with its gradient and Adam's
+    # two moments, however many of its layers read it.
+    profile, table = wrapped.plan.profile, 16 * 32 * 8
+    (tied,) = profile["tied"]
+    assert tied["bytes"] == table and tied["layers"] == [1, 2, 3, 4]
+    assert wrapped.plan.optimizer == "adam"
+    for s, planned in enumerate(wrapped.plan.stages):
+        layers = profile["layers"][planned.start : planned.stop]
+        users = len([k for k in range(planned.start, planned.stop) if k >= 1])
+        params = sum(layer["param_bytes"] for layer in layers) - max(users - 1, 0) * table
+        buffers = sum(layer["buffer_bytes"] for layer in layers)
+        assert planned.param_memory == 4 * params + buffers, s
+        assert planned.tied == (table if s in readers else 0), s
+    ours = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        steps = []
+        for net, opt in ((wrapped, ours), (reference, theirs)):
+            opt.zero_grad()
+            out = net(*args).last_hidden_state
+            (out - target).square().mean().backward()
+            opt.step()
+            grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+            steps.append((out.detach(), grads, dict(net.named_parameters())))
+        (out, grads, params), (out_ref, grads_ref, params_ref) = steps
+        _assert_close(out, out_ref)
+        assert grads.keys() == grads_ref.keys() and "encoder.rel_embeddings.weight" in grads
+        # Far above the tolerance: the copies' gradients are compared, not rounding noise.
+        assert grads_ref["encoder.rel_embeddings.weight"].abs().max() > 1e-3
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, grads_ref[name], rtol=1e-9, atol=1e-10, msg=name)
+        for name, value in params.items():
+            torch.testing.assert_close(value, params_ref[name], rtol=1e-9, atol=1e-10, msg=name)
     wrapped.close()

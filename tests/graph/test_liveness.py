@@ -135,10 +135,10 @@ def test_attributes_are_read_where_used() -> None:
     assert all(n.op != "get_attr" for c in live.crossing for n in c)
 
 
-def test_adjacent_units_sharing_a_parameter_are_merged() -> None:
+def test_adjacent_units_reading_one_parameter_stay_apart() -> None:
     layout = _layout(TiedPair(), torch.randn(3, 4))
-    assert layout.names == ["first", "a+b", "last"]
-    assert layout.merged == ["a | b: both sides use a.weight"]
+    assert layout.names == ["first", "a", "b", "last"] and not layout.merged
+    assert layout.shared == [SharedState("a.weight", (1, 2))]
 
 
 def test_distant_units_sharing_a_parameter_are_reported() -> None:
@@ -251,6 +251,8 @@ def test_read_only_buffers_may_be_copied_written_ones_not(method: str) -> None:
     writing = _layout(MaskedBlocks(count=True), torch.randn(3, 4), method=method)
     # The counter updates after blocks 0 and 1 run with blocks 1 and 2: together.
     assert writing.names == ["blocks.0", "blocks.1+blocks.2"]
-    assert writing.merged == ["blocks.1 | blocks.2: both sides use calls"]
+    assert writing.merged == [
+        "blocks.1 | blocks.2: both sides use calls, which is written in place"
+    ]
     live = writing.liveness["any"]
     assert all(n.op != "get_attr" and "add_" not in n.name for c in live.crossing for n in c)

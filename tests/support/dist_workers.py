@@ -884,6 +884,69 @@ def _tied(world: int) -> dict[str, Any]:
     return results
 
 
+# A parameter every layer reads (DeBERTa's relative embeddings, a shared bias): a copy on
+# each rank, in float64 with plain SGD so that the pipeline matches one process to rounding.
+SHARED_STEPS = 3
+SHARED_CHUNKS = 2
+SHARED_RUNS = [
+    {"kind": "deberta", "schedule": "1f1b", "balance": [3, 2]},
+    {"kind": "bias", "schedule": "1f1b", "balance": [2, 2]},
+    {"kind": "bias", "schedule": "gpipe", "balance": [1, 3]},
+]
+SHARED_NAMES = {"deberta": "encoder.rel_embeddings.weight", "bias": "bias"}
+
+
+def mse(output: Any, target: Tensor) -> Tensor:
+    value = output if isinstance(output, Tensor) else output.last_hidden_state
+    return (value - target).square().mean()
+
+
+def shared_case(kind: str) -> tuple[nn.Module, Tensor, Tensor]:
+    """The model (float64, whatever the default dtype), one batch of inputs and targets."""
+    from tests.support.wrap_models import SharedBias
+
+    generator = torch.Generator().manual_seed(3)
+    torch.manual_seed(0)
+    if kind == "deberta":
+        from tests.support.hf_models import deberta_v2
+
+        model = deberta_v2()[0].double()
+        x = torch.randint(0, 50, (8, 8), generator=generator)
+        return model, x, torch.randn(8, 8, 32, generator=generator, dtype=torch.float64)
+    x = torch.randn(8, 8, generator=generator, dtype=torch.float64)
+    return SharedBias().double(), x, torch.randn(8, 8, generator=generator, dtype=torch.float64)
+
+
+def _shared_run(run: dict[str, Any]) -> dict[str, Any]:
+    """One step's gradients, then SHARED_STEPS SGD steps: after each, the loss and this
+    rank's parameters (under the model's names)."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planning.planner import evaluate
+    from tests.support.planning_cases import linear_profile
+
+    model, x, y = shared_case(run["kind"])
+    profile = linear_profile([1.0] * sum(run["balance"]), batch=len(x), chunks=SHARED_CHUNKS)
+    given = evaluate(profile, run["balance"], chunks=SHARED_CHUNKS, schedule=run["schedule"])
+    pipe = DistributedPipeline(
+        model, x, loss_fn=mse, chunks=SHARED_CHUNKS, schedule=run["schedule"], plan=given
+    )
+    result: dict[str, Any] = {"balance": pipe.plan.balance}
+    result["first"] = pipe.step(x, y)
+    result["grads"] = _grads(pipe)
+    pipe.module.zero_grad()
+    opt = torch.optim.SGD(pipe.module.parameters(), lr=0.1)
+    steps = []
+    for _ in range(SHARED_STEPS):
+        value = pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        steps.append({"loss": value, "params": params})
+    result["steps"] = steps
+    result["state"] = pipe.gather_state_dict()
+    return result
+
+
 def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     from autopipe.distributed import init_distributed
 
@@ -911,6 +974,8 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         torch.save(_batchnorm_training(), workdir / f"rank{rank}.pt")
     elif scenario == "tied":
         torch.save(_tied(world), workdir / f"rank{rank}.pt")
+    elif scenario == "shared":
+        torch.save([_shared_run(run) for run in SHARED_RUNS], workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):
         _failing(rank, world, stay=scenario == "stuck")
     # Every rank leaves together and closes the group: a gloo group torn down by interpreter

@@ -127,6 +127,26 @@ def mamba() -> Built:
     return transformers.MambaForCausalLM(config), (ids(),), {}
 
 
+def deberta_v2(layers: int = 4) -> Built:
+    """DeBERTa-v2's encoder with relative attention: every layer reads the one
+    ``encoder.rel_embeddings`` weight (no norm on it, so the parameter itself, not a value
+    computed once, reaches each layer). No dropout, so that training compares exactly, and
+    a larger initialization, so that the shared table gets gradients well above rounding."""
+    config = transformers.DebertaV2Config(
+        **{**_SMALL, "num_hidden_layers": layers},
+        **_HEADS,
+        vocab_size=50,
+        max_position_embeddings=32,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.2,
+    )
+    return transformers.DebertaV2Model(config), (ids(),), {}
+
+
 ZOO: dict[str, Callable[[], Built]] = {
     "gpt2": gpt2,
     "llama": llama,

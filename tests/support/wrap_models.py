@@ -17,6 +17,7 @@ __all__ = [
     "MaskedBlocks",
     "ResidualMLP",
     "ShapeLoop",
+    "SharedBias",
     "SizeAtRoot",
     "SplitJoin",
     "TiedEnds",
@@ -309,6 +310,35 @@ class TiedEnds(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.last(torch.tanh(self.mid2(torch.tanh(self.mid1(self.first(x))))))
+
+
+class _BiasedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x) + bias)
+
+
+class SharedBias(nn.Module):
+    """Blocks that each add one learned bias of the model, an ``nn.Parameter`` of no module
+    of theirs (the model passes it to every block, as DeBERTa its relative embeddings).
+    With ``clamp`` the model also clamps the bias in place before each block."""
+
+    def __init__(self, width: int = 8, depth: int = 4, clamp: bool = False) -> None:
+        super().__init__()
+        self.clamp = clamp
+        self.bias = nn.Parameter(torch.randn(width))
+        self.blocks = nn.ModuleList(_BiasedBlock(width) for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            if self.clamp:
+                with torch.no_grad():
+                    self.bias.clamp_(-1.0, 1.0)
+            x = block(x, self.bias)
+        return x
 
 
 class SizeAtRoot(nn.Module):
