@@ -104,3 +104,22 @@ def test_layer_memory_takes_sizes_but_costs_take_numbers():
         partition(["1", "2"], 1)
     with pytest.raises(ValueError, match="memory must be a sequence of numbers, got b'2'"):
         partition([1, 1], 1, memory=[1, b"2"])
+
+
+def test_numbers_in_any_container_give_the_same_split_and_messages():
+    # Sequences numpy reads as numbers skip the element-wise checks; the split and the
+    # refusals are those of the array.
+    import numpy as np
+
+    costs = [3, 1.5, 4, True, 5, 9, 2, 6, 5, 3]
+    expected = partition(np.array(costs, dtype=float), 3)
+    assert partition(costs, 3) == partition(tuple(costs), 3) == expected
+    for bad in ([1.0, float("nan")], (1, float("inf")), [1, -2.0]):
+        with pytest.raises(ValueError, match="costs must be finite and non-negative"):
+            partition(bad, 1)
+    with pytest.raises(ValueError, match="costs must be a non-empty flat sequence"):
+        partition([[1, 2], [3, 4]], 1)
+    with pytest.raises(ValueError, match="costs must be a sequence of numbers$"):
+        partition([1, [2, 3]], 1)
+    with pytest.raises(ValueError, match="costs must be a sequence of numbers, got '2'"):
+        partition([1.0, "2", 3.0], 1)
