@@ -312,7 +312,9 @@ class PipelineRunner:
                 rank is refused on every rank (the message names the rank), and the
                 pipeline can run the next one.
             RuntimeError: a step failed on this or another rank before (the pipeline's
-                ranks are out of step then), or the process group timed out.
+                ranks are out of step then), another rank failed or exited during this
+                step (the error names it and its error, see
+                :mod:`autopipe.distributed.failures`), or the process group timed out.
             OSError: rank 0 could not write the ``trace`` file; the step itself ran, and
                 the pipeline can run the next one.
         """
