@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.distributed.collectives import collective, rank_device, share_from_rank0
+from autopipe.distributed.failures import FailureBoard, rank_names
 from autopipe.distributed.meta_stages import broadcast_ties, init_problem, materialize_stages
 from autopipe.distributed.padding import MicroBatchPadding
 from autopipe.distributed.prepared import (
@@ -261,6 +262,7 @@ class PipelineRunner:
             self.schedule_name, stages, total, self.device, group, self.chunks, self._loss
         )
         self.stage = self.stages[0]
+        self._failures = FailureBoard.for_group(self.group, rank_names(k, self.data_parallel))
 
     # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1.
     @property
@@ -310,7 +312,9 @@ class PipelineRunner:
                 rank is refused on every rank (the message names the rank), and the
                 pipeline can run the next one.
             RuntimeError: a step failed on this or another rank before (the pipeline's
-                ranks are out of step then), or the process group timed out.
+                ranks are out of step then), another rank failed or exited during this
+                step (the error names it and its error, see
+                :mod:`autopipe.distributed.failures`), or the process group timed out.
             OSError: rank 0 could not write the ``trace`` file; the step itself ran, and
                 the pipeline can run the next one.
         """
@@ -337,7 +341,6 @@ class PipelineRunner:
             if failure is not None:
                 raise failure from None
             raise
-        layout = self.layout
         self._loss.values.clear()
         try:
             # The copies' gradients are summed after the replicas' average: every copy then
@@ -353,13 +356,9 @@ class PipelineRunner:
             loss = self._sync.mean_loss(self._loss.mean()) if self.is_last else None
         except BaseException as exc:
             self._broken = True
-            if hasattr(exc, "add_note"):
-                replica = f", replica {layout.replica}" if layout.data_parallel > 1 else ""
-                exc.add_note(
-                    f"autopipe: step {self._steps} failed on rank {self.rank} (stage "
-                    f"{self.stage_index} of {self.num_stages}{replica}); if another rank "
-                    "failed first, its log has the cause"
-                )
+            named = self._failures.failed(self._steps, exc)
+            if named is not None:  # another rank's failure: say which, not the backend's words
+                raise named from exc
             raise
         self._steps += 1
         if recorder is not None and trace is not None:  # after the step: it stays usable

@@ -158,7 +158,7 @@ def batch_tensors(value: Any, batch: int, device: torch.device, what: str) -> tu
     """``value`` as a tuple of tensors on ``device``, checked to have ``batch`` rows.
 
     Raises:
-        ValueError: not tensors, or another batch size.
+        ValueError: not tensors, another batch size, or tensors on the meta device.
     """
     tensors = (value,) if isinstance(value, Tensor) else tuple(value or ())
     if not tensors or not all(isinstance(t, Tensor) for t in tensors):
@@ -166,6 +166,11 @@ def batch_tensors(value: Any, batch: int, device: torch.device, what: str) -> tu
     if any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
         sizes = [tuple(t.shape) for t in tensors]
         raise ValueError(f"{what} must have batch size {batch} (as the sample); got {sizes}")
+    if any(t.is_meta for t in tensors):  # moving one would fail with torch's own error
+        raise ValueError(
+            f"{what} must hold values, not be on the meta device: pass tensors with data "
+            f"(on any device; the pipeline moves them to {device})"
+        )
     return tuple(t.to(device) for t in tensors)
 
 

@@ -114,6 +114,10 @@ def first_last_counts(counts: Sequence[int], ranks: int) -> tuple[int, int] | st
     if ranks < 2:
         return "one rank, no pipeline"
     virtual = len(counts) // ranks
+    if virtual > 1 and ranks == 2:
+        # Megatron 0.16's get_transformer_layer_offset divides the middle ranks' layers by
+        # their count there, so the last rank would fail with ZeroDivisionError.
+        return "with virtual stages Megatron needs a middle rank (its offsets divide by 0)"
     per_rank = [[counts[r + j * ranks] for j in range(virtual)] for r in range(ranks)]
     for r, chunks in enumerate(per_rank):
         if len(set(chunks)) > 1:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from autopipe.distributed import DistributedPipeline
 from tests.support.dist_workers import (
     CHUNKS,
+    FAULTS,
     STUCK_TIMEOUT,
     assert_close,
     launch,
@@ -78,11 +79,18 @@ def test_gathered_state_dict_is_the_original(equal_run: Any) -> None:
     assert all(r["state"] is None for r in results[1:])
 
 
+LOSS_FAILURE = (
+    "rank 1 (stage 1 of 2) failed in step 1: RuntimeError: deliberate failure in the loss"
+)
+
+
 def test_a_raising_rank_ends_every_rank(tmp_path: Path) -> None:
     runs = launch("raise", 2, tmp_path, limit=60)
     assert all(run.returncode not in (0, None) for run in runs), [r.output for r in runs]
     assert "deliberate failure in the loss" in runs[1].output
-    assert "autopipe: step 1 failed on rank 0" in runs[0].output
+    assert "autopipe: step 1 failed on rank 1 (stage 1 of 2)" in runs[1].output
+    # The other rank names the one that failed, and its error, not the lost connection.
+    assert f"RuntimeError: {LOSS_FAILURE}" in runs[0].output
     assert max(run.seconds for run in runs) < 45
 
 
@@ -90,8 +98,38 @@ def test_a_stuck_rank_times_out_the_others(tmp_path: Path) -> None:
     runs = launch("stuck", 2, tmp_path, limit=60, wait_for=0)
     assert runs[0].returncode not in (0, None), runs[0].output
     assert "Timed out" in runs[0].output or "timed out" in runs[0].output
+    assert f"RuntimeError: {LOSS_FAILURE}" in runs[0].output  # rank 1 recorded its error
     assert runs[1].returncode is None  # still sleeping when rank 0 gave up; killed
     assert runs[0].seconds < 30 + STUCK_TIMEOUT
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_a_fault_mid_step_is_named_on_the_other_rank(tmp_path: Path, kind: str) -> None:
+    runs = launch(kind.replace(" ", "-"), 2, tmp_path, limit=60)
+    assert all(run.returncode is not None for run in runs), [r.output for r in runs]
+    culprit = 0 if kind == "killed in a forward" else 1
+    survivor = 1 - culprit
+    assert runs[survivor].returncode == 0, runs[survivor].output
+    found = torch.load(tmp_path / f"rank{survivor}.pt")
+    assert found is not None, "the step did not fail on the surviving rank"
+    kind_, message, notes = found
+    failed, stopped = (
+        f"rank {culprit} (stage {culprit} of 2)",
+        f"rank {survivor} (stage {survivor} of 2)",
+    )
+    if kind.startswith("killed"):
+        assert runs[culprit].returncode == 3  # os._exit(3) in the layer's hook
+        cause = "exited during step 1 without an error of its own (killed, or its process crashed)"
+    else:  # the culprit raised its own error, with a note, and the survivor quotes it
+        own_kind, own_message, own_notes = torch.load(tmp_path / f"rank{culprit}.pt")
+        assert own_kind == "RuntimeError" and "target" in own_message, own_message
+        assert own_notes == [
+            f"autopipe: step 1 failed on {failed}; if another rank failed first, its log has "
+            "the cause"
+        ]
+        cause = f"failed in step 1: {own_kind}: {own_message} (its log has the traceback)"
+    assert (kind_, notes) == ("RuntimeError", []), message
+    assert message == f"{failed} {cause}; {stopped} stopped waiting for it"
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +148,8 @@ def test_a_step_refused_on_one_rank_is_refused_on_every_rank(
         "wrong dtype": (0, "dtype torch.float64 but the pipeline was built for shape (N, 8)"),
         "bad target on the last rank": (1, "a target must have batch size 16"),
         "target tuple on the last rank": (1, "target must be a single tensor"),
+        "inputs on the meta device on rank 0": (0, "inputs must hold values, not be on the meta"),
+        "target on the meta device on the last rank": (1, "a target must hold values, not be"),
     }
     for name, (culprit, message) in expected.items():
         for rank, run in enumerate(runs):

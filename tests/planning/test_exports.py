@@ -106,7 +106,7 @@ def _megatron(text: str) -> tuple[list[str], dict[str, str] | None]:
         ([5, 3, 3, 4], 1, True),
         ([4, 2, 2, 2, 1, 1, 1, 2], 2, False),  # 8 stages on 4 ranks
         ([4, 1, 1, 2, 1, 1, 1, 4], 2, True),
-        ([5, 3, 2, 5], 2, True),  # 4 stages on 2 ranks
+        ([5, 3, 2, 5], 2, False),  # 4 stages on 2 ranks: Megatron's offsets need 3 or more
         ([5, 3, 2, 2, 1, 2], 3, False),  # 6 stages on 2 ranks, 3 each
     ],
 )

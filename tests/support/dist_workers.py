@@ -511,6 +511,42 @@ def _failing(rank: int, world: int, stay: bool) -> None:
         raise
 
 
+FAULTS = ("killed in a forward", "killed in a backward", "float target")
+
+
+def _fault(rank: int, kind: str) -> tuple[str, str, list[str]] | None:
+    """One fault in the second step of a running pipeline of 2 ranks: rank 0 killed in a
+    forward, rank 1 killed in a backward, or a float target for ``cross_entropy`` (which
+    needs class indices) on rank 1. The error this rank's step raised: type, message, notes.
+    A short group timeout makes a survivor that would wait for ever fail instead."""
+    from autopipe.distributed import DistributedPipeline
+    from profiler.measure import profile_model
+
+    x, y = make_batch()
+    classes = torch.arange(BATCH) % 3
+    loss, target = (
+        (nn.functional.cross_entropy, classes) if kind == "float target" else (loss_fn, y)
+    )
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=STUCK_TIMEOUT))
+    profile = profile_model(make_model(), x, chunks=CHUNKS, repeats=1)
+    pipe = DistributedPipeline(
+        make_model(), x, loss_fn=loss, chunks=CHUNKS, group=group, profile=profile
+    )
+    pipe.step(x, target)  # a good step first: the fault hits a pipeline that ran
+    last = list(pipe.module.children())[-1]
+    if kind == "killed in a forward" and rank == 0:
+        last.register_forward_pre_hook(lambda *_: os._exit(3))
+    if kind == "killed in a backward" and rank == 1:
+        last.register_full_backward_hook(lambda *_: os._exit(3))
+    if kind == "float target":
+        target = classes.float()
+    try:
+        pipe.step(x, target)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), list(getattr(exc, "__notes__", []))
+    return None
+
+
 class TwoInputs(nn.Module):
     """Two positional inputs, both taken by its first layer."""
 
@@ -595,6 +631,8 @@ def _validity(rank: int) -> dict[str, Any]:
             "wrong dtype": (x.double(), y),
             "bad target on the last rank": (x, y[:5] if last else y),
             "target tuple on the last rank": (x, (y, y) if last else y),
+            "inputs on the meta device on rank 0": (x.to("meta") if rank == 0 else x, y),
+            "target on the meta device on the last rank": (x, y.to("meta") if last else y),
         }
         errors: dict[str, tuple[str, str] | None] = {}
         losses = []
@@ -978,6 +1016,9 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         torch.save([_shared_run(run) for run in SHARED_RUNS], workdir / f"rank{rank}.pt")
     elif scenario in ("raise", "stuck"):
         _failing(rank, world, stay=scenario == "stuck")
+    elif scenario.replace("-", " ") in FAULTS:
+        torch.save(_fault(rank, scenario.replace("-", " ")), workdir / f"rank{rank}.pt")
+        return  # a peer is gone: no barrier; its group's teardown has no one to wait for
     # Every rank leaves together and closes the group: a gloo group torn down by interpreter
     # exit while a peer still talks to it can abort the process.
     dist.barrier()
