@@ -21,6 +21,7 @@ from tests.support.cli_support import (
     make_profile_file,
     run,
 )
+from tests.support.cnn_models import write_squeeze_cnn
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +296,23 @@ def test_plan_marks_tied_parameters(capsys: pytest.CaptureFixture[str], tmp_path
     code, out, err = run(capsys, "plan", str(path), "--stages", "3", *FAST)
     assert code == 0, err
     assert "tied        0.weight = 2.weight on stages 0, 2 (64 B each; gradients summed)\n" in out
+
+
+@pytest.mark.parametrize("target", [[], ["--target", "h100"]])
+def test_plan_a_cnn_whose_batch_norm_sees_a_1x1_map(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, target: list[str]
+) -> None:
+    """Measured (or counted) at micro-batches of 1, its last BatchNorm refused them."""
+    path = str(write_squeeze_cnn(tmp_path))
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(
+        capsys, "plan", path, "--stages", "2", *FAST, *target, "--json", str(out_file)
+    )
+    assert code == 0, err
+    result = Plan.load(out_file)
+    assert result.micro_batch == 2 and result.profile["batch_sizes"] == [2, 4]
+    assert "batch 8 as 4 micro-batches of 2" in out
+    # Micro-batches of one would not train: refused, naming the layer and the fix.
+    code, out, err = run(capsys, "plan", path, "--stages", "2", "--chunks", "8", *FAST, *target)
+    assert_error(code, out, err, "layer squeeze.1 (UnitModule) refuses a micro-batch of 1")
+    assert "at least 2 samples (fewer chunks" in err and "real weights" not in err

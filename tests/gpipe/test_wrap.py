@@ -186,6 +186,24 @@ def test_batch_norm_in_train_mode(method: str, checkpoint: str) -> None:
     wrapped.close()
 
 
+def test_a_squeeze_cnn_is_measured_as_the_command_line_measures_it() -> None:
+    """Its last BatchNorm sees a 1x1 map: never measured at a batch of one."""
+    from profiler.measure import profile_model
+    from tests.support.cnn_models import squeeze_cnn
+
+    torch.manual_seed(0)
+    model, sample = squeeze_cnn(), torch.randn(8, 3, 16, 16)
+    wrapped = wrap(model, sample, stages=2, chunks=4)
+    try:
+        assert wrapped.plan.micro_batch == 2
+        assert wrapped.plan.profile["batch_sizes"] == [2, 4]
+        units = nn.Sequential(*(u for part in wrapped.pipeline.partitions for u in part))
+        assert profile_model(units, sample, chunks=4, warmup=0).batch_sizes == [2, 4]
+        wrapped(sample).sum().backward()
+    finally:
+        wrapped.close()
+
+
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_dropout_is_replayed_by_checkpointing(method: str) -> None:
     x = torch.randn(6, 8)
