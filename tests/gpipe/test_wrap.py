@@ -416,6 +416,10 @@ def _hugging_face(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
         )
         config.use_cache = False
         cls, inputs = transformers.LlamaForCausalLM, (torch.randint(0, 50, (4, 8)),)
+    elif name == "falcon":  # constant index tensors in its code
+        config = transformers.FalconConfig(**small, vocab_size=50)
+        config.use_cache = False
+        cls, inputs = transformers.FalconForCausalLM, (torch.randint(0, 50, (4, 8)),)
     elif name == "bert":
         config = transformers.BertConfig(
             **small, vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
@@ -434,7 +438,7 @@ def _hugging_face(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
     return cls(config), inputs
 
 
-@pytest.mark.parametrize("name", ["llama", "bert", "vit"])
+@pytest.mark.parametrize("name", ["llama", "falcon", "bert", "vit"])
 def test_hugging_face_models(name: str) -> None:
     model, inputs = _hugging_face(name)
     wrapped, reference = _compare(model, inputs, stages=2, chunks=2)
