@@ -316,3 +316,30 @@ def test_plan_a_cnn_whose_batch_norm_sees_a_1x1_map(
     code, out, err = run(capsys, "plan", path, "--stages", "2", "--chunks", "8", *FAST, *target)
     assert_error(code, out, err, "layer squeeze.1 (UnitModule) refuses a micro-batch of 1")
     assert "at least 2 samples (fewer chunks" in err and "real weights" not in err
+
+
+MIXTRAL_MODEL = """import torch
+import transformers
+
+config = transformers.MixtralConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=50,
+)
+model = transformers.MixtralForCausalLM(config).double()
+sample = torch.randint(0, 50, (4, 8))
+"""
+
+
+def test_plan_float64_mixtral_by_following_the_advice(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers")
+    path = tmp_path / "mixtral.py"
+    path.write_text(MIXTRAL_MODEL)
+    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST)
+    assert_error(code, out, err, "model.set_experts_implementation('batched_mm')")
+    path.write_text(MIXTRAL_MODEL + 'model.set_experts_implementation("batched_mm")\n')
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, "--json", str(out_file))
+    assert code == 0, err
+    assert sum(Plan.load(out_file).balance) == 6 and "dtype float64" in out
