@@ -197,12 +197,13 @@ def _reads_only(user: fx.Node, value: fx.Node) -> bool:
     if not isinstance(user.target, torch._ops.OpOverload):
         return False
     schema = user.target._schema
-    given = [*user.args, *user.kwargs.values()]
-    if schema.returns and any(r.alias_info is not None for r in schema.returns):
+    if any(r.alias_info is not None for r in schema.returns):
         return False  # a view (or an in-place result) of an argument
+    given = list(zip(schema.arguments, user.args))
+    given += [(arg, user.kwargs[arg.name]) for arg in schema.arguments if arg.name in user.kwargs]
     return all(
         arg.alias_info is None or not arg.alias_info.is_write
-        for arg, passed in zip(schema.arguments, given)
+        for arg, passed in given
         if passed is value or (isinstance(passed, (list, tuple)) and value in passed)
     )
 
