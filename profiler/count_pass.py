@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from profiler.batch_sizes import batch_refusal
 from profiler.counting import LayerCounts, count_layer, fresh_like, meta_copy
 from profiler.layer import OneValue
 from profiler.pooling import layer_signature
@@ -80,6 +81,10 @@ def count_layers(
                     OneValue(call) if packed else call, x, device, label=label, autocast=autocast
                 )
             except Exception as exc:
+                # A size the layer refuses is refused with real weights too.
+                refusal = batch_refusal(exc, label, x)
+                if refusal is not None:
+                    raise ValueError(refusal) from None
                 message = " ".join(str(exc).split())[:300]
                 raise ValueError(
                     f"cannot count {label} without tensor values: {type(exc).__name__}: "

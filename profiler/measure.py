@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from profiler.batch_sizes import default_batch_sizes, smallest_batch
 from profiler.count_pass import CountedLayer, count_layers, counted_profiles, with_counts
 from profiler.counting import META
 from profiler.devices import resolve_device
@@ -24,31 +25,9 @@ from profiler.profile import Profile
 from profiler.samples import resize_sample, sample_arguments, sequential_inputs_problem
 from profiler.tied import tied_state
 
-__all__ = [
-    "default_batch_sizes",
-    "doubling_batch_sizes",
-    "profile_layers",
-    "profile_model",
-]
+__all__ = ["profile_layers", "profile_model"]
 
 Inputs = tuple[Tensor, ...]
-
-
-def default_batch_sizes(micro_batch: int) -> list[int]:
-    """Two distinct sizes around the micro-batch, enough to fit a line through."""
-    if micro_batch > 1:
-        return [max(1, micro_batch // 2), micro_batch]
-    return [1, 2]
-
-
-def doubling_batch_sizes(batch: int, smallest: int = 1) -> list[int]:
-    """Micro-batch sizes from ``smallest`` to the whole batch, doubling: every size a
-    search over the micro-batch count may plan for lies between two of them."""
-    sizes, size = [], min(smallest, batch)
-    while size < batch:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, batch]
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -73,9 +52,9 @@ def _dtype(layers: Sequence[nn.Module], sample: Inputs) -> str:
     return str(tensors[0].dtype).removeprefix("torch.")
 
 
-def _batch_sizes(batch_sizes: Sequence[int] | None, micro_batch: int) -> list[int]:
+def _batch_sizes(batch_sizes: Sequence[int] | None, micro_batch: int, smallest: int) -> list[int]:
     if batch_sizes is None:
-        return default_batch_sizes(micro_batch)
+        return default_batch_sizes(micro_batch, smallest)
     sizes = list(batch_sizes)
     if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {sizes}")
@@ -119,8 +98,11 @@ def profile_layers(
             dim 0 is the batch.
         device: where to measure.
         chunks: micro-batches per mini-batch; sets the default batch sizes.
-        batch_sizes: micro-batch sizes to measure at; default: around
-            ``ceil(N / chunks)``. Sizes above the sample's batch repeat the sample.
+        batch_sizes: micro-batch sizes to measure at; default: the micro-batch
+            ``ceil(N / chunks)`` and half of it, never below 2 where a BatchNorm trains
+            (then the micro-batch and twice it; see
+            :func:`profiler.batch_sizes.default_batch_sizes`). Sizes above the sample's
+            batch repeat the sample.
         names: one name per layer; default: the positions ``"0"``, ``"1"``, ...
         warmup: untimed runs before timing, per layer and batch size.
         repeats: timed runs, per layer and batch size; the median is kept.
@@ -160,7 +142,8 @@ def profile_layers(
     check_autocast(autocast)
     tensors, packed = sample_arguments(sample)
     batch = tensors[0].shape[0]
-    sizes = _batch_sizes(batch_sizes, math.ceil(batch / chunks))
+    micro, smallest = math.ceil(batch / chunks), smallest_batch(layers)
+    sizes = _batch_sizes(batch_sizes, micro, smallest)
     layer_names = [str(i) for i in range(len(layers))] if names is None else list(names)
     if len(layer_names) != len(layers):
         raise ValueError(f"got {len(layer_names)} names for {len(layers)} layers")
@@ -180,6 +163,8 @@ def profile_layers(
         torch.inference_mode(False),
         torch.enable_grad(),
     ):
+        if micro < smallest:
+            _check_micro_batch(layers, layer_names, tensors, micro, dev, autocast, packed)
         counted = _count(layers, layer_names, tensors, sizes, dev, autocast, packed, count, measure)
         if isinstance(counted, str):
             meta["uncounted"] = counted
@@ -229,6 +214,35 @@ def profile_layers(
         autocast=autocast,
         tied=tied_state(layers, layer_names, owner),
     )
+
+
+def _check_micro_batch(
+    layers: list[nn.Module],
+    names: list[str],
+    tensors: Inputs,
+    micro: int,
+    device: torch.device,
+    autocast: str | None,
+    packed: bool,
+) -> None:
+    """Refuses a micro-batch the layers refuse (a batch of one under a 1x1 BatchNorm).
+
+    The sizes measured stay above it, so the profile alone would plan steps that cannot
+    run; a count on the meta device tells without measuring. Layers that cannot be
+    counted (value-reading code) are left to the measurement.
+    """
+    try:
+        count_layers(
+            layers,
+            [resize_sample(tensors, micro, META)],
+            names,
+            device,
+            autocast=autocast,
+            packed=packed,
+        )
+    except ValueError as exc:
+        if " refuses a micro-batch of " in str(exc):
+            raise
 
 
 def _count(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from profiler.batch_sizes import batch_refusal
 from profiler.layer import (
     CacheFlush,
     LayerFigures,
@@ -90,20 +91,26 @@ def _measure_one(
     call: nn.Module = OneValue(replica) if packed else replica
     try:
         exclude = state_storages(replica)
-        figures: list[LayerFigures] = [
-            measure_layer(
-                call,
-                x,
-                device,
-                exclude=exclude,
-                warmup=settings.warmup,
-                repeats=settings.repeats,
-                label=label,
-                flush=settings.flush,
-                autocast=settings.autocast,
-            )
-            for x in inputs
-        ]
+        figures: list[LayerFigures] = []
+        for x in inputs:
+            try:
+                found = measure_layer(
+                    call,
+                    x,
+                    device,
+                    exclude=exclude,
+                    warmup=settings.warmup,
+                    repeats=settings.repeats,
+                    label=label,
+                    flush=settings.flush,
+                    autocast=settings.autocast,
+                )
+            except Exception as exc:
+                refusal = batch_refusal(exc, label, x)
+                if refusal is None:
+                    raise
+                raise ValueError(refusal) from None
+            figures.append(found)
         outputs, returns_tuple = _outputs(call, inputs, settings, label)
         params = sum(p.numel() * p.element_size() for p in replica.parameters())
         buffers = sum(b.numel() * b.element_size() for b in replica.buffers())

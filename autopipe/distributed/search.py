@@ -25,7 +25,8 @@ from autopipe.errors import PlanningError
 from autopipe.planning.config_search import search
 from autopipe.planning.names import SCHEDULES, SEARCH_CHECKPOINTS
 from autopipe.planning.plans import Plan
-from profiler.measure import doubling_batch_sizes, profile_model
+from profiler.batch_sizes import doubling_batch_sizes, smallest_batch
+from profiler.measure import profile_model
 from profiler.profile import Profile
 
 __all__ = ["search_plan"]
@@ -34,8 +35,7 @@ __all__ = ["search_plan"]
 def _sizes(batch: int, model: nn.Module) -> list[int]:
     """The search's range of micro-batch sizes (from 2 with batch norm, which cannot train
     on one sample)."""
-    norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    return doubling_batch_sizes(batch, 2 if norm else 1)
+    return doubling_batch_sizes(batch, smallest_batch([model]))
 
 
 def search_plan(

@@ -25,6 +25,7 @@ from autopipe.microbatching.batchnorm_units import defer_layers
 from autopipe.planning.plan_settings import MemorySpec
 from autopipe.planning.planner import default_chunks
 from autopipe.planning.planner import plan as make_plan
+from profiler.batch_sizes import default_batch_sizes, smallest_batch
 from profiler.devices import stage_devices
 from profiler.measure import profile_layers
 from profiler.precision import check_autocast
@@ -221,7 +222,8 @@ def wrap(
         defer_layers(OrderedDict(zip(model_units.names, units)), model)
     if profile is None:
         tensors = model_units.io.flatten(sample, kwargs, "sample")
-        # Measure at the micro-batch and twice it: a batch of one breaks batch norm.
+        # The sizes profile_layers and the command line pick (never a batch of one under
+        # a training BatchNorm), for the traced batch: the first flat input may not be it.
         micro = -(-layout.traced[layout.primary].batch // chunks)
         profile = profile_layers(
             units,
@@ -229,7 +231,7 @@ def wrap(
             device=names[0],
             chunks=chunks,
             names=model_units.names,
-            batch_sizes=[micro, 2 * micro],
+            batch_sizes=default_batch_sizes(micro, smallest_batch(units)),
             autocast=autocast,
             owner=model,  # names the tensors several units use by the model's names
         )

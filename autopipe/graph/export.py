@@ -173,6 +173,41 @@ def strip_checks(graph: fx.Graph) -> None:
     graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_function" or _impure(n))
 
 
+def drop_constant_copies(graph: fx.Graph) -> None:
+    """Reads the constants export lifted out of the code in place of their fresh copies.
+
+    ``torch.tensor([-2])`` in a forward (Falcon's key and value columns) becomes a lifted
+    constant and ``lift_fresh_copy`` of it; an indexing op then saves the copy for backward,
+    a storage per call that the same trace on the meta device does not make (it reads the
+    constant). Where no user writes the copy or returns a view of it, the constant itself
+    gives the same values, and the real and the meta-device model save the same bytes.
+    """
+    copy = torch.ops.aten.lift_fresh_copy.default
+    for node in list(graph.find_nodes(op="call_function", target=copy)):
+        (source,) = node.args
+        if not isinstance(source, fx.Node) or source.op != "get_attr":
+            continue
+        if all(_reads_only(user, node) for user in node.users):
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+
+
+def _reads_only(user: fx.Node, value: fx.Node) -> bool:
+    """Whether ``user`` is an operator that neither writes ``value`` nor returns a view of it."""
+    if not isinstance(user.target, torch._ops.OpOverload):
+        return False
+    schema = user.target._schema
+    if any(r.alias_info is not None for r in schema.returns):
+        return False  # a view (or an in-place result) of an argument
+    given = list(zip(schema.arguments, user.args))
+    given += [(arg, user.kwargs[arg.name]) for arg in schema.arguments if arg.name in user.kwargs]
+    return all(
+        arg.alias_info is None or not arg.alias_info.is_write
+        for arg, passed in given
+        if passed is value or (isinstance(passed, (list, tuple)) and value in passed)
+    )
+
+
 def _impure(node: fx.Node) -> bool:
     """Nodes kept even without users: all but side-effect free operators and getters."""
     if getattr(node.target, "__module__", "") == "_operator":

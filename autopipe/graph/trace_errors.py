@@ -46,7 +46,41 @@ def failure_message(model: nn.Module, errors: list[tuple[str, BaseException]]) -
             parts.append(f"torch.export (non-strict) failed: {one_line(exc)}")
             if "Cache'> in output" in str(exc):
                 hint = "pass use_cache=False (training needs no key/value cache)"
+            elif _GROUPED_GEMM in str(exc):
+                hint = _grouped_experts_hint(model)
     return f"cannot trace {type(model).__name__}: " + "; ".join(parts) + f". Fix: {hint}"
+
+
+# torch's grouped GEMM (torch._grouped_mm, Hugging Face's default experts kernel) refusing
+# another dtype, float64 above all.
+_GROUPED_GEMM = "Expected mat_a to be Float32, BFloat16 or Float16"
+
+
+def _grouped_experts_hint(model: nn.Module) -> str:
+    """The fix for experts whose grouped GEMM has no kernel for the model's dtype.
+
+    Making the experts (or their sparse-MoE block) leaves does not help: leaves are for
+    torch.fx, which stops earlier in these models (their attention masks branch on
+    tensors), and the whole model as a leaf is one unit. Hugging Face's batched-matmul
+    experts gather each token's expert weights with plain indexing and matmuls, which
+    every dtype has and torch.export traces.
+    """
+    experts = [
+        (name, type(module).__name__)
+        for name, module in model.named_modules()
+        if getattr(getattr(module, "config", None), "_experts_implementation", None) == "grouped_mm"
+        and hasattr(module, "is_concatenated")  # transformers' experts modules
+    ]
+    where = ""
+    if experts:
+        names = ", ".join(name for name, _ in experts[:2]) + (", ..." if len(experts) > 2 else "")
+        where = f" of {experts[0][1]} ({names})"
+    return (
+        f"the experts{where} run a grouped GEMM (torch._grouped_mm), which has no kernel for "
+        "this dtype: switch them to batched matmuls, model.set_experts_implementation("
+        "'batched_mm') (or experts_implementation='batched_mm' in the config), or use "
+        "float32 or bfloat16"
+    )
 
 
 def _meta_failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str | None:

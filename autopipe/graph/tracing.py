@@ -13,7 +13,12 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from autopipe.errors import TracingError
-from autopipe.graph.export import check_symbolic_batch, export_graph, strip_checks
+from autopipe.graph.export import (
+    check_symbolic_batch,
+    drop_constant_copies,
+    export_graph,
+    strip_checks,
+)
 from autopipe.graph.flat_io import FlatSpec, check_batch_major
 from autopipe.graph.grad_modes import KEY, inline_grad_regions, tracking
 from autopipe.graph.meta import META, has_meta_state, meta_shadow, rebind_state
@@ -281,6 +286,8 @@ def _trace(
             # False: the model cannot run on meta, export's graph is kept unchecked.
             if verify_outputs(flat, tensors, (output, buffers), name):
                 verify_gradients(flat, root, graph, tensors, name)
+            # After the checks: their fake run needs the copies of plain-tensor constants.
+            drop_constant_copies(graph)
             break
         except Exception as exc:
             errors.append((name, exc))

@@ -16,8 +16,9 @@ else:  # Python 3.10: the same parser, as a package
 
 __all__: list[str] = []
 
-# The dtypes a peak may be given for; ``tf32`` is float32 matmuls on tensor cores.
-DTYPES = ("float32", "tf32", "bfloat16", "float16", "float8")
+# The dtypes a peak may be given for; ``tf32`` is float32 matmuls on tensor cores, and
+# ``float64`` the FP64 tensor-core peak where there is one (see device_catalog.toml).
+DTYPES = ("float32", "tf32", "bfloat16", "float16", "float8", "float64")
 _REQUIRED = ("name", "memory", "memory_bandwidth", "peak_flops", "intra_node", "inter_node")
 _OPTIONAL = ("aliases", "sources")
 _LINK = ("bandwidth", "latency")

@@ -59,9 +59,10 @@ from benchmarks.accuracy.report import write_report  # noqa: E402
 from benchmarks.accuracy.runs import combine  # noqa: E402
 from benchmarks.accuracy.two_ranks import run_two_ranks  # noqa: E402
 from benchmarks.processes import MALLOC, rerun_with_stable_malloc  # noqa: E402
+from profiler.batch_sizes import doubling_batch_sizes  # noqa: E402
 from profiler.calibrate import store_calibration  # noqa: E402
 from profiler.in_context import measure_compute_scale  # noqa: E402
-from profiler.measure import doubling_batch_sizes, profile_model  # noqa: E402
+from profiler.measure import profile_model  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

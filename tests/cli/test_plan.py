@@ -21,6 +21,7 @@ from tests.support.cli_support import (
     make_profile_file,
     run,
 )
+from tests.support.cnn_models import write_squeeze_cnn
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +325,50 @@ def test_plan_marks_tied_parameters(capsys: pytest.CaptureFixture[str], tmp_path
     code, out, err = run(capsys, "plan", str(path), "--stages", "3", *FAST)
     assert code == 0, err
     assert "tied        0.weight = 2.weight on stages 0, 2 (64 B each; gradients summed)\n" in out
+
+
+@pytest.mark.parametrize("target", [[], ["--target", "h100"]])
+def test_plan_a_cnn_whose_batch_norm_sees_a_1x1_map(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, target: list[str]
+) -> None:
+    """Measured (or counted) at micro-batches of 1, its last BatchNorm refused them."""
+    path = str(write_squeeze_cnn(tmp_path))
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(
+        capsys, "plan", path, "--stages", "2", *FAST, *target, "--json", str(out_file)
+    )
+    assert code == 0, err
+    result = Plan.load(out_file)
+    assert result.micro_batch == 2 and result.profile["batch_sizes"] == [2, 4]
+    assert "batch 8 as 4 micro-batches of 2" in out
+    # Micro-batches of one would not train: refused, naming the layer and the fix.
+    code, out, err = run(capsys, "plan", path, "--stages", "2", "--chunks", "8", *FAST, *target)
+    assert_error(code, out, err, "layer squeeze.1 (UnitModule) refuses a micro-batch of 1")
+    assert "at least 2 samples (fewer chunks" in err and "real weights" not in err
+
+
+MIXTRAL_MODEL = """import torch
+import transformers
+
+config = transformers.MixtralConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=50,
+)
+model = transformers.MixtralForCausalLM(config).double()
+sample = torch.randint(0, 50, (4, 8))
+"""
+
+
+def test_plan_float64_mixtral_by_following_the_advice(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers")
+    path = tmp_path / "mixtral.py"
+    path.write_text(MIXTRAL_MODEL)
+    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST)
+    assert_error(code, out, err, "model.set_experts_implementation('batched_mm')")
+    path.write_text(MIXTRAL_MODEL + 'model.set_experts_implementation("batched_mm")\n')
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, "--json", str(out_file))
+    assert code == 0, err
+    assert sum(Plan.load(out_file).balance) == 6 and "dtype float64" in out

@@ -66,6 +66,27 @@ def test_a_real_model_is_counted_not_timed_for_a_target(
     assert "A100" in out
 
 
+DOUBLE_MODEL = """import torch
+from torch import nn
+
+model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).double()
+sample = torch.randn(16, 64, dtype=torch.float64)
+"""
+
+
+@pytest.mark.parametrize("target", ["h100", "l40s"])
+def test_a_float64_model_is_planned_for_a_catalog_device(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, target: str
+) -> None:
+    path = tmp_path / "double.py"
+    path.write_text(DOUBLE_MODEL)
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", str(path), "--target", target, "--json", str(out_file))
+    assert code == 0, err
+    assert "dtype float64" in out
+    assert Plan.load(out_file).profile["meta"]["estimate"]["dtype"] == "float64"
+
+
 def test_search_for_a_target(capsys: pytest.CaptureFixture[str], meta_model: Path) -> None:
     argv = ["plan", str(meta_model), "--target", "h100", "--search", "--devices", "16"]
     code, out, err = run(capsys, *argv, "--per-node", "8")

@@ -186,6 +186,24 @@ def test_batch_norm_in_train_mode(method: str, checkpoint: str) -> None:
     wrapped.close()
 
 
+def test_a_squeeze_cnn_is_measured_as_the_command_line_measures_it() -> None:
+    """Its last BatchNorm sees a 1x1 map: never measured at a batch of one."""
+    from profiler.measure import profile_model
+    from tests.support.cnn_models import squeeze_cnn
+
+    torch.manual_seed(0)
+    model, sample = squeeze_cnn(), torch.randn(8, 3, 16, 16)
+    wrapped = wrap(model, sample, stages=2, chunks=4)
+    try:
+        assert wrapped.plan.micro_batch == 2
+        assert wrapped.plan.profile["batch_sizes"] == [2, 4]
+        units = nn.Sequential(*(u for part in wrapped.pipeline.partitions for u in part))
+        assert profile_model(units, sample, chunks=4, warmup=0).batch_sizes == [2, 4]
+        wrapped(sample).sum().backward()
+    finally:
+        wrapped.close()
+
+
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_dropout_is_replayed_by_checkpointing(method: str) -> None:
     x = torch.randn(6, 8)
@@ -398,6 +416,10 @@ def _hugging_face(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
         )
         config.use_cache = False
         cls, inputs = transformers.LlamaForCausalLM, (torch.randint(0, 50, (4, 8)),)
+    elif name == "falcon":  # constant index tensors in its code
+        config = transformers.FalconConfig(**small, vocab_size=50)
+        config.use_cache = False
+        cls, inputs = transformers.FalconForCausalLM, (torch.randint(0, 50, (4, 8)),)
     elif name == "bert":
         config = transformers.BertConfig(
             **small, vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
@@ -416,7 +438,7 @@ def _hugging_face(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
     return cls(config), inputs
 
 
-@pytest.mark.parametrize("name", ["llama", "bert", "vit"])
+@pytest.mark.parametrize("name", ["llama", "falcon", "bert", "vit"])
 def test_hugging_face_models(name: str) -> None:
     model, inputs = _hugging_face(name)
     wrapped, reference = _compare(model, inputs, stages=2, chunks=2)

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from autopipe.graph.flat_io import FlatSpec
 from autopipe.graph.layout import model_mode
+from autopipe.graph.sequential import unit_sequential
 from autopipe.graph.tracing import TracingError, trace
 from autopipe.graph.values import ValueInfo
 from tests.support.wrap_models import (
@@ -256,6 +257,25 @@ def test_hugging_face_models_are_traced_without_their_cache() -> None:
     traced = trace(model, (torch.randint(0, 50, (4, 8)),))
     assert traced.outputs.labels == ["['logits']"]  # no past_key_values
     assert model.config.use_cache  # the model is left as it was
+
+
+def test_float64_grouped_gemm_experts_are_refused_with_the_fix_that_works() -> None:
+    """Mixtral's default experts kernel (torch._grouped_mm) has no float64; the fix named
+    (batched-matmul experts) traces into many units, not one leaf."""
+    from tests.support.hf_models import mixtral
+
+    model, args, _ = mixtral()
+    model.double()
+    with pytest.raises(TracingError) as raised:
+        trace(model, args)
+    message = str(raised.value)
+    assert "Fix: the experts of MixtralExperts (model.layers.0.mlp.experts, " in message
+    assert "model.set_experts_implementation('batched_mm')" in message
+    model.set_experts_implementation("batched_mm")
+    units, flat = unit_sequential(model, args)
+    assert len(units) == 6  # embedding, rotary embedding, two decoder layers, norm, head
+    (logits,) = units(*flat)
+    torch.testing.assert_close(logits, model(*args).logits)
 
 
 def test_a_cache_asked_for_is_refused_with_the_fix() -> None:

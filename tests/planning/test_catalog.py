@@ -67,6 +67,16 @@ def test_the_bundled_catalog_loads_the_devices_the_planner_knows() -> None:
     assert h100.peak("float8") == pytest.approx(2 * h100.peak("bfloat16"), rel=1e-3)
     assert devices["a100-80gb"].memory_bandwidth > devices["a100-40gb"].memory_bandwidth
     assert "float8" not in devices["a100-40gb"].peak_flops
+    # float64: the FP64 tensor-core figures, the L40S's plain FP64 (it has no such cores).
+    float64 = {key: device.peak("float64") for key, device in devices.items()}
+    assert float64 == {
+        "h100": 67e12,
+        "h200": 67e12,
+        "a100-40gb": 19.5e12,
+        "a100-80gb": 19.5e12,
+        "l40s": 1.431e12,
+        "mi300x": 163.4e12,
+    }
 
 
 def test_every_bundled_figure_has_a_source() -> None:

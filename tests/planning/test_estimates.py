@@ -117,6 +117,19 @@ def test_the_peak_is_the_autocast_dtype_else_the_profile_dtype() -> None:
         estimate_profile(plain, find_device("a100-80gb"), dtype="float8")
 
 
+def test_float64_matmuls_use_the_fp64_tensor_core_peak() -> None:
+    """cuBLAS and rocBLAS run float64 matmuls on the FP64 tensor (matrix) cores."""
+    e = Efficiency(1.0, 1.0, 0.0)
+    matmul = [counted_layer(0, flops=1e12, traffic=1.0)]
+    double = dataclasses.replace(counted_profile(autocast=None), layers=matmul, dtype="float64")
+    peaks = {"h100": 67e12, "h200": 67e12, "a100-80gb": 19.5e12, "mi300x": 163.4e12}
+    peaks["l40s"] = 91.6e12 / 64  # no FP64 tensor cores: Ada's 1/64 rate
+    for key, peak in peaks.items():
+        out = estimate_profile(double, find_device(key), efficiency=e)
+        assert out.layers[0].forward[0] == pytest.approx(1e12 / peak, rel=1e-3), key
+        assert out.meta["estimate"]["dtype"] == "float64"
+
+
 def test_the_estimate_keeps_counts_and_bytes_and_records_the_target() -> None:
     profile = counted_profile()
     out = estimate_profile(profile, H100)

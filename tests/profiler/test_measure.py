@@ -14,7 +14,6 @@ from torch import Tensor, nn
 
 from profiler import Profile, profile_layers, profile_model
 from profiler.layer import measure_layer, state_storages
-from profiler.measure import default_batch_sizes
 from profiler.progress import TerminalProgress
 
 FAST: dict[str, Any] = {"warmup": 1, "repeats": 3}
@@ -253,10 +252,7 @@ def test_backward_to_the_input_alone_is_timed() -> None:
     assert Profile.from_dict(old).layers[1].backward_input is None  # older profiles
 
 
-def test_default_batch_sizes() -> None:
-    assert default_batch_sizes(1) == [1, 2]
-    assert default_batch_sizes(2) == [1, 2]
-    assert default_batch_sizes(7) == [3, 7]
+def test_default_batch_sizes_follow_the_chunks() -> None:
     cases = {(8, 1): [4, 8], (8, 4): [1, 2], (8, 8): [1, 2], (7, 2): [2, 4], (1, 1): [1, 2]}
     for (batch, chunks), sizes in cases.items():
         profile = profile_layers([nn.ReLU()], torch.randn(batch, 2), chunks=chunks, **FAST)
@@ -492,11 +488,3 @@ def test_autocast_profile_survives_json(tmp_path: object) -> None:
     profile.save(path)
     assert Profile.load(path) == profile
     assert Profile.load(path).autocast == "bfloat16"
-
-
-def test_doubling_batch_sizes_span_the_batch() -> None:
-    from profiler.measure import doubling_batch_sizes
-
-    assert doubling_batch_sizes(16) == [1, 2, 4, 8, 16]
-    assert doubling_batch_sizes(12, smallest=2) == [2, 4, 8, 12]
-    assert doubling_batch_sizes(1, smallest=2) == [1]

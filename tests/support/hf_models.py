@@ -147,6 +147,29 @@ def deberta_v2(layers: int = 4) -> Built:
     return transformers.DebertaV2Model(config), (ids(),), {}
 
 
+def falcon() -> Built:
+    """Falcon indexes its fused key-value columns with lists (``qkv[..., [-2], :]``), which
+    torch.export lifts into constant index tensors."""
+    config = transformers.FalconConfig(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, vocab_size=50
+    )
+    return transformers.FalconForCausalLM(config), (ids(),), {}
+
+
+def mixtral() -> Built:
+    """A sparse mixture of experts; its experts run a grouped GEMM by default."""
+    config = transformers.MixtralConfig(
+        **_SMALL,
+        **_HEADS,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
+    return transformers.MixtralForCausalLM(config), (ids(),), {}
+
+
 ZOO: dict[str, Callable[[], Built]] = {
     "gpt2": gpt2,
     "llama": llama,
