@@ -66,15 +66,19 @@ def load_units(
 
 
 def _plans(
-    profile: Profile, stages: int, names: list[str], balance: list[int] | None, options: Any
+    profile: Profile,
+    devices: int | list[str],
+    names: list[str],
+    balance: list[int] | None,
+    options: Any,
 ) -> dict[str, Plan]:
     """Every strategy's plan, then the given balance's; a split that does not fit is an error."""
     from autopipe.planning.planner import evaluate, plan
     from autopipe.planning.quantities import format_bytes
 
-    plans = {name: plan(profile, stages, strategy=name, **options) for name in names}
+    plans = {name: plan(profile, devices, strategy=name, **options) for name in names}
     if balance is not None:
-        given = evaluate(profile, balance, stages, strategy=GIVEN, **options)
+        given = evaluate(profile, balance, devices, strategy=GIVEN, **options)
         for stage in given.stages:
             if stage.capacity is not None and stage.memory > stage.capacity:
                 raise PlanningError(
@@ -196,8 +200,11 @@ def bench_command(args: argparse.Namespace) -> int:
         "checkpoint": args.checkpoint,
         "schedule": args.schedule,
         "optimizer": "sgd",
+        # In one process, stages on one device take turns on it.
+        "colocated": not args.ranks,
     }
-    plans = _plans(profile, stages, names, balance, options)
+    devices: int | list[str] = args.ranks or gpipe_devices(args, stages)
+    plans = _plans(profile, devices, names, balance, options)
     # Strategies that give the same split run the same steps: each split is measured once
     # (timed apart, their noise alone would tell them apart).
     first_of: dict[str, str] = {}
@@ -261,12 +268,21 @@ def bench_command(args: argparse.Namespace) -> int:
         }
         _write_json(args.json, record)
         drawn.append(f"results written to {args.json}")
+    header += "".join(f"\n{line}" for line in _notes(plans))
     sys.stdout.write(render_bench(summaries, header))
     for first, labels in same.items():
         print(f"{', '.join(labels)}: the same split as {first}, measured once")
     for line in drawn:
         print(line, file=sys.stderr)
     return 0
+
+
+def _notes(plans: dict[str, Plan]) -> list[str]:
+    """What the predictions assumed that a reader would not guess: stages taking turns."""
+    from autopipe.planning.report import shared_line
+
+    found = next(iter(plans.values()))
+    return [f"predicted: {shared_line(found, group)}" for group in found.shared]
 
 
 def _count(n: int, what: str) -> str:
