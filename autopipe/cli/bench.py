@@ -10,14 +10,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autopipe.cli.bench_conditions import calibrate_runner, profile_as_run
 from autopipe.cli.bench_options import (
     add_bench_arguments,
     given_balance,
     gpipe_devices,
-    profile_args,
     strategy_names,
 )
-from autopipe.cli.inputs import read_profile
 from autopipe.cli.options import cost_options, default_device, default_stages
 from autopipe.errors import PlanningError
 from autopipe.planning.planner import default_chunks
@@ -184,7 +183,7 @@ def bench_command(args: argparse.Namespace) -> int:
                 f"use --stages {len(model)} or fewer"
             )
 
-    inputs = read_profile(profile_args(args), stages, check_model=check_units)
+    inputs, profiled = profile_as_run(args, stages, check_units)
     profile = inputs.profile
     count = len(profile.layers)
     if stages > count:  # a loaded profile: checked here rather than by the planner
@@ -204,6 +203,7 @@ def bench_command(args: argparse.Namespace) -> int:
         "colocated": not args.ranks,
     }
     devices: int | list[str] = args.ranks or gpipe_devices(args, stages)
+    calibrated = calibrate_runner(args, profile)
     plans = _plans(profile, devices, names, balance, options)
     # Strategies that give the same split run the same steps: each split is measured once
     # (timed apart, their noise alone would tell them apart).
@@ -268,7 +268,8 @@ def bench_command(args: argparse.Namespace) -> int:
         }
         _write_json(args.json, record)
         drawn.append(f"results written to {args.json}")
-    header += "".join(f"\n{line}" for line in _notes(plans))
+    notes = [profiled, calibrated, *_notes(plans)]
+    header += "".join(f"\n{line}" for line in notes if line)
     sys.stdout.write(render_bench(summaries, header))
     for first, labels in same.items():
         print(f"{', '.join(labels)}: the same split as {first}, measured once")

@@ -33,7 +33,7 @@ from autopipe.planning.bench_summary import Measured
 from autopipe.planning.plans import Plan
 from profiler.live_memory import SavedMemory
 
-__all__ = ["time_splits_on_ranks"]
+__all__ = ["calibrate_local_ranks", "time_splits_on_ranks"]
 
 Build = Callable[[], tuple[nn.Sequential, Tensor | tuple[Tensor, ...]]]
 Progress = Callable[[int, int, str], None]
@@ -197,16 +197,26 @@ def time_splits_on_ranks(
         "steps": steps,
         "warmup": warmup,
     }
+    results = _launch(_rank_main, (build, dict(plans), options), ranks, progress)
+    return {
+        label: Measured(
+            results[0]["times"][label], [results[r]["peaks"][label] for r in range(ranks)]
+        )
+        for label in plans
+    }
+
+
+def _launch(
+    target: Callable[..., None], args: tuple[Any, ...], ranks: int, progress: Progress | None
+) -> dict[int, dict[str, Any]]:
+    """Runs ``target(rank, world, store, *args, messages)`` on ``ranks`` new processes and
+    returns each rank's result; a rank's failure is a ``RuntimeError`` naming it."""
     context = mp.get_context("spawn")
     messages = context.Queue()
     with tempfile.TemporaryDirectory(prefix="autopipe-bench-") as workdir:
         store = str(Path(workdir) / "store")
         procs = [
-            context.Process(
-                target=_rank_main,
-                args=(rank, ranks, store, build, dict(plans), options, messages),
-                daemon=True,
-            )
+            context.Process(target=target, args=(rank, ranks, store, *args, messages), daemon=True)
             for rank in range(ranks)
         ]
         for proc in procs:
@@ -214,12 +224,61 @@ def time_splits_on_ranks(
         results, error = _collect(procs, messages, progress)
     if error is not None:
         raise RuntimeError(error)
-    return {
-        label: Measured(
-            results[0]["times"][label], [results[r]["peaks"][label] for r in range(ranks)]
+    return results
+
+
+def _calibrate_main(
+    rank: int, world: int, store: str, options: dict[str, Any], messages: Any
+) -> None:
+    """One rank of :func:`calibrate_local_ranks`: join the group as the bench's ranks do,
+    time the links and the runner's fixed cost."""
+    from autopipe.distributed.calibration import measure_p2p, measure_runner_overhead
+
+    try:
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        backend = options["backend"]
+        init_distributed(
+            backend,
+            bind_cpus=backend == "gloo",
+            timeout=timedelta(seconds=options["timeout"]),
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
         )
-        for label in plans
-    }
+        link = measure_p2p()
+        overhead = measure_runner_overhead(latency=link["latency_s"], schedule=options["schedule"])
+        values = {
+            "latency_s": link["latency_s"],
+            "bandwidth": link["bandwidth"],
+            "overhead_s": overhead["overhead_s"],
+            "threads": torch.get_num_threads(),
+        }
+        messages.put(("result", rank, values))
+        dist.destroy_process_group()
+    except BaseException as exc:  # reported to the launcher as one line
+        message = " ".join(str(exc).split())
+        messages.put(("error", rank, f"{type(exc).__name__}: {message}"))
+        raise SystemExit(1) from None
+
+
+def calibrate_local_ranks(
+    ranks: int, *, schedule: str = "1f1b", cuda: bool | None = None, timeout: float = 300.0
+) -> dict[str, Any]:
+    """The runner's figures on ``ranks`` local processes, each set up as
+    :func:`time_splits_on_ranks` sets up its ranks (gloo bound to its CPUs, or nccl).
+
+    Returns:
+        ``latency_s``, ``bandwidth`` (of a message between neighbouring ranks),
+        ``overhead_s`` (the runner's seconds per stage and micro-batch), ``threads`` (each
+        rank's torch threads) and ``backend``, as rank 0 measured them.
+
+    Raises:
+        RuntimeError: a rank failed; the message is its error.
+    """
+    options = {"backend": _backend(ranks, cuda), "timeout": timeout, "schedule": schedule}
+    values = dict(_launch(_calibrate_main, (options,), ranks, None)[0])
+    values["backend"] = options["backend"]
+    return values
 
 
 def _collect(
