@@ -53,6 +53,7 @@ def test_bench_one_process(
     assert "[1, 2]" in rows["given"]
     assert "loss: mean of the output" in out and "GPipe in one process on cpu" in out
     assert "speed-up of the row over the column" in out
+    assert "profiled in this process with" in out and "calibrated" not in out
     # Progress on stderr: one line a round, warm-up included.
     assert "round 3/3 done" in err
     assert picture.read_bytes().startswith(b"\x89PNG")
@@ -81,7 +82,7 @@ def test_bench_one_process(
 
 
 def test_bench_two_ranks(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str, calibration_cache: Path
 ) -> None:
     out_json = tmp_path / "bench.json"
     code, out, err = run(
@@ -107,6 +108,23 @@ def test_bench_two_ranks(
     assert [split["label"] for split in record["splits"]] == ["optimal", "uniform"]
     for split in record["splits"]:
         assert len(split["times"]) == 2 and len(split["saved_peak"]) == 2
+    # Profiled as a rank runs, and calibrated on the ranks, once: the plans count it.
+    assert "profiled bound to CPU" in out and "as rank 0 runs" in out
+    assert f"(measured now, kept in {calibration_cache})" in out
+    from autopipe.distributed.calibration_cache import cached_runner_calibration
+
+    (entry,) = json.loads(calibration_cache.read_text())["entries"]
+    cached = cached_runner_calibration(entry)
+    assert cached is not None
+    for plan in record["plans"].values():
+        assert all(stage["overhead"] == cached["overhead_s"] for stage in plan["stages"])
+    argv = ["bench", model_file, "--ranks", "2", *QUICK, "--strategies", "optimal"]
+    code, out, err = run(capsys, *argv, "--steps", "1", "--warmup", "0")
+    assert code == 0, err
+    assert "calibrated: the runner costs" in out and "(cached from" in out
+    code, out, err = run(capsys, *argv, "--steps", "1", "--warmup", "0", "--no-calibrate")
+    assert code == 0, err
+    assert "not calibrated (--no-calibrate)" in out
 
 
 def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -127,7 +145,9 @@ def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         "0",
     )
     assert code == 0, err
-    assert out.splitlines()[3].startswith("optimal")  # after the header and its note
+    lines = out.splitlines()
+    table = next(i for i, line in enumerate(lines) if line.startswith("split "))
+    assert lines[table + 1].startswith("optimal")
     assert "1 timed step per split" in out
 
 
