@@ -259,6 +259,9 @@ def bench_command(args: argparse.Namespace) -> int:
             "optimizer": "sgd",
             "lr": LR,
             "memory": memory,
+            "profiled": profiled,
+            "calibrated": calibrated,
+            "shared": next(iter(plans.values())).shared,
         }
         record = bench_record(summaries, settings)
         # Each plan without its copy of the profile, which `autopipe profile` saves.

@@ -43,9 +43,15 @@ def test_quick_run_writes_one_row_per_setting(tmp_path: Path) -> None:
         assert row["optimal_over_ideal"] > 0
         assert row["optimal_no_slower"] == (not row["optimal_slower_than"])
         assert row["above_ideal"] == (row["optimal_over_ideal"] > 1.1)
+        assert row["over_predicted"][0] == row["optimal_over_predicted"] > 0
+        if setting.ranks:  # calibrated on the ranks, profiled bound as a rank
+            assert row["calibrated"].startswith("calibrated: the runner costs")
+            assert "as rank 0 runs" in row["profiled"] and not row["shared"]
+        else:
+            assert row["shared"] and row["calibrated"] == ""
     table = (out / "bench_suite.md").read_text()
     assert table.count("| tiny |") == len(bench_suite.SETTINGS)
-    assert "load average" in table
+    assert "load average" in table and "opt meas/pred" in table
 
 
 def _split(label: str, measured: float, spread: float, over_ideal: float = 1.0) -> dict:
