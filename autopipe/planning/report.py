@@ -8,7 +8,7 @@ from typing import Any
 from autopipe.planning.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.quantities import format_bytes, format_time
 
-__all__ = ["estimate_label", "precision_label", "render_plan", "render_search"]
+__all__ = ["estimate_label", "precision_label", "render_plan", "render_search", "shared_line"]
 
 _BAR_WIDTH = 20
 # Step times closer than this (relative) tie: the cost model is not that exact.
