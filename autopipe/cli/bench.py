@@ -183,7 +183,10 @@ def bench_command(args: argparse.Namespace) -> int:
                 f"use --stages {len(model)} or fewer"
             )
 
-    inputs, profiled = profile_as_run(args, stages, check_units)
+    build: Callable[[], Any] = functools.partial(
+        load_units, args.model, args.dtype, args.granularity, tuple(args.leaf_modules)
+    )
+    inputs, profiled = profile_as_run(args, stages, check_units, build)
     profile = inputs.profile
     count = len(profile.layers)
     if stages > count:  # a loaded profile: checked here rather than by the planner

@@ -1,8 +1,9 @@
 """``autopipe bench``'s profile and calibration, made in the conditions the splits run in.
 
 On local ranks each rank computes on its own share of the CPUs with as many threads
-(:func:`autopipe.distributed.cpu_binding.bind_cpus`): the model is profiled bound to
-rank 0's share, not with every core, and the runner's own costs (its seconds per stage
+(:func:`autopipe.distributed.cpu_binding.bind_cpus`), beside the other ranks: the model
+is profiled on the ranks themselves, all at once, not in one process with every core,
+and the runner's own costs (its seconds per stage
 and micro-batch, a message between ranks) come from the calibration cache of this
 machine and runtime, measured on the ranks the first time.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autopipe.cli.inputs import Inputs, read_profile
 from autopipe.cli.options import default_device
@@ -34,11 +35,14 @@ def profile_as_run(
     args: argparse.Namespace,
     stages: int,
     check_model: Callable[[nn.Sequential], None],
+    build: Callable[[], Any],
 ) -> tuple[Inputs, str]:
     """The profile to plan from, and a line saying how it was made.
 
-    On CPU ranks the layers are timed bound to rank 0's CPUs with its threads, as a rank
-    runs them (ranks' shares differ by one CPU at most).
+    With ``--ranks`` the layers are timed on the ranks, every rank profiling at once
+    bound as it runs the splits (:mod:`autopipe.distributed.rank_conditions`); this
+    process only counts their bytes (one quick run per layer). ``build`` makes the
+    model's units and sample on a rank.
     """
     import torch
 
@@ -48,20 +52,41 @@ def profile_as_run(
         return read_profile(profile_args(args), stages, check_model=check_model), (
             f"profile: {args.profile}"
         )
-    if _on_ranks_cpu(args):
-        from autopipe.distributed.cpu_binding import bound_as
-
-        with bound_as(0, args.ranks) as share:
-            inputs = read_profile(profile_args(args), stages, check_model=check_model)
-            threads = torch.get_num_threads()
-        cpus = ",".join(str(c) for c in share)
-        how = f"bound to CPU {cpus} with {_count(threads, 'thread')}, as rank 0 runs"
-    else:
+    runs = f"{args.profile_repeats} timed runs per layer, medians"
+    if not args.ranks:
         inputs = read_profile(profile_args(args), stages, check_model=check_model)
-        how = f"in this process with {_count(torch.get_num_threads(), 'thread')}"
+        own = _count(torch.get_num_threads(), "thread")
+        return inputs, f"profiled in this process with {own} ({runs}{_spread(inputs)})"
+    from autopipe.distributed.rank_conditions import profile_on_local_ranks, with_rank_times
+
+    quick = argparse.Namespace(**{**vars(args), "profile_repeats": 1, "profile_warmup": 0})
+    inputs = read_profile(profile_args(quick), stages, check_model=check_model)
+    chunks = inputs.chunks or args.chunks
+    try:
+        measured = profile_on_local_ranks(
+            build,
+            args.ranks,
+            chunks=chunks or inputs.profile.chunks,
+            repeats=args.profile_repeats,
+            warmup=args.profile_warmup,
+            cuda=not _on_ranks_cpu(args),
+        )
+    except RuntimeError as exc:
+        raise ValueError(f"profiling on the ranks failed: {exc}") from None
+    inputs = Inputs(with_rank_times(inputs.profile, measured), inputs.batch, inputs.chunks)
+    threads = sorted({found["threads"] for found in measured})
+    each = "/".join(str(t) for t in threads)
+    bound = ", each bound to its CPUs" if _on_ranks_cpu(args) else ""
+    return inputs, (
+        f"profiled on the {args.ranks} ranks at once{bound} with {each} "
+        f"thread{'s' if threads != [1] else ''} each ({runs}, the mean over the "
+        f"ranks{_spread(inputs)})"
+    )
+
+
+def _spread(inputs: Inputs) -> str:
     spread = inputs.profile.meta.get("spread")
-    noise = f", layer times' median spread {spread:.0%}" if isinstance(spread, float) else ""
-    return inputs, (f"profiled {how} ({args.profile_repeats} timed runs per layer, medians{noise})")
+    return f"; layer times' spread {spread:.0%}" if isinstance(spread, float) else ""
 
 
 def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
@@ -71,7 +96,6 @@ def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
         return ""
     if args.no_calibrate:
         return "not calibrated (--no-calibrate): the runner's own costs count as free"
-    from autopipe.distributed.bench import calibrate_local_ranks
     from autopipe.distributed.calibration_cache import (
         apply_runner_calibration,
         cache_file,
@@ -80,6 +104,7 @@ def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
         save_runner_calibration,
     )
     from autopipe.distributed.cpu_binding import cpu_share
+    from autopipe.distributed.rank_conditions import calibrate_local_ranks
 
     cuda = not _on_ranks_cpu(args)
     if cuda:

@@ -291,9 +291,7 @@ def check_sizes(
         )
 
 
-def _with_cached_calibration(
-    profile: Profile, ranks: int, options: Mapping[str, Any]
-) -> Profile:
+def _with_cached_calibration(profile: Profile, ranks: int, options: Mapping[str, Any]) -> Profile:
     """A profile without a calibration of the runner, with this machine's cached one for
     the runtime the pipeline runs on (:mod:`autopipe.distributed.calibration_cache`), so
     the plan counts the runner's own costs; as it is without a cached one. The caller's

@@ -46,7 +46,7 @@ def test_quick_run_writes_one_row_per_setting(tmp_path: Path) -> None:
         assert row["over_predicted"][0] == row["optimal_over_predicted"] > 0
         if setting.ranks:  # calibrated on the ranks, profiled bound as a rank
             assert row["calibrated"].startswith("calibrated: the runner costs")
-            assert "as rank 0 runs" in row["profiled"] and not row["shared"]
+            assert "profiled on the 2 ranks at once" in row["profiled"] and not row["shared"]
         else:
             assert row["shared"] and row["calibrated"] == ""
     table = (out / "bench_suite.md").read_text()
