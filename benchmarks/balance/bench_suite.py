@@ -42,7 +42,7 @@ MODELS: dict[str, str] = {
 # splits take turns step by step, so a slow spell touches every strategy alike.
 STEPS, WARMUP = 6, 2
 QUICK_STEPS, QUICK_WARMUP = 2, 1
-TIMEOUT = 300  # seconds per run: a hung rank fails its row, not the suite
+TIMEOUT = 900  # seconds per run: a hung rank fails its row, not the suite
 
 
 @dataclass(frozen=True)
