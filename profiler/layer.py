@@ -42,6 +42,7 @@ class LayerFigures:
     input_saved: int = 0  # of ``saved``: the input's storages
     output_saved: int = 0  # of ``saved``: the output's storages
     backward_input: float = 0.0  # of ``backward``: the input's gradient alone
+    spread: float = 0.0  # of the forward and backward's runs: interquartile range / median
 
 
 def as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
@@ -326,6 +327,7 @@ def measure_layer(
     inputs_only = [runs.timed_input() for _ in range(repeats)]
     peak = runs.peak(fresh) if device.type == "cuda" else None
     return LayerFigures(
+        spread=_spread([t[0] + t[1] for t in times]),
         forward=statistics.median(t[0] for t in times),
         backward=statistics.median(t[1] for t in times),
         saved=saved,
@@ -334,3 +336,12 @@ def measure_layer(
         output_saved=of_output,
         backward_input=statistics.median(inputs_only),
     )
+
+
+def _spread(samples: list[float]) -> float:
+    """Interquartile range over the median of ``samples`` (0 for fewer than two)."""
+    if len(samples) < 2:
+        return 0.0
+    quartiles = statistics.quantiles(samples, n=4, method="inclusive")
+    median = statistics.median(samples)
+    return (quartiles[2] - quartiles[0]) / median if median > 0 else 0.0

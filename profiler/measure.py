@@ -21,7 +21,7 @@ from profiler.materialize import has_meta
 from profiler.measure_pass import MeasureSettings, measure_layers
 from profiler.pooling import pool_identical
 from profiler.precision import check_autocast, current_autocast
-from profiler.profile import Profile
+from profiler.profile import LayerProfile, Profile
 from profiler.samples import resize_sample, sample_arguments, sequential_inputs_problem
 from profiler.tied import tied_state
 
@@ -176,6 +176,7 @@ def profile_layers(
             )
             inputs = [resize_sample(tensors, size, dev) for size in sizes]
             input_bytes = [tensor_bytes(x) for x in inputs]
+            spreads: list[float] = []
             results, signatures = measure_layers(
                 layers,
                 layer_names,
@@ -185,8 +186,10 @@ def profile_layers(
                 signatures=signatures,
                 reuse=pool,
                 progress=progress,
+                spreads=spreads,
             )
             del inputs
+            meta["spread"] = _weighted_spread(results, spreads)
         else:
             assert counted is not None  # counting is required without measuring
             input_bytes = [tensor_bytes(resize_sample(tensors, size, META)) for size in sizes]
@@ -243,6 +246,16 @@ def _check_micro_batch(
     except ValueError as exc:
         if " refuses a micro-batch of " in str(exc):
             raise
+
+
+def _weighted_spread(layers: list[LayerProfile], spreads: list[float]) -> float:
+    """The layers' timing spreads weighted by their times: how far a stage's measured sum
+    may move between two profiles (``meta["spread"]``)."""
+    times = [sum(layer.forward) + sum(layer.backward) for layer in layers]
+    total = sum(times)
+    if total <= 0:
+        return 0.0
+    return float(sum(t * s for t, s in zip(times, spreads, strict=True)) / total)
 
 
 def _count(

@@ -54,6 +54,7 @@ class _Measured:
     output_saved: list[int]
     returns_tuple: bool
     call: nn.Module | None  # the replica, to compute a twin's outputs
+    spread: float = 0.0  # of its timed runs, the mean over the batch sizes
 
 
 def _replica(layer: nn.Module, device: torch.device) -> nn.Module:
@@ -139,6 +140,7 @@ def _measure_one(
         [f.output_saved for f in figures],
         returns_tuple,
         call if keep else None,
+        sum(f.spread for f in figures) / len(figures),
     )
     return measured, outputs
 
@@ -153,6 +155,7 @@ def measure_layers(
     signatures: Sequence[str] | None = None,
     reuse: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
+    spreads: list[float] | None = None,
 ) -> tuple[list[LayerProfile], list[str]]:
     """Measures each layer on the previous one's outputs, at every batch size.
 
@@ -172,6 +175,8 @@ def measure_layers(
             ``None``: computed here, on the real inputs.
         reuse: measure identical layers once; ``False``: measure every layer.
         progress: called as ``progress(done, total, name)`` after each layer.
+        spreads: when given, each layer's timing spread (interquartile range of its
+            forward and backward runs over their median) is appended to it.
 
     Returns:
         The profiles, each ``shared`` figure set from its predecessor, and the signatures.
@@ -218,6 +223,8 @@ def measure_layers(
         previous = measured.output_saved
         packed = measured.returns_tuple
         results.append(profile)
+        if spreads is not None:
+            spreads.append(measured.spread)
         if progress is not None:
             progress(index + 1, len(layers), name)
     kept.clear()

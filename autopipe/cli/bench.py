@@ -10,14 +10,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autopipe.cli.bench_conditions import calibrate_runner, profile_as_run
 from autopipe.cli.bench_options import (
     add_bench_arguments,
     given_balance,
     gpipe_devices,
-    profile_args,
     strategy_names,
 )
-from autopipe.cli.inputs import read_profile
 from autopipe.cli.options import cost_options, default_device, default_stages
 from autopipe.errors import PlanningError
 from autopipe.planning.planner import default_chunks
@@ -66,15 +65,19 @@ def load_units(
 
 
 def _plans(
-    profile: Profile, stages: int, names: list[str], balance: list[int] | None, options: Any
+    profile: Profile,
+    devices: int | list[str],
+    names: list[str],
+    balance: list[int] | None,
+    options: Any,
 ) -> dict[str, Plan]:
     """Every strategy's plan, then the given balance's; a split that does not fit is an error."""
     from autopipe.planning.planner import evaluate, plan
     from autopipe.planning.quantities import format_bytes
 
-    plans = {name: plan(profile, stages, strategy=name, **options) for name in names}
+    plans = {name: plan(profile, devices, strategy=name, **options) for name in names}
     if balance is not None:
-        given = evaluate(profile, balance, stages, strategy=GIVEN, **options)
+        given = evaluate(profile, balance, devices, strategy=GIVEN, **options)
         for stage in given.stages:
             if stage.capacity is not None and stage.memory > stage.capacity:
                 raise PlanningError(
@@ -180,7 +183,10 @@ def bench_command(args: argparse.Namespace) -> int:
                 f"use --stages {len(model)} or fewer"
             )
 
-    inputs = read_profile(profile_args(args), stages, check_model=check_units)
+    build: Callable[[], Any] = functools.partial(
+        load_units, args.model, args.dtype, args.granularity, tuple(args.leaf_modules)
+    )
+    inputs, profiled = profile_as_run(args, stages, check_units, build)
     profile = inputs.profile
     count = len(profile.layers)
     if stages > count:  # a loaded profile: checked here rather than by the planner
@@ -196,8 +202,12 @@ def bench_command(args: argparse.Namespace) -> int:
         "checkpoint": args.checkpoint,
         "schedule": args.schedule,
         "optimizer": "sgd",
+        # In one process, stages on one device take turns on it.
+        "colocated": not args.ranks,
     }
-    plans = _plans(profile, stages, names, balance, options)
+    devices: int | list[str] = args.ranks or gpipe_devices(args, stages)
+    calibrated = calibrate_runner(args, profile)
+    plans = _plans(profile, devices, names, balance, options)
     # Strategies that give the same split run the same steps: each split is measured once
     # (timed apart, their noise alone would tell them apart).
     first_of: dict[str, str] = {}
@@ -252,6 +262,9 @@ def bench_command(args: argparse.Namespace) -> int:
             "optimizer": "sgd",
             "lr": LR,
             "memory": memory,
+            "profiled": profiled,
+            "calibrated": calibrated,
+            "shared": next(iter(plans.values())).shared,
         }
         record = bench_record(summaries, settings)
         # Each plan without its copy of the profile, which `autopipe profile` saves.
@@ -261,12 +274,22 @@ def bench_command(args: argparse.Namespace) -> int:
         }
         _write_json(args.json, record)
         drawn.append(f"results written to {args.json}")
+    notes = [profiled, calibrated, *_notes(plans)]
+    header += "".join(f"\n{line}" for line in notes if line)
     sys.stdout.write(render_bench(summaries, header))
     for first, labels in same.items():
         print(f"{', '.join(labels)}: the same split as {first}, measured once")
     for line in drawn:
         print(line, file=sys.stderr)
     return 0
+
+
+def _notes(plans: dict[str, Plan]) -> list[str]:
+    """What the predictions assumed that a reader would not guess: stages taking turns."""
+    from autopipe.planning.report import shared_line
+
+    found = next(iter(plans.values()))
+    return [f"predicted: {shared_line(found, group)}" for group in found.shared]
 
 
 def _count(n: int, what: str) -> str:

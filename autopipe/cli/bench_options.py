@@ -83,9 +83,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile-repeats",
         type=positive,
-        default=5,
+        default=9,
         metavar="N",
-        help="timed runs per layer when profiling (default: 5)",
+        help="timed runs per layer when profiling, their median kept (default: 9)",
     )
     parser.add_argument(
         "--profile-warmup",
@@ -93,6 +93,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         metavar="N",
         help="untimed runs per layer when profiling (default: 2)",
+    )
+    parser.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="with --ranks: leave the runner's own costs out of the predictions (default: "
+        "apply this machine's cached calibration for the runtime, measured on the ranks "
+        "the first time)",
+    )
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --ranks: measure the runner's calibration again and replace the cached one",
     )
     parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
     parser.add_argument(

@@ -48,6 +48,11 @@ def plan_command(args: argparse.Namespace) -> int:
 
     check_precision(args)
     target = check_target_options(args)
+    if args.one_device and (args.virtual_stages > 1 or args.target):
+        raise ValueError(
+            "--one-device plans one pipeline whose stages take turns on one device; leave "
+            "out --virtual-stages and --target"
+        )
     if args.devices or args.allreduce_bandwidth or args.even:
         raise ValueError(
             "--devices, --allreduce-bandwidth and --even go with --search; use --stages"
@@ -97,7 +102,10 @@ def plan_command(args: argparse.Namespace) -> int:
         "optimizer": costs.optimizer,
         "bandwidth": costs.bandwidth,
         "virtual_stages": virtual,
+        "colocated": args.one_device,
     }
+    if args.one_device:
+        devices = [profile.device] * stages
     result = plan(profile, devices, strategy=args.strategy, **options)
     other = "optimal" if args.strategy == "uniform" else "uniform"
     baseline: Plan | str

@@ -12,22 +12,18 @@ the bytes each rank's stage saves for backward (:class:`profiler.live_memory.Sav
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
-import queue as queues
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+from autopipe.distributed.local_ranks import Progress, local_backend, run_on_local_ranks
 from autopipe.distributed.pipeline import DistributedPipeline, init_distributed
 from autopipe.planning.bench_summary import Measured
 from autopipe.planning.plans import Plan
@@ -36,10 +32,6 @@ from profiler.live_memory import SavedMemory
 __all__ = ["time_splits_on_ranks"]
 
 Build = Callable[[], tuple[nn.Sequential, Tensor | tuple[Tensor, ...]]]
-Progress = Callable[[int, int, str], None]
-
-# How long the other ranks get to report after one has failed, before they are ended.
-_GRACE_S = 30.0
 
 
 def _loss(output: Any, target: Tensor) -> Tensor:
@@ -132,20 +124,6 @@ def _rank_main(
         raise SystemExit(1) from None
 
 
-def _backend(ranks: int, cuda: bool | None) -> str:
-    """nccl on GPUs (``cuda``; ``None``: when there are any), one per rank; else gloo."""
-    if cuda is None:
-        cuda = torch.cuda.is_available()
-    if cuda:
-        if torch.cuda.device_count() < ranks:
-            raise ValueError(
-                f"{ranks} ranks need {ranks} GPUs, and this host has "
-                f"{torch.cuda.device_count()}; use {torch.cuda.device_count()} ranks or fewer"
-            )
-        return "nccl"
-    return "gloo"
-
-
 def time_splits_on_ranks(
     build: Build,
     plans: Mapping[str, Plan],
@@ -191,73 +169,16 @@ def time_splits_on_ranks(
                 f"the {label} split has {plan.num_stages} stages, not one per rank of {ranks}"
             )
     options = {
-        "backend": _backend(ranks, cuda),
+        "backend": local_backend(ranks, cuda),
         "timeout": timeout,
         "lr": lr,
         "steps": steps,
         "warmup": warmup,
     }
-    context = mp.get_context("spawn")
-    messages = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="autopipe-bench-") as workdir:
-        store = str(Path(workdir) / "store")
-        procs = [
-            context.Process(
-                target=_rank_main,
-                args=(rank, ranks, store, build, dict(plans), options, messages),
-                daemon=True,
-            )
-            for rank in range(ranks)
-        ]
-        for proc in procs:
-            proc.start()
-        results, error = _collect(procs, messages, progress)
-    if error is not None:
-        raise RuntimeError(error)
+    results = run_on_local_ranks(_rank_main, (build, dict(plans), options), ranks, progress)
     return {
         label: Measured(
             results[0]["times"][label], [results[r]["peaks"][label] for r in range(ranks)]
         )
         for label in plans
     }
-
-
-def _collect(
-    procs: list[Any], messages: Any, progress: Progress | None
-) -> tuple[dict[int, dict[str, Any]], str | None]:
-    """The ranks' results, or the first error one reported, once every rank has ended."""
-    results: dict[int, dict[str, Any]] = {}
-    error: str | None = None
-    failed_at: float | None = None
-
-    def handle(message: tuple[Any, ...]) -> None:
-        nonlocal error, failed_at
-        kind = message[0]
-        if kind == "progress" and progress is not None:
-            progress(*message[1:])
-        elif kind == "result":
-            results[message[1]] = message[2]
-        elif kind == "error" and error is None:
-            error = f"rank {message[1]} failed: {message[2]}"
-            failed_at = time.monotonic()
-
-    while any(proc.is_alive() for proc in procs):
-        with contextlib.suppress(queues.Empty):
-            handle(messages.get(timeout=0.1))
-        if failed_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
-            for proc in procs:  # ranks left waiting on the failed one
-                if proc.is_alive():
-                    proc.terminate()
-    while True:
-        try:
-            handle(messages.get(timeout=0.5))
-        except queues.Empty:
-            break
-    for proc in procs:
-        proc.join()
-    if error is None and len(results) < len(procs):
-        codes = ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs))
-        error = f"a rank ended without a result ({codes})"
-    return results, error

@@ -4,7 +4,9 @@ Run on every rank of an initialised process group (e.g. under ``torchrun``), onc
 planning: :func:`calibrate_ranks` times point-to-point messages between neighbouring
 ranks (latency and bandwidth of a pipeline cut), an all-reduce (the data-parallel
 gradient sync) and a tiny pipeline step (the schedule's fixed cost per stage and
-micro-batch), and stores them in the profile the plan is made from.
+micro-batch), and stores them in the profile the plan is made from, and the runner's
+figures in this machine's calibration cache (:mod:`autopipe.distributed.calibration_cache`)
+for every later plan of the same runtime.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopipe.distributed.calibration_cache import current_runtime_key, save_runner_calibration
 from autopipe.distributed.collectives import rank_device, share_from_rank0
 from autopipe.distributed.replicas import all_reduce_mean
 from autopipe.distributed.runner import PipelineRunner
@@ -279,7 +282,7 @@ def calibrate_ranks(
         extra.update(
             measure_compute_together(model, sample, profile, group, repeats=repeats // 4 + 2)
         )
-    return store_calibration(
+    stored = store_calibration(
         profile,
         latency_s=link["latency_s"],
         bandwidth=link["bandwidth"],
@@ -287,3 +290,12 @@ def calibrate_ranks(
         overhead_s=overhead["overhead_s"],
         **extra,
     )
+    if dist.get_rank(group) == 0:  # every later plan for this runner starts from it
+        ranks = dist.get_world_size(group)
+        save_runner_calibration(current_runtime_key(ranks), stored)
+        if "virtual_overhead_s" in extra:
+            save_runner_calibration(
+                current_runtime_key(ranks, schedule, virtual_stages),
+                {**stored, "overhead_s": extra["virtual_overhead_s"]},
+            )
+    return stored

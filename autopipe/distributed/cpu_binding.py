@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["bind_cpus"]
+__all__ = ["bind_cpus", "bound_as", "cpu_share"]
 
 
 def cpu_share(cpus: list[int], local_rank: int, local_size: int) -> list[int]:
@@ -95,3 +96,30 @@ def bind_cpus(local_rank: int, local_size: int, *, threads: bool = True) -> list
     if threads:
         torch.set_num_threads(len(share))
     return share
+
+
+@contextlib.contextmanager
+def bound_as(local_rank: int, local_size: int) -> Iterator[list[int]]:
+    """Runs the block on the CPUs and with the torch threads that rank ``local_rank`` of
+    ``local_size`` gets from :func:`bind_cpus`, then puts this process's back.
+
+    What is measured in the block (a profile) then holds for the rank that will run it,
+    not for a process that has every core to itself. Yields the CPUs of the share.
+
+    Raises:
+        OSError: the platform cannot bind (not Linux).
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        raise OSError("binding to a rank's CPUs needs Linux (os.sched_setaffinity)")
+    before, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    share = bind_cpus(local_rank, local_size)
+    try:
+        yield share
+    finally:
+        with contextlib.suppress(OSError):
+            tasks = [int(tid) for tid in os.listdir("/proc/self/task")]
+            for tid in tasks:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(tid, before)
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from collections.abc import Mapping
@@ -13,6 +14,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.distributed import cpu_binding
+from autopipe.distributed.calibration_cache import (
+    apply_runner_calibration,
+    cached_runner_calibration,
+    current_runtime_key,
+)
 from autopipe.distributed.collectives import collective
 from autopipe.distributed.padding import rows_mixing_layer
 from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
@@ -290,6 +296,26 @@ def check_sizes(
         )
 
 
+def _with_cached_calibration(profile: Profile, ranks: int, options: Mapping[str, Any]) -> Profile:
+    """A profile without a calibration of the runner, with this machine's cached one for
+    the runtime the pipeline runs on (:mod:`autopipe.distributed.calibration_cache`), so
+    the plan counts the runner's own costs; as it is without a cached one. The caller's
+    profile is left unchanged."""
+    found = profile.meta.get("calibration")
+    if isinstance(found, dict) and "overhead_s" in found:  # calibrated for this run
+        return profile
+    key = current_runtime_key(
+        ranks, str(options.get("schedule", "1f1b")), int(options.get("virtual_stages", 1))
+    )
+    cached = cached_runner_calibration(key)
+    if cached is None:
+        return profile
+    calibrated = copy.copy(profile)
+    calibrated.meta = dict(profile.meta)
+    apply_runner_calibration(calibrated, cached)
+    return calibrated
+
+
 def setup_on_rank0(
     sequential: nn.Sequential,
     sample: Tensor | tuple[Tensor, ...],
@@ -349,6 +375,7 @@ def setup_on_rank0(
             raise ValueError(
                 f"the profile has {len(profile.layers)} layers but the model has {len(sequential)}"
             )
+        profile = _with_cached_calibration(profile, ranks or num_stages, options)
         # Unless asked for, the stages keep every activation (no re-computation).
         options = {"checkpoint": "never", **options}
         plan = make_plan(profile, num_stages, **options)

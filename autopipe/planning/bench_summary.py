@@ -53,11 +53,13 @@ def median_spread(times: Sequence[float]) -> tuple[float, float]:
     return median, float(q3 - q1) / median if median > 0 else 0.0
 
 
-def ideal_step(stage_times: Sequence[float], chunks: int) -> float:
-    """The step of the same total work spread perfectly over the stages.
+def ideal_step(stage_times: Sequence[float], chunks: int, devices: int | None = None) -> float:
+    """The step of the same total work spread perfectly over the devices.
 
     With ``c`` the per-micro-batch stage costs, K stages and M micro-batches, GPipe's step
     ``Σc + (M−1)·max c`` is smallest when every stage costs ``Σc/K``: ``Σc/K·(M+K−1)``.
+    Stages that take turns on fewer devices (``devices`` n < K, in one process) spread
+    the work over those: ``Σc/n·(M+n−1)``, ``M·Σc`` on one.
 
     Raises:
         ValueError: no stages, or fewer than one micro-batch.
@@ -66,7 +68,9 @@ def ideal_step(stage_times: Sequence[float], chunks: int) -> float:
         raise ValueError("the ideal step needs at least one stage")
     if chunks < 1:
         raise ValueError(f"the ideal step needs at least one micro-batch, got {chunks}")
-    k = len(stage_times)
+    k = len(stage_times) if devices is None else min(devices, len(stage_times))
+    if k < 1:
+        raise ValueError(f"the ideal step needs at least one device, got {devices}")
     return float(sum(stage_times)) / k * (chunks + k - 1)
 
 
@@ -78,14 +82,17 @@ def unit_costs(profile: Profile, stages: int, **options: Any) -> list[tuple[str,
 
 
 def bounding_unit(
-    units: Sequence[tuple[str, float]], stage_times: Sequence[float]
+    units: Sequence[tuple[str, float]],
+    stage_times: Sequence[float],
+    devices: int | None = None,
 ) -> tuple[str, float] | None:
     """The unit that makes the ideal bound unreachable: the heaviest, when it costs more
-    than a perfect share ``Σc/K`` of the stage costs ``c`` (no split can cut a unit);
-    ``None`` when every unit fits in a share."""
+    than a perfect share ``Σc/n`` of the stage costs ``c`` over the ``n`` devices
+    (default: one per stage; no split can cut a unit); ``None`` when every unit fits in
+    a share."""
     if not units or not stage_times:
         return None
-    share = float(sum(stage_times)) / len(stage_times)
+    share = float(sum(stage_times)) / (len(stage_times) if devices is None else devices)
     name, cost = max(units, key=lambda unit: unit[1])
     return (name, cost) if cost > share else None
 
@@ -165,11 +172,11 @@ def summarize(
         spread=spread,
         steps=len(measured.times),
         predicted=plan.step_time,
-        ideal=ideal_step(stage_times, plan.chunks),
+        ideal=ideal_step(stage_times, plan.chunks, plan.num_devices),
         stage_times=stage_times,
         saved_peak=list(measured.saved_peak),
         predicted_activation=[stage.activation_memory for stage in plan.stages],
-        bound_unit=bounding_unit(units, stage_times),
+        bound_unit=bounding_unit(units, stage_times, plan.num_devices),
         times=list(measured.times),
     )
 

@@ -67,6 +67,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from autopipe.planning.colocation import shared_groups
 from autopipe.planning.devices import DeviceSpec
 from autopipe.planning.interleaving import in_flight
 from autopipe.planning.layer_costs import (
@@ -142,6 +143,9 @@ class CostModel:
             devices are then K·v stages, stage s on rank ``s % K``.
         shard_optimizer: each stage's D replicas shard its optimizer state (ZeRO-1, see
             the module docstring): a stage holds ``opt / D`` state bytes per parameter byte.
+        colocated: the stages run in one process, so stages whose devices have the same
+            name share that device and take turns on it
+            (:mod:`autopipe.planning.colocation`).
     """
 
     def __init__(
@@ -158,6 +162,7 @@ class CostModel:
         allreduce_bandwidth: float | None = None,
         virtual_stages: int = 1,
         shard_optimizer: bool = False,
+        colocated: bool = False,
     ) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(
@@ -201,6 +206,13 @@ class CostModel:
         self.allreduce_bandwidth = allreduce_bandwidth
         self.virtual_stages = virtual_stages
         self.shard_optimizer = shard_optimizer
+        self.shared = shared_groups(self.devices, colocated)
+        if self.shared and (virtual_stages > 1 or schedule == "zb" or data_parallel > 1):
+            raise ValueError(
+                "stages sharing a device are planned for the single-process GPipe, which runs "
+                "neither virtual stages, zero bubble nor replicas; give each stage its own "
+                "device or plan for ranks"
+            )
         # Bytes a stage holds per parameter byte: weight, gradient and its optimizer state.
         own = optimizer / data_parallel if shard_optimizer else optimizer
         self.state_factor = 2.0 + own

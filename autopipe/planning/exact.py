@@ -290,6 +290,31 @@ def solve_split(model: CostModel, stop: float = np.inf) -> tuple[float, list[int
     return split_value(model, found[1]), found[1]
 
 
+def memory_split(model: CostModel) -> list[int]:
+    """The split whose largest stage needs the least memory, every stage fitting.
+
+    For stages that all share one device (:mod:`autopipe.planning.colocation`) every
+    split takes the same time, so memory is what tells them apart.
+
+    Raises:
+        PlanningError: no split fits; the message names the layer or stage and the bytes
+            missing.
+    """
+    tables = _Tables(model)
+    e = np.broadcast_to(tables.e, tables.valid.shape)
+    valid = tables.valid
+
+    def memory(k: int) -> Array:
+        matrix = np.full(valid.shape, np.inf)
+        matrix[valid] = model.stage_memory(k, tables.s[valid], e[valid])
+        return np.where(tables.overflow(k) <= 0, matrix, np.inf)
+
+    found = _dp(tables, memory, "max")
+    if found is None:
+        raise PlanningError(_explain(model))
+    return found[1]
+
+
 def optimal_split(model: CostModel) -> list[int]:
     """The balance minimizing the predicted step time under every stage's memory cap.
 

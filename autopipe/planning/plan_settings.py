@@ -39,6 +39,7 @@ class PlanSettings:
     virtual_stages: int = 1
     padded: bool = False
     shard_optimizer: bool = False
+    colocated: bool = False
 
 
 def check_profile(profile: object, caller: str) -> None:
@@ -117,6 +118,8 @@ def build_model(
         raise TypeError(f"padded must be True or False, got {settings.padded!r}")
     if not isinstance(settings.shard_optimizer, bool):
         raise TypeError(f"shard_optimizer must be True or False, got {settings.shard_optimizer!r}")
+    if not isinstance(settings.colocated, bool):
+        raise TypeError(f"colocated must be True or False, got {settings.colocated!r}")
     alone = len(specs) // v * settings.data_parallel == 1
     lines = ProfileLines.from_profile(profile, alone)
     # Micro-batches of uneven size take the mean size's time in all, unless the runner pads
@@ -132,4 +135,5 @@ def build_model(
         data_parallel=settings.data_parallel,
         virtual_stages=v,
         shard_optimizer=settings.shard_optimizer,
+        colocated=settings.colocated,
     )

@@ -11,9 +11,10 @@ import numpy as np
 
 from autopipe.errors import PlanningError
 from autopipe.planning.balance import baseline_balance
+from autopipe.planning.colocation import device_count, shared_step_time
 from autopipe.planning.cost_model import CostModel
 from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.exact import gpipe_step_time, optimal_split
+from autopipe.planning.exact import gpipe_step_time, memory_split, optimal_split
 from autopipe.planning.interleaved_balance import interleaved_split, pipeline_time
 from autopipe.planning.interleaving import rank_stages
 from autopipe.planning.names import STRATEGIES
@@ -54,6 +55,7 @@ def plan(
     virtual_stages: int = 1,
     padded: bool = False,
     shard_optimizer: bool = False,
+    colocated: bool = False,
 ) -> Plan:
     """Plans the pipeline with the smallest predicted step time that fits every device.
 
@@ -93,6 +95,12 @@ def plan(
             ``opt``; the step time is unchanged (reduce-scatter plus all-gather move what
             the all-reduce moves, see :mod:`autopipe.planning.cost_model`). No effect with
             ``data_parallel=1``.
+        colocated: the stages run in one process (the single-process GPipe), so stages
+            on devices of the same name share that device and take turns on it
+            (:mod:`autopipe.planning.colocation`): the step is at least M times their
+            summed cost, and with every stage on one device the ``optimal`` split is the
+            one whose largest stage needs the least memory (every split takes the same
+            time there). Default: every stage on a device of its own (ranks).
 
     Raises:
         PlanningError: no split fits, or the chosen strategy's split does not fit; the
@@ -117,6 +125,7 @@ def plan(
         virtual_stages=virtual_stages,
         padded=padded,
         shard_optimizer=shard_optimizer,
+        colocated=colocated,
     )
     model = build_model(profile, devices, settings)
     if model.num_stages > model.num_layers:
@@ -124,7 +133,9 @@ def plan(
             f"cannot split {model.num_layers} layers into {model.num_stages} non-empty stages; "
             f"use at most {model.num_layers} stages"
         )
-    if strategy == "optimal" and _replayed(model):
+    if strategy == "optimal" and _one_device(model):
+        balance = memory_split(model)
+    elif strategy == "optimal" and _replayed(model):
         balance = interleaved_balance(model)
     elif strategy == "optimal":
         balance = optimal_split(model)
@@ -134,6 +145,12 @@ def plan(
     result = describe(model, balance, profile, strategy, optimizer, batch=batch)
     _check_fits(model, result, strategy)
     return result
+
+
+def _one_device(model: CostModel) -> bool:
+    """Whether every stage takes turns on one shared device, so every split takes the
+    same time."""
+    return len(model.shared) == 1 and len(model.shared[0]) == model.num_stages
 
 
 def _replayed(model: CostModel) -> bool:
@@ -275,12 +292,19 @@ def describe(
     m, ranks = model.chunks, model.num_ranks
     # Interleaved and zero bubble: the schedule's order replayed (the closed formula holds
     # for balanced stages only).
-    pipeline = pipeline_time(model, balance) if _replayed(model) else gpipe_step_time(times, m)
+    if _replayed(model):
+        pipeline = pipeline_time(model, balance)
+    elif model.shared:  # stages that take turns on one device
+        pipeline = shared_step_time(list(times), m, model.shared)
+        ranks = device_count(model.num_stages, model.shared)
+    else:
+        pipeline = gpipe_step_time(times, m)
     allreduce = max(stage.allreduce for stage in stages)
     tied = _tied(model, balance)
     tied_time = sum(item.time for item in tied)
     total = pipeline + allreduce + tied_time
-    # Idle share of K devices over the pipeline; (K−1)/(M+K−1) when stages are balanced.
+    # Idle share of the devices over the pipeline; (K−1)/(M+K−1) for K devices when
+    # stages are balanced, 0 for stages that all take turns on one.
     bubble = 1.0 - m * float(times.sum()) / (ranks * pipeline) if pipeline > 0 else 0.0
     return Plan(
         balance=list(balance),
@@ -305,6 +329,7 @@ def describe(
         tied=tied,
         tied_time=tied_time,
         shard_optimizer=model.shard_optimizer and model.data_parallel > 1,
+        shared=[list(group) for group in model.shared],
     )
 
 

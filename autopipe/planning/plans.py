@@ -130,6 +130,9 @@ class Plan:
         shard_optimizer: the ``data_parallel`` replicas shard each stage's optimizer
             state (ZeRO stage 1): the stages' ``param_memory`` holds a 1/D share of it
             (always ``False`` with one replica; plans before version 3 did not shard).
+        shared: groups of stages that share one device and take turns on it (in one
+            process, :mod:`autopipe.planning.colocation`); empty when every stage has its
+            own.
     """
 
     balance: list[int]
@@ -156,6 +159,7 @@ class Plan:
     tied: list[TiedPlan] = field(default_factory=list)
     tied_time: float = 0.0
     shard_optimizer: bool = False
+    shared: list[list[int]] = field(default_factory=list)
 
     @property
     def pipeline_time(self) -> float:
@@ -165,8 +169,10 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        """Devices the plan occupies: ranks per pipeline times data-parallel replicas."""
-        return self.num_stages // self.virtual_stages * self.data_parallel
+        """Devices the plan occupies: ranks per pipeline times data-parallel replicas
+        (stages sharing a device count once)."""
+        own = self.num_stages - sum(len(group) - 1 for group in self.shared)
+        return own // self.virtual_stages * self.data_parallel
 
     @property
     def stage_checkpoints(self) -> list[str]:
@@ -206,6 +212,8 @@ class Plan:
             del data["tied"], data["tied_time"]
             for stage in data["stages"]:
                 del stage["tied"]
+        if not self.shared:  # plans for devices of their own read as before
+            del data["shared"]
         return data
 
     @classmethod

@@ -8,7 +8,7 @@ from typing import Any
 from autopipe.planning.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.quantities import format_bytes, format_time
 
-__all__ = ["estimate_label", "precision_label", "render_plan", "render_search"]
+__all__ = ["estimate_label", "precision_label", "render_plan", "render_search", "shared_line"]
 
 _BAR_WIDTH = 20
 # Step times closer than this (relative) tie: the cost model is not that exact.
@@ -242,8 +242,23 @@ def render_summary(plan: Plan) -> str:
         memory = ", ".join(format_bytes(m) for m in _device_memory(plan))
         lines.append(("memory", f"{memory} per device (its stages together)"))
     lines += [("tied", tied_line(item)) for item in plan.tied]
+    lines += [("shared", shared_line(plan, group)) for group in plan.shared]
     width = max(len(key) for key, _ in lines)
     return "\n".join(f"{key.ljust(width)}  {value}" for key, value in lines)
+
+
+def shared_line(plan: Plan, group: Sequence[int]) -> str:
+    """Stages that take turns on one device, e.g. ``stages 0, 1 share cpu: they run one
+    after another, so the step is at least 8 × their summed time``."""
+    device = plan.stages[group[0]].device
+    which = ", ".join(str(k) for k in group)
+    line = (
+        f"stages {which} share {device}: they run one after another, so the step is at "
+        f"least {plan.chunks} x their summed time"
+    )
+    if len(group) == plan.num_stages and plan.strategy == "optimal":
+        line += "; every split takes as long, the least memory per stage chose this one"
+    return line
 
 
 def tied_line(item: TiedPlan) -> str:

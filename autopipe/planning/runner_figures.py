@@ -97,6 +97,7 @@ class RunnerFigures:
         data_parallel: int = 1,
         virtual_stages: int = 1,
         shard_optimizer: bool = False,
+        colocated: bool = False,
     ) -> CostModel:
         """The cost model of ``devices`` (one per stage) running ``costs`` with these figures.
 
@@ -110,6 +111,7 @@ class RunnerFigures:
             data_parallel: replicas of the pipeline.
             virtual_stages: stages per device.
             shard_optimizer: the replicas shard each stage's optimizer state (ZeRO-1).
+            colocated: the stages run in one process; those on one device take turns.
         """
         return CostModel(
             costs,
@@ -123,4 +125,5 @@ class RunnerFigures:
             allreduce_bandwidth=self.allreduce_bandwidth,
             virtual_stages=virtual_stages,
             shard_optimizer=shard_optimizer,
+            colocated=colocated,
         )

@@ -42,7 +42,7 @@ MODELS: dict[str, str] = {
 # splits take turns step by step, so a slow spell touches every strategy alike.
 STEPS, WARMUP = 6, 2
 QUICK_STEPS, QUICK_WARMUP = 2, 1
-TIMEOUT = 300  # seconds per run: a hung rank fails its row, not the suite
+TIMEOUT = 900  # seconds per run: a hung rank fails its row, not the suite
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,15 @@ class Setting:
 SETTINGS = (Setting(2, 2), Setting(2, None), Setting(4, None))
 
 
-def _command(path: str, setting: Setting, quick: bool, out: Path) -> list[str]:
+def _command(
+    path: str, setting: Setting, quick: bool, out: Path, recalibrate: bool = False
+) -> list[str]:
     command = [sys.executable, "-m", "autopipe", "bench", path, "--device", "cpu"]
     command += ["--stages", str(setting.stages), "--strategies", ",".join(STRATEGIES)]
     if setting.ranks:
         command += ["--ranks", str(setting.ranks)]
+        if recalibrate:  # the suite's first run on ranks measures the runner afresh
+            command.append("--recalibrate")
     steps, warmup = (QUICK_STEPS, QUICK_WARMUP) if quick else (STEPS, WARMUP)
     command += ["--steps", str(steps), "--warmup", str(warmup), "--json", str(out)]
     if quick:
@@ -74,14 +78,16 @@ def _command(path: str, setting: Setting, quick: bool, out: Path) -> list[str]:
     return command
 
 
-def run_one(name: str, path: str, setting: Setting, quick: bool) -> dict[str, Any]:
+def run_one(
+    name: str, path: str, setting: Setting, quick: bool, recalibrate: bool = False
+) -> dict[str, Any]:
     """One ``autopipe bench`` run as a table row; a failed run is a row with its error."""
     with tempfile.TemporaryDirectory() as workdir:
         out = Path(workdir) / "bench.json"
         begin = time.perf_counter()
         try:
             done = subprocess.run(
-                _command(path, setting, quick, out),
+                _command(path, setting, quick, out, recalibrate),
                 cwd=ROOT,
                 env={**os.environ, **MALLOC},
                 capture_output=True,
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     begin = time.perf_counter()
     for index, (name, path, setting) in enumerate(runs, 1):
         print(f"[{index}/{len(runs)}] {name}, {setting.label} ...", file=sys.stderr, flush=True)
-        row = run_one(name, path, setting, args.quick)
+        first_on_ranks = bool(setting.ranks) and not any(s.ranks for _, _, s in runs[: index - 1])
+        row = run_one(name, path, setting, args.quick, recalibrate=first_on_ranks)
         note = row.get("error") or f"done in {row['seconds']:.0f} s"
         print(f"[{index}/{len(runs)}] {name}, {setting.label}: {note}", file=sys.stderr)
         rows.append(row)

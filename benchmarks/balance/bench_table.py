@@ -49,6 +49,10 @@ def row_of(record: dict[str, Any], strategies: Sequence[str]) -> dict[str, Any]:
         "optimal_over_ideal": best["measured_over_ideal"],
         "optimal_predicted_over_ideal": best["predicted"] / best["ideal"],
         "optimal_over_predicted": best["measured_over_predicted"],
+        "over_predicted": [split["measured_over_predicted"] for split in [best, *others]],
+        "profiled": record["settings"].get("profiled", ""),
+        "calibrated": record["settings"].get("calibrated", ""),
+        "shared": bool(record["settings"].get("shared")),
         "optimal_slower_than": [split["label"] for split in others if slower(best, split)],
         "optimal_no_slower": not any(slower(best, split) for split in others),
         "above_ideal": best["measured_over_ideal"] > 1.0 + IDEAL_MARGIN,
@@ -73,6 +77,11 @@ def _bound(row: dict[str, Any]) -> str:
     return f"no unit (meas/pred {row['optimal_over_predicted']:.2f}x)"
 
 
+def _range(row: dict[str, Any]) -> str:
+    ratios = row.get("over_predicted") or [row["optimal_over_predicted"]]
+    return f"{min(ratios):.2f}–{max(ratios):.2f}"
+
+
 def render(record: dict[str, Any], strategies: Sequence[str]) -> str:
     """The Markdown table of the suite's ``record`` (its ``machine``, ``settings``, ``rows``)."""
     machine, settings = record["machine"], record["settings"]
@@ -91,10 +100,16 @@ def render(record: dict[str, Any], strategies: Sequence[str]) -> str:
         "optimal is more than 10% above the ideal, the unit heavier than a perfect share "
         "Σc/K (none: the gap is measured over predicted).",
         "",
+        "*meas/pred*: optimal's measured step over its predicted one, and the range over "
+        "every strategy's split. On one process the stages take turns on the CPU and are "
+        "predicted so (M·Σc); on ranks the predictions are calibrated (the runner's cost per "
+        "stage and micro-batch and its messages) and the profile made bound to a rank's CPUs.",
+        "",
         "| model | setting | M | "
         + " | ".join(strategies)
-        + " | opt meas/ideal | opt pred/ideal | no slower | bound |",
-        "|" + "---|" * (len(strategies) + 7),
+        + " | opt meas/pred | meas/pred, all | opt meas/ideal | opt pred/ideal | no slower "
+        "| bound |",
+        "|" + "---|" * (len(strategies) + 9),
     ]
     for row in record["rows"]:
         head = f"| {row['model']} | {row['setting']} |"
@@ -113,6 +128,7 @@ def render(record: dict[str, Any], strategies: Sequence[str]) -> str:
         lines.append(
             f"{head} {row['chunks']} | "
             + " | ".join(cells)
+            + f" | {row['optimal_over_predicted']:.2f} | {_range(row)}"
             + f" | {row['optimal_over_ideal']:.2f}x | {row['optimal_predicted_over_ideal']:.2f}x"
             f" | {verdict} | {_bound(row)} |"
         )

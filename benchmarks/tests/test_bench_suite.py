@@ -43,9 +43,15 @@ def test_quick_run_writes_one_row_per_setting(tmp_path: Path) -> None:
         assert row["optimal_over_ideal"] > 0
         assert row["optimal_no_slower"] == (not row["optimal_slower_than"])
         assert row["above_ideal"] == (row["optimal_over_ideal"] > 1.1)
+        assert row["over_predicted"][0] == row["optimal_over_predicted"] > 0
+        if setting.ranks:  # calibrated on the ranks, profiled bound as a rank
+            assert row["calibrated"].startswith("calibrated: the runner costs")
+            assert "profiled on the 2 ranks at once" in row["profiled"] and not row["shared"]
+        else:
+            assert row["shared"] and row["calibrated"] == ""
     table = (out / "bench_suite.md").read_text()
     assert table.count("| tiny |") == len(bench_suite.SETTINGS)
-    assert "load average" in table
+    assert "load average" in table and "opt meas/pred" in table
 
 
 def _split(label: str, measured: float, spread: float, over_ideal: float = 1.0) -> dict:
@@ -73,3 +79,27 @@ def test_a_gap_within_the_spread_is_a_tie() -> None:
     assert row["optimal_slower_than"] == ["uniform"] and not row["optimal_no_slower"]
     assert row["bound_unit"] == "head"
     assert row["strategies"]["uniform"]["relative"] == 1.0 / 1.2
+
+
+def test_each_row_shows_measured_over_predicted() -> None:
+    from benchmarks.balance.bench_table import render
+
+    optimal, uniform = _split("optimal", 1.0, 0.05), _split("uniform", 1.2, 0.05)
+    optimal["measured_over_predicted"], uniform["measured_over_predicted"] = 1.02, 0.97
+    record = {
+        "settings": {"stages": 2, "chunks": 4, "runner": "gpipe"},
+        "splits": [optimal, uniform],
+    }
+    row = {**row_of(record, ("optimal", "uniform")), "model": "m", "setting": "K=2, GPipe"}
+    assert row["over_predicted"] == [1.02, 0.97] and row["optimal_over_predicted"] == 1.02
+    machine = {"processor": "x", "cpus": 2, "platform": "p", "load_average": [0.1]}
+    table = render(
+        {
+            "machine": {**machine, "load_average_after": [0.2]},
+            "settings": {"steps": 6, "warmup": 2},
+            "seconds": 60.0,
+            "rows": [row],
+        },
+        ("optimal", "uniform"),
+    )
+    assert "| 1.02 | 0.97–1.02 |" in table

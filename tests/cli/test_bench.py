@@ -53,6 +53,7 @@ def test_bench_one_process(
     assert "[1, 2]" in rows["given"]
     assert "loss: mean of the output" in out and "GPipe in one process on cpu" in out
     assert "speed-up of the row over the column" in out
+    assert "profiled in this process with" in out and "calibrated" not in out
     # Progress on stderr: one line a round, warm-up included.
     assert "round 3/3 done" in err
     assert picture.read_bytes().startswith(b"\x89PNG")
@@ -68,7 +69,10 @@ def test_bench_one_process(
     for key in ("measured", "spread", "predicted", "ideal", "stage_times", "saved_peak"):
         assert key in given
     assert given["measured_over_ideal"] == pytest.approx(given["measured"] / given["ideal"])
-    assert given["ideal"] == pytest.approx(sum(given["stage_times"]) / 2 * (2 + 2 - 1))
+    # Both stages take turns on the one CPU: the ideal and the prediction are M·Σc.
+    assert given["ideal"] == pytest.approx(sum(given["stage_times"]) * 2)
+    assert given["predicted"] == pytest.approx(sum(given["stage_times"]) * 2)
+    assert "predicted: stages 0, 1 share cpu: they run one after another" in out
     assert len(given["saved_peak"]) == 2 and all(p > 0 for p in given["saved_peak"])
     assert record["speedups"]["given"]["optimal"] == pytest.approx(
         splits["optimal"]["measured"] / given["measured"]
@@ -78,7 +82,7 @@ def test_bench_one_process(
 
 
 def test_bench_two_ranks(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str, calibration_cache: Path
 ) -> None:
     out_json = tmp_path / "bench.json"
     code, out, err = run(
@@ -104,6 +108,23 @@ def test_bench_two_ranks(
     assert [split["label"] for split in record["splits"]] == ["optimal", "uniform"]
     for split in record["splits"]:
         assert len(split["times"]) == 2 and len(split["saved_peak"]) == 2
+    # Profiled as a rank runs, and calibrated on the ranks, once: the plans count it.
+    assert "profiled on the 2 ranks at once, each bound to its CPUs" in out
+    assert f"(measured now, kept in {calibration_cache})" in out
+    from autopipe.distributed.calibration_cache import cached_runner_calibration
+
+    (entry,) = json.loads(calibration_cache.read_text())["entries"]
+    cached = cached_runner_calibration(entry)
+    assert cached is not None
+    for plan in record["plans"].values():
+        assert all(stage["overhead"] == cached["overhead_s"] for stage in plan["stages"])
+    argv = ["bench", model_file, "--ranks", "2", *QUICK, "--strategies", "optimal"]
+    code, out, err = run(capsys, *argv, "--steps", "1", "--warmup", "0")
+    assert code == 0, err
+    assert "calibrated: the runner costs" in out and "(cached from" in out
+    code, out, err = run(capsys, *argv, "--steps", "1", "--warmup", "0", "--no-calibrate")
+    assert code == 0, err
+    assert "not calibrated (--no-calibrate)" in out
 
 
 def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -124,7 +145,9 @@ def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         "0",
     )
     assert code == 0, err
-    assert out.splitlines()[2].startswith("optimal")
+    lines = out.splitlines()
+    table = next(i for i, line in enumerate(lines) if line.startswith("split "))
+    assert lines[table + 1].startswith("optimal")
     assert "1 timed step per split" in out
 
 

@@ -103,6 +103,25 @@ def test_plan_from_profile(capsys: pytest.CaptureFixture[str], profile_file: Pat
     assert "uniform [6, 5, 5]" in out
 
 
+def test_one_device_stages_take_turns(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    from autopipe.planning.plans import Plan
+
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", "--profile", str(profile_file), "--stages", "3", "--json", str(out_file)]
+    code, out, err = run(capsys, *argv, "--one-device")
+    assert code == 0, err
+    assert "stages 0, 1, 2 share cpu: they run one after another" in out
+    assert "the least memory per stage chose this one" in out
+    found = Plan.load(out_file)
+    assert found.shared == [[0, 1, 2]]
+    assert found.step_time == pytest.approx(found.chunks * sum(s.time for s in found.stages))
+    code, out, err = run(capsys, *argv)  # devices of their own: nothing shared
+    assert code == 0, err
+    assert "share cpu" not in out
+
+
 def test_plan_options(
     capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
 ) -> None:
@@ -204,6 +223,8 @@ def test_wrap_defaults_to_the_command_lines_chunks() -> None:
         (["--stages", "20"], "cannot split 16 layers into 20"),
         (["--bandwidth", "fast"], "cannot parse bandwidth 'fast'"),
         (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+        (["--one-device", "--virtual-stages", "2"], "leave out --virtual-stages"),
+        (["--one-device", "--search"], "the search ranks configurations of separate devices"),
     ],
 )
 def test_bad_plan_options(

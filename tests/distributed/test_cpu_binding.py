@@ -81,3 +81,18 @@ def test_init_distributed_binds_every_thread(tmp_path: Path) -> None:
     assert all(mask == share for mask in result["masks"].values())
     assert result["threads"] == len(share)
     assert result["sum"] == 3.0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux")
+def test_bound_as_runs_the_block_as_the_rank_and_restores() -> None:
+    import torch
+
+    from autopipe.distributed.cpu_binding import bound_as
+
+    before, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    with bound_as(0, 2) as share:
+        assert share == cpu_share(before, 0, 2)
+        assert sorted(os.sched_getaffinity(0)) == share
+        assert torch.get_num_threads() == len(share)
+    assert sorted(os.sched_getaffinity(0)) == before
+    assert torch.get_num_threads() == threads

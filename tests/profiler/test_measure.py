@@ -488,3 +488,15 @@ def test_autocast_profile_survives_json(tmp_path: object) -> None:
     profile.save(path)
     assert Profile.load(path) == profile
     assert Profile.load(path).autocast == "bfloat16"
+
+
+def test_the_profile_reports_its_timing_spread() -> None:
+    from profiler.layer import _spread
+
+    assert _spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.0 - 2.0) / 3.0)
+    assert _spread([2.0]) == 0.0 and _spread([0.0, 0.0]) == 0.0
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    profile = profile_model(model, torch.randn(8, 8), repeats=5, warmup=1, chunks=2)
+    assert 0.0 <= profile.meta["spread"] < 10.0
+    one = profile_model(model, torch.randn(8, 8), repeats=1, warmup=0, chunks=2)
+    assert one.meta["spread"] == 0.0  # one run per layer: no spread to tell

@@ -1,0 +1,141 @@
+"""``autopipe bench``'s profile and calibration, made in the conditions the splits run in.
+
+On local ranks each rank computes on its own share of the CPUs with as many threads
+(:func:`autopipe.distributed.cpu_binding.bind_cpus`), beside the other ranks: the model
+is profiled on the ranks themselves, all at once, not in one process with every core,
+and the runner's own costs (its seconds per stage
+and micro-batch, a message between ranks) come from the calibration cache of this
+machine and runtime, measured on the ranks the first time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from autopipe.cli.inputs import Inputs, read_profile
+from autopipe.cli.options import default_device
+from autopipe.planning.quantities import format_bytes, format_time
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from profiler.profile import Profile
+
+__all__: list[str] = []  # internal to the command line
+
+
+def _on_ranks_cpu(args: argparse.Namespace) -> bool:
+    return bool(args.ranks) and not (args.device or default_device()).startswith("cuda")
+
+
+def profile_as_run(
+    args: argparse.Namespace,
+    stages: int,
+    check_model: Callable[[nn.Sequential], None],
+    build: Callable[[], Any],
+) -> tuple[Inputs, str]:
+    """The profile to plan from, and a line saying how it was made.
+
+    With ``--ranks`` the layers are timed on the ranks, every rank profiling at once
+    bound as it runs the splits (:mod:`autopipe.distributed.rank_conditions`); this
+    process only counts their bytes (one quick run per layer). ``build`` makes the
+    model's units and sample on a rank.
+    """
+    import torch
+
+    from autopipe.cli.bench_options import profile_args
+
+    if args.profile:
+        return read_profile(profile_args(args), stages, check_model=check_model), (
+            f"profile: {args.profile}"
+        )
+    runs = f"{args.profile_repeats} timed runs per layer, medians"
+    if not args.ranks:
+        inputs = read_profile(profile_args(args), stages, check_model=check_model)
+        own = _count(torch.get_num_threads(), "thread")
+        return inputs, f"profiled in this process with {own} ({runs}{_spread(inputs)})"
+    from autopipe.distributed.rank_conditions import profile_on_local_ranks, with_rank_times
+
+    quick = argparse.Namespace(**{**vars(args), "profile_repeats": 1, "profile_warmup": 0})
+    inputs = read_profile(profile_args(quick), stages, check_model=check_model)
+    chunks = inputs.chunks or args.chunks
+    try:
+        measured = profile_on_local_ranks(
+            build,
+            args.ranks,
+            chunks=chunks or inputs.profile.chunks,
+            repeats=args.profile_repeats,
+            warmup=args.profile_warmup,
+            cuda=not _on_ranks_cpu(args),
+        )
+    except RuntimeError as exc:
+        raise ValueError(f"profiling on the ranks failed: {exc}") from None
+    inputs = Inputs(with_rank_times(inputs.profile, measured), inputs.batch, inputs.chunks)
+    threads = sorted({found["threads"] for found in measured})
+    each = "/".join(str(t) for t in threads)
+    bound = ", each bound to its CPUs" if _on_ranks_cpu(args) else ""
+    return inputs, (
+        f"profiled on the {args.ranks} ranks at once{bound} with {each} "
+        f"thread{'s' if threads != [1] else ''} each ({runs}, the mean over the "
+        f"ranks{_spread(inputs)})"
+    )
+
+
+def _spread(inputs: Inputs) -> str:
+    spread = inputs.profile.meta.get("spread")
+    return f"; layer times' spread {spread:.0%}" if isinstance(spread, float) else ""
+
+
+def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
+    """Applies the runner's calibration for ``--ranks`` to ``profile`` (cached, else
+    measured on the ranks and cached); the line saying what it applied, or why none."""
+    if not args.ranks:
+        return ""
+    if args.no_calibrate:
+        return "not calibrated (--no-calibrate): the runner's own costs count as free"
+    from autopipe.distributed.calibration_cache import (
+        apply_runner_calibration,
+        cache_file,
+        cached_runner_calibration,
+        runtime_key,
+        save_runner_calibration,
+    )
+    from autopipe.distributed.cpu_binding import cpu_share
+    from autopipe.distributed.rank_conditions import calibrate_local_ranks
+
+    cuda = not _on_ranks_cpu(args)
+    if cuda:
+        threads, bound, backend = 0, False, "nccl"
+    else:
+        import os
+
+        threads = len(cpu_share(sorted(os.sched_getaffinity(0)), 0, args.ranks))
+        bound, backend = True, "gloo"
+    key = runtime_key(
+        backend=backend, ranks=args.ranks, threads=threads, bound=bound, schedule=args.schedule
+    )
+    found = None if args.recalibrate else cached_runner_calibration(key)
+    if found is None:
+        try:
+            measured = calibrate_local_ranks(args.ranks, schedule=args.schedule, cuda=cuda)
+        except RuntimeError as exc:
+            raise ValueError(f"calibrating the ranks failed: {exc}") from None
+        found = save_runner_calibration(key, measured)
+        when = f"measured now, kept in {cache_file()}"
+    else:
+        stamp = found.get("measured_at")
+        day = time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if stamp else "earlier"
+        when = f"cached from {day} in {cache_file()}"
+    apply_runner_calibration(profile, found)
+    return (
+        f"calibrated: the runner costs {format_time(found['overhead_s'])} per stage and "
+        f"micro-batch, a message {format_time(found.get('latency_s', 0.0))} + "
+        f"{format_bytes(found.get('bandwidth', 0.0))}/s ({when})"
+    )
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"

@@ -1,0 +1,29 @@
+"""Settings every test runs under."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The calibration cache of runs started for many tests: empty, never the user's."""
+    before = os.environ.get("AUTOPIPE_CACHE_DIR")
+    os.environ["AUTOPIPE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("AUTOPIPE_CACHE_DIR", None)
+    else:
+        os.environ["AUTOPIPE_CACHE_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def calibration_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own empty calibration cache, so what one measures no other plans with."""
+    folder = tmp_path / "autopipe-cache"
+    monkeypatch.setenv("AUTOPIPE_CACHE_DIR", str(folder))
+    return folder / "calibration.json"
