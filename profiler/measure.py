@@ -18,6 +18,7 @@ from profiler.layer import CacheFlush, tensor_bytes
 from profiler.layer_names import layer_names
 from profiler.materialize import has_meta
 from profiler.measure_pass import MeasureSettings, measure_layers
+from profiler.memory_guard import measuring_bytes
 from profiler.pooling import pool_identical
 from profiler.precision import check_autocast, current_autocast
 from profiler.profile import Profile
@@ -147,6 +148,9 @@ def profile_layers(
 
     Raises:
         ValueError: bad layers, sample, chunks, batch sizes, names, counts or autocast.
+        MemoryShortage: a layer's counted bytes (its state, their gradients, its
+            activations at the batch sizes) exceed the device's free memory; raised before
+            that layer gets storage (a ``ValueError``).
     """
     layers = list(layers)
     if not layers:
@@ -200,6 +204,7 @@ def profile_layers(
                 signatures=signatures,
                 reuse=pool,
                 progress=progress,
+                needs=_needs(layers, counted, [input_bytes, *_outputs(counted)]),
             )
             del inputs
         else:
@@ -254,6 +259,23 @@ def _count(
         if required:
             raise
         return str(exc)
+
+
+def _outputs(counted: list[CountedLayer] | None) -> list[list[int]]:
+    """Each counted layer's output bytes at each batch size: the next layer's input."""
+    return [[c.output for c in layer.counts] for layer in counted or []]
+
+
+def _needs(
+    layers: list[nn.Module], counted: list[CountedLayer] | None, inputs: list[list[int]]
+) -> list[tuple[int, str]]:
+    """The bytes measuring each layer holds (its state alone where it was not counted)."""
+    if counted is None:
+        return [measuring_bytes(layer, None, inputs[0]) for layer in layers]
+    return [
+        measuring_bytes(layer, c.counts, x)
+        for layer, c, x in zip(layers, counted, inputs[: len(layers)], strict=True)
+    ]
 
 
 def profile_model(model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwargs: Any) -> Profile:
