@@ -6,10 +6,15 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 __all__ = ["read_json", "write_json"]
+
+# A temporary file untouched this long was left by a killed writer (a write takes well
+# under a second); younger ones may belong to a concurrent writer still at work.
+_STALE_SECONDS = 60.0
 
 
 def write_json(path: str | os.PathLike[str], kind: str, data: dict[str, Any]) -> None:
@@ -21,7 +26,11 @@ def write_json(path: str | os.PathLike[str], kind: str, data: dict[str, Any]) ->
     """
     target = Path(path)
     text = json.dumps({"kind": kind, **data}, indent=1)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    _sweep(target)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as exc:  # name the target, not the hidden temporary file
+        raise OSError(f"cannot write {kind} file {target}: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "w") as file:
             file.write(text)
@@ -30,10 +39,22 @@ def write_json(path: str | os.PathLike[str], kind: str, data: dict[str, Any]) ->
         # mkstemp makes the file private (0600); give it the mode open() would.
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
-    except BaseException:  # KeyboardInterrupt too: no temporary file is left behind
+    except BaseException as exc:  # KeyboardInterrupt too: no temporary file is left behind
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise OSError(f"cannot write {kind} file {target}: {exc.strerror}") from None
         raise
+
+
+def _sweep(target: Path) -> None:
+    """Removes the temporary files a killed write to ``target`` left behind."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for stale in target.parent.glob(f".{target.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                if now - stale.stat().st_mtime > _STALE_SECONDS:
+                    stale.unlink()
 
 
 def _umask() -> int:

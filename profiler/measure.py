@@ -19,6 +19,7 @@ from profiler.layer import CacheFlush, tensor_bytes
 from profiler.layer_names import layer_names
 from profiler.materialize import has_meta
 from profiler.measure_pass import MeasureSettings, measure_layers
+from profiler.memory_guard import measuring_bytes
 from profiler.pooling import pool_identical
 from profiler.precision import check_autocast, current_autocast
 from profiler.profile import LayerProfile, Profile
@@ -129,6 +130,9 @@ def profile_layers(
 
     Raises:
         ValueError: bad layers, sample, chunks, batch sizes, names, counts or autocast.
+        MemoryShortage: a layer's counted bytes (its state, their gradients, its
+            activations at the batch sizes) exceed the device's free memory; raised before
+            that layer gets storage (a ``ValueError``).
     """
     layers = list(layers)
     if not layers:
@@ -187,6 +191,7 @@ def profile_layers(
                 reuse=pool,
                 progress=progress,
                 spreads=spreads,
+                needs=_needs(layers, counted, [input_bytes, *_outputs(counted)]),
             )
             del inputs
             meta["spread"] = _weighted_spread(results, spreads)
@@ -281,6 +286,23 @@ def _count(
         if required:
             raise
         return str(exc)
+
+
+def _outputs(counted: list[CountedLayer] | None) -> list[list[int]]:
+    """Each counted layer's output bytes at each batch size: the next layer's input."""
+    return [[c.output for c in layer.counts] for layer in counted or []]
+
+
+def _needs(
+    layers: list[nn.Module], counted: list[CountedLayer] | None, inputs: list[list[int]]
+) -> list[tuple[int, str]]:
+    """The bytes measuring each layer holds (its state alone where it was not counted)."""
+    if counted is None:
+        return [measuring_bytes(layer, None, inputs[0]) for layer in layers]
+    return [
+        measuring_bytes(layer, c.counts, x)
+        for layer, c, x in zip(layers, counted, inputs[: len(layers)], strict=True)
+    ]
 
 
 def profile_model(model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwargs: Any) -> Profile:

@@ -21,6 +21,7 @@ from profiler.layer import (
     tensor_bytes,
 )
 from profiler.materialize import has_meta, materialize
+from profiler.memory_guard import check_fits
 from profiler.pooling import layer_signature
 from profiler.precision import autocast_pass
 from profiler.profile import LayerProfile
@@ -156,6 +157,7 @@ def measure_layers(
     reuse: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
     spreads: list[float] | None = None,
+    needs: Sequence[tuple[int, str]] | None = None,
 ) -> tuple[list[LayerProfile], list[str]]:
     """Measures each layer on the previous one's outputs, at every batch size.
 
@@ -177,9 +179,15 @@ def measure_layers(
         progress: called as ``progress(done, total, name)`` after each layer.
         spreads: when given, each layer's timing spread (interquartile range of its
             forward and backward runs over their median) is appended to it.
+        needs: each layer's counted bytes of measuring it and what they are made of
+            (:func:`profiler.memory_guard.measuring_bytes`); a layer is refused before it
+            is materialized when the device's free memory is short of them.
 
     Returns:
         The profiles, each ``shared`` figure set from its predecessor, and the signatures.
+
+    Raises:
+        MemoryShortage: a layer to measure does not fit the device's free memory.
     """
     remaining = Counter(signatures) if signatures is not None else None
     kept: OrderedDict[str, _Measured] = OrderedDict()
@@ -199,6 +207,10 @@ def measure_layers(
             inputs, _ = _outputs(twin.call, inputs, settings, label)
             profile = replace(twin.profile, name=name)
         else:
+            if needs is not None:
+                # Read now, not once: replicas kept for later twins hold memory too.
+                label = f"layer {name} ({type(layer).__name__})"
+                check_fits(label, *needs[index], settings.device)
             later = remaining is None or remaining[signature] > 1
             measured, inputs = _measure_one(layer, name, inputs, settings, packed, reuse and later)
             profile = measured.profile

@@ -156,6 +156,25 @@ def _check_layer(layer: LayerProfile, where: str, n: int) -> None:
         _check_amount(getattr(layer, what), f"{where}.{what}", _BYTES)
 
 
+# What a figure may sum to over the layers. Planning multiplies sums by micro-batch, stage
+# and replica counts; far below the float maximum, they stay finite (1e200 seconds or
+# bytes is no measurement).
+_SUM_LIMIT = 1e200
+
+
+def _check_sums(layers: Sequence[LayerProfile]) -> None:
+    """Every figure summed over the layers stays finite through planning's arithmetic."""
+    for what in (*_LAYER_TIMES, *_LAYER_BYTES, *_LAYER_COUNTS, "param_bytes", "buffer_bytes"):
+        found = [getattr(layer, what) for layer in layers]
+        rows = [[v] if isinstance(v, numbers.Real) else v for v in found if v is not None]
+        total = sum(max(float(x) for x in row) for row in rows if row)
+        if not total < _SUM_LIMIT:
+            raise ValueError(
+                f"layers[*].{what} sums to {total:g} over the layers, beyond the {_SUM_LIMIT:g} "
+                "a profile's figures can be planned with; the profile is corrupt: profile again"
+            )
+
+
 def _check_fields(kind: type, data: dict[str, Any], where: str) -> None:
     """Every field the dataclass ``kind`` requires is in ``data``, and no other."""
     known = {f.name: f for f in fields(kind)}
@@ -256,6 +275,7 @@ class Profile:
                 raise ValueError(f"layers[{i}] must be a LayerProfile, got {layer!r}")
             _check_layer(layer, f"layers[{i}]", n)
         _check_tied(self.tied, len(self.layers))
+        _check_sums(self.layers)
 
         self._fits: dict[tuple[int, str], tuple[float, float]] = {}
 

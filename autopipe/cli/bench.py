@@ -17,6 +17,7 @@ from autopipe.cli.bench_options import (
     gpipe_devices,
     strategy_names,
 )
+from autopipe.cli.model_output import model_output_to_stderr
 from autopipe.cli.options import cost_options, default_device, default_stages
 from autopipe.errors import PlanningError
 from autopipe.planning.planner import default_chunks
@@ -227,7 +228,8 @@ def bench_command(args: argparse.Namespace) -> int:
         f"{_count(args.steps, 'timed step')} each, on {runner}",
         file=sys.stderr,
     )
-    measured = _measure(args, distinct, stages, dtype)
+    with model_output_to_stderr():  # the model's steps may print; the table is stdout's
+        measured = _measure(args, distinct, stages, dtype)
     costs = unit_costs(profile, stages, **options)
     summaries = [
         summarize(label, plans[label], measured[first_of[label]], costs) for label in plans

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from autopipe.cli.inputs import load_matching
+from autopipe.cli.model_output import model_output_to_stderr
 from autopipe.cli.options import check_writable, save
 from autopipe.planning.quantities import format_bytes, format_time
 
@@ -33,9 +34,10 @@ def calibrate_command(args: argparse.Namespace) -> int:
         what = "executor overhead, link" + (f", whole steps of {args.model}" if model else "")
         print(f"calibrating: {what} ({args.repeats} repeats each)...", file=sys.stderr)
     try:
-        values = calibrate_executor(
-            profile, devices, repeats=args.repeats, model=model, sample=sample
-        )
+        with model_output_to_stderr():  # the model's whole steps may print
+            values = calibrate_executor(
+                profile, devices, repeats=args.repeats, model=model, sample=sample
+            )
     except (RuntimeError, AssertionError) as exc:  # e.g. a device torch cannot use
         message = " ".join(str(exc).split())
         raise ValueError(f"calibration failed: {type(exc).__name__}: {message}") from None

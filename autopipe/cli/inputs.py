@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autopipe.cli.model_output import model_output_to_stderr
 from autopipe.cli.options import default_device
 from autopipe.planning.planner import default_chunks
 from profiler.precision import DTYPES
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
     from autopipe.cli.model_file import Sample
     from profiler.profile import Profile
+    from profiler.progress import TerminalProgress
 
 __all__: list[str] = []  # internal to the command line
 
@@ -45,7 +47,18 @@ def read_profile(
     check_model: Callable[[nn.Sequential], None] | None = None,
 ) -> Inputs:
     """The ``--profile`` file (checked against the model file if one is given), or the
-    model file's layers measured as :func:`measure_model` does."""
+    model file's layers measured as :func:`measure_model` does; what the model prints
+    goes to stderr."""
+    with model_output_to_stderr():
+        return _read_profile(args, stages, measure_batch, check_model)
+
+
+def _read_profile(
+    args: argparse.Namespace,
+    stages: int,
+    measure_batch: int | None,
+    check_model: Callable[[nn.Sequential], None] | None,
+) -> Inputs:
     if args.profile:
         profile = _load_profile(args)
         batch = args.batch
@@ -81,13 +94,14 @@ def measure_model(
     """
     from autopipe.cli.model_file import load_split
 
-    owner, model, sample = load_split(
-        args.model, args.dtype, granularity=args.granularity, leaf_modules=args.leaf_modules
-    )
-    if check_model is not None:
-        check_model(model)
-    chunks: int = args.chunks or default_chunks(stages, batch or _batch_size(sample))
-    return _measure(model, sample, args, chunks, owner), chunks
+    with model_output_to_stderr():  # the model's prints are not the command's output
+        owner, model, sample = load_split(
+            args.model, args.dtype, granularity=args.granularity, leaf_modules=args.leaf_modules
+        )
+        if check_model is not None:
+            check_model(model)
+        chunks: int = args.chunks or default_chunks(stages, batch or _batch_size(sample))
+        return _measure(model, sample, args, chunks, owner), chunks
 
 
 def _load_profile(args: argparse.Namespace) -> Profile:
@@ -131,7 +145,8 @@ def load_matching(
 
     # A profile made with --dtype measured the cast model: compare with that one.
     cast = profile.dtype if profile.dtype in DTYPES and profile.dtype != "float32" else None
-    model, sample = _load(args, cast, path)
+    with model_output_to_stderr():
+        model, sample = _load(args, cast, path)
     check_profile_matches(profile, model, profile_path, path)
     # A profile saved with slash names (h/3) plans with the names the model gives (h.3).
     for layer, name in zip(profile.layers, layer_names(model), strict=True):
@@ -152,6 +167,7 @@ def _measure(
     """
     from profiler.layer_names import layer_names
     from profiler.measure import profile_model
+    from profiler.memory_guard import MemoryShortage
     from profiler.progress import TerminalProgress
 
     children = list(zip(layer_names(model), model.children()))
@@ -177,17 +193,29 @@ def _measure(
             # For a catalog device the layers are counted, not timed here.
             measure=not getattr(args, "target", None),
         )
+    except MemoryShortage as exc:
+        _end_line(show, done)
+        raise ValueError(
+            f"{exc.shortage()}; plan for a catalog device with --target DEVICE (the layers "
+            "are counted, not run) or make `sample` smaller"
+        ) from None
     except ValueError:
+        _end_line(show, done)
         raise
     except Exception as exc:
-        if show.enabled() and done:
-            show.stream.write("\n")
+        _end_line(show, done)
         name, child = children[min(done, len(children) - 1)]
         message = " ".join(str(exc).split())
         raise ValueError(
             f"profiling layer {done} ({name}: {type(child).__name__}) failed: "
             f"{type(exc).__name__}: {message}"
         ) from None
+
+
+def _end_line(show: TerminalProgress, done: int) -> None:
+    """Ends an open progress line, so that the error starts a line of its own."""
+    if show.enabled() and done:
+        show.stream.write("\n")
 
 
 def _batch_size(sample: Sample) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -34,6 +35,13 @@ _MODEL_HELP = (
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line, like every other error."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes `-5GiB` for an option (only plain numbers such as `-5` read as
+        # values), so `--memory -5GiB` would fail as a missing value; read anything that
+        # starts like a negative number as a value, which the option then refuses.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         line = " ".join(message.split())

@@ -184,6 +184,11 @@ def read_catalog(path: str | os.PathLike[str]) -> dict[str, CatalogDevice]:
         raise ValueError(f"{path}: cannot read the catalog file ({exc.strerror})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib lets the codec's error out
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start}); save the catalog file as UTF-8"
+        ) from None
     try:
         devices = [_device(key, value) for key, value in data.items()]
     except ValueError as exc:

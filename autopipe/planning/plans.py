@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -267,6 +268,22 @@ def _count(value: object, where: str) -> int:
     return value
 
 
+_PLAN_AMOUNTS = ("bottleneck", "step_time", "bubble", "allreduce", "throughput", "tied_time")
+_STAGE_AMOUNTS = (
+    "compute", "transfer", "time", "memory", "param_memory", "activation_memory",
+    "recompute", "overhead", "allreduce", "forward", "weight", "tied",
+)  # fmt: skip
+
+
+def _check_amounts(item: object, where: str, names: tuple[str, ...]) -> None:
+    """Each predicted figure is a finite number >= 0 (JSON lets NaN and Infinity in)."""
+    for name in names:
+        value = getattr(item, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where}{name} is {value!r}; it must be a finite number >= 0")
+
+
 def _check_plan(plan: Plan) -> None:
     """The balance, the stages and the devices describe one split (a loaded file may
     have been edited so that they contradict each other)."""
@@ -278,6 +295,9 @@ def _check_plan(plan: Plan) -> None:
         _count(getattr(plan, what), what)
     if not isinstance(plan.shard_optimizer, bool):
         raise ValueError(f"shard_optimizer is {plan.shard_optimizer!r}; it must be true or false")
+    _check_amounts(plan, "", _PLAN_AMOUNTS)
+    for k, stage in enumerate(plan.stages):
+        _check_amounts(stage, f"stages[{k}].", _STAGE_AMOUNTS)
     if len(plan.stages) != len(plan.balance):
         raise ValueError(
             f"balance {plan.balance} has {len(plan.balance)} stages but stages lists "

@@ -234,3 +234,35 @@ def test_granularity(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
     assert_error(*run(capsys, *argv), "apply to traced models only")
     code, _, err = run(capsys, "plan", str(path), "--granularity", "rows")
     assert code == 2 and "invalid choice: 'rows'" in err
+
+
+META_MODEL = """
+import torch
+from torch import nn
+
+with torch.device("meta"):
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+sample = torch.randn(8, 1024)
+"""
+
+
+@pytest.mark.parametrize("command", ["plan", "profile"])
+def test_meta_model_larger_than_free_memory_is_refused(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    command: str,
+) -> None:
+    import profiler.memory_guard
+
+    # 1 MiB free: less than one 4 MiB layer, which is refused before it gets storage.
+    monkeypatch.setattr(profiler.memory_guard, "free_bytes", lambda device: 1 << 20)
+    path = tmp_path / "giant.py"
+    path.write_text(META_MODEL)
+    output = tmp_path / "out.json"
+    where = ["--json", str(output)] if command == "plan" else ["-o", str(output)]
+    code, out, err = run(capsys, command, str(path), *where, *FAST)
+    assert_error(code, out, err, "measuring layer 0 (Linear) needs")
+    assert "the host has 1.00 MiB free" in err
+    assert "--target DEVICE" in err and "make `sample` smaller" in err
+    assert not output.exists()

@@ -6,7 +6,7 @@ import pytest
 
 import autopipe
 from autopipe.cli.arguments import GRANULARITIES as CLI_GRANULARITIES
-from tests.support.cli_support import MLP, run
+from tests.support.cli_support import MLP, assert_error, run
 
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,3 +51,20 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str]) -> No
     (line,) = err.splitlines()
     command = f"autopipe {argv[0]}" if argv[:1] in (["plan"], ["profile"]) else "autopipe"
     assert line.startswith(f"{command}: error: ") and line.endswith(f"(see {command} --help)")
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--memory", "-5GiB"], "memory size '-5GiB' is negative"),
+        (["--memory", "1GiB,-2GiB"], "memory size '-2GiB' is negative"),
+        (["--bandwidth", "-1GB"], "bandwidth must be positive, got '-1GB'"),
+        (["--optimizer", "-1.5"], "optimizer state factor must be a finite number >= 0"),
+    ],
+)
+def test_negative_looking_values_are_values_and_refused(
+    capsys: pytest.CaptureFixture[str], option: list[str], message: str
+) -> None:
+    # argparse reads `-5GiB` as an unknown option unless told that it is a value.
+    code, out, err = run(capsys, "plan", MLP, *option)
+    assert_error(code, out, err, message)

@@ -150,3 +150,12 @@ def test_a_profile_without_counts_cannot_be_estimated(
     linear_profile([1.0, 2.0], params=[10, 10], batch=8).save(path)
     argv = ["plan", "--profile", str(path), "--target", "h100", "--stages", "2"]
     assert_error(*run(capsys, *argv), "count")
+
+
+def test_a_catalog_that_is_not_utf8_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    catalog = tmp_path / "latin1.toml"
+    catalog.write_bytes('[mygpu]\nname = "Gr\xe4fik"\n'.encode("latin-1"))
+    code, out, err = run(capsys, "plan", MLP, "--target", "mygpu", "--catalog", str(catalog))
+    assert_error(code, out, err, f"{catalog}: not UTF-8 text (byte 0xe4")

@@ -64,6 +64,12 @@ def _edited_plan(tmp_path, edit):
         (lambda d: d["stages"][0].__setitem__("checkpoint", "often"), "stages[0].checkpoint is"),
         (lambda d: d["profile"]["layers"].pop(), "splits 4 layers but the plan's profile has 3"),
         (lambda d: d["devices"][0].__setitem__("memory", "lots"), "cannot parse memory size"),
+        (lambda d: d.__setitem__("step_time", float("nan")), "step_time is nan; it must be"),
+        (lambda d: d.__setitem__("bubble", "0.1"), "bubble is '0.1'; it must be a finite"),
+        (
+            lambda d: d["stages"][1].__setitem__("memory", float("inf")),
+            "stages[1].memory is inf; it must be a finite number >= 0",
+        ),
         (
             lambda d: d["profile"]["layers"][1]["forward"].__setitem__(0, -1.0),
             "profile: layers[1].forward[0] is -1.0; times must be finite",

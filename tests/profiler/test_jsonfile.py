@@ -109,3 +109,24 @@ def test_read_refuses_other_kinds(tmp_path: Path) -> None:
     path.write_text(json.dumps({"kind": "plan"}))
     with pytest.raises(ValueError, match="not an autopipe profile file"):
         read_json(path, "profile")
+
+
+def test_unwritable_place_names_the_target(tmp_path: Path) -> None:
+    target = tmp_path / "missing" / "profile.json"
+    with pytest.raises(OSError) as caught:
+        write_json(target, "profile", {"a": 1})
+    assert str(caught.value).startswith(f"cannot write profile file {target}: ")
+    assert ".tmp" not in str(caught.value)
+
+
+def test_temporary_file_of_a_killed_write_is_swept(tmp_path: Path) -> None:
+    target = tmp_path / "plan.json"
+    stale = tmp_path / ".plan.json.abc123.tmp"
+    fresh = tmp_path / ".plan.json.def456.tmp"  # perhaps a concurrent writer's
+    stale.write_text("{")
+    fresh.write_text("{")
+    old = stale.stat().st_mtime - 2 * jsonfile._STALE_SECONDS
+    os.utime(stale, (old, old))
+    write_json(target, "plan", {"a": 1})
+    assert not stale.exists() and fresh.exists()
+    assert read_json(target, "plan") == {"a": 1}

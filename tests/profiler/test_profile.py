@@ -226,6 +226,12 @@ def _edited(tmp_path: Path, edit) -> Path:
         (lambda d: d.__setitem__("chunks", "2"), "chunks is '2'; the micro-batch count"),
         (lambda d: d.__setitem__("input", [-1, 2]), "input[0] is -1; byte counts"),
         (lambda d: d.__setitem__("meta", []), "meta must be an object"),
+        (lambda d: d["layers"][0].__setitem__("forward", [1.0, float("nan")]), "forward[1] is nan"),
+        (
+            # Finite figures whose sum overflows: planning would add them up to inf.
+            lambda d: [layer.__setitem__("backward", [1e308, 1e308]) for layer in d["layers"]],
+            "layers[*].backward sums to inf over the layers, beyond the 1e+200",
+        ),
         (lambda d: d["layers"][1].pop("forward"), "layers[1] lacks field 'forward'"),
         (lambda d: d["layers"][1].__setitem__("speed", 1), "layers[1] has unknown field 'speed'"),
         (lambda d: d.pop("batch_sizes"), "the profile lacks field 'batch_sizes'"),
