@@ -173,7 +173,15 @@ def main() -> None:
             search_options=searched,
         )
     else:
-        pipe = configured(model, data[0][0], device, args)
+        try:
+            pipe = configured(model, data[0][0], device, args)
+        except (OSError, ValueError) as exc:
+            # A bad --plan (unreadable, not a plan, or not this model's): one line per
+            # rank, no traceback. Every rank loads the same file, so every rank stops here.
+            sys.stderr.write(f"rank {dist.get_rank()}: {exc}\n")  # one write: lines stay whole
+            sys.stderr.flush()
+            dist.destroy_process_group()
+            sys.exit(2)
     rank = dist.get_rank()
     if rank == 0:
         plan = pipe.plan

@@ -75,3 +75,18 @@ def test_torchrun_trains_the_gpt2_example_with_its_tied_head(tmp_path: Path) -> 
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": 1, "balance": "x"}'])
+def test_a_bad_plan_file_stops_every_rank_with_one_line(tmp_path: Path, content: str) -> None:
+    bad = tmp_path / "BAD.json"
+    bad.write_text(content)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(EXAMPLE), "--steps", "1", "--plan", str(bad)]
+    command += ["--timeout", "60"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert run.returncode != 0
+    # No rank's traceback (torchrun's own report of the failed ranks follows theirs).
+    assert 'train_distributed.py", line' not in run.stdout + run.stderr
+    lines = [line for line in run.stderr.splitlines() if str(bad) in line]
+    assert sorted(line.split(":")[0] for line in lines) == ["rank 0", "rank 1"], run.stderr
