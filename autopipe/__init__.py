@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from autopipe.distributed import DistributedPipeline
     from autopipe.errors import PlanningError
     from autopipe.gpipe import GPipe, WrappedPipeline, wrap
+    from autopipe.microbatching import is_checkpointing, is_recomputing
     from autopipe.planning import DeviceSpec, Plan, StagePlan, make_devices, partition, plan, search
     from profiler.profile import LayerProfile, Profile
 
@@ -32,6 +33,8 @@ __all__ = [
     "Profile",
     "StagePlan",
     "WrappedPipeline",
+    "is_checkpointing",
+    "is_recomputing",
     "make_devices",
     "partition",
     "plan",
@@ -49,6 +52,8 @@ _HOMES = {
     "Profile": "profiler.profile",
     "StagePlan": "autopipe.planning",
     "WrappedPipeline": "autopipe.gpipe",
+    "is_checkpointing": "autopipe.microbatching",
+    "is_recomputing": "autopipe.microbatching",
     "make_devices": "autopipe.planning",
     "partition": "autopipe.planning",
     "plan": "autopipe.planning",
@@ -57,8 +62,9 @@ _HOMES = {
 }
 
 
-# Modules under a short name: ``autopipe.timeline.trace(plan)``.
-_MODULES = {"timeline": "autopipe.planning.timeline"}
+# Modules under a short name: ``autopipe.timeline.trace(plan)``; ``autopipe.balance`` is
+# the package itself, loaded on first use like the names above.
+_MODULES = {"balance": "autopipe.balance", "timeline": "autopipe.planning.timeline"}
 
 
 def __getattr__(name: str) -> Any:
