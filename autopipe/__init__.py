@@ -3,7 +3,8 @@
 Layers, each a subpackage, from the bottom up: :mod:`autopipe.planning` (pure numbers, no
 torch), :mod:`autopipe.graph` (any module cut into units), :mod:`autopipe.microbatching` (what
 both runners need to train micro-batches like the whole batch), :mod:`autopipe.gpipe` (one
-process) and :mod:`autopipe.distributed` (torch pipelining), and :mod:`autopipe.cli`. Every
+process), :mod:`autopipe.distributed` (torch pipelining) and :mod:`autopipe.balance`
+(torchgpipe's measuring balancers), and :mod:`autopipe.cli`. Every
 name below loads on first use, so ``import autopipe`` costs nothing and planning never
 imports torch.
 """
