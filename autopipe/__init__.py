@@ -3,7 +3,8 @@
 Layers, each a subpackage, from the bottom up: :mod:`autopipe.planning` (pure numbers, no
 torch), :mod:`autopipe.graph` (any module cut into units), :mod:`autopipe.microbatching` (what
 both runners need to train micro-batches like the whole batch), :mod:`autopipe.gpipe` (one
-process) and :mod:`autopipe.distributed` (torch pipelining), and :mod:`autopipe.cli`. Every
+process), :mod:`autopipe.distributed` (torch pipelining) and :mod:`autopipe.balance`
+(torchgpipe's measuring balancers), and :mod:`autopipe.cli`. Every
 name below loads on first use, so ``import autopipe`` costs nothing and planning never
 imports torch.
 """
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from autopipe.distributed import DistributedPipeline
     from autopipe.errors import PlanningError
     from autopipe.gpipe import GPipe, WrappedPipeline, wrap
+    from autopipe.microbatching import is_checkpointing, is_recomputing
     from autopipe.planning import DeviceSpec, Plan, StagePlan, make_devices, partition, plan, search
     from profiler.profile import LayerProfile, Profile
 
@@ -32,6 +34,8 @@ __all__ = [
     "Profile",
     "StagePlan",
     "WrappedPipeline",
+    "is_checkpointing",
+    "is_recomputing",
     "make_devices",
     "partition",
     "plan",
@@ -49,6 +53,8 @@ _HOMES = {
     "Profile": "profiler.profile",
     "StagePlan": "autopipe.planning",
     "WrappedPipeline": "autopipe.gpipe",
+    "is_checkpointing": "autopipe.microbatching",
+    "is_recomputing": "autopipe.microbatching",
     "make_devices": "autopipe.planning",
     "partition": "autopipe.planning",
     "plan": "autopipe.planning",
@@ -57,8 +63,9 @@ _HOMES = {
 }
 
 
-# Modules under a short name: ``autopipe.timeline.trace(plan)``.
-_MODULES = {"timeline": "autopipe.planning.timeline"}
+# Modules under a short name: ``autopipe.timeline.trace(plan)``; ``autopipe.balance`` is
+# the package itself, loaded on first use like the names above.
+_MODULES = {"balance": "autopipe.balance", "timeline": "autopipe.planning.timeline"}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from autopipe.microbatching.recomputation import recomputing
+from autopipe.microbatching.recomputation import checkpointing, recomputing
 from autopipe.planning.names import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from profiler.precision import autocast_pass
 
@@ -105,7 +105,8 @@ class _Replay:
     def __call__(self, *args: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
-            return self.stage._run(*args)
+            with checkpointing():
+                return self.stage._run(*args)
         originals = [
             (module, name, buffer)
             for module in self.stage.modules()

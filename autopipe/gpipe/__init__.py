@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from autopipe.gpipe.gpipe import GPipe
+from autopipe.gpipe.gpipe import GPipe, verify_module
 from autopipe.gpipe.wrapped import WrappedPipeline
 from autopipe.gpipe.wrapping import wrap
 
-__all__ = ["GPipe", "WrappedPipeline", "wrap"]
+__all__ = ["GPipe", "WrappedPipeline", "verify_module", "wrap"]

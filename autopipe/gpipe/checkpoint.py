@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from autopipe.gpipe.autocast_state import AutocastState
 from autopipe.gpipe.microbatch import Batch, TensorOrTensors
-from autopipe.microbatching.recomputation import recomputing
+from autopipe.microbatching.recomputation import checkpointing, recomputing
 
 __all__: list[str] = []  # internal to the package
 
@@ -101,7 +101,8 @@ class Checkpoint(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         # The partition gets copies: a first layer working in place (ReLU(inplace=True))
         # would otherwise change the input kept for recomputation, silently.
-        batch = _copies(inputs, atomic).call(function)
+        with checkpointing():
+            batch = _copies(inputs, atomic).call(function)
         # Detached references: an output returned as-is from a custom Function becomes a view
         # that later in-place layers may not modify.
         outputs = tuple(t.detach() for t in batch)

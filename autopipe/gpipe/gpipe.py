@@ -21,7 +21,7 @@ from profiler.devices import resolve_device, stage_devices
 if TYPE_CHECKING:
     from autopipe.planning.plans import Plan
 
-__all__ = ["GPipe"]
+__all__ = ["GPipe", "verify_module"]
 
 Device = torch.device | str | int
 
@@ -45,12 +45,53 @@ def refuse_device_move(
         raise error()
 
 
-def _validate(
-    module: nn.Module, balance: Iterable[int], chunks: int, checkpoint: str | Sequence[str]
-) -> list[int]:
+def verify_module(module: nn.Module) -> None:
+    """Checks that ``module`` can be split into partitions (torchgpipe's check).
+
+    Args:
+        module: the model to split.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        ValueError: it holds the same layer more than once.
+    """
     if not isinstance(module, nn.Sequential):
         kind = type(module).__name__
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {kind}")
+    layers = list(module._modules.values())
+    if len({id(layer) for layer in layers}) != len(layers):
+        raise ValueError(
+            "module with duplicate children is not supported: the module holds the same "
+            "layer more than once; give each position its own layer"
+        )
+
+
+def _modes(checkpoint: object) -> list[str]:
+    """The checkpoint modes ``checkpoint`` names: one for all partitions, or one each."""
+    wrong = ValueError(
+        "checkpoint is not one of 'always', 'except_last', or 'never' (nor a list of one "
+        f"per partition): got {checkpoint!r}"
+    )
+    if isinstance(checkpoint, str):
+        modes = [checkpoint]
+    elif isinstance(checkpoint, (list, tuple)):
+        modes = list(checkpoint)
+    else:
+        raise wrong
+    if any(not isinstance(mode, str) or mode not in FIXED_CHECKPOINT_MODES for mode in modes):
+        raise wrong
+    return modes
+
+
+def _validate(
+    module: nn.Module, balance: Iterable[int] | None, chunks: int, checkpoint: object
+) -> list[int]:
+    verify_module(module)
+    if balance is None:
+        raise ValueError(
+            "balance is required: the layers per partition, e.g. from "
+            "autopipe.balance.balance_by_time(partitions, module, sample) or autopipe.partition"
+        )
     balance = list(balance)
     if not balance:
         raise ValueError("balance must have at least one partition")
@@ -58,20 +99,15 @@ def _validate(
         raise ValueError(f"balance entries must be integers, got {balance}")
     if any(b < 1 for b in balance):
         raise ValueError(f"every partition needs at least one layer; balance is {balance}")
-    if sum(balance) != len(module):
+    layers = len(module._modules)
+    if sum(balance) != layers:
         raise ValueError(
-            f"balance {balance} sums to {sum(balance)} but the module has {len(module)} layers"
+            f"balance {balance} sums to {sum(balance)} but the module has {layers} "
+            "layers; autopipe.balance.balance_by_time finds a balance that fits"
         )
-    layers = list(module._modules.values())
-    if len({id(layer) for layer in layers}) != len(layers):
-        raise ValueError("the module holds the same layer more than once; that is not supported")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
-    if any(mode not in FIXED_CHECKPOINT_MODES for mode in modes):
-        raise ValueError(
-            f"checkpoint must be one of {FIXED_CHECKPOINT_MODES}, got {checkpoint!r}"
-        )
+    modes = _modes(checkpoint)
     if not isinstance(checkpoint, str) and len(modes) != len(balance):
         raise ValueError(
             f"checkpoint has {len(modes)} modes but there are {len(balance)} partitions"
@@ -104,7 +140,8 @@ class GPipe(nn.Module):
 
     Args:
         module: the model; its layers are moved to their devices in place.
-        balance: layers per partition; must sum to ``len(module)``.
+        balance: layers per partition; must sum to ``len(module)``. Required (``None``
+            is refused); :mod:`autopipe.balance` measures one.
         devices: one device per partition (extra ones are ignored). Defaults to the visible
             GPUs round-robin, or to the CPU for every partition when there is none
             (:func:`profiler.devices.stage_devices`).
@@ -138,7 +175,7 @@ class GPipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential,
-        balance: Iterable[int],
+        balance: Iterable[int] | None = None,
         *,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,

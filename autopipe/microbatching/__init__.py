@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from autopipe.microbatching.batchnorm import DeferredBatchNorm, resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
-from autopipe.microbatching.recomputation import is_recomputing, recomputing
+from autopipe.microbatching.recomputation import (
+    checkpointing,
+    is_checkpointing,
+    is_recomputing,
+    recomputing,
+)
 
-__all__ = ["DeferredBatchNorm", "defer_layers", "is_recomputing", "recomputing", "resolve_deferred"]
+__all__ = [
+    "DeferredBatchNorm",
+    "checkpointing",
+    "defer_layers",
+    "is_checkpointing",
+    "is_recomputing",
+    "recomputing",
+    "resolve_deferred",
+]

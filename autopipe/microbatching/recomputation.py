@@ -1,4 +1,9 @@
-"""Whether the running forward is a re-computation, set by both runners when they replay one."""
+"""Whether the running forward is checkpointed, or a re-computation; set by both runners.
+
+A checkpointed micro-batch runs its partition forward twice: once keeping no activations
+(:func:`is_checkpointing` is true), and again in backward to rebuild them
+(:func:`is_recomputing` is true). torchgpipe's functions of these names mean the same.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,17 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-__all__ = ["is_recomputing", "recomputing"]
+__all__ = ["checkpointing", "is_checkpointing", "is_recomputing", "recomputing"]
 
 _state = threading.local()
+
+
+def is_checkpointing() -> bool:
+    """Whether the calling thread runs the first forward of a checkpointed micro-batch.
+
+    That forward keeps no activations; its micro-batch runs again in backward.
+    """
+    return getattr(_state, "checkpointing", False)
 
 
 def is_recomputing() -> bool:
@@ -21,11 +34,20 @@ def is_recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Marks the calling thread as re-computing until the block ends."""
-    previous = is_recomputing()
-    _state.recomputing = True
+def _marked(flag: str) -> Iterator[None]:
+    previous = getattr(_state, flag, False)
+    setattr(_state, flag, True)
     try:
         yield
     finally:
-        _state.recomputing = previous
+        setattr(_state, flag, previous)
+
+
+def checkpointing() -> contextlib.AbstractContextManager[None]:
+    """Marks the calling thread as running a checkpointed forward until the block ends."""
+    return _marked("checkpointing")
+
+
+def recomputing() -> contextlib.AbstractContextManager[None]:
+    """Marks the calling thread as re-computing until the block ends."""
+    return _marked("recomputing")

@@ -485,7 +485,7 @@ def test_moving_denied_but_dtype_allowed() -> None:
         ({"balance": [3.0, 3]}, ValueError, "integers"),
         ({"devices": ["cpu"]}, ValueError, "need 2 devices"),
         ({"chunks": 0}, ValueError, "chunks"),
-        ({"checkpoint": "sometimes"}, ValueError, "checkpoint must be one of"),
+        ({"checkpoint": "sometimes"}, ValueError, "checkpoint is not one of"),
     ],
 )
 def test_validation(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

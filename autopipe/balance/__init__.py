@@ -1,0 +1,15 @@
+"""torchgpipe's balancers: measure each layer of an ``nn.Sequential``, then split it optimally.
+
+``balance_by_time`` and ``balance_by_size`` take torchgpipe's arguments and measure what
+torchgpipe measures, but split the measured costs with autopipe's exact partitioner (the
+split whose largest partition is smallest); ``strategy="blockpartition"`` gives
+torchgpipe's own heuristic instead. ``autopipe.balance.blockpartition.solve`` is
+torchgpipe's function of that name, on the same strategy.
+"""
+
+from __future__ import annotations
+
+from autopipe.balance.balancers import balance_by_size, balance_by_time
+from autopipe.balance.measure import layer_sizes, layer_times, layerwise_sandbox
+
+__all__ = ["balance_by_size", "balance_by_time", "layer_sizes", "layer_times", "layerwise_sandbox"]
