@@ -138,6 +138,13 @@ XFAIL = {
     "partition's input as the plain model does, instead of raising",
 }
 
+# test name -> why it is not run: its outcome depends on the machine, not on autopipe.
+NOT_RUN = {
+    "test_balance::test_balance_by_time_loop_resets_input": "times a Conv2d and a Linear "
+    "that take about the same time (within ~20% here): their order, and so the balance, "
+    "flips on a busy machine; tests/balance checks the balance of what was measured",
+}
+
 # torchgpipe marks these xfail because it gets them wrong; autopipe passes them.
 FIXED = {"test_inplace::test_inplace_incorrect_grad"}
 
@@ -149,5 +156,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         name = f"{Path(str(item.path)).stem}::{item.name.split('[')[0]}"
         if name in XFAIL:
             item.add_marker(pytest.mark.xfail(reason=XFAIL[name], strict=True))
+        if name in NOT_RUN:
+            item.add_marker(pytest.mark.skip(reason=NOT_RUN[name]))
         if name in FIXED:
             item.own_markers = [mark for mark in item.own_markers if mark.name != "xfail"]
