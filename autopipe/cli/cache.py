@@ -93,17 +93,15 @@ def _digest(paths: list[Path]) -> str:
 def _local_modules(folder: Path) -> list[ModuleType]:
     """The imported modules whose file lies in ``folder`` or below (the model file's own
     modules), installed packages excepted."""
+    # The model file's folder goes on sys.path resolved (see model_file), so its modules'
+    # files start with it: a prefix test, not a resolve() of each of torch's thousands.
+    prefix = str(folder).rstrip(os.sep) + os.sep
     found = []
     for module in list(sys.modules.values()):
         name = getattr(module, "__file__", None)
-        if not isinstance(name, str):
+        if not isinstance(name, str) or not name.startswith(prefix):
             continue
-        path = Path(name)
-        if any(part in _INSTALLED for part in path.parts):
-            continue
-        try:
-            path.resolve().relative_to(folder)
-        except (ValueError, OSError):
+        if any(part in _INSTALLED for part in Path(name).parts):
             continue
         found.append(module)
     return found
@@ -164,11 +162,19 @@ def _constants(model: nn.Module) -> str:
     return hasher.hexdigest()
 
 
+def _class_name(kind: type) -> str:
+    """A class by the file that defines it: the model file is imported under a new module
+    name on each run, so its classes' module names never repeat."""
+    module = sys.modules.get(kind.__module__)
+    where = getattr(module, "__file__", None) or kind.__module__
+    return f"{where}:{kind.__qualname__}"
+
+
 def _structure(model: nn.Module) -> dict[str, Any]:
     """Module classes and modes; parameters and buffers by name, shape, dtype and which of
     them are one tensor (a tied head)."""
     modules = [
-        [name, f"{type(m).__module__}.{type(m).__qualname__}", m.training]
+        [name, _class_name(type(m)), m.training]
         for name, m in model.named_modules(remove_duplicate=False)
     ]
     first: dict[int, str] = {}
