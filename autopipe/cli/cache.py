@@ -156,9 +156,15 @@ def _constants(model: nn.Module) -> str:
     for name, module in model.named_modules():
         for attribute, value in sorted(vars(module).items()):
             if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
-                data = value.detach().cpu().contiguous().reshape(-1)
                 hasher.update(f"{name}.{attribute}:{_tensor(value)}".encode())
-                hasher.update(data.view(torch.uint8).numpy().tobytes())
+                if value.device.type == "meta":
+                    continue  # no values: the trace cannot have read any
+                try:
+                    data = value.detach().cpu().contiguous().reshape(-1)
+                    hasher.update(data.view(torch.uint8).numpy().tobytes())
+                except (RuntimeError, TypeError):
+                    # A layout whose bytes cannot be read (sparse, quantized): never a hit.
+                    hasher.update(os.urandom(16))
     return hasher.hexdigest()
 
 

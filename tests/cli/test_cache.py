@@ -313,3 +313,68 @@ def test_cache_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # ignored, as the XDG rule says
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache.cache_dir() == tmp_path / "home" / ".cache" / "autopipe"
+
+
+CONSTANT_MODEL = """import os
+
+import torch
+from torch import nn
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # A plain tensor attribute, neither parameter nor buffer: the trace bakes it in.
+        self.factor = torch.full((3,), float(os.environ.get("CACHE_TEST_FACTOR", "2")))
+        self.inp = nn.Linear(3, 3)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.out(self.inp(x) * self.factor)
+
+
+model = Scale()
+sample = torch.randn(8, 3)
+"""
+
+
+def test_a_constant_tensors_value_is_in_the_key(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    measured: Counter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = tmp_path / "constant.py"
+    path.write_text(CONSTANT_MODEL)
+    plan(capsys, path)
+    _, err = plan(capsys, path)
+    assert "profile: cached" in err and measured.calls == 1
+    monkeypatch.setenv("CACHE_TEST_FACTOR", "3")
+    _, err = plan(capsys, path)
+    assert "profile: cached" not in err and measured.calls == 2
+
+
+META_MODEL = """import torch
+from torch import nn
+
+
+def model():
+    with torch.device("meta"):
+        layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        layers.offset = torch.zeros(64)  # a constant without values
+        return layers
+
+
+sample = torch.randn(16, 64)
+"""
+
+
+def test_a_meta_model_for_a_target_hits(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, measured: Counter
+) -> None:
+    path = tmp_path / "meta_model.py"
+    path.write_text(META_MODEL)
+    first, _ = plan(capsys, path, "--target", "h100")
+    second, err = plan(capsys, path, "--target", "h100")
+    assert "profile: cached" in err and measured.calls == 1
+    assert second == first and "times estimated for" in second
