@@ -112,9 +112,12 @@ def _package_versions(modules: list[ModuleType]) -> dict[str, str]:
     with torch's, numpy's and Python's."""
     tops = {"torch", "numpy"}
     for module in modules:
-        for value in vars(module).values():
-            owner = value.__name__ if isinstance(value, ModuleType) else None
-            owner = owner or getattr(value, "__module__", None)
+        for value in list(vars(module).values()):
+            try:  # a lazy object may raise anything when asked for an attribute
+                owner = value.__name__ if isinstance(value, ModuleType) else None
+                owner = owner or getattr(value, "__module__", None)
+            except Exception:
+                continue
             if isinstance(owner, str) and owner:
                 tops.add(owner.split(".")[0])
     versions = {"python": platform.python_version()}
