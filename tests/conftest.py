@@ -1,4 +1,5 @@
-"""Settings every test runs under."""
+"""Settings every test runs under: caches (profiles, calibration) of its own, never the
+user's, so that none reads what another test wrote."""
 
 from __future__ import annotations
 

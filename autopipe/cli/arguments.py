@@ -74,6 +74,14 @@ def add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> No
         help="cast the model's parameters and buffers and the sample's floating tensors "
         "to this dtype before profiling (default: as model.py defines them)",
     )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="measure again and leave the profile cache alone (default: a model file "
+        "measured before with the same code, structure, shapes, options and versions is "
+        "planned from its cached profile, in $AUTOPIPE_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/autopipe, else ~/.cache/autopipe)",
+    )
 
 
 def add_tracing_options(parser: argparse.ArgumentParser) -> None:

@@ -177,11 +177,11 @@ def bench_command(args: argparse.Namespace) -> int:
             "size for all or one per stage"
         )
 
-    def check_units(model: nn.Sequential) -> None:
-        if stages > len(model):
+    def check_units(units: int) -> None:
+        if stages > units:
             raise PlanningError(
-                f"cannot split {len(model)} units into {stages} non-empty stages; "
-                f"use --stages {len(model)} or fewer"
+                f"cannot split {units} units into {stages} non-empty stages; "
+                f"use --stages {units} or fewer"
             )
 
     build: Callable[[], Any] = functools.partial(

@@ -20,8 +20,6 @@ from autopipe.cli.options import default_device
 from autopipe.planning.quantities import format_bytes, format_time
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from profiler.profile import Profile
 
 __all__: list[str] = []  # internal to the command line
@@ -34,7 +32,7 @@ def _on_ranks_cpu(args: argparse.Namespace) -> bool:
 def profile_as_run(
     args: argparse.Namespace,
     stages: int,
-    check_model: Callable[[nn.Sequential], None],
+    check_model: Callable[[int], None],
     build: Callable[[], Any],
 ) -> tuple[Inputs, str]:
     """The profile to plan from, and a line saying how it was made.

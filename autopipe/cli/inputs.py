@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,7 +45,7 @@ def read_profile(
     stages: int,
     *,
     measure_batch: int | None = None,
-    check_model: Callable[[nn.Sequential], None] | None = None,
+    check_model: Callable[[int], None] | None = None,
 ) -> Inputs:
     """The ``--profile`` file (checked against the model file if one is given), or the
     model file's layers measured as :func:`measure_model` does; what the model prints
@@ -57,7 +58,7 @@ def _read_profile(
     args: argparse.Namespace,
     stages: int,
     measure_batch: int | None,
-    check_model: Callable[[nn.Sequential], None] | None,
+    check_model: Callable[[int], None] | None,
 ) -> Inputs:
     if args.profile:
         profile = _load_profile(args)
@@ -77,7 +78,7 @@ def measure_model(
     stages: int,
     *,
     batch: int | None = None,
-    check_model: Callable[[nn.Sequential], None] | None = None,
+    check_model: Callable[[int], None] | None = None,
 ) -> tuple[Profile, int]:
     """Profiles the layers of the model file, cast to ``--dtype``.
 
@@ -86,22 +87,41 @@ def measure_model(
         stages: the stage count whose default micro-batch count the layers are measured
             for, unless ``--chunks`` gives it.
         batch: the mini-batch split into those micro-batches; default: the sample's.
-        check_model: called with the loaded model before it is measured, to refuse it
-            before a long profile.
+        check_model: called with the model's layer count before it is measured (or planned
+            from the cache), to refuse it before a long profile.
 
     Returns:
         The profile and the micro-batch count it was measured for.
     """
-    from autopipe.cli.model_file import load_split
+    from autopipe.cli.cache import cache_entry
+    from autopipe.cli.model_file import as_sequential, cast_loaded, load_model_file
 
     with model_output_to_stderr():  # the model's prints are not the command's output
-        owner, model, sample = load_split(
-            args.model, args.dtype, granularity=args.granularity, leaf_modules=args.leaf_modules
+        loaded = load_model_file(args.model)
+        owner, sample, kwargs = cast_loaded(loaded, args.dtype)
+        chunks: int = args.chunks or default_chunks(stages, batch or loaded.batch_size)
+        device = args.device or default_device()
+        entry = cache_entry(loaded, owner, sample, kwargs, args, chunks=chunks, device=device)
+        cached = entry.load() if entry is not None else None
+        if entry is not None and cached is not None:
+            if check_model is not None:
+                check_model(len(cached))
+            print(f"profile: cached ({entry.path})", file=sys.stderr)
+            return cached, chunks
+        model, flat = as_sequential(
+            owner,
+            sample,
+            args.model,
+            kwargs=kwargs,
+            granularity=args.granularity,
+            leaf_modules=args.leaf_modules,
         )
         if check_model is not None:
-            check_model(model)
-        chunks: int = args.chunks or default_chunks(stages, batch or _batch_size(sample))
-        return _measure(model, sample, args, chunks, owner), chunks
+            check_model(len(model))
+        profile = _measure(model, flat, args, chunks, owner, device)
+        if entry is not None:
+            entry.store(profile)
+        return profile, chunks
 
 
 def _load_profile(args: argparse.Namespace) -> Profile:
@@ -160,6 +180,7 @@ def _measure(
     args: argparse.Namespace,
     chunks: int,
     owner: nn.Module | None = None,
+    device: str | None = None,
 ) -> Profile:
     """Profiles ``model``, reporting progress on stderr and failures as one line.
 
@@ -183,7 +204,7 @@ def _measure(
         return profile_model(
             model,
             sample,
-            device=args.device or default_device(),
+            device=device or args.device or default_device(),
             chunks=chunks,
             warmup=args.warmup,
             repeats=args.repeats,

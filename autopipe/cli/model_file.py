@@ -23,6 +23,7 @@ __all__ = [
     "LoadedModel",
     "ModelFileError",
     "as_sequential",
+    "cast_loaded",
     "load_model_file",
     "load_sequential",
     "load_split",
@@ -384,16 +385,9 @@ def load_sequential(
     return layers, sample
 
 
-def load_split(
-    path: str | Path,
-    dtype: str | None = None,
-    *,
-    granularity: str | None = None,
-    leaf_modules: Iterable[str] = (),
-) -> tuple[nn.Module, nn.Sequential, Sample]:
-    """:func:`load_sequential`, with the model its layers take their parameters from
-    (which names the parameters several layers share)."""
-    loaded = load_model_file(path)
+def cast_loaded(loaded: LoadedModel, dtype: str | None) -> tuple[nn.Module, Sample, dict[str, Any]]:
+    """The model file's model, sample and kwargs, cast to ``dtype`` (``None``: as defined;
+    see :func:`profiler.precision.cast_model`)."""
     model, sample, kwargs = loaded.model, loaded.sample, loaded.kwargs
     if dtype is not None:
         from profiler.precision import cast_model
@@ -403,6 +397,19 @@ def load_split(
         if keys:
             _, cast = cast_model(model, tuple(kwargs[key] for key in keys), dtype)
             kwargs = {**kwargs, **dict(zip(keys, cast, strict=True))}
+    return model, sample, kwargs
+
+
+def load_split(
+    path: str | Path,
+    dtype: str | None = None,
+    *,
+    granularity: str | None = None,
+    leaf_modules: Iterable[str] = (),
+) -> tuple[nn.Module, nn.Sequential, Sample]:
+    """:func:`load_sequential`, with the model its layers take their parameters from
+    (which names the parameters several layers share)."""
+    model, sample, kwargs = cast_loaded(load_model_file(path), dtype)
     layers, flat = as_sequential(
         model, sample, path, kwargs=kwargs, granularity=granularity, leaf_modules=leaf_modules
     )

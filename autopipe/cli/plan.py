@@ -21,7 +21,6 @@ from autopipe.planning.names import STRATEGIES
 from autopipe.planning.planner import default_chunks
 
 if TYPE_CHECKING:
-    from torch import nn
 
     from autopipe.planning.devices import DeviceSpec
     from autopipe.planning.plans import Plan
@@ -71,11 +70,11 @@ def plan_command(args: argparse.Namespace) -> int:
     check_plan_outputs(args)
     exports = parse_exports(args.export)
 
-    def check_layers(model: nn.Sequential) -> None:
-        if stages * virtual > len(model):
+    def check_layers(layers: int) -> None:
+        if stages * virtual > layers:
             raise PlanningError(
-                f"cannot split {len(model)} layers into {stages * virtual} non-empty stages; "
-                f"use --stages {len(model) // virtual} or fewer"
+                f"cannot split {layers} layers into {stages * virtual} non-empty stages; "
+                f"use --stages {layers // virtual} or fewer"
             )
 
     inputs = read_profile(args, stages, measure_batch=args.batch, check_model=check_layers)

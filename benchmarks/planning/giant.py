@@ -91,7 +91,8 @@ _WRAPPER = (
 
 def run_case(argv: list[str]) -> dict[str, Any]:
     """Runs ``autopipe plan`` with ``argv``; its seconds, peak memory and outcome."""
-    command = [sys.executable, "-c", _WRAPPER, "plan", *argv]
+    # --no-cache: each case times the whole work, not a profile cached by an earlier run.
+    command = [sys.executable, "-c", _WRAPPER, "plan", *argv, "--no-cache"]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
