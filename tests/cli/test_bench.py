@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from autopipe.planning.names import STRATEGIES
-
 from tests.support.cli_support import RESIDUAL_MODEL, SMALL_MODEL, assert_error, run
 
 # The strategies the default --strategies runs on a model that is no decoder-only
