@@ -71,11 +71,19 @@ def _plans(
     names: list[str],
     balance: list[int] | None,
     options: Any,
+    chosen: bool = True,
 ) -> dict[str, Plan]:
-    """Every strategy's plan, then the given balance's; a split that does not fit is an error."""
+    """Every strategy's plan, then the given balance's; a split that does not fit is an error.
+
+    Unless the strategies were ``chosen`` by name, ``torchtitan`` is left out of a model
+    without its shape (it places an embedding, decoder layers and an output).
+    """
     from autopipe.planning.planner import evaluate, plan
     from autopipe.planning.quantities import format_bytes
+    from autopipe.planning.titan_split import has_titan_shape
 
+    if not chosen and not has_titan_shape([layer.name for layer in profile.layers]):
+        names = [name for name in names if name != "torchtitan"]
     plans = {name: plan(profile, devices, strategy=name, **options) for name in names}
     if balance is not None:
         given = evaluate(profile, balance, devices, strategy=GIVEN, **options)
@@ -208,7 +216,7 @@ def bench_command(args: argparse.Namespace) -> int:
     }
     devices: int | list[str] = args.ranks or gpipe_devices(args, stages)
     calibrated = calibrate_runner(args, profile)
-    plans = _plans(profile, devices, names, balance, options)
+    plans = _plans(profile, devices, names, balance, options, args.strategies is not None)
     # Strategies that give the same split run the same steps: each split is measured once
     # (timed apart, their noise alone would tell them apart).
     first_of: dict[str, str] = {}

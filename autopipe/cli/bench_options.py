@@ -40,9 +40,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strategies",
-        default=",".join(STRATEGIES),
+        default=None,
         metavar="NAME[,NAME...]",
-        help=f"the strategies to compare (default: {','.join(STRATEGIES)})",
+        help=f"the strategies to compare (default: those of {','.join(STRATEGIES)} that "
+        "apply; torchtitan to decoder-only models)",
     )
     parser.add_argument(
         "--balance",
@@ -127,8 +128,11 @@ def non_negative(text: str) -> int:
     return value
 
 
-def strategy_names(text: str) -> list[str]:
-    """The strategies ``--strategies`` names, each once; an unknown one is a ``ValueError``."""
+def strategy_names(text: str | None) -> list[str]:
+    """The strategies ``--strategies`` names, each once (``None``: all); an unknown one is a
+    ``ValueError``."""
+    if text is None:
+        return list(STRATEGIES)
     names = [name.strip() for name in text.split(",") if name.strip()]
     for name in names:
         if name not in STRATEGIES:

@@ -21,7 +21,6 @@ from autopipe.planning.names import STRATEGIES
 from autopipe.planning.planner import default_chunks
 
 if TYPE_CHECKING:
-
     from autopipe.planning.devices import DeviceSpec
     from autopipe.planning.plans import Plan
     from profiler.profile import Profile

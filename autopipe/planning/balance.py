@@ -36,9 +36,11 @@ def partition(
         capacity: memory limit per stage in bytes (or a size such as ``16GiB``): one for
             all stages or one per stage.
         strategy: ``optimal`` (exact, memory-aware, the default), ``uniform`` (equal layer
-            counts), ``parameters`` (balances ``memory``, DeepSpeed's default) or
-            ``blockpartition`` (torchgpipe's heuristic). Only ``optimal`` searches under the
-            memory limit; the others are checked against it.
+            counts, DeepSpeed's ``partition_uniform``), ``parameters`` (DeepSpeed's
+            ``partition_balanced`` over ``memory``, its default) or ``blockpartition``
+            (torchgpipe's ``solve`` over ``costs``), each computed as its package does.
+            Only ``optimal`` searches under the memory limit; the others are checked
+            against it. (``torchtitan`` needs layer names: see :func:`autopipe.plan`.)
 
     Returns:
         A balance: layers per stage, each at least 1, summing to ``len(costs)``.
@@ -66,26 +68,50 @@ def partition(
             assert m is not None and caps is not None
             raise PlanningError(_partition_misfit(m, caps))
         return balance
-    balance = baseline_balance(strategy, c, stages, m)
+    balance = baseline_balance(strategy, c.tolist(), stages, m)
     if m is not None and caps is not None:
         _check_fits(balance, m, caps)
     return balance
 
 
 def baseline_balance(
-    strategy: str, costs: np.ndarray, stages: int, params: np.ndarray | None
+    strategy: str,
+    costs: np.ndarray | Sequence[float],
+    stages: int,
+    params: np.ndarray | None,
+    names: Sequence[str] | None = None,
 ) -> list[int]:
-    """The balance a comparison strategy picks (ignoring memory limits)."""
-    from autopipe.planning import blockpartition, strategies
+    """The balance a comparison strategy picks (ignoring memory limits), as its peer does.
+
+    Args:
+        strategy: ``uniform``, ``parameters``, ``blockpartition`` or ``torchtitan``.
+        costs: each layer's cost, the sequence ``blockpartition`` balances (torchgpipe's
+            ``balance_by_time`` hands it integer microseconds).
+        stages: number of stages.
+        params: each layer's parameter count or bytes, for ``parameters``.
+        names: the layers' names, for ``torchtitan``.
+
+    Raises:
+        ValueError: an unknown strategy, or one missing what it needs.
+        PlanningError: the peer gives no split here (see the strategy's function).
+    """
+    from autopipe.planning import blockpartition, strategies, titan_split
 
     if strategy == "uniform":
         return strategies.uniform(len(costs), stages)
     if strategy == "parameters":
         if params is None:
             raise ValueError("strategy 'parameters' needs the parameter bytes of each layer")
-        return strategies.parameters(params.tolist(), stages)
+        return strategies.parameters(list(params), stages)
     if strategy == "blockpartition":
-        return blockpartition.blockpartition(costs.tolist(), stages)
+        return blockpartition.blockpartition(list(costs), stages)
+    if strategy == "torchtitan":
+        if names is None:
+            raise ValueError(
+                "strategy 'torchtitan' places layers by their names (embedding, layers.N, "
+                "norm + output): plan a profile with autopipe.plan"
+            )
+        return titan_split.torchtitan(names, stages)
     raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
 
 

@@ -1,54 +1,45 @@
-"""Bárány–Grinberg block partition heuristic, the balancer torchgpipe uses (for comparison)."""
+"""torchgpipe's balancer: its Bárány–Grinberg block partition, step for step (for comparison)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
-__all__ = []
+from autopipe.errors import PlanningError
 
-# Slack on the stop test ``M <= m + 1``: block sums come from prefix-sum differences of
-# normalized floats, and rounding must not keep the loop moving on an already-good split.
-_EPS = 1e-9
+__all__: list[str] = []
+
+# torchgpipe's loop has no bound of its own. The moves that end take far fewer than this
+# many per layer and stage on every sequence measured (zero-free ones, at most a few); a run
+# past it is one whose splits drifted out of the sequence (zero costs tie an empty block
+# with a minimal one), which does not come back.
+_MOVES_PER_CELL = 64
 
 
 def blockpartition(costs: Sequence[float], stages: int) -> list[int]:
-    """Splits ``costs`` into ``stages`` contiguous blocks with a small spread of block sums.
+    """The balance torchgpipe 0.0.7's ``torchgpipe.balance.blockpartition.solve`` returns.
 
-    This is the constructive algorithm of I. Bárány and V. S. Grinberg, "Block partitions
-    of sequences", arXiv:1308.2452, which torchgpipe uses as its balancer. With the
-    sequence normalized into ``[0, 1]`` and ``P`` a partition into ``k`` blocks with
-    largest block sum ``M(P)`` and smallest ``m(P)``, it finds a ``P`` with
-    ``M(P) <= m(P) + 1``:
+    ``solve`` follows I. Bárány and V. S. Grinberg, "Block partitions of sequences"
+    (arXiv:1308.2452): normalize the costs into ``[0, 1]``, start from an equal-count split
+    and move elements toward a minimal block until the largest block sum ``M`` is at most
+    the smallest ``m`` plus 1. This function repeats its arithmetic and its choices
+    exactly, so that a comparison against torchgpipe compares against what its users get:
 
-    1. Normalize: ``x_i = (c_i - min c) / (max c - min c)``. If all costs are equal every
-       equal-count split is already as even as possible, so that split is returned.
-    2. Start from the (almost) equal-count split, the first ``n % k`` blocks one longer.
-    3. Take a maximal block ``p`` (the first one). If ``M(P) <= m(P) + 1``, stop.
-    4. Otherwise take a minimal block ``q`` closest to ``p`` and move into ``q`` the boundary
-       element of its neighbour ``h`` on ``p``'s side. Go to 3.
-
-    Repeating step 4 shifts elements one at a time along the blocks between ``q`` and ``p``,
-    away from ``p``, until ``p`` itself gives one up or the stop test passes. The paper lets
-    blocks become empty; a pipeline stage may not, so when ``h`` has a single element it is
-    refilled with the boundary element of its own neighbour toward ``p``, and so on up to
-    the first block with at least two elements (``p`` at the latest: ``M(P) > 1`` there,
-    and each element is at most 1). Termination follows the paper's argument: ``q`` gains
-    at most 1 on a sum below ``M - 1`` and a refilled block holds one element
-    ``<= 1 < M``, so no block reaches ``M``; while ``p`` stays maximal every move carries
-    an element one block further from ``p``, which can happen only ``n * (k - 1)`` times;
-    when ``p`` loses an element the number of maximal blocks, or ``M`` itself, drops. An
-    iteration bound proportional to ``n * k`` backs this up against rounding: if it is hit
-    the split with the smallest spread seen so far is returned.
+    - the start: the first ``k - 1`` blocks get ``n // k`` elements, the last the rest
+      (``[1] * 7`` into 3 starts as ``[2, 2, 3]``);
+    - block sums are ``sum()`` over the normalized slice, in order (the same floats);
+    - the maximal block ``p`` is the last of the largest sums, the minimal ``q`` the first
+      of the smallest (Python's ``max``/``min`` of ``(sum, index)`` pairs), and ``M`` is the
+      value taken when ``p`` was chosen, kept until ``p`` itself gives up an element.
 
     The heuristic minimizes the spread of block sums, not their maximum, so it is not
     optimal for pipelines: on ``[5] * 7 + [20]`` with 2 stages the normalized sequence is
-    ``[0] * 7 + [1]``, the equal split already satisfies the stop test, and it returns
+    ``[0] * 7 + [1]``, the equal split already passes the stop test, and it returns
     ``[4, 4]`` (max stage 35) where ``[6, 2]`` gives 30.
 
     Args:
-        costs: non-negative, finite cost of each layer, in order.
+        costs: non-negative, finite cost of each layer, in order: the sequence torchgpipe
+            hands ``solve`` (``balance_by_time`` gives integer microseconds per layer).
         stages: number of blocks ``k``, ``1 <= k <= len(costs)``.
 
     Returns:
@@ -57,84 +48,70 @@ def blockpartition(costs: Sequence[float], stages: int) -> list[int]:
 
     Raises:
         ValueError: ``stages`` is out of range, or a cost is negative or not finite.
+        PlanningError: torchgpipe gives no usable split on these costs: it never stops (its
+            moves cycle, which zero costs can cause) or it leaves a stage empty (which its
+            own ``GPipe`` refuses).
     """
-    values = [float(c) for c in costs]
-    n = len(values)
+    values = list(costs)
     _check(values, stages)
-    k = stages
-    if k == 1:
-        return [n]
-    if k == n:
-        return [1] * n
+    n, k = len(values), stages
+    lowest = min(values)
+    span = max(values) - lowest
+    normal = [0.0] * n if span == 0 else [(v - lowest) / span for v in values]
 
-    lo, hi = min(values), max(values)
-    if hi == lo:
-        return _equal_counts(n, k)
-    span = hi - lo
-    prefix = [0.0]
-    for v in values:
-        prefix.append(prefix[-1] + (v - lo) / span)
-
-    # bounds[j] is the index of block j's first element; bounds[k] == n.
-    bounds = [0]
-    for count in _equal_counts(n, k):
-        bounds.append(bounds[-1] + count)
-
-    best = list(bounds)
-    best_spread = math.inf
-    # Each maximal block can be chased for at most n * (k - 1) moves before it shrinks; the
-    # factor leaves room for several of those rounds before the bound is trusted instead.
-    for _ in range(4 * n * k + 16):
-        sums = [prefix[bounds[j + 1]] - prefix[bounds[j]] for j in range(k)]
-        high, low = max(sums), min(sums)
-        if high - low < best_spread:
-            best, best_spread = list(bounds), high - low
-        if high <= low + 1.0 + _EPS:
-            return _counts(bounds)
-        p = sums.index(high)
-        q = min((j for j in range(k) if sums[j] == low), key=lambda j: (abs(j - p), j))
-        if not _shift_toward(bounds, q, p):
-            break
-    return _counts(best)
-
-
-def _shift_toward(bounds: list[int], q: int, p: int) -> bool:
-    """Moves one element into block ``q`` from its neighbour on ``p``'s side.
-
-    A neighbour left with nothing is refilled from the next block toward ``p``, so the
-    boundaries from ``q``'s up to the first block with two or more elements all move by one.
-
-    Returns:
-        False, leaving ``bounds`` unchanged, if every block from ``q``'s neighbour up to
-        ``p`` has one element (impossible unless rounding broke ``M(P) > 1``).
-    """
-    step = 1 if q < p else -1
-    # Block j is [bounds[j], bounds[j + 1]). Toward a q on the left, block j gives up its
-    # first element by advancing bounds[j]; toward a q on the right, its last one by
-    # retreating bounds[j + 1].
-    donor = q + step
-    while bounds[donor + 1] - bounds[donor] < 2:
-        if donor == p:
-            return False
-        donor += step
-    if step == 1:
-        for j in range(q + 1, donor + 1):
-            bounds[j] += 1
-    else:
-        for j in range(donor + 1, q + 1):
-            bounds[j] -= 1
-    return True
+    # splits[j] is where block j ends; block j is normal[splits[j - 1]:splits[j]]. As in
+    # torchgpipe the slices are Python's: a move may make one end before it starts.
+    splits = [n // k * (j + 1) for j in range(k - 1)] + [n]
+    sums = [_block_sum(normal, splits, j) for j in range(k)]
+    seen: set[tuple[int, ...]] = set()
+    limit = _MOVES_PER_CELL * n * k
+    while True:
+        high, p = max((s, j) for j, s in enumerate(sums))
+        while True:
+            low, q = min((s, j) for j, s in enumerate(sums))
+            if high <= low + 1:
+                return _counts(splits, values)
+            # What follows depends on the splits and p alone (the M compared with is p's
+            # sum, unchanged until the inner loop ends): a repeat is a cycle torchgpipe
+            # never leaves.
+            state = (*splits, p)
+            if state in seen or len(seen) > limit:
+                how = "its moves cycle" if state in seen else f"over {limit} moves"
+                raise PlanningError(
+                    f"torchgpipe's blockpartition does not stop on these costs ({how}, "
+                    f"splitting {n} layers into {k} stages); use fewer stages or another "
+                    "strategy"
+                )
+            seen.add(state)
+            if p < q:
+                h = q - 1  # the last element of block q - 1 moves into q
+                splits[h] -= 1
+            else:
+                h = q + 1  # the first element of block q + 1 moves into q
+                splits[q] += 1
+            sums[q] = _block_sum(normal, splits, q)
+            sums[h] = _block_sum(normal, splits, h)
+            if p == h:
+                break
 
 
-def _equal_counts(n: int, k: int) -> list[int]:
-    """Splits ``n`` into ``k`` counts that differ by at most one, larger ones first."""
-    base, extra = divmod(n, k)
-    return [base + 1] * extra + [base] * (k - extra)
+def _block_sum(normal: list[float], splits: list[int], j: int) -> float:
+    """Block ``j``'s normalized sum, summed as torchgpipe sums it (``sum`` of the slice)."""
+    start = splits[j - 1] if j > 0 else 0
+    return sum(normal[start : splits[j]])
 
 
-def _counts(bounds: list[int]) -> list[int]:
-    """Turns block boundaries into per-block element counts."""
-    return [b - a for a, b in itertools.pairwise(bounds)]
+def _counts(splits: list[int], values: list[float]) -> list[int]:
+    """The block lengths torchgpipe returns, refused unless every stage is a real one."""
+    lengths = [len(values[a:b]) for a, b in zip([0, *splits[:-1]], splits, strict=True)]
+    if sum(lengths) != len(values) or min(lengths) < 1:
+        empty = next((j for j, c in enumerate(lengths) if c < 1), None)
+        what = f"stage {empty} empty" if empty is not None else "layers out of every stage"
+        raise PlanningError(
+            f"torchgpipe's blockpartition leaves {what} on these costs (it returns "
+            f"{lengths}, which its GPipe refuses); use fewer stages or another strategy"
+        )
+    return lengths
 
 
 def _check(values: list[float], stages: int) -> None:
@@ -149,5 +126,5 @@ def _check(values: list[float], stages: int) -> None:
             "(stages must not exceed the number of layers)"
         )
     for i, v in enumerate(values):
-        if not math.isfinite(v) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise ValueError(f"costs must be non-negative and finite, got {v!r} at index {i}")

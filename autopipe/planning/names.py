@@ -25,5 +25,6 @@ SCHEDULES = ("gpipe", "1f1b")
 # runs on the distributed runner only and is valued by its replayed order.
 ALL_SCHEDULES = (*SCHEDULES, "zb")
 
-# How :func:`autopipe.plan` may choose a split: exact, or a comparison baseline.
-STRATEGIES = ("optimal", "uniform", "parameters", "blockpartition")
+# How :func:`autopipe.plan` may choose a split: exact, or a peer's, computed as the peer
+# does (``torchtitan`` only for decoder-only models).
+STRATEGIES = ("optimal", "uniform", "parameters", "blockpartition", "torchtitan")

@@ -69,8 +69,11 @@ def plan(
             stage checkpoints only if it does not fit otherwise.
         schedule: ``gpipe`` (default) or ``1f1b``; sets how many micro-batches each stage
             holds.
-        strategy: ``optimal`` (exact, default), or a comparison strategy: ``uniform``,
-            ``parameters``, ``blockpartition``.
+        strategy: ``optimal`` (exact, default), or a peer's split computed as the peer
+            computes it: ``uniform`` (DeepSpeed's ``partition_uniform``), ``parameters``
+            (DeepSpeed's ``partition_method="parameters"``), ``blockpartition``
+            (torchgpipe's ``balance_by_time``) or ``torchtitan`` (its default split of a
+            decoder-only model; a :class:`PlanningError` for any other).
         optimizer: optimizer whose state is counted (``adam``, ``sgd``, ...) or state bytes
             per parameter byte.
         bandwidth: link bandwidth in bytes/s (or a rate such as ``10GB/s``) for devices
@@ -140,8 +143,7 @@ def plan(
     elif strategy == "optimal":
         balance = optimal_split(model)
     else:
-        params = model.layers.params + model.layers.buffers
-        balance = baseline_balance(strategy, model.layer_time(), model.num_stages, params)
+        balance = _peer_balance(model, profile, strategy)
     result = describe(model, balance, profile, strategy, optimizer, batch=batch)
     _check_fits(model, result, strategy)
     return result
@@ -151,6 +153,25 @@ def _one_device(model: CostModel) -> bool:
     """Whether every stage takes turns on one shared device, so every split takes the
     same time."""
     return len(model.shared) == 1 and len(model.shared[0]) == model.num_stages
+
+
+def _peer_balance(model: CostModel, profile: Profile, strategy: str) -> list[int]:
+    """The split a peer's strategy picks, handed what the peer measures.
+
+    ``parameters`` weighs each layer by its parameter bytes, as DeepSpeed weighs its
+    parameter count (buffers are no parameters; with one dtype the split is the same).
+    ``blockpartition`` balances each layer's forward plus backward time per micro-batch in
+    whole microseconds, as torchgpipe's ``balance_by_time`` times a layer (no recomputation,
+    no transfer) and truncates it. ``torchtitan`` reads the layers' names.
+    """
+    times = model.layers.forward + model.layers.backward
+    costs: list[float] = [int(t * _MICROSECONDS) for t in times.tolist()]
+    names = [layer.name for layer in profile.layers]
+    return baseline_balance(strategy, costs, model.num_stages, model.layers.params, names)
+
+
+# torchgpipe's profile_times sums ``int(seconds * 1_000_000)`` per layer and run.
+_MICROSECONDS = 1_000_000
 
 
 def _replayed(model: CostModel) -> bool:

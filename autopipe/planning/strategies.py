@@ -1,14 +1,12 @@
-"""Baseline partitioning strategies (DeepSpeed's 'uniform' and 'parameters') for comparison."""
+"""DeepSpeed's partition methods 'uniform' and 'parameters', computed as it does (comparison)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
-
-from autopipe.planning.minmax import minmax_partition
-from autopipe.planning.spans import prefix_sums, stage_bounds
 
 __all__ = []
 
@@ -17,7 +15,10 @@ def uniform(n: int, stages: int) -> list[int]:
     """Splits ``n`` layers into ``stages`` stages with equal layer counts.
 
     As DeepSpeed's ``partition_uniform`` does, the remainder ``n % stages`` goes one extra
-    layer each to the first stages.
+    layer each to the first stages. Megatron-LM's default split agrees where ``stages``
+    divides ``n`` and every layer is a decoder layer; it counts decoder layers only (the
+    embedding joins the first stage, the output layer the last) and refuses a count that
+    ``stages`` does not divide.
 
     Args:
         n: number of layers.
@@ -37,16 +38,23 @@ def uniform(n: int, stages: int) -> list[int]:
 
 
 def parameters(params: Sequence[float], stages: int) -> list[int]:
-    """Splits layers so that the largest per-stage parameter size is as small as possible.
+    """The balance DeepSpeed's ``partition_method="parameters"`` picks.
 
-    This is DeepSpeed's default ``partition_method='parameters'``: weigh each layer by its
-    parameter bytes (or count) and balance those, ignoring compute time. The split is the
-    exact min-max contiguous split of ``params``; among the optimal splits the one with the
-    most even layer counts (least sum of squared counts, then larger counts first) wins, so
-    parameter-free layers are spread out instead of piling onto one stage.
+    DeepSpeed 0.19.8's ``PipelineModule._partition_layers`` counts each layer's trainable
+    parameters (0 for a layer without any, or for a plain function) and hands them to
+    ``deepspeed.runtime.utils.partition_balanced``. That is a dynamic program over the
+    prefixes which keeps, per prefix and block count, the split of the smallest *spread*
+    (largest block sum minus smallest), extending it block by block; the last start
+    reaching the smallest spread wins. This function repeats it exactly — the same float
+    arithmetic and the same choices — so the split is DeepSpeed's, not the split with the
+    smallest largest block: ``[6, 5, 9, 3]`` into 3 stages is ``[1, 1, 2]`` (largest stage
+    12, spread 7) where ``[2, 1, 1]`` holds 11 at most (spread 8).
+
+    Scaling every weight by a power of two (bytes of one dtype for counts) changes no
+    choice, so parameter bytes give DeepSpeed's split wherever all parameters share a dtype.
 
     Args:
-        params: non-negative, finite parameter bytes of each layer, in order.
+        params: non-negative, finite parameter count (or bytes) of each layer, in order.
         stages: number of stages, ``1 <= stages <= len(params)``.
 
     Returns:
@@ -64,54 +72,40 @@ def parameters(params: Sequence[float], stages: int) -> list[int]:
             raise ValueError(
                 f"parameter sizes must be non-negative and finite, got {w!r} at index {i}"
             )
-    prefix = prefix_sums(np.asarray(weights, dtype=np.float64))
-    limit = _min_max(prefix, stages)
-    return _most_even_within(prefix, stages, limit)
+    if n == stages:  # DeepSpeed hands this case to partition_uniform: one layer each
+        return [1] * n
+    bounds = _spread_program(np.asarray(weights, dtype=np.float64), stages)
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
-def _min_max(prefix: np.ndarray, stages: int) -> float:
-    """Returns the least possible largest block sum over splits into ``stages`` blocks.
+def _spread_program(weights: np.ndarray, m: int) -> list[int]:
+    """``partition_balanced``'s boundaries ``[0, ..., n]``, computed as it computes them.
 
-    Measured on the same prefix differences that ``_most_even_within`` compares, so the
-    optimal split itself passes its limit test.
+    For prefix ``i`` and ``j`` blocks DeepSpeed tries every start ``k`` of the last block in
+    increasing order and takes it when its spread is ``<=`` the best so far, so the last
+    start of least spread wins, with that start's largest and smallest block. The inner
+    loop over ``k`` runs here as one array operation with the same float operations; a
+    start with no ``j - 1``-block split has an infinite largest block, as there.
     """
-    balance = minmax_partition(np.diff(prefix), stages)
-    assert balance is not None  # no memory caps: every split is feasible
-    bounds = stage_bounds(balance)
-    return float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
-
-
-def _most_even_within(prefix: np.ndarray, stages: int, limit: float) -> list[int]:
-    """Returns the split with the most even layer counts among those with blocks <= ``limit``.
-
-    A second pass, rather than a tie-break inside ``_min_max``, because "smallest max, then
-    most even" does not decompose over prefixes: a prefix with a worse max can still be part
-    of an optimal split when a later block sets the max. Block sums are the same
-    prefix differences as in ``_min_max``, so the optimal split itself passes the limit test.
-    """
-    n = len(prefix) - 1
-    # cost[j][i]: least sum of squared counts splitting elements i.. into j blocks, each
-    # within the limit (inf if impossible).
-    cost = np.full((stages + 1, n + 1), np.inf)
-    cost[0][n] = 0.0
-    for j in range(1, stages + 1):
-        for i in range(n - j, -1, -1):
-            ends = np.arange(i + 1, n - j + 2)  # the block is [i, end); j - 1 blocks follow
-            fits = prefix[ends] - prefix[i] <= limit
-            totals = np.where(fits, (ends - i) ** 2 + cost[j - 1][ends], np.inf)
-            cost[j][i] = totals.min()
-
-    counts: list[int] = []
-    start = 0
-    for j in range(stages, 0, -1):
-        ends = np.arange(start + 1, n - j + 2)
-        fits = prefix[ends] - prefix[start] <= limit
-        totals = np.where(fits, (ends - start) ** 2 + cost[j - 1][ends], np.inf)
-        # The last (largest) end reaching the optimum puts larger counts first, as uniform().
-        end = int(ends[np.flatnonzero(totals == cost[j][start])[-1]])
-        counts.append(end - start)
-        start = end
-    return counts
+    n = len(weights)
+    dp_max = np.full((n + 1, m + 1), np.inf)
+    dp_min = np.full((n + 1, m + 1), np.inf)
+    position = np.zeros((n + 1, m + 1), dtype=int)
+    prefix = np.zeros(n + 1)
+    prefix[1:] = np.cumsum(weights)
+    dp_max[0, 0] = 0.0
+    for i in range(1, n + 1):
+        last = prefix[i] - prefix[:i]  # the last block [k, i) for every start k < i
+        for j in range(1, min(i, m) + 1):
+            top = np.maximum(dp_max[:i, j - 1], last)
+            bottom = np.minimum(dp_min[:i, j - 1], last)
+            spread = top - bottom
+            k = int(np.flatnonzero(spread == spread.min())[-1])
+            dp_max[i, j], dp_min[i, j], position[i, j] = top[k], bottom[k], k
+    bounds = [n]
+    for j in range(m, 0, -1):
+        bounds.append(int(position[bounds[-1], j]))
+    return bounds[::-1]
 
 
 def _check_stages(n: int, stages: int) -> None:

@@ -10,6 +10,10 @@ import pytest
 from autopipe.planning.names import STRATEGIES
 from tests.support.cli_support import RESIDUAL_MODEL, SMALL_MODEL, assert_error, run
 
+# The strategies the default --strategies runs on a model that is no decoder-only
+# transformer: all but torchtitan.
+APPLICABLE = tuple(name for name in STRATEGIES if name != "torchtitan")
+
 # Profiling once per layer, quickly: the tests check what is reported, not how fast.
 QUICK = ["--profile-repeats", "1", "--profile-warmup", "0", "--chunks", "2"]
 
@@ -48,8 +52,9 @@ def test_bench_one_process(
     for line in out.splitlines():  # the first table: one row per split
         if line.split():
             rows.setdefault(line.split()[0], line)
-    for label in (*STRATEGIES, "given"):
+    for label in (*APPLICABLE, "given"):
         assert label in rows
+    assert "torchtitan" not in rows
     assert "[1, 2]" in rows["given"]
     assert "loss: mean of the output" in out and "GPipe in one process on cpu" in out
     assert "speed-up of the row over the column" in out
@@ -63,7 +68,7 @@ def test_bench_one_process(
     assert settings["stages"] == 2 and settings["chunks"] == 2
     assert settings["runner"] == "gpipe" and settings["steps"] == 2 and settings["warmup"] == 1
     splits = {split["label"]: split for split in record["splits"]}
-    assert set(splits) == {*STRATEGIES, "given"}
+    assert set(splits) == {*APPLICABLE, "given"}
     given = splits["given"]
     assert given["balance"] == [1, 2] and given["steps"] == 2 and len(given["times"]) == 2
     for key in ("measured", "spread", "predicted", "ideal", "stage_times", "saved_peak"):
@@ -165,6 +170,7 @@ def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         ),
         (["--stages", "2", "--strategies", "optimal,fastest"], "unknown strategy 'fastest'"),
         (["--stages", "2", "--strategies", ""], "give at least one strategy or --balance"),
+        (["--stages", "2", "--strategies", "torchtitan"], "strategy 'torchtitan' needs a decoder"),
         (["--stages", "3", "--ranks", "2"], "--ranks 2 runs one stage per rank"),
         (["--stages", "2", "--schedule", "1f1b"], "add --ranks K"),
         (["--stages", "2", "--memory", "1GiB,1GiB,1GiB"], "lists 3 sizes but there are 2"),
@@ -212,7 +218,7 @@ def test_strategies_giving_one_split_are_measured_once(
     assert code == 0, err
     record = json.loads(out_json.read_text())
     splits = {split["label"]: split for split in record["splits"]}
-    assert list(splits) == [*STRATEGIES, "given"]
+    assert list(splits) == [*APPLICABLE, "given"]
     first, *others = splits
     assert all(splits[label]["balance"] == [1, 1] for label in splits)
     assert all(splits[label]["times"] == splits[first]["times"] for label in others)

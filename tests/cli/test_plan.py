@@ -165,6 +165,25 @@ def test_uniform_strategy_compares_with_optimal(
     assert "optimal [" in out
 
 
+def test_torchtitan_strategy_follows_torchtitans_split(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    # The MLP's units are no decoder-only model: one error line.
+    argv = ["plan", "--profile", str(profile_file), "--strategy", "torchtitan"]
+    assert_error(*run(capsys, *argv), "strategy 'torchtitan' needs a decoder-only model")
+    # Named as torchtitan names a Llama: embedding, 14 layers, output.
+    profile = Profile.load(profile_file)
+    names = ["tok_embeddings", *(f"layers.{i}" for i in range(14)), "output"]
+    for layer, name in zip(profile.layers, names, strict=True):
+        layer.name = name
+    path = tmp_path / "llama.json"
+    profile.save(path)
+    code, out, err = run(capsys, "plan", "--profile", str(path), "--strategy", "torchtitan")
+    assert code == 0, err
+    # 16 effective layers on 2 stages: 8 each, the embedding and output among them.
+    assert "balance     [8, 8]" in out
+
+
 def test_cuda_profile_names_stage_devices(
     capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
 ) -> None:
