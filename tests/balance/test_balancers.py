@@ -61,13 +61,9 @@ def test_layer_sizes_count_activations_per_micro_batch_and_scaled_parameters():
         [1, 2, 3, 4, 5, 6],
         [5, 5, 5, 5, 5, 5, 5, 20],
         [9, 1, 1, 1, 7, 3],
-        pytest.param(
-            [0, 0, 0],
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="equal costs: the strategy starts from [2, 1], torchgpipe from [1, 2]",
-            ),
-        ),
+        [0, 0, 0],
+        [1] * 7,
+        [70, 55, 80],
     ],
 )
 def test_blockpartition_strategy_equals_torchgpipes_balance_by_time(monkeypatch, costs):
