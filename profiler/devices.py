@@ -8,9 +8,30 @@ auto-wrapped pipelines, the distributed runner): when CUDA is available, work ru
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import torch
 
-__all__ = ["default_device", "gpu_count", "resolve_device", "stage_devices", "synchronize"]
+__all__ = [
+    "cpu_model",
+    "default_device",
+    "gpu_count",
+    "resolve_device",
+    "stage_devices",
+    "synchronize",
+]
+
+
+def cpu_model() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def gpu_count() -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from profiler.calibrate import store_calibration
+from profiler.devices import cpu_model
 from profiler.jsonfile import read_json, write_json
 from profiler.profile import Profile
 
@@ -50,16 +51,6 @@ def cache_file() -> Path:
     return Path(root) / "calibration.json"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def runtime_key(
     *,
     backend: str,
@@ -83,7 +74,7 @@ def runtime_key(
     multi = virtual_stages > 1 or schedule == "zb"
     conditions = {
         "host": platform.node(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count() or 0,
         "torch": torch.__version__,
         "backend": backend,

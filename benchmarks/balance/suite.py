@@ -34,6 +34,7 @@ from benchmarks.balance.report import MEMORY_LABEL, noise_summary, render
 from benchmarks.balance.stage_timing import Job, StageTimer, Timing, as_tuple
 from benchmarks.models import ZOO
 from profiler import profile_model
+from profiler.devices import cpu_model
 from profiler.profile import Profile
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -244,17 +245,6 @@ def table2(profile: Profile, units: int) -> dict[str, dict[str, list[float | Non
     return out
 
 
-def _cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -325,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {
             "cpus": os.cpu_count(),
             "platform": f"{platform.system()} {platform.machine()}",
-            "cpu": _cpu_name(),
+            "cpu": cpu_model(),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
