@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.distributed.local_ranks import Progress, local_backend, run_on_local_ranks
+from autopipe.distributed.local_ranks import (
+    Progress,
+    local_backend,
+    report_to_launcher,
+    run_on_local_ranks,
+)
 from autopipe.distributed.pipeline import DistributedPipeline, init_distributed
 from autopipe.planning.bench_summary import Measured
 from autopipe.planning.plans import Plan
@@ -119,9 +124,7 @@ def _rank_main(
         messages.put(("result", rank, {"times": times, "peaks": peaks}))
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the launcher as one line
-        message = " ".join(str(exc).split())
-        messages.put(("error", rank, f"{type(exc).__name__}: {message}"))
-        raise SystemExit(1) from None
+        report_to_launcher(messages, rank, exc)
 
 
 def time_splits_on_ranks(

@@ -14,12 +14,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["Progress", "local_backend", "run_on_local_ranks"]
+__all__ = ["Progress", "local_backend", "report_to_launcher", "run_on_local_ranks"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -101,3 +101,11 @@ def _collect(
         codes = ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs))
         error = f"a rank ended without a result ({codes})"
     return results, error
+
+
+def report_to_launcher(messages: Any, rank: int, exc: BaseException) -> NoReturn:
+    """Puts a launched rank's error on the launcher's queue as one line, then ends the rank
+    (the launcher prints the line; the traceback would only repeat it once per rank)."""
+    message = " ".join(str(exc).split())
+    messages.put(("error", rank, f"{type(exc).__name__}: {message}"))
+    raise SystemExit(1) from None

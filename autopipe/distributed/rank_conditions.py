@@ -21,7 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopipe.distributed.local_ranks import local_backend, run_on_local_ranks
+from autopipe.distributed.local_ranks import (
+    local_backend,
+    report_to_launcher,
+    run_on_local_ranks,
+)
 from autopipe.distributed.pipeline import init_distributed
 from profiler.profile import Profile
 
@@ -61,9 +65,7 @@ def _calibrate_main(
         messages.put(("result", rank, values))
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the launcher as one line
-        message = " ".join(str(exc).split())
-        messages.put(("error", rank, f"{type(exc).__name__}: {message}"))
-        raise SystemExit(1) from None
+        report_to_launcher(messages, rank, exc)
 
 
 def calibrate_local_ranks(
@@ -122,9 +124,7 @@ def _profile_main(
         messages.put(("result", rank, times))
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the launcher as one line
-        message = " ".join(str(exc).split())
-        messages.put(("error", rank, f"{type(exc).__name__}: {message}"))
-        raise SystemExit(1) from None
+        report_to_launcher(messages, rank, exc)
 
 
 def profile_on_local_ranks(
