@@ -42,6 +42,8 @@ from torch import Tensor, nn
 
 import profiler
 from autopipe import __version__
+from profiler.cache_dir import ENV_DIR, cache_dir
+from profiler.devices import cpu_model
 from profiler.jsonfile import read_json, write_json
 from profiler.profile import Profile
 
@@ -50,23 +52,11 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []  # internal to the command line
 
-ENV_DIR = "AUTOPIPE_CACHE_DIR"
 _KIND = "cached profile"
 # Bumped when what the key covers changes meaning, so that old entries miss.
 _KEY_FORMAT = 1
 # Modules under these folders are installed packages, covered by their versions.
 _INSTALLED = ("site-packages", "dist-packages")
-
-
-def cache_dir() -> Path:
-    """``$AUTOPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopipe``, else ``~/.cache/autopipe``."""
-    given = os.environ.get(ENV_DIR)
-    if given:
-        return Path(given).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    # The XDG rule: a relative path is invalid and ignored.
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
-    return base / "autopipe"
 
 
 def _warn(message: str) -> None:
@@ -128,7 +118,7 @@ def _package_versions(modules: list[ModuleType]) -> dict[str, str]:
     return versions
 
 
-def _own_source() -> str:
+def own_source() -> str:
     """A hash of autopipe's and the profiler's source: measuring code that changed without
     a new version number must not reuse old profiles."""
     files: list[Path] = []
@@ -198,14 +188,14 @@ def _structure(model: nn.Module) -> dict[str, Any]:
     return {"modules": modules, "tensors": tensors, "constants": _constants(model)}
 
 
-def _device_identity(device: str) -> dict[str, Any]:
+def device_identity(device: str) -> dict[str, Any]:
     """What the times depend on besides the code: the device's model, the host, threads."""
     found: dict[str, Any] = {"device": device, "host": platform.node()}
     resolved = torch.device(device)
     if resolved.type == "cuda" and torch.cuda.is_available():
         found["name"] = torch.cuda.get_device_name(resolved)
     else:
-        found["name"] = platform.processor() or platform.machine()
+        found["name"] = cpu_model()
     found["threads"] = torch.get_num_threads()
     return found
 
@@ -234,11 +224,11 @@ def profile_key(
         "files": [str(path) for path in files],
         "source": _digest(files),
         "versions": {"autopipe": __version__, **_package_versions(local)},
-        "autopipe_source": _own_source(),
+        "autopipe_source": own_source(),
         "structure": _structure(model),
         "sample": _describe(sample),
         "kwargs": _describe(kwargs),
-        "device": _device_identity(device),
+        "device": device_identity(device),
         "options": {
             "dtype": args.dtype,
             "autocast": args.autocast,
@@ -272,9 +262,10 @@ class CacheEntry:
     key: str
     parts: dict[str, Any]
 
-    def load(self) -> Profile | None:
-        """The cached profile; ``None`` when there is none, or (with a warning) when the
-        file cannot be read as one, which the next :meth:`store` rewrites."""
+    def load(self, *, quiet: bool = False) -> Profile | None:
+        """The cached profile; ``None`` when there is none, or (with a warning unless
+        ``quiet``) when the file cannot be read as one, which the next :meth:`store`
+        rewrites."""
         if not self.path.is_file():
             return None
         try:
@@ -286,6 +277,8 @@ class CacheEntry:
                 raise ValueError("it holds no profile")
             return Profile.from_dict(found)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            if quiet:
+                return None
             _warn(f"ignoring the cached profile {self.path} ({exc}); profiling again")
             return None
 

@@ -95,18 +95,31 @@ def measure_model(
     """
     from autopipe.cli.cache import cache_entry
     from autopipe.cli.model_file import as_sequential, cast_loaded, load_model_file
+    from autopipe.cli.source_index import recording, source_entry
 
+    device = args.device or default_device()
+    index = source_entry(args, device)
+    if index is not None:  # the model file need not run when nothing it read changed
+        found = index.lookup(stages, batch)
+        if found is not None:
+            known, count, where = found
+            if check_model is not None:
+                check_model(len(known))
+            print(f"profile: cached ({where}; the model file did not run)", file=sys.stderr)
+            return known, count
     with model_output_to_stderr():  # the model's prints are not the command's output
-        loaded = load_model_file(args.model)
+        with recording() as reads:
+            loaded = load_model_file(args.model)
         owner, sample, kwargs = cast_loaded(loaded, args.dtype)
         chunks: int = args.chunks or default_chunks(stages, batch or loaded.batch_size)
-        device = args.device or default_device()
         entry = cache_entry(loaded, owner, sample, kwargs, args, chunks=chunks, device=device)
         cached = entry.load() if entry is not None else None
         if entry is not None and cached is not None:
             if check_model is not None:
                 check_model(len(cached))
             print(f"profile: cached ({entry.path})", file=sys.stderr)
+            if index is not None:
+                index.store(reads, loaded, chunks, entry)
             return cached, chunks
         model, flat = as_sequential(
             owner,
@@ -121,6 +134,8 @@ def measure_model(
         profile = _measure(model, flat, args, chunks, owner, device)
         if entry is not None:
             entry.store(profile)
+            if index is not None:
+                index.store(reads, loaded, chunks, entry)
         return profile, chunks
 
 

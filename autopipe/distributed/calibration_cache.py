@@ -8,7 +8,7 @@ seconds; this module keeps what it found under a key of those conditions, so tha
 later plan for the same runner (``autopipe bench --ranks``, a ``DistributedPipeline``
 that plans) starts calibrated without measuring again.
 
-The file is ``$AUTOPIPE_CACHE_DIR/calibration.json`` (default ``~/.cache/autopipe``), one
+The file is ``calibration.json`` in the profile cache's folder (``$AUTOPIPE_CACHE_DIR``), one
 entry per key, written atomically.
 """
 
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from profiler.cache_dir import cache_dir
 from profiler.calibrate import store_calibration
 from profiler.devices import cpu_model
 from profiler.jsonfile import read_json, write_json
@@ -45,10 +46,9 @@ _KIND = "autopipe calibration cache"
 
 
 def cache_file() -> Path:
-    """Where the cache lives: ``$AUTOPIPE_CACHE_DIR/calibration.json``, by default under
-    ``~/.cache/autopipe``."""
-    root = os.environ.get("AUTOPIPE_CACHE_DIR") or Path.home() / ".cache" / "autopipe"
-    return Path(root) / "calibration.json"
+    """Where the cache lives: ``calibration.json`` in :func:`profiler.cache_dir.cache_dir`
+    (``$AUTOPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopipe``, else ``~/.cache/autopipe``)."""
+    return cache_dir() / "calibration.json"
 
 
 def runtime_key(

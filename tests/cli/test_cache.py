@@ -85,7 +85,7 @@ def test_second_run_plans_from_the_cache(
     [entry] = entries()
     second, err = plan(capsys, model_file)
     assert measured.calls == 1  # not measured again
-    assert err.splitlines() == [f"profile: cached ({entry})"]
+    assert err.splitlines() == [f"profile: cached ({entry}; the model file did not run)"]
     assert second == first
     assert entries() == [entry]
 
@@ -214,7 +214,7 @@ def test_a_corrupted_entry_is_ignored_with_a_warning_and_rewritten(
     assert measured.calls == 2 and "balance" in out  # measured again, and planned
     assert Profile.from_dict(jsonfile.read_json(entry, "cached profile")["profile"])
     _, err = plan(capsys, model_file)
-    assert err.splitlines() == [f"profile: cached ({entry})"] and measured.calls == 2
+    assert err.splitlines() == [f"profile: cached ({entry}; the model file did not run)"] and measured.calls == 2
 
 
 def test_an_entry_of_another_key_is_ignored(
