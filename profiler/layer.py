@@ -9,6 +9,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -125,6 +126,40 @@ def _targets(outputs: tuple[Tensor, ...]) -> list[Tensor]:
 # Bytes written between timed passes to evict the caches: more than a CPU's last-level
 # cache slice or a GPU's L2.
 FLUSH_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
+
+
+def cache_bytes(device: torch.device) -> int | None:
+    """The device's largest cache in bytes: a CPU's last-level cache (Linux sysfs), a
+    GPU's L2; ``None`` when unknown."""
+    if device.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        return int(size) or None
+    if device.type != "cpu":
+        return None
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
+def cold_cache_needed(working_set: int, device: torch.device) -> bool:
+    """Whether a layer's data leaves the cache between its uses in a training step.
+
+    A step runs every layer in turn, so between two uses of one layer's weights the
+    others touch the model's working set (weights, gradients, activations). When that
+    fits the device's largest cache, a layer finds its data still cached, as it does when
+    timed alone over and over; when it does not, the layer reads from memory and timing it
+    warm would flatter it. Unknown cache sizes count as too small.
+    """
+    size = cache_bytes(device)
+    return size is None or working_set > size
 
 
 class CacheFlush:

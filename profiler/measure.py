@@ -15,7 +15,7 @@ from profiler.batch_sizes import default_batch_sizes, smallest_batch
 from profiler.count_pass import CountedLayer, count_layers, counted_profiles, with_counts
 from profiler.counting import META
 from profiler.devices import resolve_device
-from profiler.layer import CacheFlush, tensor_bytes
+from profiler.layer import CacheFlush, cache_bytes, cold_cache_needed, tensor_bytes
 from profiler.layer_names import layer_names
 from profiler.materialize import has_meta
 from profiler.measure_pass import MeasureSettings, measure_layers
@@ -76,7 +76,7 @@ def profile_layers(
     repeats: int = 5,
     progress: Callable[[int, int, str], None] | None = None,
     pool: bool = True,
-    cold_cache: bool = True,
+    cold_cache: bool | None = None,
     autocast: str | None = None,
     owner: nn.Module | None = None,
     measure: bool = True,
@@ -114,6 +114,11 @@ def profile_layers(
         cold_cache: overwrite a scratch buffer larger than the device's caches before
             each timed forward and backward, so a layer reads its weights from memory as
             it does inside a whole step, not from the cache its last repeat left warm.
+            ``None`` (default): only when the model's working set (its weights, their
+            gradients, its buffers and the activations saved at the micro-batch) exceeds
+            the device's largest cache (:func:`profiler.layer.cold_cache_needed`); a
+            smaller model keeps its data cached through a real step too. The choice is
+            recorded in ``meta["cache"]``.
         autocast: ``bfloat16`` or ``float16``: run every forward and backward under
             ``torch.autocast(device.type, dtype=...)``, as a mixed-precision step does
             (each pass in its own region, so weights are cast in every one). ``None``:
@@ -175,6 +180,14 @@ def profile_layers(
             counted = None
         signatures = None if counted is None else [c.signature for c in counted]
         if measure:
+            if cold_cache is None:
+                working_set = _working_set(layers, counted)
+                cold_cache = cold_cache_needed(working_set, dev)
+                meta["cache"] = {
+                    "cold": cold_cache,
+                    "working_set": working_set,
+                    "cache_bytes": cache_bytes(dev),
+                }
             settings = MeasureSettings(
                 dev, warmup, repeats, CacheFlush(dev) if cold_cache else None, autocast
             )
@@ -222,6 +235,25 @@ def profile_layers(
         autocast=autocast,
         tied=tied_state(layers, layer_names, owner),
     )
+
+
+def _working_set(layers: list[nn.Module], counted: list[CountedLayer] | None) -> int:
+    """Bytes a training step cycles through: each distinct parameter twice (it and its
+    gradient), the buffers, and the activations saved at the largest profiled micro-batch
+    size when counted."""
+    seen: set[int] = set()
+    total = 0
+    for layer in layers:
+        for kind, tensors in (("p", layer.parameters()), ("b", layer.buffers())):
+            for tensor in tensors:
+                if id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                size = tensor.numel() * tensor.element_size()
+                total += 2 * size if kind == "p" and tensor.requires_grad else size
+    if counted is not None:
+        total += sum(max(n.saved for n in c.counts) for c in counted)
+    return total
 
 
 def _check_micro_batch(

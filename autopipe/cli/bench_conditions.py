@@ -83,8 +83,19 @@ def profile_as_run(
 
 
 def _spread(inputs: Inputs) -> str:
-    spread = inputs.profile.meta.get("spread")
-    return f"; layer times' spread {spread:.0%}" if isinstance(spread, float) else ""
+    """The profile's spread and cache choice, for the line saying how it was made."""
+    meta = inputs.profile.meta
+    spread = meta.get("spread")
+    text = f"; layer times' spread {spread:.0%}" if isinstance(spread, float) else ""
+    cache = meta.get("cache")
+    if isinstance(cache, dict) and cache.get("cache_bytes"):
+        size, limit = format_bytes(cache["working_set"]), format_bytes(cache["cache_bytes"])
+        text += (
+            f"; caches flushed before each pass (working set {size} > {limit} cache)"
+            if cache["cold"]
+            else f"; caches left warm (working set {size} fits the {limit} cache)"
+        )
+    return text
 
 
 def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:

@@ -500,3 +500,47 @@ def test_the_profile_reports_its_timing_spread() -> None:
     assert 0.0 <= profile.meta["spread"] < 10.0
     one = profile_model(model, torch.randn(8, 8), repeats=1, warmup=0, chunks=2)
     assert one.meta["spread"] == 0.0  # one run per layer: no spread to tell
+
+
+def test_caches_are_flushed_only_for_a_working_set_larger_than_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import profiler.measure as measure
+
+    layers = [nn.Linear(8, 8), nn.ReLU()]
+    weights = 2 * (8 * 8 + 8) * 4  # the Linear's parameters and their gradients
+    monkeypatch.setattr(measure, "cache_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(
+        measure, "cold_cache_needed", lambda working_set, device: working_set > 1 << 20
+    )
+    warm = profile_layers(layers, torch.randn(4, 8), **FAST)
+    cache = warm.meta["cache"]
+    assert cache["cold"] is False and cache["cache_bytes"] == 1 << 20
+    saved = sum(max(layer.saved) for layer in warm.layers)
+    assert cache["working_set"] == weights + saved
+    monkeypatch.setattr(measure, "cold_cache_needed", lambda working_set, device: True)
+    cold = profile_layers(layers, torch.randn(4, 8), **FAST)
+    assert cold.meta["cache"]["cold"] is True
+    explicit = profile_layers(layers, torch.randn(4, 8), cold_cache=True, **FAST)
+    assert "cache" not in explicit.meta  # a caller's choice is not recorded as automatic
+
+
+def test_cold_cache_needed_compares_with_the_largest_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import profiler.layer as layer
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(layer, "cache_bytes", lambda device: 32 << 20)
+    assert not layer.cold_cache_needed(9 << 20, cpu)
+    assert layer.cold_cache_needed(59 << 20, cpu)
+    monkeypatch.setattr(layer, "cache_bytes", lambda device: None)
+    assert layer.cold_cache_needed(1, cpu)  # unknown: flushed, as before
+
+
+def test_cache_bytes_reads_the_largest_cpu_cache() -> None:
+    from profiler.layer import cache_bytes
+
+    found = cache_bytes(torch.device("cpu"))
+    assert found is None or found >= 1 << 10
+    assert cache_bytes(torch.device("meta")) is None
