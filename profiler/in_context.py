@@ -13,6 +13,7 @@ import torch
 from scipy.optimize import nnls
 from torch import Tensor, nn
 
+from profiler.calibrate import store_calibration
 from profiler.devices import synchronize
 from profiler.layer import as_tensors
 from profiler.layer_names import layer_names, same_layer_name
@@ -20,7 +21,7 @@ from profiler.precision import autocast_pass
 from profiler.profile import Profile
 from profiler.samples import sample_arguments, sequential_inputs_problem
 
-__all__ = ["chunk_counts", "measure_compute_scale"]
+__all__ = ["calibrate_in_step", "chunk_counts", "measure_compute_scale", "scale_counts"]
 
 FIGURES = ("forward", "backward")
 
@@ -69,6 +70,51 @@ def chunk_counts(batch: int, profiled: int) -> list[int]:
         counts.add(m)
         m *= 2
     return sorted(counts)
+
+
+def scale_counts(chunks: int) -> list[int]:
+    """Two micro-batch counts around a run's ``chunks`` (it and half of it), the fewest
+    whole steps that separate a per-micro-batch factor from a per-sample one."""
+    return sorted({max(1, chunks // 2), chunks})
+
+
+def calibrate_in_step(
+    profile: Profile,
+    model: nn.Sequential,
+    sample: Tensor | tuple[Any, ...],
+    *,
+    chunks: int,
+    repeats: int = 3,
+    warmup: int = 1,
+    sync: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Times whole steps of ``model`` at :func:`scale_counts` and stores the fitted
+    ``fixed_scale`` and ``compute_scale`` in ``profile.meta["calibration"]``, which the
+    planner applies to every layer's time.
+
+    A layer timed alone over and over does not see what a step does to it: caches the
+    other layers evicted (or, for a model that fits the cache, kept), the intra-op threads
+    that slept between passes, the allocator's state. The whole step does; the fit puts
+    the profile's sum on it, keeping each layer's share. It runs where the plan will run
+    (in the process, or on every rank at once with ``sync``), which is what makes the
+    prediction hold there.
+
+    Returns:
+        What :func:`measure_compute_scale` returns.
+    """
+    found = measure_compute_scale(
+        model,
+        sample,
+        profile,
+        chunks=scale_counts(chunks),
+        repeats=repeats,
+        warmup=warmup,
+        sync=sync,
+    )
+    store_calibration(
+        profile, fixed_scale=found["fixed_scale"], compute_scale=found["compute_scale"]
+    )
+    return found
 
 
 def measure_compute_scale(

@@ -54,7 +54,15 @@ def profile_as_run(
     if not args.ranks:
         inputs = read_profile(profile_args(args), stages, check_model=check_model)
         own = _count(torch.get_num_threads(), "thread")
-        return inputs, f"profiled in this process with {own} ({runs}{_spread(inputs)})"
+        scaled = ""
+        if not args.no_calibrate:
+            from profiler.in_context import calibrate_in_step
+
+            layers, sample = build()
+            chunks = inputs.chunks or args.chunks or inputs.profile.chunks
+            found = calibrate_in_step(inputs.profile, layers, sample, chunks=chunks)
+            scaled = _scaled(found["fixed_scale"], found["compute_scale"], "in this process")
+        return inputs, f"profiled in this process with {own} ({runs}{_spread(inputs)}){scaled}"
     from autopipe.distributed.rank_conditions import profile_on_local_ranks, with_rank_times
 
     quick = argparse.Namespace(**{**vars(args), "profile_repeats": 1, "profile_warmup": 0})
@@ -68,6 +76,7 @@ def profile_as_run(
             repeats=args.profile_repeats,
             warmup=args.profile_warmup,
             cuda=not _on_ranks_cpu(args),
+            scale=not args.no_calibrate,
         )
     except RuntimeError as exc:
         raise ValueError(f"profiling on the ranks failed: {exc}") from None
@@ -75,10 +84,23 @@ def profile_as_run(
     threads = sorted({found["threads"] for found in measured})
     each = "/".join(str(t) for t in threads)
     bound = ", each bound to its CPUs" if _on_ranks_cpu(args) else ""
+    scales = inputs.profile.meta.get("calibration", {})
+    scaled = (
+        _scaled(scales["fixed_scale"], scales["compute_scale"], "on the ranks at once")
+        if "compute_scale" in scales
+        else ""
+    )
     return inputs, (
         f"profiled on the {args.ranks} ranks at once{bound} with {each} "
         f"thread{'s' if threads != [1] else ''} each ({runs}, the mean over the "
-        f"ranks{_spread(inputs)})"
+        f"ranks{_spread(inputs)}){scaled}"
+    )
+
+
+def _scaled(fixed: float, per_sample: float, where: str) -> str:
+    return (
+        f"; in-step scale x{fixed:.2f} per micro-batch, x{per_sample:.2f} per sample (whole "
+        f"steps of the model {where} against the profile)"
     )
 
 

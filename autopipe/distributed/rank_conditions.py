@@ -27,6 +27,7 @@ from autopipe.distributed.local_ranks import (
     run_on_local_ranks,
 )
 from autopipe.distributed.pipeline import init_distributed
+from profiler.calibrate import store_calibration
 from profiler.profile import Profile
 
 __all__ = ["calibrate_local_ranks", "profile_on_local_ranks", "with_rank_times"]
@@ -97,6 +98,7 @@ def _profile_main(
     messages: Any,
 ) -> None:
     """One rank of :func:`profile_on_local_ranks`: profile the model, every rank at once."""
+    from profiler.in_context import calibrate_in_step
     from profiler.measure import profile_model
 
     try:
@@ -112,6 +114,14 @@ def _profile_main(
             repeats=options["repeats"],
             warmup=options["warmup"],
         )
+        scales = None
+        if options.get("scale"):
+            # Whole steps on every rank at once, each started together: the layers' cost
+            # inside a step, with the other ranks busy as in training.
+            found_scale = calibrate_in_step(
+                found, layers, sample, chunks=options["chunks"], sync=dist.barrier
+            )
+            scales = [found_scale["fixed_scale"], found_scale["compute_scale"]]
         times = {
             "forward": [layer.forward for layer in found.layers],
             "backward": [layer.backward for layer in found.layers],
@@ -119,6 +129,7 @@ def _profile_main(
             "batch_sizes": found.batch_sizes,
             "spread": found.meta.get("spread", 0.0),
             "threads": torch.get_num_threads(),
+            "scales": scales,
         }
         dist.barrier()
         messages.put(("result", rank, times))
@@ -136,6 +147,7 @@ def profile_on_local_ranks(
     warmup: int,
     cuda: bool | None = None,
     timeout: float = 600.0,
+    scale: bool = False,
 ) -> list[dict[str, Any]]:
     """Each rank's layer times of the model, all ranks profiling at once.
 
@@ -148,10 +160,13 @@ def profile_on_local_ranks(
         warmup: untimed runs first.
         cuda: on GPUs with nccl, one per rank; default: when there are any.
         timeout: seconds a rank waits on another before failing.
+        scale: also time whole steps of the model on every rank at once and fit the
+            in-step scales (:func:`profiler.in_context.calibrate_in_step`).
 
     Returns:
         Per rank: ``forward``, ``backward``, ``backward_input`` (per layer, per batch
-        size), ``batch_sizes``, ``spread`` (the profile's) and ``threads``.
+        size), ``batch_sizes``, ``spread`` (the profile's), ``threads`` and ``scales``
+        (``[fixed_scale, compute_scale]``, or ``None`` without ``scale``).
 
     Raises:
         RuntimeError: a rank failed; the message is its error.
@@ -162,6 +177,7 @@ def profile_on_local_ranks(
         "chunks": chunks,
         "repeats": repeats,
         "warmup": warmup,
+        "scale": scale,
     }
     results = run_on_local_ranks(_profile_main, (build, options), ranks, None)
     return [results[rank] for rank in range(ranks)]
@@ -191,6 +207,10 @@ def with_rank_times(profile: Profile, measured: list[dict[str, Any]]) -> Profile
             setattr(layer, what, [statistics.fmean(column) for column in zip(*per_rank)])
     timed.meta = dict(timed.meta)
     timed.meta["spread"] = statistics.fmean(found["spread"] for found in measured)
+    scales = [found.get("scales") for found in measured]
+    if all(scales):
+        fixed, per_sample = (statistics.fmean(column) for column in zip(*scales))
+        store_calibration(timed, fixed_scale=fixed, compute_scale=per_sample)
     timed.meta["profiled_on_ranks"] = {
         "ranks": len(measured),
         "threads": [found["threads"] for found in measured],

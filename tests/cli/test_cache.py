@@ -214,7 +214,8 @@ def test_a_corrupted_entry_is_ignored_with_a_warning_and_rewritten(
     assert measured.calls == 2 and "balance" in out  # measured again, and planned
     assert Profile.from_dict(jsonfile.read_json(entry, "cached profile")["profile"])
     _, err = plan(capsys, model_file)
-    assert err.splitlines() == [f"profile: cached ({entry}; the model file did not run)"] and measured.calls == 2
+    assert err.splitlines() == [f"profile: cached ({entry}; the model file did not run)"]
+    assert measured.calls == 2
 
 
 def test_an_entry_of_another_key_is_ignored(

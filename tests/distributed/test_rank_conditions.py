@@ -36,6 +36,16 @@ def test_rank_times_are_the_mean_and_nothing_else_changes() -> None:
     assert [layer.forward for layer in profile.layers] == [[0.5, 1.0], [1.0, 2.0]]  # as it was
 
 
+def test_the_ranks_in_step_scales_are_averaged_into_the_calibration() -> None:
+    profile = linear_profile([1.0, 2.0], batch=8, chunks=1)
+    first, second = _rank([[1.0, 2.0], [4.0, 8.0]], 0.1), _rank([[1.0, 2.0], [4.0, 8.0]], 0.1)
+    first["scales"], second["scales"] = [1.5, 1.25], [0.5, 0.75]
+    merged = with_rank_times(profile, [first, second])
+    assert merged.meta["calibration"] == {"fixed_scale": 1.0, "compute_scale": 1.0}
+    second["scales"] = None  # a rank without them: none stored, rather than one rank's
+    assert "calibration" not in with_rank_times(profile, [first, second]).meta
+
+
 def test_other_layers_are_refused() -> None:
     profile = linear_profile([1.0, 2.0], batch=8, chunks=1)
     with pytest.raises(ValueError, match="profile again"):
@@ -60,3 +70,11 @@ def test_two_ranks_profile_the_model_bound_as_they_run() -> None:
         assert 1 <= rank["threads"] <= max(1, torch.get_num_threads())
     merged = with_rank_times(profile, found)
     assert merged.meta["profiled_on_ranks"]["ranks"] == 2
+    assert all(rank["scales"] is None for rank in found)  # not asked for
+
+
+def test_two_ranks_fit_the_in_step_scales_together() -> None:
+    found = profile_on_local_ranks(_tiny, 2, chunks=2, repeats=1, warmup=0, cuda=False, scale=True)
+    for rank in found:
+        fixed, per_sample = rank["scales"]
+        assert fixed > 0 and per_sample > 0

@@ -118,3 +118,25 @@ def test_another_model_with_as_many_layers_is_refused() -> None:
     other = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     with pytest.raises(ValueError, match=r"layer 1 is 1 \(Tanh\) in the model but 1 \(ReLU\)"):
         measure_compute_scale(other, torch.randn(4, 4), profile)
+
+
+def test_scale_counts_are_the_chunks_and_half_of_them() -> None:
+    from profiler.in_context import scale_counts
+
+    assert scale_counts(8) == [4, 8]
+    assert scale_counts(3) == [1, 3]
+    assert scale_counts(1) == [1]
+
+
+def test_calibrate_in_step_stores_the_fitted_scales() -> None:
+    from profiler.in_context import calibrate_in_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    sample = torch.randn(8, 8)
+    profile = profile_model(model, sample, chunks=4, repeats=1, warmup=0)
+    found = calibrate_in_step(profile, model, sample, chunks=4, repeats=1, warmup=0)
+    assert found["chunks"] == [2, 4]
+    stored = profile.meta["calibration"]
+    assert stored == {"fixed_scale": found["fixed_scale"], "compute_scale": found["compute_scale"]}
+    assert stored["fixed_scale"] > 0 and stored["compute_scale"] > 0
