@@ -85,6 +85,8 @@ def _headline(results: dict[str, Any], labels: list[str], k: int) -> list[str]:
             row = _row(m, k, label)
             if row is None:
                 cells.append("-")
+            elif not row.get("applies", True):
+                cells.append("n/a")
             elif not row["fits"]:
                 cells.append("does not fit")
             else:
@@ -163,6 +165,9 @@ def _plans(results: dict[str, Any]) -> list[str]:
     for m in results["models"]:
         for r in m["rows"]:
             head = f"| {m['model']} | {r['stages']} | {r['strategy']} |"
+            if not r.get("applies", True):
+                lines.append(f"{head} n/a (not the model's shape) |" + " |" * 10)
+                continue
             if not r["fits"]:
                 lines.append(f"{head} does not fit in {_mib(r['capacity'])} |" + " |" * 10)
                 continue
