@@ -89,6 +89,30 @@ def shared_state(
     return None
 
 
+def written_shared(
+    layers: Sequence[nn.Module], written: Collection[int] | None, owner: nn.Module
+) -> set[str]:
+    """Every name in ``owner`` of the buffers that several layers use and may write.
+
+    Each rank holds a copy of what its stages use, so the planner keeps the users of these
+    on one stage (:func:`autopipe.planning.cut_rules.keep_together`); with virtual stages
+    too, though a rank's stages could share one.
+
+    Args:
+        layers: the model's layers.
+        written: ``id`` of the buffers some layer may write (``None``: every buffer).
+        owner: the model whose names the profile gives tied tensors.
+    """
+    ids = {
+        id(use.tensor)
+        for use in _uses(layers, [1] * len(layers), len(layers))
+        if not use.parameter
+        and len(use.stages) > 1
+        and (written is None or id(use.tensor) in written)
+    }
+    return {name for name, t in owner.named_buffers(remove_duplicate=False) if id(t) in ids}
+
+
 def shared_across_stages(
     layers: Sequence[nn.Module], balance: Sequence[int], ranks: int
 ) -> list[tuple[Tensor, tuple[int, ...]]]:
