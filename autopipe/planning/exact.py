@@ -41,7 +41,7 @@ from autopipe.planning.quantities import format_bytes
 from autopipe.planning.spans import stage_bounds
 from autopipe.planning.tolerances import SAME_TIME
 
-__all__ = []
+__all__ = ["gpipe_step_time"]
 
 Array = NDArray[np.float64]
 Score = Callable[[int], Array]
