@@ -114,12 +114,17 @@ class TiedState:
         layers: the indices of the layers that use it, ascending.
         bytes: its size.
         buffer: a buffer (no gradient, no optimizer state), not a parameter.
+        unsplit: its users must lie in one stage: some user writes it in place during
+            forward (a running statistic, a counter) and the runner would give each stage
+            a copy of its own, which would drift apart. The runner sets it; the planner
+            then cuts nowhere between its first and its last user.
     """
 
     names: list[str]
     layers: list[int]
     bytes: int
     buffer: bool = False
+    unsplit: bool = False
 
 
 def _check_count(value: object, where: str, what: str) -> None:
@@ -210,6 +215,8 @@ def _check_tied(tied: object, n: int) -> None:
         _check_amount(item.bytes, f"{where}.bytes", _BYTES)
         if not isinstance(item.buffer, bool):
             raise ValueError(f"{where}.buffer must be true or false, got {item.buffer!r}")
+        if not isinstance(item.unsplit, bool):
+            raise ValueError(f"{where}.unsplit must be true or false, got {item.unsplit!r}")
 
 
 @dataclass
@@ -342,6 +349,9 @@ class Profile:
         data = asdict(self)
         if not self.tied:  # profiles without tied state read as before it was recorded
             del data["tied"]
+        for item in data.get("tied", []):  # and tied state free to split as before
+            if not item["unsplit"]:
+                del item["unsplit"]
         for layer in data["layers"]:  # uncounted layers read as before counts existed
             for what in _LAYER_COUNTS:
                 if layer[what] is None:

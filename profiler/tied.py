@@ -3,12 +3,52 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
 from profiler.profile import TiedState
 
-__all__ = ["tied_state"]
+__all__ = ["TensorUse", "tensor_uses", "tied_state"]
+
+
+@dataclass
+class TensorUse:
+    """A parameter or buffer of some layers, and the layers that use it.
+
+    Attributes:
+        tensor: the tensor.
+        buffer: a buffer, not a parameter.
+        layers: the indices of the layers using it, ascending.
+        names: its name in each of those layers (the layer's own naming), in that order.
+    """
+
+    tensor: Tensor
+    buffer: bool
+    layers: list[int]
+    names: list[str]
+
+
+def tensor_uses(layers: Sequence[nn.Module]) -> list[TensorUse]:
+    """Every parameter and buffer of ``layers``, by identity, in order of first use (a
+    layer's parameters, then its buffers).
+
+    The profiler, the single-process GPipe and the distributed runner each need to know
+    which layers (or stages: pass the stages' modules) share a tensor; this is the one
+    place that finds out.
+    """
+    found: dict[int, TensorUse] = {}
+    for index, layer in enumerate(layers):
+        state = [
+            *((n, t, False) for n, t in layer.named_parameters()),
+            *((n, t, True) for n, t in layer.named_buffers()),
+        ]
+        for name, tensor, buffer in state:
+            use = found.setdefault(id(tensor), TensorUse(tensor, buffer, [], []))
+            if index not in use.layers:
+                use.layers.append(index)
+                use.names.append(name)
+    return list(found.values())
 
 
 def tied_state(
@@ -25,6 +65,8 @@ def tied_state(
         owner: the model the layers take their parameters from (a model traced into
             units, the ``nn.Sequential`` itself), whose names for the tensor are listed.
     """
+    if len(names) != len(layers):
+        raise ValueError(f"got {len(names)} names for {len(layers)} layers")
     known: dict[int, list[str]] = {}
     if owner is not None:
         for name, tensor in [
@@ -32,26 +74,17 @@ def tied_state(
             *owner.named_buffers(remove_duplicate=False),
         ]:
             known.setdefault(id(tensor), []).append(name)
-    found: dict[int, tuple[Tensor, bool, list[int], list[str]]] = {}
-    for index, (layer, layer_name) in enumerate(zip(layers, names, strict=True)):
-        state = [
-            *((n, t, False) for n, t in layer.named_parameters()),
-            *((n, t, True) for n, t in layer.named_buffers()),
-        ]
-        for name, tensor, buffer in state:
-            entry = found.setdefault(id(tensor), (tensor, buffer, [], []))
-            if index not in entry[2]:
-                entry[2].append(index)
-                entry[3].append(f"{layer_name}.{name}")
     tied = []
-    for key, (tensor, buffer, users, local) in found.items():
-        if len(users) > 1:
+    for use in tensor_uses(layers):
+        if len(use.layers) > 1:
+            local = [f"{names[k]}.{name}" for k, name in zip(use.layers, use.names, strict=True)]
+            tensor = use.tensor
             tied.append(
                 TiedState(
-                    names=known.get(key) or local,
-                    layers=users,
+                    names=known.get(id(tensor)) or local,
+                    layers=use.layers,
                     bytes=tensor.numel() * tensor.element_size(),
-                    buffer=buffer,
+                    buffer=use.buffer,
                 )
             )
     return tied

@@ -30,8 +30,10 @@ from autopipe.distributed.local_ranks import (
     run_on_local_ranks,
 )
 from autopipe.distributed.pipeline import DistributedPipeline, init_distributed
+from autopipe.microbatching.step_timing import check_steps, mean_output_loss, take_turns
 from autopipe.planning.bench_summary import Measured
 from autopipe.planning.plans import Plan
+from profiler.devices import synchronize
 from profiler.live_memory import SavedMemory
 
 __all__ = ["time_splits_on_ranks"]
@@ -40,13 +42,8 @@ Build = Callable[[], tuple[nn.Sequential, Tensor | tuple[Tensor, ...]]]
 
 
 def _loss(output: Any, target: Tensor) -> Tensor:
-    """The benchmark's loss: the mean of the output (its floating tensors' means summed)."""
-    if isinstance(output, Tensor):
-        return output.float().mean()
-    tensors = [t for t in output if isinstance(t, Tensor) and t.is_floating_point()]
-    if not tensors:
-        raise ValueError("the model's output holds no floating-point tensor to take a loss of")
-    return torch.stack([t.float().mean() for t in tensors]).sum()
+    """The benchmark's loss, which takes no target (:func:`mean_output_loss`)."""
+    return mean_output_loss(output)
 
 
 def _batch(sample: Tensor | tuple[Tensor, ...]) -> int:
@@ -99,23 +96,21 @@ def _rank_main(
             pipe.step(sample, target)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             slowest = torch.tensor([time.perf_counter() - start], device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             return float(slowest.item())
 
-        warmup, steps = options["warmup"], options["steps"]
-        times: dict[str, list[float]] = {label: [] for label in splits}
-        total, done = (warmup + steps) * len(splits), 0
-        for round_ in range(warmup + steps):
-            for label in splits:
-                seconds = step(label)
-                if round_ >= warmup:
-                    times[label].append(seconds)
-                done += 1
-                if rank == 0:
-                    messages.put(("progress", done, total, label))
+        def report(done: int, total: int, label: str) -> None:
+            messages.put(("progress", done, total, label))
+
+        times = take_turns(
+            list(splits),
+            step,
+            steps=options["steps"],
+            warmup=options["warmup"],
+            progress=report if rank == 0 else None,
+        )
         peaks = {}
         for label, (pipe, _) in splits.items():
             with SavedMemory.of_modules(pipe.module) as saved:
@@ -164,8 +159,7 @@ def time_splits_on_ranks(
         ValueError: a plan not of ``ranks`` stages, fewer than one step, or not enough GPUs.
         RuntimeError: a rank failed; the message is its error.
     """
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"need at least one timed step and no negative warm-up, got {steps}")
+    check_steps(steps, warmup)
     for label, plan in plans.items():
         if plan.num_stages != ranks:
             raise ValueError(

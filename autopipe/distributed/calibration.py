@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,7 +24,8 @@ from autopipe.distributed.calibration_cache import current_runtime_key, save_run
 from autopipe.distributed.collectives import rank_device, share_from_rank0
 from autopipe.distributed.replicas import all_reduce_mean
 from autopipe.distributed.runner import PipelineRunner
-from autopipe.planning.schedule_replay import makespans
+from autopipe.microbatching.step_timing import median_seconds, tiny_stages
+from autopipe.planning.overhead_fit import overhead_per_clock, unit_clocks
 from profiler.calibrate import store_calibration
 from profiler.devices import synchronize
 from profiler.fit import fit_linear
@@ -133,8 +133,7 @@ def measure_allreduce(
     def average() -> None:
         all_reduce_mean(grads, everyone, world)  # type: ignore[arg-type]
 
-    samples = [slowest_seconds(average, group) for _ in range(warmup + repeats)][warmup:]
-    seconds = statistics.median(samples)
+    seconds = median_seconds(lambda: slowest_seconds(average, group), repeats, warmup)
     factor = 2.0 * (world - 1) / world if world > 1 else 1.0
     return {"allreduce_bandwidth": factor * size / seconds, "allreduce_s": seconds, "bytes": size}
 
@@ -164,10 +163,9 @@ def measure_runner_overhead(
     ranks = dist.get_world_size(group)
     stages = ranks * virtual_stages
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(stages)])
     x, y = torch.randn(chunks, width), torch.zeros(chunks, width)
     pipe = PipelineRunner(
-        model,
+        tiny_stages(stages, width),
         x,
         loss_fn=lambda out, _: out.sum(),
         chunks=chunks,
@@ -175,17 +173,12 @@ def measure_runner_overhead(
         group=group,
         virtual_stages=virtual_stages,
     )
-    samples = [slowest_seconds(lambda: pipe.step(x, y), group) for _ in range(warmup + repeats)][
-        warmup:
-    ]
-    step = statistics.median(samples)
-    # Stages of cost 1 (a forward of 1/3, a backward of 2/3): the step in stage costs.
-    ones = np.ones((1, stages))
-    none = np.zeros((1, stages), dtype=np.int64)
-    clocks = float(makespans(ones / 3, 2 * ones / 3, 0 * ones, none, ranks, chunks, schedule)[0])
+    step = median_seconds(lambda: slowest_seconds(lambda: pipe.step(x, y), group), repeats, warmup)
+    clocks = unit_clocks(ranks, chunks, schedule, virtual_stages)
+    # The compute is negligible: each clock is one message's latency and ``o``.
     hops = latency if ranks > 1 else 0.0
     return {
-        "overhead_s": max(0.0, step / clocks - hops),
+        "overhead_s": overhead_per_clock(step, hops * clocks, clocks),
         "step_s": step,
         "chunks": chunks,
         "clocks": clocks,

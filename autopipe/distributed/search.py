@@ -21,8 +21,10 @@ from torch import Tensor, nn
 from autopipe.distributed.calibration import calibrate_ranks
 from autopipe.distributed.collectives import rank_device, share_from_rank0
 from autopipe.distributed.prepared import Prepared, prepare_model
+from autopipe.distributed.tied import written_shared
 from autopipe.errors import PlanningError
 from autopipe.planning.config_search import search
+from autopipe.planning.cut_rules import keep_together
 from autopipe.planning.names import SCHEDULES, SEARCH_CHECKPOINTS
 from autopipe.planning.plans import Plan
 from profiler.batch_sizes import doubling_batch_sizes, smallest_batch
@@ -130,7 +132,10 @@ def search_prepared(
             sample=(prepared.sample,),
             virtual_stages=max(virtual_stages),
         )
-    found = profile
+    # Each rank holds a copy of what its stages use: a written buffer's users stay on one.
+    owner = prepared.owner if prepared.owner is not None else prepared.sequential
+    written = written_shared(list(prepared.sequential), prepared.written, owner)
+    found = keep_together(profile, written)
 
     def best() -> dict[str, Any]:
         return _best(

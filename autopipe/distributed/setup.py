@@ -22,8 +22,9 @@ from autopipe.distributed.calibration_cache import (
 from autopipe.distributed.collectives import collective
 from autopipe.distributed.padding import rows_mixing_layer
 from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
-from autopipe.distributed.tied import shared_state
+from autopipe.distributed.tied import shared_state, written_shared
 from autopipe.distributed.virtual import check_virtual
+from autopipe.planning.cut_rules import keep_together
 from autopipe.planning.names import ALL_SCHEDULES
 from autopipe.planning.planner import plan as make_plan
 from autopipe.planning.plans import Plan
@@ -376,6 +377,8 @@ def setup_on_rank0(
                 f"the profile has {len(profile.layers)} layers but the model has {len(sequential)}"
             )
         profile = _with_cached_calibration(profile, ranks or num_stages, options)
+        named = owner if owner is not None else sequential
+        profile = keep_together(profile, written_shared(list(sequential), written, named))
         # Unless asked for, the stages keep every activation (no re-computation).
         options = {"checkpoint": "never", **options}
         plan = make_plan(profile, num_stages, **options)

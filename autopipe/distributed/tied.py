@@ -17,6 +17,7 @@ from autopipe.distributed.replicas import (
     bucketed,
     group_timeout,
 )
+from profiler.tied import tensor_uses
 
 __all__: list[str] = []  # internal to the distributed runner
 
@@ -36,23 +37,21 @@ class _Use:
 def _uses(layers: Sequence[nn.Module], balance: Sequence[int], ranks: int) -> list[_Use]:
     """Every parameter and buffer of the layers, in order of first use, with its stages and
     pipeline positions (stage ``s`` runs on position ``s % ranks``, torch's looped mapping)."""
-    found: dict[int, _Use] = {}
-    start = 0
-    for stage, size in enumerate(balance):
-        for index in range(start, start + size):
-            layer = layers[index]
-            named = [
-                *((n, t, True) for n, t in layer.named_parameters()),
-                *((n, t, False) for n, t in layer.named_buffers()),
-            ]
-            for name, tensor, parameter in named:
-                use = found.setdefault(
-                    id(tensor), _Use(tensor, name, index, parameter, set(), set())
-                )
-                use.stages.add(stage)
-                use.positions.add(stage % ranks)
-        start += size
-    return list(found.values())
+    stage_of = [stage for stage, size in enumerate(balance) for _ in range(size)]
+    found = []
+    for use in tensor_uses(layers[: len(stage_of)]):
+        stages = {stage_of[k] for k in use.layers}
+        found.append(
+            _Use(
+                use.tensor,
+                use.names[0],
+                use.layers[0],
+                not use.buffer,
+                stages,
+                {stage % ranks for stage in stages},
+            )
+        )
+    return found
 
 
 def shared_state(
@@ -87,6 +86,30 @@ def shared_state(
                 "keeps its users on one rank"
             )
     return None
+
+
+def written_shared(
+    layers: Sequence[nn.Module], written: Collection[int] | None, owner: nn.Module
+) -> set[str]:
+    """Every name in ``owner`` of the buffers that several layers use and may write.
+
+    Each rank holds a copy of what its stages use, so the planner keeps the users of these
+    on one stage (:func:`autopipe.planning.cut_rules.keep_together`); with virtual stages
+    too, though a rank's stages could share one.
+
+    Args:
+        layers: the model's layers.
+        written: ``id`` of the buffers some layer may write (``None``: every buffer).
+        owner: the model whose names the profile gives tied tensors.
+    """
+    ids = {
+        id(use.tensor)
+        for use in _uses(layers, [1] * len(layers), len(layers))
+        if not use.parameter
+        and len(use.stages) > 1
+        and (written is None or id(use.tensor) in written)
+    }
+    return {name for name, t in owner.named_buffers(remove_duplicate=False) if id(t) in ids}
 
 
 def shared_across_stages(

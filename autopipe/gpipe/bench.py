@@ -20,24 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.gpipe.gpipe import GPipe
+from autopipe.microbatching.step_timing import Progress, check_steps, mean_output_loss, take_turns
 from autopipe.planning.bench_summary import Measured
 from autopipe.planning.plans import Plan
+from profiler.devices import synchronize
 from profiler.live_memory import SavedMemory
 
-__all__ = ["mean_output_loss", "pipeline_input", "time_splits"]
-
-Progress = Callable[[int, int, str], None]
-
-
-def mean_output_loss(output: Any) -> Tensor:
-    """The benchmark's loss: the mean of the output (summed over its floating tensors
-    when the model returns several), in float32."""
-    if isinstance(output, Tensor):
-        return output.float().mean()
-    tensors = [t for t in output if isinstance(t, Tensor) and t.is_floating_point()]
-    if not tensors:
-        raise ValueError("the model's output holds no floating-point tensor to take a loss of")
-    return torch.stack([t.float().mean() for t in tensors]).sum()
+__all__ = ["pipeline_input", "time_splits"]
 
 
 def pipeline_input(layers: nn.Sequential, sample: Tensor | tuple[Tensor, ...]) -> Any:
@@ -56,8 +45,7 @@ def _checkpoint(plan: Plan) -> str | list[str]:
 
 def _synchronize(devices: Sequence[torch.device]) -> None:
     for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
 
 
 class _Split:
@@ -155,23 +143,19 @@ def time_splits(
     Raises:
         ValueError: fewer than one step, or a split GPipe refuses.
     """
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"need at least one timed step and no negative warm-up, got {steps}")
+    check_steps(steps, warmup)
     value = pipeline_input(layers, sample)
     splits = {
         label: _Split(layers, plan, devices or [d.name for d in plan.devices], lr)
         for label, plan in plans.items()
     }
-    times: dict[str, list[float]] = {label: [] for label in splits}
-    total, done = (warmup + steps) * len(splits), 0
-    for round_ in range(warmup + steps):
-        for label, split in splits.items():
-            seconds = split.step(value)
-            if round_ >= warmup:
-                times[label].append(seconds)
-            done += 1
-            if progress is not None:
-                progress(done, total, label)
+    times = take_turns(
+        list(splits),
+        lambda label: splits[label].step(value),
+        steps=steps,
+        warmup=warmup,
+        progress=progress,
+    )
     return {
         label: Measured(times[label], split.saved_peaks(value)) for label, split in splits.items()
     }

@@ -6,7 +6,7 @@ stored figures from ``Profile.meta`` without it.
 
 from __future__ import annotations
 
-import statistics
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from autopipe.gpipe import GPipe
+from autopipe.microbatching.step_timing import median_seconds, tiny_stages
+from autopipe.planning.exact import gpipe_step_time
+from autopipe.planning.overhead_fit import overhead_per_clock, unit_clocks
 from profiler.calibrate import measure_bandwidth, store_calibration
 from profiler.devices import gpu_count, stage_devices, synchronize
 from profiler.in_context import measure_compute_scale
@@ -22,10 +25,6 @@ from profiler.precision import autocast_pass, check_autocast
 from profiler.profile import Profile
 
 __all__ = ["calibrate_executor", "measure_overhead"]
-
-
-def _tiny_model(stages: int, width: int) -> nn.Sequential:
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(stages)])
 
 
 def _synchronize(devices: Sequence[torch.device]) -> None:
@@ -37,22 +36,23 @@ def _stage_times(
     pipe: GPipe, batch: torch.Tensor, chunks: int, repeats: int, autocast: str | None
 ) -> list[float]:
     """Per partition, forward + backward seconds of one micro-batch run by hand."""
-    out = []
     inputs = batch.tensor_split(chunks)
-    for partition, device in zip(pipe.partitions, pipe.devices):
-        samples = []
-        for _ in range(repeats + 1):
-            _synchronize(pipe.devices)
-            start = time.perf_counter()
-            for micro in inputs:
-                x = micro.to(device).requires_grad_()
-                with autocast_pass(device.type, autocast):
-                    y = partition(x).float().sum()
-                y.backward()
-            _synchronize(pipe.devices)
-            samples.append((time.perf_counter() - start) / chunks)
-        out.append(statistics.median(samples[1:]))
-    return out
+
+    def timed(partition: nn.Module, device: torch.device) -> float:
+        _synchronize(pipe.devices)
+        start = time.perf_counter()
+        for micro in inputs:
+            x = micro.to(device).requires_grad_()
+            with autocast_pass(device.type, autocast):
+                y = partition(x).float().sum()
+            y.backward()
+        _synchronize(pipe.devices)
+        return (time.perf_counter() - start) / chunks
+
+    return [
+        median_seconds(functools.partial(timed, partition, device), repeats, warmup=1)
+        for partition, device in zip(pipe.partitions, pipe.devices)
+    ]
 
 
 def measure_overhead(
@@ -90,22 +90,22 @@ def measure_overhead(
     k = len(devices)
     batch = torch.randn(chunks, width)
     with GPipe(
-        _tiny_model(k, width), [1] * k, devices=list(devices), chunks=chunks, checkpoint="never"
+        tiny_stages(k, width), [1] * k, devices=list(devices), chunks=chunks, checkpoint="never"
     ) as pipe:
-        samples = []
-        for i in range(warmup + repeats):
+
+        def timed() -> float:
             _synchronize(pipe.devices)
             start = time.perf_counter()
             with autocast_pass(pipe.devices[0].type, autocast):
                 out = pipe(batch).float().sum()
             out.backward()
             _synchronize(pipe.devices)
-            if i >= warmup:
-                samples.append(time.perf_counter() - start)
-        step = statistics.median(samples)
+            return time.perf_counter() - start
+
+        step = median_seconds(timed, repeats, warmup)
         stages = _stage_times(pipe, batch, chunks, repeats, autocast)
-    predicted = sum(stages) + (chunks - 1) * max(stages)
-    overhead = max(0.0, (step - predicted) / (k + chunks - 1))
+    predicted = gpipe_step_time(stages, chunks)
+    overhead = overhead_per_clock(step, predicted, unit_clocks(k, chunks, "gpipe"))
     return {"overhead_s": overhead, "step_s": step, "stage_s": stages, "chunks": chunks}
 
 

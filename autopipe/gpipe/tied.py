@@ -11,6 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from profiler.tied import tensor_uses
+
 __all__: list[str] = []  # internal to the package
 
 _KINDS = ("_parameters", "_buffers")
@@ -77,24 +79,17 @@ class Replicas:
         names: Mapping[int, str],
         force: bool = False,
     ) -> None:
-        users: dict[int, list[int]] = {}
-        tensors: dict[int, Tensor] = {}
-        for j, partition in enumerate(partitions):
-            for module in partition.modules():
-                for _, _, tensor in _direct(module):
-                    tensors[id(tensor)] = tensor
-                    if j not in users.setdefault(id(tensor), []):
-                        users[id(tensor)].append(j)
         self.owner: dict[int, int] = {}
+        self.tensors: dict[int, Tensor] = {}
         replicated: list[set[int]] = [set() for _ in partitions]
-        for key, parts in users.items():
-            owner = parts[0]
-            later = [j for j in parts[1:] if force or devices[j] != devices[owner]]
+        for use in tensor_uses(partitions):
+            owner, key = use.layers[0], id(use.tensor)
+            later = [j for j in use.layers[1:] if force or devices[j] != devices[owner]]
             if later:
                 self.owner[key] = owner
+                self.tensors[key] = use.tensor
                 for j in later:
                     replicated[j].add(key)
-        self.tensors = {key: tensors[key] for key in self.owner}
         self.names = {key: names.get(key, "<unnamed>") for key in self.owner}
         self.devices = list(devices)
         self.copies: list[_Copy] = []

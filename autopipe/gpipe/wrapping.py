@@ -18,10 +18,11 @@ from autopipe.graph.layout import Layout, layout_model, stage_of_units
 from autopipe.graph.meta import has_meta_state, materialize_units, unused_meta
 from autopipe.graph.sequential import SequentialModel, model_inputs, prepare, unit_sequential
 from autopipe.graph.shapes import DynamicSpec
-from autopipe.graph.sharing import check_placement
+from autopipe.graph.sharing import check_placement, copied_written
 from autopipe.graph.units import GRANULARITIES
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
+from autopipe.planning.cut_rules import keep_together
 from autopipe.planning.plan_settings import MemorySpec
 from autopipe.planning.planner import default_chunks
 from autopipe.planning.planner import plan as make_plan
@@ -180,9 +181,13 @@ def wrap(
             what to do.
         ValueError: bad arguments, inputs or outputs that are not batch-major, too few
             units for the stages, a shared tensor written during forward (a running
-            statistic, a counter) that the plan puts on two devices, or a meta tensor that
-            nothing initializes (without ``init``).
-        autopipe.PlanningError: no split fits the memory.
+            statistic, a counter) that a given profile does not list as tied and the plan
+            puts on two devices, or a meta tensor that nothing initializes (without
+            ``init``).
+        autopipe.PlanningError: no split fits the memory, or none keeps the users of a
+            shared tensor written during forward on one stage where stages would copy it
+            (on several devices, or with ``replicate_shared``); the planner keeps them
+            together whenever a split can.
     """
     bad_chunks = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
     if chunks is not None and bad_chunks:
@@ -240,6 +245,9 @@ def wrap(
         raise ValueError(
             f"the profile's layers {profile.names} are not the model's units {model_units.names}"
         )
+    # The users of a tensor written in place stay on one stage when stages would copy it.
+    copied = copied_written(model_units.shared, names, model_units.written, replicate_shared)
+    profile = keep_together(profile, copied)
     plan = make_plan(
         profile, names, chunks=chunks, memory=memory, checkpoint=checkpoint, strategy=strategy
     )

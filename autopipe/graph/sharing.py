@@ -16,6 +16,7 @@ __all__ = [
     "SharedState",
     "adjacent_boundaries",
     "check_placement",
+    "copied_written",
     "find_shared",
     "find_written",
     "unit_state",
@@ -171,6 +172,33 @@ def _device(name: str) -> torch.device:
     if device.type == "cpu":
         return torch.device("cpu")
     return resolve_device(device)
+
+
+def copied_written(
+    shared: Iterable[SharedState],
+    devices: Sequence[str],
+    written: Collection[str],
+    replicate: bool = False,
+) -> list[str]:
+    """The shared tensors written during forward that stages on ``devices`` would copy.
+
+    Stages on one device share a tensor; stages on different devices (any stages with
+    ``replicate``) each read a copy, which must not be of a tensor written in place. The
+    planner keeps the users of those returned on one stage
+    (:func:`autopipe.planning.cut_rules.keep_together`). With stages on several devices
+    every such tensor is returned, even where two of the stages share a device: the split
+    is not known yet.
+
+    Args:
+        shared: the tensors several units use.
+        devices: the device of each stage.
+        written: the names of the tensors some unit may write (:func:`find_written`).
+        replicate: whether stages on one device get copies too.
+    """
+    one_device = len({_device(name) for name in devices}) == 1
+    if one_device and not (replicate and len(devices) > 1):
+        return []
+    return [item.name for item in shared if item.name in written]
 
 
 def check_placement(

@@ -68,6 +68,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.planning.colocation import shared_groups
+from autopipe.planning.cut_rules import forbidden_cuts
 from autopipe.planning.devices import DeviceSpec
 from autopipe.planning.interleaving import in_flight
 from autopipe.planning.layer_costs import (
@@ -146,6 +147,8 @@ class CostModel:
         colocated: the stages run in one process, so stages whose devices have the same
             name share that device and take turns on it
             (:mod:`autopipe.planning.colocation`).
+        forbidden: positions ``1..L−1`` where no cut may go, besides those of the layers'
+            ``unsplit`` tied tensors (:mod:`autopipe.planning.cut_rules`).
     """
 
     def __init__(
@@ -163,6 +166,7 @@ class CostModel:
         virtual_stages: int = 1,
         shard_optimizer: bool = False,
         colocated: bool = False,
+        forbidden: Sequence[int] = (),
     ) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(
@@ -207,6 +211,9 @@ class CostModel:
         self.virtual_stages = virtual_stages
         self.shard_optimizer = shard_optimizer
         self.shared = shared_groups(self.devices, colocated)
+        # Per position 0..L, whether a stage may not start there: every solver honours it.
+        self.forbidden = forbidden_cuts(layers.tied, len(layers), forbidden)
+        self.restricted = bool(self.forbidden.any())
         if self.shared and (virtual_stages > 1 or schedule == "zb" or data_parallel > 1):
             raise ValueError(
                 "stages sharing a device are planned for the single-process GPipe, which runs "

@@ -20,6 +20,10 @@ gradients depends on how many stages hold each one, which no per-stage score car
 passes minimize the step without it, and the value returned adds it for the split found
 (so a split that spreads a tied parameter over fewer stages, equal otherwise, may be
 missed by at most that sum).
+
+Cuts between the users of a tensor that must stay on one stage
+(:mod:`autopipe.planning.cut_rules`) are no stage ends for the passes: every split they
+compare is an allowed one.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from numpy.typing import NDArray
 from autopipe.errors import PlanningError
 from autopipe.planning.capsearch import minimize_over_caps, minimize_step
 from autopipe.planning.cost_model import CostModel
+from autopipe.planning.cut_rules import most_stages, refusal
 from autopipe.planning.quantities import format_bytes
 from autopipe.planning.spans import stage_bounds
 from autopipe.planning.tolerances import SAME_TIME
 
-__all__ = []
+__all__ = ["gpipe_step_time"]
 
 Array = NDArray[np.float64]
 Score = Callable[[int], Array]
@@ -140,6 +145,8 @@ def _dp(tables: _Tables, score: Score, combine: str) -> tuple[float, list[int]] 
         candidates = np.maximum(previous, matrix) if combine == "max" else previous + matrix
         # Leave at least one layer for each later stage.
         candidates[n - (stages - 1 - k) + 1 :, :] = np.inf
+        if model.restricted and k < stages - 1:  # no stage ends where no cut may go
+            candidates[model.forbidden, :] = np.inf
         arg = np.argmin(candidates, axis=1)
         best = candidates[rows, arg]
         choices.append(arg)
@@ -290,6 +297,18 @@ def solve_split(model: CostModel, stop: float = np.inf) -> tuple[float, list[int
     return split_value(model, found[1]), found[1]
 
 
+def check_cuts(model: CostModel) -> None:
+    """Refuses a request where every split cuts between the users of an ``unsplit`` tensor.
+
+    Raises:
+        PlanningError: no split into the model's stages is allowed; the message names the
+            tensors, their users and the most stages allowed.
+    """
+    if model.restricted and model.num_stages > most_stages(model.forbidden):
+        layers = model.layers
+        raise PlanningError(refusal(layers.tied, layers.names, model.num_stages, model.forbidden))
+
+
 def memory_split(model: CostModel) -> list[int]:
     """The split whose largest stage needs the least memory, every stage fitting.
 
@@ -300,6 +319,7 @@ def memory_split(model: CostModel) -> list[int]:
         PlanningError: no split fits; the message names the layer or stage and the bytes
             missing.
     """
+    check_cuts(model)
     tables = _Tables(model)
     e = np.broadcast_to(tables.e, tables.valid.shape)
     valid = tables.valid
@@ -326,6 +346,7 @@ def optimal_split(model: CostModel) -> list[int]:
         raise PlanningError(
             f"cannot split {model.num_layers} layers into {model.num_stages} non-empty stages"
         )
+    check_cuts(model)
     found = solve_split(model)
     if found is None:
         raise PlanningError(_explain(model))

@@ -8,7 +8,8 @@ start but not the answer: a rank may collect two heavy stages. :func:`interleave
 evaluates every split at once when there are at most :data:`EXHAUSTIVE` of them (exact),
 and otherwise starts from the exact K·v-stage split and the uniform one and moves single
 cut points, the best move of all at each turn, while the step time (with every stage and
-every rank within memory) improves (a local search).
+every rank within memory) improves (a local search). A split that cuts where no cut may go
+(:mod:`autopipe.planning.cut_rules`) counts as one that does not fit.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def _replayed(
         weight[:, k] = model.weight_share(s, e)
     ranks = model.num_ranks
     fits = fits_memory(model, memory) if memory_limits else np.ones(len(bounds), dtype=bool)
+    if memory_limits and model.restricted:  # and no cut where none may go
+        fits &= ~model.forbidden[bounds[:, 1:-1]].any(axis=1)
     times = np.full(len(bounds), np.inf)
     if fits.any():
         times[fits] = makespans(

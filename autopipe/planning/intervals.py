@@ -14,7 +14,8 @@ interval ``[lo(e), e)`` for every end e and checkpoint mode. Then
 
 and the branch and bounds of :mod:`autopipe.planning.capsearch` turn these into the optimum of
 ``Σ c_k + (M−1)·max c_k + α·max P_k`` that :func:`autopipe.planning.exact.optimal_split` finds
-with O(K·L²) passes.
+with O(K·L²) passes. A position where no cut may go (:mod:`autopipe.planning.cut_rules`) is
+no stage end for the sweep and the program: both compare allowed splits only.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class IntervalSolver:
             for row in r.mem_ends
         ]
         self.invariant = m.sum_is_invariant()
+        self.forbidden, self.restricted = m.forbidden, m.restricted
 
     def _cost_starts(self, k: int, i: int, limit: float) -> Ints:
         """Per end e, the first start whose cost fits ``limit`` (``e``: none)."""
@@ -150,6 +152,8 @@ class IntervalSolver:
             for starts in row:
                 nxt |= (starts < e) & (count[e] > count[np.minimum(starts, e)])
             nxt[r.n - (r.stages - 1 - k) + 1 :] = False
+            if self.restricted and k < r.stages - 1:  # no stage ends where no cut may go
+                nxt[self.forbidden] = False
             history.append((reach, row))
             reach = nxt
         if not reach[r.n]:
@@ -243,6 +247,8 @@ class IntervalSolver:
                 options.append((cost < nxt, pick))
                 nxt = np.minimum(nxt, cost)
             nxt[r.n - (r.stages - 1 - k) + 1 :] = np.inf
+            if self.restricted and k < r.stages - 1:
+                nxt[self.forbidden] = np.inf
             # Keep, per end, only the mode that gave the minimum.
             taken = np.zeros(r.n + 1, dtype=bool)
             for j in range(len(options) - 1, -1, -1):

@@ -13,8 +13,9 @@ from autopipe.errors import PlanningError
 from autopipe.planning.balance import baseline_balance
 from autopipe.planning.colocation import device_count, shared_step_time
 from autopipe.planning.cost_model import CostModel
+from autopipe.planning.cut_rules import crossing
 from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.exact import gpipe_step_time, memory_split, optimal_split
+from autopipe.planning.exact import check_cuts, gpipe_step_time, memory_split, optimal_split
 from autopipe.planning.interleaved_balance import interleaved_split, pipeline_time
 from autopipe.planning.interleaving import rank_stages
 from autopipe.planning.names import STRATEGIES
@@ -136,6 +137,7 @@ def plan(
             f"cannot split {model.num_layers} layers into {model.num_stages} non-empty stages; "
             f"use at most {model.num_layers} stages"
         )
+    check_cuts(model)
     if strategy == "optimal" and _one_device(model):
         balance = memory_split(model)
     elif strategy == "optimal" and _replayed(model):
@@ -163,11 +165,25 @@ def _peer_balance(model: CostModel, profile: Profile, strategy: str) -> list[int
     ``blockpartition`` balances each layer's forward plus backward time per micro-batch in
     whole microseconds, as torchgpipe's ``balance_by_time`` times a layer (no recomputation,
     no transfer) and truncates it. ``torchtitan`` reads the layers' names.
+
+    Raises:
+        PlanningError: the peer's split cuts between the users of a tensor that must stay
+            on one stage (:mod:`autopipe.planning.cut_rules`).
     """
     times = model.layers.forward + model.layers.backward
     costs: list[float] = [int(t * _MICROSECONDS) for t in times.tolist()]
     names = [layer.name for layer in profile.layers]
-    return baseline_balance(strategy, costs, model.num_stages, model.layers.params, names)
+    balance = baseline_balance(strategy, costs, model.num_stages, model.layers.params, names)
+    # The peer's split as the peer makes it, or a refusal: never a split the runner refuses.
+    crossed = crossing(balance, model.layers.tied)
+    if crossed is not None:
+        users = ", ".join(model.layers.names[k] for k in crossed.layers)
+        raise PlanningError(
+            f"the {strategy} split {balance} puts the users of {crossed.names[0]} ({users}) "
+            "on different stages, but it is written in place during forward and must stay "
+            "on one; plan with strategy optimal, which keeps them together"
+        )
+    return balance
 
 
 # torchgpipe's profile_times sums ``int(seconds * 1_000_000)`` per layer and run.

@@ -14,7 +14,8 @@ Every real split is feasible in the relaxation at no higher cost, so the relaxed
 ``Σ_lo + (M−1)·B* (+ α·A*)`` bounds the real one from below; bisection on B finds B*, and
 :mod:`autopipe.planning.capsearch` adds the all-reduce term as :mod:`autopipe.planning.exact`
 does. Without
-transfer costs and with a fixed checkpoint mode the bound is the optimum.
+transfer costs and with a fixed checkpoint mode the bound is the optimum. Positions where no
+cut may go (:mod:`autopipe.planning.cut_rules`) are no stage ends here either.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class Relaxation:
         """
         if (
             not (envelope or self.monotone)
+            or self.model.restricted  # the greedy probe would cut anywhere
             or not self.singles_fit
             or limit < self.greedy_from
             or cap < self.max_param
@@ -172,6 +174,8 @@ class Relaxation:
             marks -= np.bincount(end[valid] + 1, minlength=n + 2)
             history.append((reach, end))
             reach = np.cumsum(marks)[: n + 1] > 0
+            if self.model.restricted and k < self.stages - 1:  # no stage ends there
+                reach &= ~self.model.forbidden
         if not reach[n]:
             return None
         balance, e = [], n

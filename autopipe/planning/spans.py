@@ -72,5 +72,8 @@ def fits_memory(model: CostModel, memory: NDArray[np.float64]) -> NDArray[np.boo
 
 
 def split_fits(model: CostModel, balance: Sequence[int]) -> bool:
-    """Whether every stage of ``balance`` (and every rank's stages) fits its device."""
+    """Whether every stage of ``balance`` (and every rank's stages) fits its device, and
+    no cut lies where none may go (:attr:`CostModel.forbidden`)."""
+    if model.restricted and model.forbidden[stage_bounds(balance)[1:-1]].any():
+        return False
     return bool(fits_memory(model, stage_memory(model, balance)[None, :])[0])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autopipe.distributed.tied import shared_across_stages, shared_state
+from autopipe.distributed.tied import shared_across_stages, shared_state, written_shared
 from tests.support.dist_workers import (
     CHUNKS,
     SHARED_CHUNKS,
@@ -41,6 +41,15 @@ def test_only_written_buffers_on_two_ranks_are_refused() -> None:
     assert shared_state([layers[1], layers[2], layers[4]], [1, 1, 1], ranks=2) is None
     # A buffer the trace shows is only read may be copied.
     assert shared_state([layers[1], layers[2], layers[4]], [1, 2], written=set()) is None
+    # The planner keeps the users of a written buffer on one stage, by the owner's names.
+    owner = nn.Sequential(layers[1], layers[2], layers[4])
+    assert written_shared(list(owner), None, owner) == {
+        f"{where}.{name}"
+        for where in ("0.0", "2")
+        for name in ("running_mean", "running_var", "num_batches_tracked")
+    }
+    assert written_shared(list(owner), set(), owner) == set()
+    assert written_shared(layers[:4], None, nn.Sequential(*layers[:4])) == set()  # parameters
     ties = shared_across_stages(layers[:4], [1, 1, 1, 1], 2)
     assert [(t is shared.weight, where) for t, where in ties] == [(True, (0, 1)), (False, (0, 1))]
 
@@ -129,7 +138,8 @@ def check_tied(results: list[dict[str, Any]], world: int) -> None:
             if run["kind"] == "gpt2":
                 assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
     refused = results[0]["refused"]
-    assert "buffer 1.running_mean of layer 0" in refused and "different ranks" in refused
+    assert "keeps on one stage the users of 0.1.running_mean (used by 0, 3); " in refused
+    assert "each is written in place during forward" in refused and "use one stage" in refused
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])

@@ -10,9 +10,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from autopipe import PlanningError, plan
 from autopipe.gpipe import GPipe
 from autopipe.gpipe.wrapping import WrappedPipeline, wrap
 from autopipe.graph import stage_of_units
+from autopipe.graph.sequential import SequentialModel, prepare
+from autopipe.graph.sharing import check_placement
+from profiler.profile import Profile
 from tests.support.wrap_models import SharedBias
 
 
@@ -238,9 +242,92 @@ class _CountedEnds(nn.Module):
         return x + self.calls
 
 
-def test_a_written_buffer_on_two_stages_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"calls is shared .* written during forward"):
-        wrap(_CountedEnds(), (torch.randn(4, 4),), stages=2, chunks=2, replicate_shared=True)
+def test_a_written_buffer_whose_users_no_split_keeps_together_is_refused() -> None:
+    # The counter is read by mid1 and last: two stages can keep them together, not three.
+    with pytest.raises(
+        PlanningError, match=r"keeps on one stage the users of calls \(used by mid1, last\)"
+    ):
+        wrap(_CountedEnds(), (torch.randn(4, 4),), stages=3, chunks=2, replicate_shared=True)
+
+
+class _Mark(nn.Module):
+    """Writes its buffer in place, then reads it: the same value every call, so one
+    tensor gives what the plain model computes, whatever the micro-batches."""
+
+    seen: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.fill_(1.0)
+        return x * (1.0 + self.seen)
+
+
+class _MarkedBlocks(nn.Module):
+    """Five blocks; the first and the fourth end with one :class:`_Mark`."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        mark = _Mark()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Tanh(), *([mark] if i in (0, 3) else []))
+            for i in range(5)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_split_the_written_buffer_refused_is_planned_around_and_trains_exactly() -> None:
+    torch.manual_seed(0)
+    model, x = _MarkedBlocks(), torch.randn(6, 8)
+    reference = copy.deepcopy(model)
+    # One device shares the buffer: any split is allowed. The profile is measured here.
+    measured = wrap(copy.deepcopy(model), (x,), stages=2, chunks=2)
+    data = measured.plan.profile
+    measured.close()
+    (tied,) = [t for t in data["tied"] if t["names"][0].endswith("seen")]
+    (first, last), units = tied["layers"], len(data["layers"])
+    assert 0 < first < last < units - 1 and "unsplit" not in tied
+    # Equal units but a heavier first one: the best split of all cuts between the users.
+    for i, layer in enumerate(data["layers"]):
+        layer["forward"] = [2.0 if i == 0 else 1.0] * len(layer["forward"])
+        layer["backward"] = [2.0 if i == 0 else 1.0] * len(layer["backward"])
+    profile = Profile.from_dict(data)
+    unconstrained = plan(profile, ["cpu", "cpu"], chunks=2).balance
+    assert first < unconstrained[0] <= last
+    # What the placement check refused: a copy of the buffer on the second stage.
+    layout = prepare(copy.deepcopy(model), (x,))
+    sequential = SequentialModel.of(layout)
+    with pytest.raises(ValueError, match="written during forward"):
+        check_placement(
+            sequential.shared,
+            stage_of_units(unconstrained),
+            ["cpu", "cpu"],
+            sequential.names,
+            sequential.written,
+            replicate=True,
+        )
+    wrapped = wrap(model, (x,), stages=2, chunks=2, profile=profile, replicate_shared=True)
+    # The best split keeping both users on one stage: the first stage ends before them.
+    assert wrapped.plan.balance == [first, units - first]
+    assert [t.unsplit for t in Profile.from_dict(wrapped.plan.profile).tied if t.buffer] == [True]
+    ours = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        for net, opt in ((wrapped, ours), (reference, theirs)):
+            opt.zero_grad()
+            (net(x) - 0.5).square().mean().backward()
+            opt.step()
+        for (name, p), (_, q) in zip(wrapped.named_parameters(), reference.named_parameters()):
+            _assert_close(p.detach(), q.detach())
+            assert p.grad is not None, name
+    _assert_close(wrapped(x), reference(x))
+    wrapped.close()
 
 
 def test_under_autocast_the_copies_are_cast_as_the_parameter_is() -> None:

@@ -8,7 +8,13 @@ from torch import nn
 
 from autopipe.graph.layout import Layout, layout_model, trace_modes
 from autopipe.graph.liveness import analyze
-from autopipe.graph.sharing import SharedState, adjacent_boundaries, check_placement, find_shared
+from autopipe.graph.sharing import (
+    SharedState,
+    adjacent_boundaries,
+    check_placement,
+    copied_written,
+    find_shared,
+)
 from autopipe.graph.tracing import trace
 from autopipe.graph.units import split_units, unit_paths
 from profiler.measure import profile_layers
@@ -170,6 +176,16 @@ def test_check_placement() -> None:
         check_placement(shared, [0, 0, 1, 1], ["cpu", "meta"], names, written=written)
     with pytest.raises(ValueError, match=r"written during forward"):
         check_placement(shared, [0, 0, 1, 1], ["cpu", "cpu"], names, written, replicate=True)
+
+
+def test_copied_written_names_what_the_planner_keeps_on_one_stage() -> None:
+    shared = [SharedState("wte.weight", (0, 3)), SharedState("norm.running_mean", (1, 3))]
+    written = {"norm.running_mean"}
+    assert copied_written(shared, ["cpu", "cpu"], written) == []  # one tensor for both
+    assert copied_written(shared, ["cpu"], written, replicate=True) == []
+    assert copied_written(shared, ["cpu", "cpu"], written, True) == ["norm.running_mean"]
+    assert copied_written(shared, ["cpu", "meta"], written) == ["norm.running_mean"]
+    assert copied_written(shared, ["cpu", "meta"], set()) == []
 
 
 def test_mode_dependent_graphs_share_one_split() -> None:

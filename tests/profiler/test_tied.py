@@ -10,6 +10,7 @@ from autopipe.graph import unit_sequential
 from autopipe.planning.planner import evaluate
 from profiler.measure import profile_layers, profile_model
 from profiler.profile import TiedState
+from profiler.tied import tensor_uses, tied_state
 from tests.support.planning_cases import splits
 from tests.support.wrap_models import TiedEnds, TinyGPT
 
@@ -19,6 +20,25 @@ FAST = {"repeats": 1, "warmup": 0}
 def _units(model: nn.Module, sample: Tensor) -> tuple[nn.Sequential, tuple[Tensor, ...]]:
     torch.manual_seed(0)
     return unit_sequential(model, (sample,))
+
+
+def test_tensor_uses_lists_every_tensor_with_its_layers_in_first_use():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    norm = nn.BatchNorm1d(4)
+    layers = [nn.Sequential(a, norm), nn.Tanh(), nn.Sequential(norm, b)]
+    uses = tensor_uses(layers)
+    tensors = [a.weight, a.bias, norm.weight, norm.bias]
+    tensors += [norm.running_mean, norm.running_var, norm.num_batches_tracked, b.bias]
+    assert [u.tensor for u in uses] == tensors
+    assert [u.layers for u in uses] == [[0, 2], [0], [0, 2], [0, 2], [0, 2], [0, 2], [0, 2], [2]]
+    assert uses[0].names == ["0.weight", "1.weight"] and uses[4].names == [
+        "1.running_mean",
+        "0.running_mean",
+    ]
+    assert [u.buffer for u in uses] == [False] * 4 + [True] * 3 + [False]
+    with pytest.raises(ValueError, match="got 2 names for 3 layers"):
+        tied_state(layers, ["x", "y"])
 
 
 def test_traced_units_name_the_models_tensor():

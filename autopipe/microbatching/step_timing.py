@@ -1,0 +1,106 @@
+"""Timed training steps, alike on both runners: the benchmark's loss and turns, and the tiny
+model and medians their calibrations time.
+
+The single-process GPipe (:mod:`autopipe.gpipe.bench`, :mod:`autopipe.gpipe.executor_calibration`)
+and the distributed runner (:mod:`autopipe.distributed.bench`,
+:mod:`autopipe.distributed.calibration`) time their own steps; what a step is, how the
+splits take turns and how repeats are summed is the same for both, so that their figures
+compare.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "Progress",
+    "check_steps",
+    "mean_output_loss",
+    "median_seconds",
+    "take_turns",
+    "tiny_stages",
+]
+
+Progress = Callable[[int, int, str], None]
+
+
+def mean_output_loss(output: Any) -> Tensor:
+    """The benchmark's loss: the mean of the output (summed over its floating tensors
+    when the model returns several), in float32.
+
+    Raises:
+        ValueError: the output holds no floating-point tensor.
+    """
+    if isinstance(output, Tensor):
+        return output.float().mean()
+    tensors = [t for t in output if isinstance(t, Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ValueError("the model's output holds no floating-point tensor to take a loss of")
+    return torch.stack([t.float().mean() for t in tensors]).sum()
+
+
+def check_steps(steps: int, warmup: int) -> None:
+    """Refuses fewer than one timed step or a negative warm-up.
+
+    Raises:
+        ValueError: says which.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need at least one timed step and no negative warm-up, got {steps}")
+
+
+def take_turns(
+    labels: Sequence[str],
+    step: Callable[[str], float],
+    *,
+    steps: int,
+    warmup: int,
+    progress: Progress | None = None,
+) -> dict[str, list[float]]:
+    """Runs ``warmup + steps`` rounds of one step per label, so that a slow spell of the
+    machine touches every split alike.
+
+    Args:
+        labels: the splits, in the order they take their turns.
+        step: runs one step of a split and returns its seconds.
+        steps: timed rounds.
+        warmup: untimed rounds first.
+        progress: called with (steps done, steps in all, label) after every step.
+
+    Returns:
+        Per label, the seconds of its timed steps.
+    """
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    total, done = (warmup + steps) * len(labels), 0
+    for round_ in range(warmup + steps):
+        for label in labels:
+            seconds = step(label)
+            if round_ >= warmup:
+                times[label].append(seconds)
+            done += 1
+            if progress is not None:
+                progress(done, total, label)
+    return times
+
+
+def tiny_stages(stages: int, width: int) -> nn.Sequential:
+    """The calibrations' model: one ``Linear(width, width)`` per stage, whose compute is
+    small next to the runner's own cost per stage and micro-batch."""
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(stages)])
+
+
+def median_seconds(timed: Callable[[], float], repeats: int, warmup: int) -> float:
+    """The median seconds of ``repeats`` calls of ``timed`` after ``warmup`` untimed ones.
+
+    Args:
+        timed: runs the measured work once and returns its seconds.
+        repeats: the calls kept (at least one).
+        warmup: the calls first left out.
+    """
+    samples = [timed() for _ in range(warmup + repeats)]
+    return statistics.median(samples[warmup:])

@@ -1,0 +1,52 @@
+"""The steps both runners time alike: the benchmark's loss, the turns, the medians."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopipe.microbatching.step_timing import (
+    check_steps,
+    mean_output_loss,
+    median_seconds,
+    take_turns,
+    tiny_stages,
+)
+
+
+def test_mean_output_loss() -> None:
+    x = torch.tensor([[1.0, 3.0]])
+    assert mean_output_loss(x).item() == 2.0
+    assert mean_output_loss((x, torch.tensor([1, 2]), 2 * x)).item() == 6.0
+    assert mean_output_loss(x.double()).dtype == torch.float32
+    with pytest.raises(ValueError, match="no floating-point tensor"):
+        mean_output_loss((torch.tensor([1]),))
+
+
+def test_the_splits_take_turns_and_the_warmup_is_left_out() -> None:
+    calls: list[str] = []
+    seen: list[tuple[int, int, str]] = []
+
+    def step(label: str) -> float:
+        calls.append(label)
+        return float(len(calls))
+
+    times = take_turns(
+        ["a", "b"], step, steps=2, warmup=1, progress=lambda *args: seen.append(args)
+    )
+    assert calls == ["a", "b"] * 3
+    assert times == {"a": [3.0, 5.0], "b": [4.0, 6.0]}
+    assert seen == [(i, 6, label) for i, label in zip(range(1, 7), calls)]
+    check_steps(1, 0)
+    with pytest.raises(ValueError, match="at least one timed step"):
+        check_steps(0, 1)
+    with pytest.raises(ValueError, match="no negative warm-up"):
+        check_steps(1, -1)
+
+
+def test_median_after_the_warmup_and_the_tiny_model() -> None:
+    samples = iter([100.0, 3.0, 1.0, 2.0])
+    assert median_seconds(lambda: next(samples), repeats=3, warmup=1) == 2.0
+    model = tiny_stages(3, 4)
+    assert [type(m) for m in model] == [nn.Linear] * 3 and model[0].in_features == 4
