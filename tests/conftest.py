@@ -8,6 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# The shared helpers check with plain asserts: rewrite them as in test modules, so that a
+# failure shows the values compared.
+pytest.register_assert_rewrite("tests.support")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -28,3 +33,12 @@ def calibration_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "autopipe-cache"
     monkeypatch.setenv("AUTOPIPE_CACHE_DIR", str(folder))
     return folder / "calibration.json"
+
+
+@pytest.fixture
+def float64() -> Iterator[None]:
+    """float64 as the default dtype for the test, so that results are exact to rounding."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

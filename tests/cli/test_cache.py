@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import profiler.measure
 from autopipe.cli import cache
 from profiler import jsonfile
 from profiler.profile import Profile
-from tests.support.cli_support import FAST, RESIDUAL_MODEL, assert_error, run
+from tests.support.cli_support import FAST, RESIDUAL_MODEL, assert_error, plan_two_stages, run
 
 # The widths, the batch and the tie come from the environment, so that the structure and
 # the sample change while the file's bytes do not.
@@ -68,22 +67,14 @@ def entries() -> list[Path]:
     return sorted((cache.cache_dir() / "profiles").glob("*"))
 
 
-def plan(capsys: pytest.CaptureFixture[str], path: Path, *options: str) -> tuple[str, str]:
-    # Each command is a process of its own: the model file imports its helper anew.
-    sys.modules.pop("helper", None)
-    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, *options)
-    assert code == 0, err
-    return out, err
-
-
 def test_second_run_plans_from_the_cache(
     capsys: pytest.CaptureFixture[str], model_file: Path, measured: Counter
 ) -> None:
-    first, err = plan(capsys, model_file)
+    first, err = plan_two_stages(capsys, model_file)
     assert "profile: cached" not in err
     assert measured.calls == 1
     [entry] = entries()
-    second, err = plan(capsys, model_file)
+    second, err = plan_two_stages(capsys, model_file)
     assert measured.calls == 1  # not measured again
     assert err.splitlines() == [f"profile: cached ({entry}; the model file did not run)"]
     assert second == first
@@ -100,8 +91,8 @@ def test_a_hit_skips_the_trace(
     path.write_text(RESIDUAL_MODEL)
     traced = Counter(autopipe.graph.sequential.unit_sequential)
     monkeypatch.setattr(autopipe.graph.sequential, "unit_sequential", traced)
-    first, _ = plan(capsys, path)
-    second, err = plan(capsys, path)
+    first, _ = plan_two_stages(capsys, path)
+    second, err = plan_two_stages(capsys, path)
     assert (traced.calls, measured.calls) == (1, 1)
     assert "profile: cached" in err and second == first
 
@@ -172,14 +163,14 @@ def test_each_change_misses(
     change: Callable[[Path, pytest.MonkeyPatch], None] | None,
     options: list[str],
 ) -> None:
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     if change is not None:
         change(model_file, monkeypatch)
-    _, err = plan(capsys, model_file, *options)
+    _, err = plan_two_stages(capsys, model_file, *options)
     assert "profile: cached" not in err
     assert measured.calls == 2
     assert len(entries()) == 2
-    _, err = plan(capsys, model_file, *options)  # the new entry hits in turn
+    _, err = plan_two_stages(capsys, model_file, *options)  # the new entry hits in turn
     assert "profile: cached" in err and measured.calls == 2
 
 
@@ -190,9 +181,9 @@ def test_tied_parameters_miss(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("CACHE_TEST_WIDTH", "4")
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     monkeypatch.setenv("CACHE_TEST_TIE", "1")
-    _, err = plan(capsys, model_file)
+    _, err = plan_two_stages(capsys, model_file)
     assert "profile: cached" not in err and measured.calls == 2
 
 
@@ -204,40 +195,40 @@ def test_tied_parameters_miss(
 def test_a_corrupted_entry_is_ignored_with_a_warning_and_rewritten(
     capsys: pytest.CaptureFixture[str], model_file: Path, measured: Counter, content: str
 ) -> None:
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     [entry] = entries()
     entry.write_text(content)
-    out, err = plan(capsys, model_file)
+    out, err = plan_two_stages(capsys, model_file)
     [line] = err.splitlines()
     assert line.startswith(f"autopipe: warning: ignoring the cached profile {entry} (")
     assert line.endswith("; profiling again")
     assert measured.calls == 2 and "balance" in out  # measured again, and planned
     assert Profile.from_dict(jsonfile.read_json(entry, "cached profile")["profile"])
-    _, err = plan(capsys, model_file)
-    assert err.splitlines() == [f"profile: cached ({entry}; the model file did not run)"]
-    assert measured.calls == 2
+    _, err = plan_two_stages(capsys, model_file)
+    expected = [f"profile: cached ({entry}; the model file did not run)"]
+    assert err.splitlines() == expected and measured.calls == 2
 
 
 def test_an_entry_of_another_key_is_ignored(
     capsys: pytest.CaptureFixture[str], model_file: Path, measured: Counter
 ) -> None:
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     [entry] = entries()
     data = jsonfile.read_json(entry, "cached profile")
     jsonfile.write_json(entry, "cached profile", {**data, "key": "0" * 64})
-    _, err = plan(capsys, model_file)
+    _, err = plan_two_stages(capsys, model_file)
     assert "it holds another key" in err and measured.calls == 2
 
 
 def test_an_invalid_cached_profile_is_ignored(
     capsys: pytest.CaptureFixture[str], model_file: Path, measured: Counter
 ) -> None:
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     [entry] = entries()
     data = jsonfile.read_json(entry, "cached profile")
     data["profile"]["layers"][0]["forward"] = [-1.0] * len(data["profile"]["batch_sizes"])
     jsonfile.write_json(entry, "cached profile", data)
-    _, err = plan(capsys, model_file)
+    _, err = plan_two_stages(capsys, model_file)
     assert "ignoring the cached profile" in err and "layers[0].forward" in err
     assert measured.calls == 2
 
@@ -245,12 +236,12 @@ def test_an_invalid_cached_profile_is_ignored(
 def test_no_cache_neither_reads_nor_writes(
     capsys: pytest.CaptureFixture[str], model_file: Path, measured: Counter
 ) -> None:
-    plan(capsys, model_file, "--no-cache")
+    plan_two_stages(capsys, model_file, "--no-cache")
     assert entries() == []
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     [entry] = entries()
     before = entry.read_bytes()
-    _, err = plan(capsys, model_file, "--no-cache")
+    _, err = plan_two_stages(capsys, model_file, "--no-cache")
     assert "profile: cached" not in err and measured.calls == 3
     assert entry.read_bytes() == before
 
@@ -270,7 +261,7 @@ def test_profile_command_uses_the_cache(
 def test_a_hit_still_refuses_too_many_stages(
     capsys: pytest.CaptureFixture[str], model_file: Path
 ) -> None:
-    plan(capsys, model_file, "--chunks", "2")
+    plan_two_stages(capsys, model_file, "--chunks", "2")
     code, out, err = run(capsys, "plan", str(model_file), "--stages", "5", "--chunks", "2", *FAST)
     assert_error(code, out, err, "cannot split 4 layers into 5 non-empty stages")
 
@@ -282,7 +273,7 @@ def test_an_interrupted_write_leaves_no_entry(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(jsonfile.os, "replace", fail)
-    _, err = plan(capsys, model_file)
+    _, err = plan_two_stages(capsys, model_file)
     [line] = err.splitlines()
     assert line.startswith("autopipe: warning: cannot write the profile cache ")
     assert "No space left on device" in line
@@ -299,7 +290,7 @@ def test_an_unwritable_cache_folder_is_a_warning(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("AUTOPIPE_CACHE_DIR", str(blocker))
-    out, err = plan(capsys, model_file)
+    out, err = plan_two_stages(capsys, model_file)
     [line] = err.splitlines()
     assert line.startswith(f"autopipe: warning: cannot write the profile cache {blocker}")
     assert "balance" in out
@@ -347,11 +338,11 @@ def test_a_constant_tensors_value_is_in_the_key(
 ) -> None:
     path = tmp_path / "constant.py"
     path.write_text(CONSTANT_MODEL)
-    plan(capsys, path)
-    _, err = plan(capsys, path)
+    plan_two_stages(capsys, path)
+    _, err = plan_two_stages(capsys, path)
     assert "profile: cached" in err and measured.calls == 1
     monkeypatch.setenv("CACHE_TEST_FACTOR", "3")
-    _, err = plan(capsys, path)
+    _, err = plan_two_stages(capsys, path)
     assert "profile: cached" not in err and measured.calls == 2
 
 
@@ -375,7 +366,7 @@ def test_a_meta_model_for_a_target_hits(
 ) -> None:
     path = tmp_path / "meta_model.py"
     path.write_text(META_MODEL)
-    first, _ = plan(capsys, path, "--target", "h100")
-    second, err = plan(capsys, path, "--target", "h100")
+    first, _ = plan_two_stages(capsys, path, "--target", "h100")
+    second, err = plan_two_stages(capsys, path, "--target", "h100")
     assert "profile: cached" in err and measured.calls == 1
     assert second == first and "times estimated for" in second

@@ -14,12 +14,7 @@ from autopipe.planning.layer_costs import ProfileLines
 from autopipe.planning.plans import Plan
 from profiler.fit import segments
 from profiler.profile import Profile
-from tests.support.cli_support import FAST, MLP, SMALL_MODEL, assert_error, make_profile_file, run
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_profile_file(tmp_path_factory)
+from tests.support.cli_support import FAST, MLP, SMALL_MODEL, assert_error, run
 
 
 def test_calibrate(capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path) -> None:

@@ -11,12 +11,7 @@ from typing import Any
 import pytest
 
 from autopipe.cli import entry
-from tests.support.cli_support import FAST, MLP, ROOT, make_profile_file, run
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_profile_file(tmp_path_factory)
+from tests.support.cli_support import FAST, MLP, ROOT, run
 
 
 def test_subprocess() -> None:

@@ -11,12 +11,7 @@ import pytest
 
 from autopipe.planning.plans import Plan
 from tests.support.cli_support import FAST, MLP, assert_error, run
-
-
-def _toml(text: str) -> dict[str, Any]:
-    """The TOML reader of the standard library (Python 3.11 on)."""
-    return pytest.importorskip("tomllib").loads(text)
-
+from tests.support.tomlfile import read_toml
 
 # torchtitan's names: tok_embeddings, layers.N (a ModuleDict), norm, output.
 LLAMA_LIKE = """
@@ -80,7 +75,7 @@ def test_exports_to_stdout_and_files(
     exec(out, code_ns)
     assert list(code_ns["split_spec"]) == [plan.stages[1].layers[0]]
     assert "9 layers on 2 stages" in err and "torchtitan export written to" in err
-    parts = _toml(files["torchtitan"].read_text())["parallelism"]
+    parts = read_toml(files["torchtitan"].read_text())["parallelism"]
     assert parts["module_fqns_per_model_part"] == [stage.layers for stage in plan.stages]
     counts = [sum(name.startswith("layers.") for name in stage.layers) for stage in plan.stages]
     layout = re.search(r'layout "([^"]+)"', files["megatron"].read_text())

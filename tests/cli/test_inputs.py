@@ -15,15 +15,8 @@ from tests.support.cli_support import (
     RESIDUAL_MODEL,
     SMALL_MODEL,
     assert_error,
-    make_profile_file,
     run,
 )
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_profile_file(tmp_path_factory)
-
 
 # Bad model files: exit 2, one line on stderr, no traceback, no file written.
 BAD_FILES = {

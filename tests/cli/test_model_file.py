@@ -16,8 +16,7 @@ from autopipe.cli.model_file import (
     load_sequential,
 )
 from tests.support.cli_support import RESIDUAL_MODEL
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from tests.support.paths import EXAMPLES
 
 GOOD = """
 import torch

@@ -9,12 +9,7 @@ import torch
 
 from autopipe.cli import options
 from autopipe.planning.planner import default_chunks
-from tests.support.cli_support import FAST, MLP, SMALL_MODEL, assert_error, make_profile_file, run
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_profile_file(tmp_path_factory)
+from tests.support.cli_support import FAST, MLP, SMALL_MODEL, assert_error, run
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

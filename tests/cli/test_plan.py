@@ -18,15 +18,9 @@ from tests.support.cli_support import (
     ROOT,
     SMALL_MODEL,
     assert_error,
-    make_profile_file,
     run,
 )
 from tests.support.cnn_models import write_squeeze_cnn
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_profile_file(tmp_path_factory)
 
 
 def test_plan_example(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -16,14 +16,8 @@ from tests.support.cli_support import (
     MLP,
     RESIDUAL_MODEL,
     assert_error,
-    make_profile_file,
     run,
 )
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_profile_file(tmp_path_factory)
 
 
 def test_profile_command(profile_file: Path) -> None:

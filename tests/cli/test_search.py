@@ -7,12 +7,7 @@ from pathlib import Path
 import pytest
 
 from autopipe.planning.plans import Plan
-from tests.support.cli_support import assert_error, make_profile_file, run
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_profile_file(tmp_path_factory)
+from tests.support.cli_support import assert_error, run
 
 
 def test_search(capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path) -> None:

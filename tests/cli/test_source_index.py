@@ -4,14 +4,13 @@ change is not run again to plan, and any change to what it read runs it again.""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from autopipe.cli import source_index
-from tests.support.cli_support import FAST, run
+from tests.support.cli_support import plan_two_stages
 
 # Every run of the file appends a line to runs.txt (a write, which the index ignores), so
 # the number of lines is the number of times the file ran.
@@ -48,18 +47,11 @@ def runs(path: Path) -> int:
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
-def plan(capsys: pytest.CaptureFixture[str], path: Path, *options: str) -> tuple[str, str]:
-    sys.modules.pop("helper", None)  # each command is a process of its own
-    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, *options)
-    assert code == 0, err
-    return out, err
-
-
 def test_an_unchanged_file_does_not_run_again(
     capsys: pytest.CaptureFixture[str], model_file: Path
 ) -> None:
-    first, _ = plan(capsys, model_file)
-    second, err = plan(capsys, model_file)
+    first, _ = plan_two_stages(capsys, model_file)
+    second, err = plan_two_stages(capsys, model_file)
     assert runs(model_file) == 1
     assert "the model file did not run" in err
     assert second == first
@@ -99,31 +91,31 @@ def test_each_change_runs_the_file_again(
     monkeypatch: pytest.MonkeyPatch,
     change: Callable[[Path, pytest.MonkeyPatch], None],
 ) -> None:
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     change(model_file, monkeypatch)
-    _, err = plan(capsys, model_file)
+    _, err = plan_two_stages(capsys, model_file)
     assert runs(model_file) == 2
     assert "the model file did not run" not in err
-    _, err = plan(capsys, model_file)  # the new state is recorded in turn
+    _, err = plan_two_stages(capsys, model_file)  # the new state is recorded in turn
     assert runs(model_file) == 2 and "the model file did not run" in err
 
 
 def test_another_micro_batch_count_runs_the_file_then_keeps_both(
     capsys: pytest.CaptureFixture[str], model_file: Path
 ) -> None:
-    four, _ = plan(capsys, model_file)  # batch 8 on 2 stages: 4 micro-batches
-    two, _ = plan(capsys, model_file, "--batch", "4")  # batch 4: 2 micro-batches
+    four, _ = plan_two_stages(capsys, model_file)  # batch 8 on 2 stages: 4 micro-batches
+    two, _ = plan_two_stages(capsys, model_file, "--batch", "4")  # batch 4: 2 micro-batches
     assert runs(model_file) == 2
-    again_four, err_four = plan(capsys, model_file)
-    again_two, err_two = plan(capsys, model_file, "--batch", "4")
+    again_four, err_four = plan_two_stages(capsys, model_file)
+    again_two, err_two = plan_two_stages(capsys, model_file, "--batch", "4")
     assert runs(model_file) == 2
     assert "did not run" in err_two and "did not run" in err_four
     assert (again_two, again_four) == (two, four)
 
 
 def test_no_cache_runs_the_file(capsys: pytest.CaptureFixture[str], model_file: Path) -> None:
-    plan(capsys, model_file)
-    plan(capsys, model_file, "--no-cache")
+    plan_two_stages(capsys, model_file)
+    plan_two_stages(capsys, model_file, "--no-cache")
     assert runs(model_file) == 2
 
 
@@ -132,10 +124,10 @@ def test_a_missing_profile_entry_runs_the_file(
 ) -> None:
     from autopipe.cli import cache
 
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     for entry in (cache.cache_dir() / "profiles").glob("*.json"):
         entry.unlink()
-    _, err = plan(capsys, model_file)
+    _, err = plan_two_stages(capsys, model_file)
     assert runs(model_file) == 2 and "profile: cached" not in err
 
 
@@ -144,13 +136,13 @@ def test_a_damaged_index_runs_the_file(
 ) -> None:
     from autopipe.cli import cache
 
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     for entry in (cache.cache_dir() / "sources").glob("*.json"):
         entry.write_text("{not json")
-    _, err = plan(capsys, model_file)
+    _, err = plan_two_stages(capsys, model_file)
     assert runs(model_file) == 2
     assert err.startswith("profile: cached (") and "did not run" not in err  # profile still hit
-    plan(capsys, model_file)
+    plan_two_stages(capsys, model_file)
     assert runs(model_file) == 2  # the index was rewritten
 
 

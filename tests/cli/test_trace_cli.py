@@ -10,12 +10,7 @@ import pytest
 from autopipe.cli import inputs as cli
 from autopipe.planning.plans import Plan
 from autopipe.planning.trace_events import trace
-from tests.support.cli_support import MLP, assert_error, make_profile_file, run
-
-
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_profile_file(tmp_path_factory)
+from tests.support.cli_support import MLP, assert_error, run
 
 
 def test_cli_trace(capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path) -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from autopipe.distributed.cpu_binding import cpu_share, local_rank_and_size
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import ROOT
 
 
 @pytest.mark.parametrize("ncpus", range(1, 9))

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from tests.support.dist_workers import CHUNKS, assert_close, tied_case
+from tests.support.dist_models import CHUNKS, assert_close
 from tests.support.meta_workers import LR, STEPS, launch
+from tests.support.tied_workers import tied_case
 
 pytest.importorskip("transformers")
 

@@ -9,13 +9,7 @@ import torch
 from torch import nn
 
 from autopipe.distributed.padding import MicroBatchPadding, rows_mixing_layer
-from tests.support.dist_workers import (
-    UNEVEN,
-    make_batch,
-    make_model,
-    make_residual,
-    reference_step,
-)
+from tests.support.dist_models import UNEVEN, make_batch, make_model, make_residual, reference_step
 
 
 def test_sizes_follow_tensor_split_and_pad_with_the_last_real_row() -> None:

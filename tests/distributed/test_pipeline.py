@@ -10,20 +10,18 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.distributed import DistributedPipeline
-from tests.support.dist_workers import (
+from tests.support.dist_models import (
     CHUNKS,
-    FAULTS,
-    STUCK_TIMEOUT,
     assert_close,
-    launch,
     loss_fn,
     make_batch,
     make_model,
     make_residual,
     reference_step,
     reference_steps,
-    scenario_results,
 )
+from tests.support.dist_workers import launch, scenario_results
+from tests.support.fault_workers import FAULTS, STUCK_TIMEOUT
 
 
 def test_needs_process_group() -> None:
@@ -194,7 +192,7 @@ def _plain_step(model: nn.Module, args: tuple[Any, ...], y: Tensor) -> Tensor:
 
 
 def test_samples_are_the_models_positional_inputs(validity_run: list[dict[str, Any]]) -> None:
-    from tests.support.dist_workers import TwoInputs, make_concat
+    from tests.support.dist_models import TwoInputs, make_concat
 
     x, y = make_batch()
     b = make_batch(seed=3)[1]

@@ -23,4 +23,3 @@ def test_non_sequential_models_are_wrapped_or_rejected() -> None:
     torch.testing.assert_close(prepared.rebuild(value, True), model(x))
     with pytest.raises(ValueError, match="pass an nn.Sequential"):
         prepare_model(nn.Linear(2, 2), [x])
-

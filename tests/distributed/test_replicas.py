@@ -17,17 +17,17 @@ from autopipe.distributed.replicas import (
     take_shard,
 )
 from autopipe.distributed.setup import check_sizes
-from tests.support.dist_workers import (
+from tests.support.dist_models import (
     BATCH,
     REPLICA_CHUNKS,
     assert_close,
     loss_fn,
     make_batch,
     make_model,
-    scenario_results,
     tiny_plan,
     whole_batch_statistics,
 )
+from tests.support.dist_workers import scenario_results
 
 
 def test_replica_checks() -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tests.support.dist_workers import make_batch, make_model, reference_step
+from tests.support.dist_models import make_batch, make_model, reference_step
 
 
 def test_searched_configuration_equals_one_process(equal_run: Any) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autopipe.distributed.setup import check_arguments, check_sizes
-from tests.support.dist_workers import loss_fn, make_model
+from tests.support.dist_models import loss_fn, make_model
 
 
 @pytest.mark.parametrize(

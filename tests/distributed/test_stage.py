@@ -18,7 +18,7 @@ from autopipe.distributed.stage import (
     layer_output_specs,
     merge_state_dicts,
 )
-from tests.support.dist_workers import CHUNKS, make_model, reference_steps
+from tests.support.dist_models import CHUNKS, make_model, reference_steps
 
 
 def test_stage_module_keeps_names_and_computes_the_slice() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from autopipe.planning.plans import Plan
 from autopipe.planning.trace_events import trace
-from tests.support.dist_workers import CHUNKS
+from tests.support.dist_models import CHUNKS
 from tests.support.trace_workers import CASES, launch
 
 WORLD = 2

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.distributed.tied import shared_across_stages, shared_state, written_shared
-from tests.support.dist_workers import (
-    CHUNKS,
+from tests.support.dist_models import reference_step
+from tests.support.dist_workers import scenario_results
+from tests.support.tied_workers import (
     SHARED_CHUNKS,
     SHARED_NAMES,
     SHARED_RUNS,
@@ -22,7 +23,6 @@ from tests.support.dist_workers import (
     TiedBlock,
     make_optimizer,
     mse,
-    scenario_results,
     shared_case,
     tied_case,
     tied_runs,
@@ -65,27 +65,20 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _reference_step(model: nn.Module, loss_fn: Any, x: Tensor, y: Tensor) -> Tensor:
-    pairs = zip(x.tensor_split(CHUNKS), y.tensor_split(CHUNKS))
-    loss = torch.stack([loss_fn(model(xb), yb) for xb, yb in pairs]).mean()
-    loss.backward()
-    return loss.detach()
-
-
 @functools.cache
 def reference(kind: str, optimizer: str) -> dict[str, Any]:
     """The plain model trained as the workers train the pipeline (D replicas of b rows in
     M/D micro-batches are the same M micro-batches of the whole batch)."""
     with one_thread():
         model, loss_fn, x, y = tied_case(kind)
-        _reference_step(model, loss_fn, x, y)
-        _reference_step(model, loss_fn, x, y)
+        reference_step(model, x, y, loss=loss_fn)
+        reference_step(model, x, y, loss=loss_fn)
         twice = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
         opt = make_optimizer(optimizer, model.parameters())
         steps = []
         for _ in range(TIED_STEPS):
-            loss = _reference_step(model, loss_fn, x, y)
+            loss = reference_step(model, x, y, loss=loss_fn)
             opt.step()
             opt.zero_grad()
             params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import ROOT
+
 EXAMPLE = ROOT / "examples" / "train_distributed.py"
 
 

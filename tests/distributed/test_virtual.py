@@ -8,12 +8,8 @@ import pytest
 
 from autopipe.distributed.setup import check_sizes
 from autopipe.distributed.virtual import stage_indices, virtual_problem
-from tests.support.dist_workers import (
-    assert_close,
-    reference_steps,
-    scenario_results,
-    tiny_plan,
-)
+from tests.support.dist_models import assert_close, reference_steps, tiny_plan
+from tests.support.dist_workers import scenario_results
 
 
 def test_virtual_stage_checks() -> None:

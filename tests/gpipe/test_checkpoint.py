@@ -10,8 +10,7 @@ from torch import Tensor, nn
 from autopipe.gpipe.checkpoint import RNGState, checkpoint
 from autopipe.gpipe.microbatch import Batch
 from autopipe.microbatching.recomputation import is_recomputing
-
-CPU = torch.device("cpu")
+from tests.support.gpipe_support import CPU
 
 
 def _net() -> nn.Sequential:

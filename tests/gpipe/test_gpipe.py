@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import threading
 import traceback
 import warnings
 from collections import OrderedDict
@@ -19,14 +18,9 @@ from autopipe.gpipe.pipeline import clock_cycles
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
 from autopipe.planning.devices import DeviceSpec
 from autopipe.planning.plans import Plan
+from tests.support.gpipe_support import needs_cuda, worker_threads
 
 MODES = ["always", "except_last", "never"]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def worker_threads() -> int:
-    """Live autopipe worker threads; other libraries may start threads of their own."""
-    return sum(t.name.startswith("autopipe-worker") for t in threading.enumerate())
 
 
 def _model(dropout: float = 0.0) -> nn.Sequential:

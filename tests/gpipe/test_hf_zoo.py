@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,13 +15,7 @@ from autopipe.gpipe.wrapping import wrap
 transformers = pytest.importorskip("transformers")
 from tests.support.hf_models import ZOO  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # float64 as the default dtype
 
 
 def _tensors(output: Any) -> dict[str, Tensor]:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
 from autopipe.gpipe.wrapping import WrappedPipeline, wrap
 from autopipe.graph.meta import has_meta_state
+from tests.support.float64 import assert_close64, square_loss
 from tests.support.meta_models import build, gpt2, llama, load_from, token_ids
 from tests.support.wrap_models import ResidualMLP
 
@@ -20,21 +20,7 @@ pytest.importorskip("transformers")
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-def _loss(output: Any) -> Tensor:
-    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
-    return sum((t.square().sum() for t in leaves if t.is_floating_point()), torch.zeros(()))
-
-
-def _close(actual: Any, expected: Any) -> None:
-    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10)
+pytestmark = pytest.mark.usefixtures("float64")  # float64 as the default dtype
 
 
 def _trains_alike(wrapped: nn.Module, reference: nn.Module, x: Tensor, steps: int = 2) -> None:
@@ -46,16 +32,16 @@ def _trains_alike(wrapped: nn.Module, reference: nn.Module, x: Tensor, steps: in
         losses = []
         for model, optimizer in zip((wrapped, reference), optimizers):
             optimizer.zero_grad()
-            loss = _loss(model(x))
+            loss = square_loss(model(x))
             loss.backward()
             losses.append(loss.detach())
-        _close(losses[0], losses[1])
+        assert_close64(losses[0], losses[1])
         grads = dict(reference.named_parameters())
         for name, param in wrapped.named_parameters():
-            _close(param.grad, grads[name].grad)
+            assert_close64(param.grad, grads[name].grad)
         for optimizer in optimizers:
             optimizer.step()
-    _close(dict(wrapped.state_dict()), dict(reference.state_dict()))
+    assert_close64(dict(wrapped.state_dict()), dict(reference.state_dict()))
 
 
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor]]] = {
@@ -116,7 +102,7 @@ def test_without_init_the_models_own_initializers_run_per_stage() -> None:
     # Hugging Face's initializer ran: norms at one, rotary frequencies computed.
     assert bool((model.model.norm.weight == 1).all())
     real: Any = build(llama, meta=False)
-    _close(model.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
+    assert_close64(model.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
     # It trains like the plain model holding the same values.
     real.load_state_dict(wrapped.state_dict())
     _trains_alike(wrapped, real, x)
@@ -147,7 +133,7 @@ def test_a_tensor_nothing_initializes_is_refused_unless_init_is_given() -> None:
 
     model: Any = build(Scaled, meta=True)
     wrapped = _wrap(model, x, init=ones)
-    _close(model.scale, torch.ones(4))
+    assert_close64(model.scale, torch.ones(4))
     assert wrapped(x).shape == (8, 4)
 
 

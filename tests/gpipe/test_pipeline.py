@@ -12,8 +12,7 @@ from torch import Tensor, nn
 
 from autopipe.gpipe.microbatch import gather, scatter
 from autopipe.gpipe.pipeline import Pipeline, clock_cycles
-
-CPU = torch.device("cpu")
+from tests.support.gpipe_support import CPU
 
 
 def test_clock_cycles() -> None:

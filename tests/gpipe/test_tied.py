@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,19 +17,10 @@ from autopipe.graph import stage_of_units
 from autopipe.graph.sequential import SequentialModel, prepare
 from autopipe.graph.sharing import check_placement
 from profiler.profile import Profile
+from tests.support.float64 import assert_close64
 from tests.support.wrap_models import SharedBias
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-def _assert_close(actual: Any, expected: Any) -> None:
-    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10)
+pytestmark = pytest.mark.usefixtures("float64")  # float64 as the default dtype
 
 
 class _Block(nn.Module):
@@ -141,7 +132,7 @@ def test_training_equals_the_plain_model(build: str, optimizer: str, checkpoint:
                 _copies_match(wrapped, model)
             opt.step()
             losses.append(loss.detach())
-        _assert_close(losses[0], losses[1])
+        assert_close64(losses[0], losses[1])
         for (name, p), (_, q) in zip(wrapped.named_parameters(), reference.named_parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-9, atol=1e-10, msg=name)
     wrapped.close()
@@ -158,7 +149,7 @@ def test_gradients_accumulate_over_calls_like_the_plain_model(build: str) -> Non
             loss_of(net(*args, **kwargs)).backward()
     for (name, p), (_, q) in zip(wrapped.named_parameters(), reference.named_parameters()):
         assert p.grad is not None, name
-        _assert_close(p.grad, q.grad)
+        assert_close64(p.grad, q.grad)
     wrapped.close()
 
 
@@ -173,7 +164,7 @@ def test_a_plain_state_dict_sets_every_copy(build: str) -> None:
     with torch.no_grad():
         out, expected = wrapped(*args, **kwargs), other(*args, **kwargs)
     expected = expected.logits if build == "gpt2" else expected
-    _assert_close(out.logits if build == "gpt2" else out, expected)
+    assert_close64(out.logits if build == "gpt2" else out, expected)
     for name, _, tensor in wrapped.pipeline.__dict__["_replicas"].current():
         assert any(torch.equal(tensor, p) for p in other.parameters()), name
     wrapped.close()
@@ -200,11 +191,11 @@ def test_gpipe_of_a_sequential_with_a_tied_weight() -> None:
     for net in (pipe, reference):
         net(x).square().sum().backward()
     for p, q in zip(pipe.parameters(), reference.parameters()):
-        _assert_close(p.grad, q.grad)
+        assert_close64(p.grad, q.grad)
     ((_, _, copied),) = pipe.__dict__["_replicas"].current()
     assert copied.data_ptr() != first.weight.data_ptr()
     twin = copy.deepcopy(pipe)  # the copies are graph nodes: deepcopy refuses those
-    _assert_close(twin(x), pipe(x))
+    assert_close64(twin(x), pipe(x))
     ((_, _, copied),) = twin.__dict__["_replicas"].current()
     assert copied.data_ptr() != twin[0].weight.data_ptr() and twin[4] is not pipe[4]
     twin.close()
@@ -324,9 +315,9 @@ def test_a_split_the_written_buffer_refused_is_planned_around_and_trains_exactly
             (net(x) - 0.5).square().mean().backward()
             opt.step()
         for (name, p), (_, q) in zip(wrapped.named_parameters(), reference.named_parameters()):
-            _assert_close(p.detach(), q.detach())
+            assert_close64(p.detach(), q.detach())
             assert p.grad is not None, name
-    _assert_close(wrapped(x), reference(x))
+    assert_close64(wrapped(x), reference(x))
     wrapped.close()
 
 
@@ -387,7 +378,7 @@ def test_deberta_v2_on_four_stages_trains_like_the_plain_model() -> None:
             grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
             steps.append((out.detach(), grads, dict(net.named_parameters())))
         (out, grads, params), (out_ref, grads_ref, params_ref) = steps
-        _assert_close(out, out_ref)
+        assert_close64(out, out_ref)
         assert grads.keys() == grads_ref.keys() and "encoder.rel_embeddings.weight" in grads
         # Far above the tolerance: the copies' gradients are compared, not rounding noise.
         assert grads_ref["encoder.rel_embeddings.weight"].abs().max() > 1e-3

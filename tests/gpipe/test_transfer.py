@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from autopipe.gpipe.microbatch import Batch
@@ -19,9 +18,7 @@ from autopipe.gpipe.stream import (
     wait_stream,
 )
 from autopipe.gpipe.transfer import Route, Transfer, transfer
-
-CPU = torch.device("cpu")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from tests.support.gpipe_support import CPU, needs_cuda
 
 
 def test_cpu_streams_are_no_ops() -> None:

@@ -11,13 +11,7 @@ import pytest
 import torch
 
 from autopipe.gpipe.worker import ThreadContext, WorkerPool
-
-CPU = torch.device("cpu")
-
-
-def worker_threads() -> int:
-    """Live autopipe worker threads; other libraries may start threads of their own."""
-    return sum(t.name.startswith("autopipe-worker") for t in threading.enumerate())
+from tests.support.gpipe_support import CPU, worker_threads
 
 
 def _run(pool: WorkerPool, worker: int, fn: Callable[[], object]) -> object:

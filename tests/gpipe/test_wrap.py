@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ from autopipe.graph.stage_modules import UnitModule
 from autopipe.graph.tracing import TracingError
 from autopipe.planning.plans import Plan
 from profiler.profile import Profile
+from tests.support.float64 import assert_close64, square_loss
 from tests.support.tuple_models import (
     AttentionStack,
     DataclassBlock,
@@ -40,22 +41,7 @@ from tests.support.wrap_models import (
     UNet,
 )
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-def _loss(output: Any) -> Tensor:
-    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
-    return sum((t.square().sum() for t in leaves if t.is_floating_point()), torch.zeros(()))
-
-
-def _assert_close(actual: Any, expected: Any) -> None:
-    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-10)
+pytestmark = pytest.mark.usefixtures("float64")  # float64 as the default dtype
 
 
 def _compare(
@@ -70,9 +56,9 @@ def _compare(
     output = wrapped(*args, **(kwargs or {}))
     expected = reference(*args, **(kwargs or {}))
     assert pytree.tree_structure(output) == pytree.tree_structure(expected)
-    _assert_close(pytree.tree_leaves(output), pytree.tree_leaves(expected))
-    _loss(output).backward()
-    _loss(expected).backward()
+    assert_close64(pytree.tree_leaves(output), pytree.tree_leaves(expected))
+    square_loss(output).backward()
+    square_loss(expected).backward()
     _check_grads(wrapped, reference)
     return wrapped, reference
 
@@ -85,7 +71,7 @@ def _check_grads(wrapped: nn.Module, reference: nn.Module) -> None:
         if param.grad is None:
             assert ours[name].grad is None, name
         else:
-            _assert_close(ours[name].grad, param.grad)
+            assert_close64(ours[name].grad, param.grad)
 
 
 @pytest.mark.parametrize(("stages", "chunks"), [(2, 1), (3, 2), (4, 3)])
@@ -114,7 +100,7 @@ def test_training_steps_stay_in_step_with_the_original() -> None:
             (net(x) - y).square().mean().backward()
             optimizer.step()
     for ours, theirs in zip(wrapped.parameters(), reference.parameters()):
-        _assert_close(ours, theirs)
+        assert_close64(ours, theirs)
     wrapped.close()
 
 
@@ -133,10 +119,10 @@ def test_gpt_with_tied_embedding_and_head(method: str) -> None:
     assert list(state) == list(TinyGPT(depth=2).state_dict())
     fresh = TinyGPT(depth=2)
     fresh.load_state_dict(state)
-    _assert_close(fresh(idx), wrapped(idx))
+    assert_close64(fresh(idx), wrapped(idx))
     other = TinyGPT(depth=2)
     wrapped.load_state_dict(other.state_dict())
-    _assert_close(wrapped(idx), other(idx))
+    assert_close64(wrapped(idx), other(idx))
     wrapped.close()
 
 
@@ -160,13 +146,13 @@ def test_batch_norm_in_eval_mode(method: str) -> None:
         torch.manual_seed(1)
         net(x).sum().backward()
     for ours, theirs in zip(wrapped.buffers(), reference.buffers()):
-        _assert_close(ours, theirs)
+        assert_close64(ours, theirs)
     wrapped.eval()
     reference.eval()
     assert not any(m.training for m in wrapped.pipeline.modules())
-    _assert_close(wrapped(x), reference(x))
+    assert_close64(wrapped(x), reference(x))
     with torch.no_grad():
-        _assert_close(wrapped(x[:5]), reference(x[:5]))
+        assert_close64(wrapped(x[:5]), reference(x[:5]))
     wrapped.close()
 
 
@@ -182,7 +168,7 @@ def test_batch_norm_in_train_mode(method: str, checkpoint: str) -> None:
     # Recomputation in backward must not update the running statistics twice.
     for (name, ours), theirs in zip(wrapped.named_buffers(), reference.buffers()):
         assert name in dict(reference.named_buffers())
-        _assert_close(ours, theirs)
+        assert_close64(ours, theirs)
     wrapped.close()
 
 
@@ -228,8 +214,8 @@ def test_dropout_is_replayed_by_checkpointing(method: str) -> None:
         results.append((output.detach(), [p.grad for p in wrapped.parameters()]))
         wrapped.close()
     (out_a, grads_a), (out_b, grads_b) = results
-    _assert_close(out_a, out_b)
-    _assert_close(grads_a, grads_b)
+    assert_close64(out_a, out_b)
+    assert_close64(grads_a, grads_b)
     torch.manual_seed(0)
     model = DropoutBatchNorm(p=0.5)
     with torch.no_grad():
@@ -364,7 +350,7 @@ def test_moving_and_converting() -> None:
     # The model's buffers follow the converted tensors the units run with.
     assert wrapped.scale.dtype == torch.float32 and model.scale.dtype == torch.float32
     assert wrapped.state_dict()["layers.0.1.running_mean"].dtype == torch.float32
-    _assert_close(wrapped(x.float()), reference(x.float()))
+    assert_close64(wrapped(x.float()), reference(x.float()))
     wrapped.close()
 
 
@@ -457,7 +443,7 @@ def _train_like_the_original(
     for net in (wrapped, reference):
         torch.optim.SGD(net.parameters(), lr=0.1).step()
         net.zero_grad()
-    _assert_close(wrapped(x), reference(x))
+    assert_close64(wrapped(x), reference(x))
     return wrapped
 
 
@@ -597,7 +583,7 @@ def test_blocks_returning_a_hugging_face_model_output(leaf: bool) -> None:
 
 @pytest.mark.parametrize("kind", ["sequential", "two inputs", "one tuple"])
 def test_sample_is_the_models_positional_inputs(kind: str) -> None:
-    from tests.support.dist_workers import TwoInputs, make_concat
+    from tests.support.dist_models import TwoInputs, make_concat
 
     a, b = torch.randn(8, 8), torch.randn(8, 3)
     models: dict[str, tuple[nn.Module, tuple[Any, ...]]] = {

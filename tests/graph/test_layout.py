@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from autopipe.graph.layout import Layout, layout_model, trace_modes
+from autopipe.graph.layout import Layout
 from autopipe.graph.sharing import SharedState
+from tests.support.graph_support import layout_of
 from tests.support.wrap_models import SharedBias
-
-
-def _layout(model: nn.Module, *args: torch.Tensor, **options: object) -> Layout:
-    return layout_model(model, trace_modes(model, args, {}, **options))
 
 
 def _holders(layout: Layout, tensor: torch.Tensor) -> list[int]:
@@ -24,7 +20,7 @@ def _holders(layout: Layout, tensor: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_a_parameter_every_block_reads_leaves_one_unit_per_block(method: str) -> None:
     model = SharedBias()
-    layout = _layout(model, torch.randn(3, 8), method=method)
+    layout = layout_of(model, torch.randn(3, 8), method=method)
     assert layout.names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert layout.merged == []
     assert layout.shared == [SharedState("bias", (0, 1, 2, 3))]
@@ -33,7 +29,7 @@ def test_a_parameter_every_block_reads_leaves_one_unit_per_block(method: str) ->
 
 
 def test_a_parameter_written_in_place_still_merges_its_readers() -> None:
-    layout = _layout(SharedBias(clamp=True), torch.randn(3, 8), method="fx")
+    layout = layout_of(SharedBias(clamp=True), torch.randn(3, 8), method="fx")
     assert layout.names == ["blocks.0+blocks.1+blocks.2+blocks.3"]
     assert "bias" in layout.written
     assert layout.merged[0] == "blocks.0 | blocks.1: both sides use bias, which is written in place"
@@ -44,7 +40,7 @@ def test_deberta_v2_splits_into_its_layers() -> None:
     from tests.support.hf_models import deberta_v2
 
     model, args, _ = deberta_v2()
-    layout = _layout(model, *args, both_modes=False)
+    layout = layout_of(model, *args, both_modes=False)
     layers = [f"encoder.layer.{i}" for i in range(4)]
     assert layout.names == ["embeddings", *layers] and layout.merged == []
     assert layout.shared == [SharedState("encoder.rel_embeddings.weight", (1, 2, 3, 4))]

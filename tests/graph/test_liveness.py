@@ -6,23 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from autopipe.graph.layout import Layout, layout_model, trace_modes
+from autopipe.graph.layout import layout_model, trace_modes
 from autopipe.graph.liveness import analyze
-from autopipe.graph.sharing import (
-    SharedState,
-    adjacent_boundaries,
-    check_placement,
-    copied_written,
-    find_shared,
-)
+from autopipe.graph.sharing import SharedState
 from autopipe.graph.tracing import trace
 from autopipe.graph.units import split_units, unit_paths
 from profiler.measure import profile_layers
+from tests.support.graph_support import layout_of
 from tests.support.wrap_models import ResidualMLP, SizeAtRoot, SplitJoin, TiedEnds, TiedPair, UNet
-
-
-def _layout(model: nn.Module, *args: torch.Tensor, **options: object) -> Layout:
-    return layout_model(model, trace_modes(model, args, {}, **options))
 
 
 def _names(nodes: list[torch.fx.Node]) -> list[str]:
@@ -32,7 +23,7 @@ def _names(nodes: list[torch.fx.Node]) -> list[str]:
 def test_skip_tensors_are_carried_through_the_units_in_between() -> None:
     model = UNet(levels=2)
     x = torch.randn(2, 3, 8, 8)
-    layout = _layout(model, x)
+    layout = layout_of(model, x)
     names = layout.names
     assert names == ["down.0", "down.1", "mid", "ups.0", "up.0", "ups.1", "up.1", "head"]
     live = layout.liveness["any"]
@@ -52,7 +43,7 @@ def test_skip_tensors_are_carried_through_the_units_in_between() -> None:
 
 def test_bytes_crossing_each_boundary() -> None:
     model = UNet(levels=2)
-    layout = _layout(model, torch.randn(2, 3, 8, 8))
+    layout = layout_of(model, torch.randn(2, 3, 8, 8))
     live = layout.liveness["any"]
     traced = layout.traced["any"]
     for b, crossing in enumerate(live.crossing):
@@ -65,7 +56,7 @@ def test_bytes_crossing_each_boundary() -> None:
 def test_profile_output_is_the_bytes_crossing() -> None:
     model = UNet(levels=2)
     x = torch.randn(2, 3, 8, 8)
-    layout = _layout(model, x)
+    layout = layout_of(model, x)
     profile = profile_layers(layout.modules(), x, batch_sizes=[2], warmup=0, repeats=1)
     outputs = [layer.output[0] for layer in profile.layers]
     assert outputs[:-1] == layout.boundary_bytes()
@@ -85,14 +76,14 @@ def test_a_tuple_crossing_a_boundary_makes_it_invalid() -> None:
     assert [u.name for u in units] == ["a", "split", "join", "b"]
     assert set(live.invalid) == {1}
     assert "non-tensor" in live.invalid[1] and "tuple" in live.invalid[1]
-    layout = _layout(model, torch.randn(3, 4))
+    layout = layout_of(model, torch.randn(3, 4))
     assert layout.names == ["a", "split+join", "b"]
     assert layout.merged == ["split | join: non-tensor values cross it: chunk (tuple)"]
 
 
 def test_a_tuple_unpacked_by_the_next_module_crosses_as_its_parts() -> None:
     model = SplitJoin()  # join reads parts[1] and parts[0]
-    layout = _layout(model, torch.randn(3, 4))
+    layout = layout_of(model, torch.randn(3, 4))
     assert layout.names == ["a", "split", "join", "b"] and not layout.merged
     live = layout.liveness["any"]
     assert [layout.traced["any"].values[n.name].kind for n in live.crossing[1]] == ["tensor"] * 2
@@ -100,7 +91,7 @@ def test_a_tuple_unpacked_by_the_next_module_crosses_as_its_parts() -> None:
 
 def test_sizes_are_recomputed_not_sent() -> None:
     model = SizeAtRoot()
-    layout = _layout(model, torch.randn(5, 4))
+    layout = layout_of(model, torch.randn(5, 4))
     assert layout.names == ["a", "b", "c"] and not layout.merged
     live = layout.liveness["any"]
     last = live.units[-1]
@@ -114,7 +105,7 @@ def test_sizes_are_recomputed_not_sent() -> None:
 
 def test_export_sizes_are_read_from_a_received_tensor() -> None:
     model = SizeAtRoot()
-    layout = _layout(model, torch.randn(5, 4), method="export")
+    layout = layout_of(model, torch.randn(5, 4), method="export")
     live = layout.liveness["any"]
     last = live.units[-1]
     # The symbolic batch size comes from the tensor the last unit receives anyway, so the
@@ -127,7 +118,7 @@ def test_export_sizes_are_read_from_a_received_tensor() -> None:
 
 def test_attributes_are_read_where_used() -> None:
     model = ResidualMLP(depth=2)
-    layout = _layout(model, torch.randn(3, 5), method="export")
+    layout = layout_of(model, torch.randn(3, 5), method="export")
     live = layout.liveness["any"]
     targets = [[str(a.target) for a in io.attrs] for io in live.units]
     assert targets[1] == [
@@ -142,57 +133,22 @@ def test_attributes_are_read_where_used() -> None:
 
 
 def test_adjacent_units_reading_one_parameter_stay_apart() -> None:
-    layout = _layout(TiedPair(), torch.randn(3, 4))
+    layout = layout_of(TiedPair(), torch.randn(3, 4))
     assert layout.names == ["first", "a", "b", "last"] and not layout.merged
     assert layout.shared == [SharedState("a.weight", (1, 2))]
 
 
 def test_distant_units_sharing_a_parameter_are_reported() -> None:
-    layout = _layout(TiedEnds(), torch.randn(3, 4))
+    layout = layout_of(TiedEnds(), torch.randn(3, 4))
     assert layout.names == ["first", "mid1", "mid2", "last"]
     assert layout.shared == [SharedState("first.weight", (0, 3))]
-
-
-def test_find_shared_and_adjacency() -> None:
-    model = TiedPair()
-    state = [[model.first.weight], [model.a.weight], [model.b.weight, model.b.bias]]
-    shared = find_shared(model, state)
-    assert shared == [SharedState("a.weight", (1, 2))]
-    assert adjacent_boundaries(shared) == {1}
-    assert adjacent_boundaries([SharedState("w", (0, 2, 3))]) == {2}
-
-
-def test_check_placement() -> None:
-    shared = [SharedState("wte.weight", (0, 3))]
-    names = ["wte", "h.0", "h.1", "lm_head"]
-    check_placement(shared, [0, 0, 1, 1], ["cpu", "cpu"], names)  # one device: fine
-    check_placement(shared, [0, 0, 1, 1], ["cuda:0", "cuda"], names)
-    check_placement(shared, [0, 0, 0, 0], ["cpu", "meta"], names)
-    # On two devices each stage holds a copy, unless the units write the tensor.
-    check_placement(shared, [0, 0, 1, 1], ["cpu", "meta"], names)
-    written = {"wte.weight"}
-    check_placement(shared, [0, 0, 1, 1], ["cpu", "cpu"], names, written=written)
-    with pytest.raises(ValueError, match=r"wte\.weight is shared by units on different devices"):
-        check_placement(shared, [0, 0, 1, 1], ["cpu", "meta"], names, written=written)
-    with pytest.raises(ValueError, match=r"written during forward"):
-        check_placement(shared, [0, 0, 1, 1], ["cpu", "cpu"], names, written, replicate=True)
-
-
-def test_copied_written_names_what_the_planner_keeps_on_one_stage() -> None:
-    shared = [SharedState("wte.weight", (0, 3)), SharedState("norm.running_mean", (1, 3))]
-    written = {"norm.running_mean"}
-    assert copied_written(shared, ["cpu", "cpu"], written) == []  # one tensor for both
-    assert copied_written(shared, ["cpu"], written, replicate=True) == []
-    assert copied_written(shared, ["cpu", "cpu"], written, True) == ["norm.running_mean"]
-    assert copied_written(shared, ["cpu", "meta"], written) == ["norm.running_mean"]
-    assert copied_written(shared, ["cpu", "meta"], set()) == []
 
 
 def test_mode_dependent_graphs_share_one_split() -> None:
     from tests.support.wrap_models import DropoutBatchNorm
 
     model = DropoutBatchNorm(p=0.5)
-    layout = _layout(model, torch.randn(6, 8))
+    layout = layout_of(model, torch.randn(6, 8))
     assert set(layout.traced) == {"train", "eval"} and layout.primary == "train"
     train, evaluation = layout.units["train"], layout.units["eval"]
     assert [u.name for u in train] == [u.name for u in evaluation]
@@ -203,7 +159,7 @@ def test_unit_graphs_chain_into_the_model() -> None:
     torch.manual_seed(0)
     model = UNet(levels=2)
     x = torch.randn(3, 3, 8, 8)
-    units = _layout(model, x).modules()
+    units = layout_of(model, x).modules()
     values: tuple[torch.Tensor, ...] = (x,)
     for k, unit in enumerate(units):
         # GPipe passes a tuple as one argument; the profiler passes it as *args.
@@ -216,7 +172,7 @@ def test_stage_graphs_of_export_take_the_device_from_their_input() -> None:
     from tests.support.wrap_models import TinyGPT
 
     model = TinyGPT(depth=1)
-    layout = _layout(model, torch.randint(0, 32, (2, 8)), method="export")
+    layout = layout_of(model, torch.randint(0, 32, (2, 8)), method="export")
     for unit in layout.modules():
         for graph in unit.graphs.values():
             for node in graph.graph.nodes:
@@ -231,7 +187,7 @@ def test_export_stage_graphs_hold_the_real_batch_norm() -> None:
     from tests.support.wrap_models import DropoutBatchNorm
 
     model = DropoutBatchNorm()
-    layout = _layout(model, torch.randn(6, 8), method="export")
+    layout = layout_of(model, torch.randn(6, 8), method="export")
     index = layout.names.index("layers.0.1")
     graph = layout.modules()[index].graphs["train"]
     bn = model.get_submodule("layers.0.1")
@@ -245,7 +201,7 @@ def test_constants_live_in_the_unit_that_uses_them() -> None:
     fx_layout = layout_model(
         KeywordModel(), trace_modes(KeywordModel(), (torch.randn(3, 4),), {"mask": torch.ones(3)})
     )
-    export_layout = _layout(ShapeLoop(), torch.randn(3, 2, 4))
+    export_layout = layout_of(ShapeLoop(), torch.randn(3, 2, 4))
     for layout, kind in ((fx_layout, "_tensor_constant"), (export_layout, "lifted_tensor")):
         users = [
             k
@@ -261,10 +217,10 @@ def test_constants_live_in_the_unit_that_uses_them() -> None:
 def test_read_only_buffers_may_be_copied_written_ones_not(method: str) -> None:
     from tests.support.wrap_models import MaskedBlocks
 
-    reading = _layout(MaskedBlocks(), torch.randn(3, 4), method=method)
+    reading = layout_of(MaskedBlocks(), torch.randn(3, 4), method=method)
     assert reading.names == ["blocks.0", "blocks.1", "blocks.2"]
     assert reading.shared == [] and reading.merged == []
-    writing = _layout(MaskedBlocks(count=True), torch.randn(3, 4), method=method)
+    writing = layout_of(MaskedBlocks(count=True), torch.randn(3, 4), method=method)
     # The counter updates after blocks 0 and 1 run with blocks 1 and 2: together.
     assert writing.names == ["blocks.0", "blocks.1+blocks.2"]
     assert writing.merged == [

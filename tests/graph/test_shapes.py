@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,13 +12,7 @@ from torch import Tensor, nn
 from autopipe.gpipe.wrapping import WrappedPipeline, wrap
 from autopipe.graph.tracing import TracingError
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # float64 as the default dtype
 
 
 class SequenceBranch(nn.Module):

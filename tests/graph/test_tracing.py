@@ -7,11 +7,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from autopipe.graph.flat_io import FlatSpec
 from autopipe.graph.layout import model_mode
 from autopipe.graph.sequential import unit_sequential
 from autopipe.graph.tracing import TracingError, trace
-from autopipe.graph.values import ValueInfo
 from tests.support.wrap_models import (
     DataDependent,
     DropoutBatchNorm,
@@ -129,16 +127,6 @@ def test_keyword_inputs_and_constants() -> None:
         traced.inputs.flatten(((x,), {"mask": mask, "scale": 3.0}), "inputs")
 
 
-def test_flat_spec_round_trip_and_structure_check() -> None:
-    value = ((torch.ones(2), 3), {"a": None, "b": torch.zeros(2)})
-    spec, tensors = FlatSpec.of(value, top=("args", "kwargs"))
-    assert len(tensors) == 2 and spec.label(1) == "kwargs['b']"
-    rebuilt = spec.rebuild(tensors)
-    assert rebuilt[0][1] == 3 and rebuilt[1]["a"] is None
-    with pytest.raises(ValueError, match="structure"):
-        spec.flatten(((torch.ones(2),), {}), "inputs")
-
-
 @pytest.mark.parametrize(
     ("inputs", "match"),
     [
@@ -216,13 +204,6 @@ def test_model_mode_restores_each_module() -> None:
     with model_mode(model, False):
         assert not any(m.training for m in model.modules())
     assert model.training and not model.drop.training
-
-
-def test_value_info_kinds() -> None:
-    assert ValueInfo.of(torch.ones(2, 3)) == ValueInfo("tensor", "Tensor", 24, (2, 3))
-    assert ValueInfo.of(torch.Size([2, 3])).kind == "simple"
-    assert ValueInfo.of((1, torch.float32, None)).kind == "simple"
-    assert ValueInfo.of((torch.ones(1), torch.ones(1))).kind == "other"
 
 
 def test_mode_dependent_code_traces_differently() -> None:

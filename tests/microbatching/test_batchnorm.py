@@ -17,18 +17,17 @@ from autopipe.distributed.stage import StageModule
 from autopipe.microbatching.batchnorm import DeferredBatchNorm, deferred_copy
 from autopipe.microbatching.batchnorm_units import defer_layers
 from autopipe.microbatching.recomputation import recomputing
-from tests.support.dist_workers import (
+from tests.support.batchnorm_workers import batch_norms, image_batches, make_bn_cnn
+from tests.support.dist_models import (
     CHUNKS,
     REPLICA_CHUNKS,
-    image_batches,
-    launch,
     loss_fn,
     make_batch,
-    make_bn_cnn,
     make_model,
     reference_step,
     whole_batch_statistics,
 )
+from tests.support.dist_workers import launch
 
 
 def _pair(momentum: float | None, dims: int) -> tuple[nn.Module, DeferredBatchNorm]:
@@ -127,10 +126,6 @@ def _cnn(method: str) -> nn.Module:
     return model
 
 
-def _norms(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-
-
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_wrap_updates_statistics_once_per_step(method: str, checkpoint: str) -> None:
@@ -158,7 +153,7 @@ def test_wrap_updates_statistics_once_per_step(method: str, checkpoint: str) -> 
         torch.testing.assert_close(state[key], value, msg=key)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(model.get_parameter(name).grad, param.grad, msg=name)
-    assert all(int(m.num_batches_tracked) == 2 for m in _norms(model))  # type: ignore[arg-type]
+    assert all(int(m.num_batches_tracked) == 2 for m in batch_norms(model))  # type: ignore[arg-type]
     # The model keeps its own classes; the pipeline runs views of its layers.
     assert all(type(m) is not DeferredBatchNorm for m in model.modules())
 
@@ -170,7 +165,7 @@ def test_wrap_with_deferral_off_warns_and_counts_micro_batches() -> None:
         wrapped = wrap(model, x, stages=2, chunks=4, deferred_batch_norm=False)
     loss_fn(wrapped(x), y).backward()
     wrapped.close()
-    assert all(int(m.num_batches_tracked) == 4 for m in _norms(model))  # type: ignore[arg-type]
+    assert all(int(m.num_batches_tracked) == 4 for m in batch_norms(model))  # type: ignore[arg-type]
 
 
 def test_wrap_in_one_micro_batch_is_the_plain_model() -> None:

@@ -9,15 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from autopipe import wrap
-from tests.support.dist_workers import (
-    CHUNKS,
-    BatchNormCNN,
-    image_batches,
-    launch,
-    loss_fn,
-    make_bn_cnn,
-    reference_step,
-)
+from tests.support.batchnorm_workers import BatchNormCNN, batch_norms, image_batches, make_bn_cnn
+from tests.support.dist_models import CHUNKS, loss_fn, reference_step
+from tests.support.dist_workers import launch
 
 STEPS = 3
 
@@ -31,7 +25,7 @@ def _reference(chunks: int) -> BatchNormCNN:
 
     With one micro-batch, simply so. With more, each micro-batch is normalized with its own
     statistics, as in any pipeline, and the running statistics move once per step, from
-    the whole mini-batch (:func:`tests.support.dist_workers.whole_batch_statistics`).
+    the whole mini-batch (:func:`tests.support.dist_models.whole_batch_statistics`).
     """
     model = make_bn_cnn()
     optimizer = _optimizer(model.parameters())
@@ -43,10 +37,6 @@ def _reference(chunks: int) -> BatchNormCNN:
         optimizer.step()
         optimizer.zero_grad()
     return model
-
-
-def _norms(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 def _compare(state: dict[str, Tensor], reference: nn.Module, exact: bool) -> None:
@@ -82,7 +72,7 @@ def test_wrap_trains_like_the_plain_model(chunks: int, checkpoint: str) -> None:
         torch.testing.assert_close(wrapped(x), reference(x), rtol=1e-4, atol=1e-5)
     finally:
         wrapped.close()
-    assert all(type(m) in (nn.BatchNorm1d, nn.BatchNorm2d) for m in _norms(model))
+    assert all(type(m) in (nn.BatchNorm1d, nn.BatchNorm2d) for m in batch_norms(model))
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 import pytest
 
 from autopipe.planning.exports import EXPORT_FORMATS, check_export_format
 from tests.support.export_cases import named_plan
-
-
-def _toml(text: str) -> dict[str, Any]:
-    """The TOML reader of the standard library (Python 3.11 on)."""
-    return pytest.importorskip("tomllib").loads(text)
-
+from tests.support.tomlfile import read_toml
 
 LLAMA = ["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm", "output"]
 GPT2 = [
@@ -58,7 +52,7 @@ def test_a_merged_unit_begins_at_its_first_module() -> None:
 @pytest.mark.parametrize(("balance", "virtual"), [([3, 2, 2, 2], 1), ([2, 1, 2, 1, 1, 2], 2)])
 def test_torchtitan_parts_list_every_module_once_in_order(balance: list[int], virtual: int) -> None:
     plan = named_plan(LLAMA, balance, virtual)
-    config = _toml(plan.export("torchtitan"))["parallelism"]
+    config = read_toml(plan.export("torchtitan"))["parallelism"]
     parts = config["module_fqns_per_model_part"]
     assert parts == _stage_names(plan)  # stage s is list s: rank r holds r, r + K, ...
     assert [name for part in parts for name in part] == LLAMA

@@ -144,43 +144,6 @@ def test_stages_must_divide_among_ranks() -> None:
         plan(_profile(), 3, chunks=4, virtual_stages=2)
 
 
-def _random_profiles(count: int, seed: int) -> list[object]:
-    rng = random.Random(seed)
-    profiles = []
-    for _ in range(count):
-        forward = [rng.lognormvariate(0, 1) for _ in range(rng.randint(6, 10))]
-        profiles.append(linear_profile(forward, batch=8, chunks=4))
-    return profiles
-
-
-def _balances(layers: int, stages: int) -> list[list[int]]:
-    return [
-        [b - a for a, b in zip((0, *cuts), (*cuts, layers))]
-        for cuts in itertools.combinations(range(1, layers), stages - 1)
-    ]
-
-
-def test_virtual_stage_split_is_the_best_of_all_splits() -> None:
-    for profile in _random_profiles(15, seed=1):
-        options = {"chunks": 4, "virtual_stages": 2, "schedule": "1f1b", "checkpoint": "never"}
-        got = plan(profile, 4, **options).step_time
-        best = min(evaluate(profile, b, **options).step_time for b in _balances(len(profile), 4))
-        assert got == pytest.approx(best)
-
-
-def test_local_search_is_never_worse_than_its_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autopipe.planning import interleaved_balance
-
-    monkeypatch.setattr(interleaved_balance, "EXHAUSTIVE", 0)  # as for large models
-    options = {"chunks": 4, "virtual_stages": 2, "schedule": "1f1b", "checkpoint": "never"}
-    for profile in _random_profiles(15, seed=2):
-        got = plan(profile, 4, **options).step_time
-        exact_flat = plan(profile, 4, chunks=4, schedule="1f1b", checkpoint="never").balance
-        uniform = plan(profile, 4, strategy="uniform", **options).balance
-        for start in (exact_flat, uniform):
-            assert got <= evaluate(profile, start, **options).step_time * (1 + 1e-9)
-
-
 def test_virtual_stages_plan_with_their_own_runner_overhead() -> None:
     from profiler.calibrate import store_calibration
 

@@ -13,8 +13,8 @@ from autopipe.planning.names import SEARCH_CHECKPOINTS
 from autopipe.planning.screening import Relaxation
 from autopipe.planning.search_space import Config, Space
 from profiler.profile import Profile
-from tests.planning.test_search import exhaustive
 from tests.support.planning_cases import linear_profile
+from tests.support.planning_references import exhaustive
 
 intervals = importlib.import_module("autopipe.planning.intervals")
 

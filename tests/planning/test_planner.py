@@ -16,37 +16,8 @@ from autopipe.planning.plan_settings import PlanSettings, build_model
 from autopipe.planning.planner import evaluate
 from autopipe.planning.plans import PLAN_VERSION, Plan
 from tests.support.planning_cases import linear_profile, random_profile, splits
-
-
-def brute_force(profile, devices, **kwargs):
-    best = None
-    for balance in splits(len(profile), len(devices)):
-        candidate = evaluate(profile, balance, devices, **kwargs)
-        fits = all(s.capacity is None or s.memory <= s.capacity for s in candidate.stages)
-        if fits and (best is None or candidate.step_time < best.step_time):
-            best = candidate
-    return best
-
-
-def check_against_brute_force(profile, devices, **kwargs):
-    """``plan`` finds the brute-force best step time, or fails exactly when nothing fits."""
-    expected = brute_force(profile, devices, **kwargs)
-    if expected is None:
-        with pytest.raises(PlanningError):
-            plan(profile, devices, **kwargs)
-        return
-    found = plan(profile, devices, **kwargs)
-    assert found.step_time == pytest.approx(expected.step_time, rel=1e-9)
-    assert all(s.memory <= s.capacity for s in found.stages if s.capacity is not None)
-
-
-device_specs = st.builds(
-    DeviceSpec,
-    memory=st.one_of(st.none(), st.integers(2_000, 40_000)),
-    speed=st.sampled_from([0.5, 1.0, 2.0]),
-    bandwidth=st.one_of(st.none(), st.sampled_from([50.0, 500.0])),
-    latency=st.sampled_from([0.0, 0.0, 0.5]),
-)
+from tests.support.planning_references import check_against_brute_force
+from tests.support.planning_strategies import device_specs
 
 
 @settings(max_examples=250, deadline=None)

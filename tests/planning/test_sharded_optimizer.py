@@ -20,9 +20,8 @@ from autopipe.planning.plans import PLAN_VERSION, Plan
 from autopipe.planning.report import render_plan, render_search
 from autopipe.planning.search_space import Config, Space
 from profiler.profile import Profile, TiedState
-from tests.planning.test_planner import check_against_brute_force
-from tests.planning.test_search import exhaustive
 from tests.support.planning_cases import linear_profile, random_profile, splits
+from tests.support.planning_references import check_against_brute_force, exhaustive
 
 PARAMS = [800, 400, 1200, 600]
 SAVED = [64, 32, 96, 16]

@@ -3,7 +3,6 @@ is the reference in test_peer_strategies.py)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -11,15 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe.planning.strategies import parameters, uniform
-
-
-def _splits(n: int, k: int) -> list[list[int]]:
-    """Every balance of n layers into k non-empty stages."""
-    out = []
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        bounds = (0, *cuts, n)
-        out.append([b - a for a, b in itertools.pairwise(bounds)])
-    return out
+from tests.support.planning_cases import splits
 
 
 def _stage_sums(weights: list[float], balance: list[int]) -> list[float]:
@@ -83,7 +74,7 @@ def test_parameters_spread_no_worse_than_the_even_start(
     balance = parameters(weights, k)
     assert len(balance) == k and sum(balance) == len(params) and min(balance) >= 1
     spreads = [
-        max(_stage_sums(weights, s)) - min(_stage_sums(weights, s)) for s in _splits(len(params), k)
+        max(_stage_sums(weights, s)) - min(_stage_sums(weights, s)) for s in splits(len(params), k)
     ]
     sums = _stage_sums(weights, balance)
     assert max(sums) - min(sums) >= min(spreads)

@@ -15,8 +15,9 @@ from autopipe.planning.planner import evaluate
 from autopipe.planning.plans import Plan, TiedPlan
 from autopipe.planning.report import render_plan
 from profiler.profile import Profile, TiedState
-from tests.planning.test_search import exhaustive
 from tests.support.planning_cases import linear_profile, random_profile, splits
+from tests.support.planning_references import exhaustive
+from tests.support.planning_strategies import device_specs
 
 # Layer parameters 100, 80, 50, 100 bytes; A (60 bytes) is used by layers 0 and 3, B (40
 # bytes) by layers 0, 1 and 3: each user counts it in its param_bytes.
@@ -167,15 +168,6 @@ def _random_tied(rng: np.random.Generator, profile: Profile) -> Profile:
         tied.append({"names": [f"w{len(tied)}"], "layers": users, "bytes": size})
     data["tied"] = tied
     return Profile.from_dict(data)
-
-
-device_specs = st.builds(
-    DeviceSpec,
-    memory=st.one_of(st.none(), st.integers(2_000, 40_000)),
-    speed=st.sampled_from([0.5, 1.0, 2.0]),
-    bandwidth=st.one_of(st.none(), st.sampled_from([50.0, 500.0])),
-    latency=st.sampled_from([0.0, 0.0, 0.5]),
-)
 
 
 @settings(max_examples=200, deadline=None)

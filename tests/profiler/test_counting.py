@@ -15,8 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopipe.cli.model_file import load_split
 from profiler.measure import profile_layers
 from tests.support.counted import byte_differences, counted_and_measured
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from tests.support.paths import EXAMPLES
 
 
 def _example(path: Path) -> tuple[nn.Sequential, Any]:

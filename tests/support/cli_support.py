@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from autopipe.cli import main
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 MLP = str(ROOT / "examples" / "mlp.py")
 FAST = ["--repeats", "1", "--warmup", "0"]
 
@@ -26,6 +27,19 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def plan_two_stages(
+    capsys: pytest.CaptureFixture[str], path: Path, *options: str
+) -> tuple[str, str]:
+    """``autopipe plan PATH --stages 2``, quickly; it must succeed: its output and errors.
+
+    Each command is a process of its own: the model file imports its ``helper`` anew.
+    """
+    sys.modules.pop("helper", None)
+    code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, *options)
+    assert code == 0, err
+    return out, err
 
 
 def assert_error(code: int, out: str, err: str, expected: str = "") -> None:

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from autopipe.planning.plans import Plan
 from tests.support.export_models import Llama
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CHUNKS = 4
 LR = 0.1
 

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tests.support.dist_workers import CHUNKS, lm_loss, make_tied_gpt2, tied_case
+from tests.support.dist_models import CHUNKS
+from tests.support.paths import ROOT
+from tests.support.tied_workers import lm_loss, make_tied_gpt2, tied_case
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 LR = 0.1
 # Each run: (name, virtual stages, schedule, whether init loads the reference's checkpoint).

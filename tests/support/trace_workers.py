@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.support.dist_workers import CHUNKS, ROOT, loss_fn, make_batch, make_model
+from tests.support.dist_models import CHUNKS, loss_fn, make_batch, make_model, param_grads
+from tests.support.paths import ROOT
 
 # (name, schedule, virtual stages): every kind of schedule the runner runs.
 CASES = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("zb", "zb", 1), ("interleaved", "1f1b", 2)]
@@ -44,10 +45,6 @@ def launch(workdir: Path, world: int = 2, limit: float = 240.0) -> list[str]:
     return texts
 
 
-def _grads(pipe: Any) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-
-
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -76,14 +73,14 @@ def _case(workdir: Path, name: str, schedule: str, virtual: int, profile: Any) -
     # untraced again, the wrappers gone.
     for trace in (None, path, None):
         pairs.append((plain.step(x, y), traced.step(x, y, trace=trace)))
-        same.append(_same(_grads(plain), _grads(traced)))
+        same.append(_same(param_grads(plain), param_grads(traced)))
         if len(pairs) == 1:
             pairs.append((pairs[0][0], first))
-            same.append(_same(_grads(plain), _grads(fresh)))
+            same.append(_same(param_grads(plain), param_grads(fresh)))
     if plain.is_last:
         same += [torch.equal(a, b) for a, b in pairs]
     equal = all(same)
-    grads = [_grads(plain)]
+    grads = [param_grads(plain)]
     wrapped = [
         name
         for stage in traced.stages

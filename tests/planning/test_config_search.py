@@ -1,4 +1,5 @@
-"""``search``: ranking of pipeline × data-parallel configurations against exhaustive plans."""
+"""``search`` (autopipe.planning.config_search): ranking of pipeline × data-parallel
+configurations against exhaustive plans."""
 
 from __future__ import annotations
 
@@ -17,34 +18,8 @@ from autopipe.planning.config_search import search
 from autopipe.planning.names import SEARCH_CHECKPOINTS
 from autopipe.planning.report import render_search
 from autopipe.planning.search_notes import breakdown
-from autopipe.planning.search_space import chunk_options
 from tests.support.planning_cases import linear_profile, random_profile
-
-
-def exhaustive(profile, devices, *, batch, checkpoints, schedules, **options):
-    """Every configuration's plan() that fits, as (step time, K, D, M, mode, schedule)."""
-    found = []
-    for k in range(1, min(devices, len(profile)) + 1):
-        for d in range(1, min(devices // k, batch) + 1):
-            replica = math.ceil(batch / d)
-            for m, mode, schedule in itertools.product(
-                range(1, replica + 1), checkpoints, schedules
-            ):
-                try:
-                    result = plan(
-                        profile,
-                        k,
-                        chunks=m,
-                        checkpoint=mode,
-                        schedule=schedule,
-                        data_parallel=d,
-                        batch=batch,
-                        **options,
-                    )
-                except PlanningError:
-                    continue
-                found.append((result.step_time, k, d, result.chunks, mode, schedule))
-    return sorted(found)
+from tests.support.planning_references import exhaustive
 
 
 def test_even_search_splits_the_batch_exactly():
@@ -55,16 +30,6 @@ def test_even_search_splits_the_batch_exactly():
     assert all((12 // p.data_parallel) % p.chunks == 0 for p in even)
     assert any(12 % p.data_parallel or (12 // p.data_parallel) % p.chunks for p in everything)
     assert len(even) < len(everything)
-
-
-def test_chunk_options():
-    assert chunk_options(10, 100) == [(1, 10), (2, 5), (3, 4), (4, 3), (5, 2), (10, 1)]
-    assert chunk_options(10, 4) == [(1, 10), (2, 5), (3, 4), (4, 3)]
-    for batch in range(1, 60):
-        options = chunk_options(batch, batch)
-        micros = [math.ceil(batch / m) for m in range(1, batch + 1)]
-        assert [micro for _, micro in options] == sorted(set(micros), reverse=True)
-        assert all(m == math.ceil(batch / micro) for m, micro in options)
 
 
 @settings(max_examples=60, deadline=None)
@@ -356,47 +321,3 @@ def test_speed_on_a_large_profile():
     found = search(profile, 64, memory=400_000, allreduce_bandwidth=1e5)
     elapsed = time.perf_counter() - start
     assert found and elapsed < 20  # seconds; a few on an idle laptop core
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    shape=st.sampled_from([(2, 2, 4), (2, 3, 2), (3, 2, 3), (2, 2, 1), (4, 2, 8)]),
-    replicas=st.sampled_from([1, 2]),
-    bandwidth=st.sampled_from([None, 300.0]),
-    overhead=st.sampled_from([0.0, 0.05]),
-)
-def test_virtual_stage_bound_is_below_every_split(seed, shape, replicas, bandwidth, overhead):
-    # The search prunes interleaved configurations by this bound: it must never exceed
-    # the replayed step of any split, or the search could miss the best one.
-    from autopipe.planning.planner import evaluate
-    from autopipe.planning.search_space import Config, Space
-
-    k, v, m = shape
-    rng = np.random.default_rng(seed)
-    profile = random_profile(rng, k * v + 3)
-    profile.meta["calibration"] = {"virtual_overhead_s": overhead}
-    batch = m * 2 * replicas
-    space = Space(
-        profile, capacity=None, bandwidth=bandwidth, allreduce_bandwidth=500.0, optimizer="adam"
-    )
-    for schedule in ("gpipe", "1f1b"):
-        config = Config(k, replicas, m, 2, "never", schedule, 2 * m, v)
-        bound, possible = space.bound(config)
-        assert possible
-        for _ in range(5):
-            cuts = sorted(rng.choice(np.arange(1, len(profile)), k * v - 1, replace=False))
-            balance = np.diff([0, *cuts, len(profile)]).tolist()
-            result = evaluate(
-                profile,
-                balance,
-                chunks=m,
-                checkpoint="never",
-                schedule=schedule,
-                virtual_stages=v,
-                data_parallel=replicas,
-                batch=batch,
-                bandwidth=bandwidth,
-                allreduce_bandwidth=500.0,
-            )
-            assert bound <= result.step_time * (1 + 1e-9)

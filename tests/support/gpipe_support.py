@@ -1,0 +1,17 @@
+"""What the single-process pipeline tests share: the CPU device, the CUDA mark, and a count
+of the pipeline's worker threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def worker_threads() -> int:
+    """Live autopipe worker threads; other libraries may start threads of their own."""
+    return sum(t.name.startswith("autopipe-worker") for t in threading.enumerate())
