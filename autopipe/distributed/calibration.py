@@ -174,6 +174,7 @@ def measure_runner_overhead(
         schedule=schedule,
         group=group,
         virtual_stages=virtual_stages,
+        checkpoint="never",  # the executor's own cost, no re-computation
     )
     samples = [slowest_seconds(lambda: pipe.step(x, y), group) for _ in range(warmup + repeats)][
         warmup:
