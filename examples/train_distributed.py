@@ -126,8 +126,9 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint",
         choices=["never", "always", "except_last", "auto"],
-        default="never",
-        help="re-compute activations in backward instead of keeping them (default: never)",
+        default=None,
+        help="re-compute activations in backward instead of keeping them (default: "
+        "except_last, never with zb)",
     )
     parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     parser.add_argument("--lr", type=float, default=1e-3)

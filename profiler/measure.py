@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -23,6 +23,7 @@ from profiler.memory_guard import measuring_bytes
 from profiler.pooling import pool_identical
 from profiler.precision import check_autocast, current_autocast
 from profiler.profile import LayerProfile, Profile
+from profiler.profile_options import ProfileOptions, with_options
 from profiler.samples import resize_sample, sample_arguments, sequential_inputs_problem
 from profiler.tied import tied_state
 
@@ -67,20 +68,8 @@ def _batch_sizes(batch_sizes: Sequence[int] | None, micro_batch: int, smallest: 
 def profile_layers(
     layers: Sequence[nn.Module],
     sample: Tensor | tuple[Any, ...],
-    *,
-    device: str | torch.device = "cpu",
-    chunks: int = 1,
-    batch_sizes: Sequence[int] | None = None,
-    names: Sequence[str] | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
-    progress: Callable[[int, int, str], None] | None = None,
-    pool: bool = True,
-    cold_cache: bool | None = None,
-    autocast: str | None = None,
-    owner: nn.Module | None = None,
-    measure: bool = True,
-    count: bool = True,
+    options: ProfileOptions | None = None,
+    **overrides: Any,
 ) -> Profile:
     """Measures the time and memory of each layer of a sequential model.
 
@@ -97,6 +86,9 @@ def profile_layers(
         sample: one mini-batch, the first layer's positional inputs: a tensor or a
             tuple of tensors, or ``((a, b),)`` for a first layer that takes one tuple;
             dim 0 is the batch.
+        options: the options below as one :class:`profiler.profile_options.ProfileOptions`
+            (default: all defaults); the keywords are laid over it, and any other keyword
+            is refused (``TypeError``).
         device: where to measure.
         chunks: micro-batches per mini-batch; sets the default batch sizes.
         batch_sizes: micro-batch sizes to measure at; default: the micro-batch
@@ -139,6 +131,16 @@ def profile_layers(
             activations at the batch sizes) exceed the device's free memory; raised before
             that layer gets storage (a ``ValueError``).
     """
+    chosen = with_options(options, overrides, "profile_layers")
+    device, chunks, batch_sizes, names = (
+        chosen.device,
+        chosen.chunks,
+        chosen.batch_sizes,
+        chosen.names,
+    )
+    warmup, repeats, progress, pool = chosen.warmup, chosen.repeats, chosen.progress, chosen.pool
+    cold_cache, autocast, owner = chosen.cold_cache, chosen.autocast, chosen.owner
+    measure, count = chosen.measure, chosen.count
     layers = list(layers)
     if not layers:
         raise ValueError("cannot profile an empty list of layers")

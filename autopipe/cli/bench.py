@@ -20,7 +20,7 @@ from autopipe.cli.bench_options import (
 from autopipe.cli.model_output import model_output_to_stderr
 from autopipe.cli.options import cost_options, default_device, default_stages
 from autopipe.errors import PlanningError
-from autopipe.planning.planner import default_chunks
+from autopipe.planning.pipeline_settings import PipelineSettings
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -204,16 +204,18 @@ def bench_command(args: argparse.Namespace) -> int:
             f"use --stages {count} or fewer"
         )
     balance = given_balance(args.balance, stages, count)
-    chunks = inputs.chunks or args.chunks or default_chunks(stages, profile.batch_size)
-    options = {
-        "chunks": chunks,
-        "memory": memory,
-        "checkpoint": args.checkpoint,
-        "schedule": args.schedule,
-        "optimizer": "sgd",
+    chosen = PipelineSettings(
+        chunks=inputs.chunks or args.chunks,
+        memory=memory,
+        checkpoint=args.checkpoint,
+        schedule=args.schedule,
+        optimizer="sgd",
         # In one process, stages on one device take turns on it.
-        "colocated": not args.ranks,
-    }
+        colocated=not args.ranks,
+    ).resolved(stages, profile.batch_size)
+    chunks = chosen.chunks
+    planned = ("chunks", "memory", "checkpoint", "schedule", "optimizer", "colocated")
+    options = {name: getattr(chosen, name) for name in planned}
     devices: int | list[str] = args.ranks or gpipe_devices(args, stages)
     calibrated = calibrate_runner(args, profile)
     plans = _plans(profile, devices, names, balance, options, args.strategies is not None)

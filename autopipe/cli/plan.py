@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autopipe.cli.exports import parse_exports, render_exports, to_stdout, write_exports
 from autopipe.cli.inputs import read_profile
@@ -17,31 +17,17 @@ from autopipe.cli.options import (
 )
 from autopipe.cli.target import check_target_options, estimated, target_devices
 from autopipe.errors import PlanningError
-from autopipe.planning.names import STRATEGIES
-from autopipe.planning.planner import default_chunks
+from autopipe.planning.pipeline_settings import PipelineSettings
 
 if TYPE_CHECKING:
     from autopipe.planning.devices import DeviceSpec
-    from autopipe.planning.plans import Plan
-    from profiler.profile import Profile
 
 __all__: list[str] = []  # internal to the command line
 
 
-def _devices(profile: Profile, stages: int, virtual: int = 1) -> int | list[str]:
-    """Stage devices named ``cuda:0``, ``cuda:1``, ... for a CUDA profile, else a count.
-
-    With ``virtual`` stages per device there are ``stages·virtual`` stages, stage s on
-    device ``s % stages``.
-    """
-    if profile.device.startswith("cuda"):
-        return [f"cuda:{k % stages}" for k in range(stages * virtual)]
-    return stages * virtual
-
-
 def plan_command(args: argparse.Namespace) -> int:
     """``autopipe plan``: profile (or load) and print the best split, with pictures."""
-    from autopipe.planning.planner import plan
+    from autopipe.planning.baseline import compare_plans, profile_devices
     from autopipe.planning.report import render_plan
 
     check_precision(args)
@@ -84,33 +70,21 @@ def plan_command(args: argparse.Namespace) -> int:
         devices = target_devices(args, target, stages, virtual, costs.memory)
         memory = None  # each device's capacity is in its spec
     else:
-        devices = _devices(profile, stages, virtual)
-    chunks = (
-        inputs.chunks or args.chunks or default_chunks(stages, inputs.batch or profile.batch_size)
-    )
-
-    options: dict[str, Any] = {
-        "batch": inputs.batch,
-        "chunks": chunks,
-        "memory": memory,
-        # Interleaved stages run on torch's schedules, which keep every activation.
-        "checkpoint": args.checkpoint
-        or ("never" if virtual > 1 or args.schedule == "zb" else "except_last"),
-        "schedule": args.schedule or "gpipe",
-        "optimizer": costs.optimizer,
-        "bandwidth": costs.bandwidth,
-        "virtual_stages": virtual,
-        "colocated": args.one_device,
-    }
-    if args.one_device:
-        devices = [profile.device] * stages
-    result = plan(profile, devices, strategy=args.strategy, **options)
-    other = "optimal" if args.strategy == "uniform" else "uniform"
-    baseline: Plan | str
-    try:
-        baseline = plan(profile, devices, strategy=other, **options)
-    except PlanningError as exc:
-        baseline = str(exc)
+        devices = profile_devices(profile, stages, virtual, colocated=args.one_device)
+    settings = PipelineSettings(
+        batch=inputs.batch,
+        chunks=inputs.chunks or args.chunks,
+        memory=memory,
+        checkpoint=args.checkpoint,
+        schedule=args.schedule,
+        strategy=args.strategy,
+        optimizer=costs.optimizer,
+        bandwidth=costs.bandwidth,
+        virtual_stages=virtual,
+        colocated=args.one_device,
+    ).resolved(stages, inputs.batch or profile.batch_size)
+    compared = compare_plans(profile, devices, settings)
+    result, baseline, other = compared.plan, compared.baseline, compared.baseline_strategy
 
     # Exports and pictures first: a failure leaves no plan file and no report behind.
     exported = render_exports(result, exports)
@@ -123,10 +97,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.compare:
         from autopipe.planning.timeline import draw_stage_bars
 
-        known = {result.strategy: result}
-        if not isinstance(baseline, str):
-            known[baseline.strategy] = baseline
-        draw_stage_bars(_strategy_plans(profile, devices, options, known), args.compare)
+        draw_stage_bars(compared.every_strategy(), args.compare)
         drawn.append(f"comparison written to {args.compare}")
     if args.trace:
         from autopipe.planning.trace_events import write_trace
@@ -144,24 +115,3 @@ def plan_command(args: argparse.Namespace) -> int:
     for line in drawn:
         print(line, file=sys.stderr)
     return 0
-
-
-def _strategy_plans(
-    profile: Profile,
-    devices: int | list[str] | list[DeviceSpec],
-    options: dict[str, Any],
-    known: dict[str, Plan],
-) -> dict[str, Plan]:
-    """Plans of every strategy that fits, by name; ``known`` ones are not planned again."""
-    from autopipe.planning.planner import plan
-
-    plans: dict[str, Plan] = {}
-    for name in STRATEGIES:
-        if name in known:
-            plans[name] = known[name]
-            continue
-        try:
-            plans[name] = plan(profile, devices, strategy=name, **options)
-        except PlanningError:  # a baseline that does not fit is left out of the picture
-            continue
-    return plans

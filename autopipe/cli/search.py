@@ -15,6 +15,7 @@ from autopipe.cli.options import (
 )
 from autopipe.cli.target import check_target_options, estimated, search_links
 from autopipe.planning.names import SCHEDULES, SEARCH_CHECKPOINTS
+from autopipe.planning.pipeline_settings import PipelineSettings
 
 __all__: list[str] = []  # internal to the command line
 
@@ -30,7 +31,7 @@ def _check_search_options(args: argparse.Namespace) -> None:
 
 def search_command(args: argparse.Namespace) -> int:
     """Ranks the configurations of ``--devices`` devices, prints them and the best plan."""
-    from autopipe.planning.config_search import search
+    from autopipe.planning.config_search import SearchOptions, search
     from autopipe.planning.report import render_plan, render_search
 
     check_precision(args)
@@ -52,21 +53,22 @@ def search_command(args: argparse.Namespace) -> int:
         bandwidth = bandwidth or links[0]
         allreduce = allreduce or links[1]
 
-    plans = search(
-        profile,
-        devices,
+    settings = PipelineSettings(
         memory=memory,
         batch=inputs.batch,
-        schedules=(args.schedule,) if args.schedule else SCHEDULES,
-        checkpoints=(args.checkpoint,) if args.checkpoint else SEARCH_CHECKPOINTS,
         optimizer=costs.optimizer,
         bandwidth=bandwidth,
         allreduce_bandwidth=allreduce,
+    )
+    options = SearchOptions(
+        schedules=(args.schedule,) if args.schedule else SCHEDULES,
+        checkpoints=(args.checkpoint,) if args.checkpoint else SEARCH_CHECKPOINTS,
         top=args.top,
         even=args.even,
         virtual_stages=tuple(range(1, args.virtual_stages + 1)),
         shard_optimizer=args.shard_optimizer,
     )
+    plans = search(profile, devices, settings, options)
     best = plans[0]
     if args.timeline:
         from autopipe.planning.timeline import draw_timeline

@@ -172,6 +172,7 @@ def measure_runner_overhead(
         schedule=schedule,
         group=group,
         virtual_stages=virtual_stages,
+        checkpoint="never",  # the executor's own cost, no re-computation
     )
     step = median_seconds(lambda: slowest_seconds(lambda: pipe.step(x, y), group), repeats, warmup)
     clocks = unit_clocks(ranks, chunks, schedule, virtual_stages)

@@ -15,7 +15,6 @@ from autopipe.distributed.search import search_prepared
 from autopipe.distributed.setup import init_distributed
 from autopipe.distributed.stage import merge_state_dicts
 from autopipe.distributed.virtual import SCHEDULES
-from autopipe.planning.plans import Plan
 
 __all__ = ["SCHEDULES", "DistributedPipeline", "init_distributed", "merge_state_dicts"]
 
@@ -60,6 +59,11 @@ class DistributedPipeline(PipelineRunner):
     averaged over a stage's replicas, so they stay identical. With D > 1 the group must
     span the job (``new_group`` makes the sub-groups).
 
+    The keywords from ``chunks`` on are fields of
+    :class:`autopipe.planning.pipeline_settings.PipelineSettings`, laid over ``settings``
+    (any other is refused with ``TypeError``); the defaults are decided by
+    :meth:`~autopipe.planning.pipeline_settings.PipelineSettings.resolved`.
+
     Args:
         model: an ``nn.Sequential`` (or a model to auto-wrap); its layers are shared with
             the stages, and this rank's layers are moved to ``device``.
@@ -74,21 +78,25 @@ class DistributedPipeline(PipelineRunner):
             rows, b per replica) when its batch size is a multiple of ``D·chunks``, else
             one replica's shard (b rows); a given plan whose ``batch_size`` is D times
             the sample's marks it as a shard in any case.
+        settings: the settings (default: all defaults); ``chunks`` must be set, here or
+            as a keyword.
         loss_fn: ``loss_fn(output, target)`` for one micro-batch, ``output`` as the model
             returns it; the mini-batch loss and gradients are those of the mean over the
             micro-batches.
-        chunks: micro-batches per mini-batch (M).
-        schedule: ``1f1b`` (default; needs ``chunks >= K``, or with v > 1 chunks a
-            multiple of ``max(1, chunks // K)``) or ``gpipe``.
         plan: a plan to use instead of planning; its stage count must be K·v (K: the
             group's size divided by D).
         group: the process group (default: the world).
         device: this rank's device (default: the current CUDA device under ``nccl``, else
             the CPU; :func:`autopipe.distributed.collectives.rank_device`).
         profile: a profile to plan from instead of profiling on rank 0.
+        chunks: micro-batches per mini-batch (M).
+        schedule: ``1f1b`` (default; needs ``chunks >= K``, or with v > 1 chunks a
+            multiple of ``max(1, chunks // K)``), ``gpipe`` or ``zb``.
         memory: device capacity for planning (bytes or ``"16GiB"``; one or per stage).
-        plan_options: more keyword arguments for :func:`autopipe.plan` (``strategy``,
-            ``optimizer``, ``bandwidth``).
+        strategy, optimizer, bandwidth, allreduce_bandwidth, overhead, shard_optimizer:
+            as for :func:`autopipe.plan`.
+        plan_options: the same settings as a mapping (``strategy``, ``optimizer``,
+            ``bandwidth``).
         data_parallel: pipeline replicas (D; default: the plan's ``data_parallel`` when a
             plan is given, else 1). Rank 0 plans for D replicas and the global batch.
         virtual_stages: stages per rank (v; default 1). With v > 1 rank 0 plans K·v
@@ -99,11 +107,14 @@ class DistributedPipeline(PipelineRunner):
             boundaries get the dtypes autocast produces, and :meth:`step` runs under it.
             The stages exchange tensors of the dtypes measured here, so a step under the
             caller's own autocast needs this set to the same dtype.
-        checkpoint: re-materialization, as the plan models it: ``never`` (default; every
-            stage keeps its micro-batches' activations), ``always`` (a stage keeps only
-            each micro-batch's input and runs its forward again in backward),
-            ``except_last`` (all but the last micro-batch) or ``auto`` (each stage only
-            if it does not fit otherwise). A given plan's own modes are used instead.
+        checkpoint: re-materialization, as the plan models it: ``never`` (every stage
+            keeps its micro-batches' activations), ``always`` (a stage keeps only each
+            micro-batch's input and runs its forward again in backward), ``except_last``
+            (all but the micro-batch whose backward comes first) or ``auto`` (each stage
+            only if it does not fit otherwise). Default: ``except_last`` for one stage per
+            rank under ``gpipe`` and ``1f1b``, ``never`` with virtual stages and for
+            ``zb`` (:func:`autopipe.planning.pipeline_settings.default_checkpoint`). A
+            given plan's own modes are used instead.
         deferred_batch_norm: update each BatchNorm's running statistics once per step
             from all the inputs it saw: the whole mini-batch, with replicas the global one
             (their counts, means and squared deviations merged exactly), as the plain
@@ -134,47 +145,6 @@ class DistributedPipeline(PipelineRunner):
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
         RuntimeError: no process group, or another rank failed during setup.
     """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        sample: Tensor | tuple[Tensor, ...],
-        *,
-        loss_fn: Callable[[Any, Any], Tensor],
-        chunks: int,
-        schedule: str = "1f1b",
-        plan: Plan | None = None,
-        group: dist.ProcessGroup | None = None,
-        device: torch.device | str | None = None,
-        profile: Any = None,
-        memory: Any = None,
-        plan_options: Mapping[str, Any] | None = None,
-        data_parallel: int | None = None,
-        virtual_stages: int = 1,
-        autocast: str | None = None,
-        checkpoint: str = "never",
-        deferred_batch_norm: bool | None = None,
-        init: Callable[[nn.Module], None] | None = None,
-    ) -> None:
-        super().__init__(
-            model,
-            sample,
-            loss_fn=loss_fn,
-            chunks=chunks,
-            schedule=schedule,
-            plan=plan,
-            group=group,
-            device=device,
-            profile=profile,
-            memory=memory,
-            plan_options=plan_options,
-            data_parallel=data_parallel,
-            virtual_stages=virtual_stages,
-            autocast=autocast,
-            checkpoint=checkpoint,
-            deferred_batch_norm=deferred_batch_norm,
-            init=init,
-        )
 
     @classmethod
     def from_search(
@@ -217,6 +187,7 @@ class DistributedPipeline(PipelineRunner):
         options = dict(search_options or {})
         plan = search_prepared(prepared, group=group, device=device, **options)
         pipe = cls.__new__(cls)
+        pipe._handover = (prepared, True)  # traced once; the plan every rank holds
         PipelineRunner.__init__(
             pipe,
             model,
@@ -229,8 +200,6 @@ class DistributedPipeline(PipelineRunner):
             device=device,
             data_parallel=plan.data_parallel,
             virtual_stages=plan.virtual_stages,
-            prepared=prepared,
-            plan_shared=True,
             **kwargs,
         )
         return pipe

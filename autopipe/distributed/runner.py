@@ -3,231 +3,122 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.distributed.collectives import collective, rank_device, share_from_rank0
+from autopipe.distributed.collectives import collective, rank_device
 from autopipe.distributed.failures import FailureBoard, rank_names
-from autopipe.distributed.meta_stages import broadcast_ties, init_problem, materialize_stages
-from autopipe.distributed.padding import MicroBatchPadding
-from autopipe.distributed.prepared import (
-    Prepared,
-    original_names,
-    prepare_model,
-    state_keys,
-    tensor_names,
-)
+from autopipe.distributed.meta_stages import broadcast_ties
+from autopipe.distributed.prepared import Prepared, original_names, state_keys, tensor_names
+from autopipe.distributed.rank_steps import RankInputs, RankSteps
 from autopipe.distributed.replicas import (
+    ReplicaLayout,
     ReplicaSync,
-    check_layout,
-    data_parallel_problem,
-    make_layout,
-    replica_sample,
     resolve_data_parallel,
     take_shard,
 )
-from autopipe.distributed.setup import (
-    agree,
-    agree_on_step,
-    batch_tensors,
-    check_arguments,
-    check_like_sample,
-    check_sizes,
-    fingerprint_settings,
-    setup_on_rank0,
-)
-from autopipe.distributed.stage import (
-    LossRecorder,
-    checkpoint_problem,
-    fingerprint,
-    merge_state_dicts,
-)
+from autopipe.distributed.setup import agree_on_step, batch_tensors, check_like_sample
+from autopipe.distributed.stage import LossRecorder, merge_state_dicts
 from autopipe.distributed.step_trace import StepRecorder, track_label
 from autopipe.distributed.tied import TiedGradients, make_tie_groups, shared_across_stages
-from autopipe.distributed.virtual import (
-    build_stages,
-    make_schedule,
-    stage_indices,
-    stage_states,
-    virtual_problem,
-)
-from autopipe.graph.meta import has_meta_state, rebind_state
-from autopipe.microbatching.batchnorm import resolve_deferred
-from autopipe.microbatching.batchnorm_units import defer_layers
+from autopipe.distributed.virtual import build_stages, make_schedule, stage_states
+from autopipe.microbatching.assembly import Assembly, assemble
+from autopipe.planning.pipeline_settings import PLAN_FIELDS, PipelineSettings, with_overrides
 from autopipe.planning.plans import Plan
 from autopipe.planning.trace_events import check_trace_path
-from profiler.precision import autocast_pass, check_autocast, current_autocast
+from profiler.precision import autocast_pass, current_autocast
 
 __all__: list[str] = []  # internal: DistributedPipeline is the public class
+
+
+# The settings a runner takes as keywords: planning's, but those it sets itself (the batch,
+# padding, colocation), and how the stages run.
+RUNNER_FIELDS = (PLAN_FIELDS - {"batch", "padded", "colocated"}) | {
+    "autocast",
+    "deferred_batch_norm",
+    "init",
+}
 
 
 class PipelineRunner:
     """This rank's stage of a planned pipeline: all of DistributedPipeline but ``from_search``.
 
     The ranks' calibration times steps of this class and the search calibrates, so the
-    search's constructor sits above both, in :class:`autopipe.distributed.DistributedPipeline`.
-
-    See :class:`autopipe.distributed.DistributedPipeline` for the arguments; two more let a
-    search hand over what it already did on every rank:
-
-    Args:
-        prepared: the model as :func:`autopipe.distributed.prepared.prepare_model` made it
-            from ``model`` and ``sample`` (default: made here).
-        plan_shared: ``plan`` is the same object on every rank (a search broadcast it), so
-            rank 0 sends only the boundary tensors' shapes, not the plan again.
+    search's constructor sits above both, in :class:`autopipe.distributed.DistributedPipeline`
+    (see there for the arguments). A search hands over what it already did on every rank
+    by setting :attr:`_handover` on the instance before calling ``__init__``: the model as
+    :func:`autopipe.distributed.prepared.prepare_model` made it, and that the given plan is
+    the same object on every rank (rank 0 then sends only the boundary tensors' shapes).
     """
+
+    _handover: tuple[Prepared, bool] | None = None
+    layout: ReplicaLayout  # the pipeline and replica groups, set by the build path
 
     def __init__(
         self,
         model: nn.Module,
         sample: Tensor | tuple[Tensor, ...],
+        settings: PipelineSettings | None = None,
         *,
         loss_fn: Callable[[Any, Any], Tensor],
-        chunks: int,
-        schedule: str = "1f1b",
         plan: Plan | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         profile: Any = None,
-        memory: Any = None,
-        plan_options: Mapping[str, Any] | None = None,
-        data_parallel: int | None = None,
-        virtual_stages: int = 1,
-        autocast: str | None = None,
-        checkpoint: str = "never",
-        deferred_batch_norm: bool | None = None,
-        init: Callable[[nn.Module], None] | None = None,
-        prepared: Prepared | None = None,
-        plan_shared: bool = False,
+        **overrides: Any,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "DistributedPipeline needs an initialised process group: call "
                 "autopipe.distributed.init_distributed() (or init_process_group) first"
             )
+        # plan_options: the settings planning reads, as older callers pass them.
+        extra = dict(overrides.pop("plan_options", None) or {})
+        settings = with_overrides(settings, overrides, "DistributedPipeline", RUNNER_FIELDS)
+        settings = with_overrides(settings, extra, "DistributedPipeline (plan_options)")
+        settings = settings.resolved(distributed=True)
         self.group = group
         self.rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         # Before K is known (it needs D agreed) the rank stands for the stage in messages.
         self.stage_index, self.num_stages, self.replica_index = self.rank, world, 0
-        self.data_parallel: int = resolve_data_parallel(data_parallel, plan, world)
+        given_d = settings.data_parallel
+        self.data_parallel: int = resolve_data_parallel(given_d, plan, world)
         self.device = torch.device(device) if device is not None else rank_device(group)
-        self.chunks = chunks
-        self.schedule_name = schedule
-        self.virtual_stages = virtual_stages
-        self.autocast = autocast
+        self.chunks: int = settings.chunks  # type: ignore[assignment]  # checked on every rank
+        self.schedule_name = str(settings.schedule)
+        self.virtual_stages = settings.virtual_stages
+        self.autocast = settings.autocast
         self.stage_indices: list[int] = []
         self.batch_size = 0
         self._steps = 0
         self._broken = False
-        self._deferred, warning = False, None
-        self._meta = has_meta_state(model)
-        # Exchange what must agree before anything can hang on a disagreement; a rank with
-        # bad arguments still joins, so that every rank raises instead of waiting.
-        try:
-            self._model = prepared if prepared is not None else prepare_model(model, sample)
-            layers = OrderedDict(self._model.sequential.named_children())
-            sample = self._model.sample
-            problem = check_arguments(layers, sample, chunks, schedule, loss_fn, plan)
-            problem = problem or data_parallel_problem(self.data_parallel)
-            problem = problem or virtual_problem(virtual_stages)
-            problem = problem or checkpoint_problem(checkpoint)
-            problem = problem or init_problem(model, self._meta, init)
-            check_autocast(autocast)
-            if not problem:
-                self._deferred, warning = resolve_deferred(
-                    deferred_batch_norm, model, chunks, self.data_parallel
-                )
-            if self._deferred:  # the stages run these; the model is left as it is
-                layers = defer_layers(layers, model)
-        except ValueError as exc:
-            layers, problem = OrderedDict(), str(exc)
-        settings = {} if problem else fingerprint_settings(sample, chunks, schedule, plan, profile)
-        settings["data_parallel"] = self.data_parallel
-        settings["virtual_stages"] = virtual_stages
-        settings["autocast"] = autocast
-        settings["checkpoint"] = checkpoint
-        settings["deferred_batch_norm"] = self._deferred
-        settings["meta device"] = self._meta  # the ties' broadcast needs every rank alike
-        agree(self.rank, world, problem, fingerprint(layers, **settings) if not problem else {})
-        if warning:  # at the call of DistributedPipeline, a subclass
-            warnings.warn(warning, stacklevel=3)
-        d, v = self.data_parallel, virtual_stages
-        k = check_layout(world, d, data_parallel, plan)
-        check_sizes(k, len(layers), plan, schedule, chunks, data_parallel=d, virtual_stages=v)
-        # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
-        self.batch_size, sample = replica_sample(sample, d, chunks, plan)
-        self._padding = MicroBatchPadding(self.batch_size, chunks)
-        self.layout = layout = make_layout(group, d, self.device)
-        self.stage_index, self.num_stages, self.replica_index = layout.stage, k, layout.replica
-        replicas = {"data_parallel": d, "batch": d * self.batch_size} if d > 1 else {}
-        options = {"chunks": chunks, "schedule": schedule, "memory": memory, **replicas}
-        options["checkpoint"] = checkpoint
-        if v > 1:
-            options["virtual_stages"] = v
-        if self.batch_size % chunks:  # uneven micro-batches run padded to the largest
-            options["padded"] = True
-        options.update(plan_options or {})
-        sequential, written = self._model.sequential, self._model.written
-
-        def make() -> tuple[dict[str, Any] | None, list[Any]]:
-            made, specs = setup_on_rank0(
-                sequential,
-                sample,
-                k * v,
-                self.device,
-                plan,
-                profile,
-                options,
-                autocast,
-                k,
-                written,
-                owner=self._model.owner,
-            )
-            # A plan every rank already holds needs no second trip; a given one does, as
-            # the ranks agreed only on its balance.
-            return (None if plan_shared else made.to_dict()), specs
-
-        what, failed = "receive the plan from rank 0", "rank 0 could not plan the pipeline"
-        planned, specs = share_from_rank0(make, group, what=what, failed=failed)
-        if planned is None:
-            assert plan is not None  # plan_shared: the plan every rank was given
-            self.plan = plan
-        else:
-            self.plan = Plan.from_dict(planned)
-        self._build(layers, sample, specs, loss_fn, model, init)
+        prepared, plan_shared = self._handover or (None, False)
+        given = RankInputs(model, sample, loss_fn, plan, profile, given_d, prepared, plan_shared)
+        settings = dataclasses.replace(settings, data_parallel=self.data_parallel)
+        steps = RankSteps(self, given, settings)
+        built = assemble(model, settings, steps)
+        if built.warning:  # at the call of DistributedPipeline
+            warnings.warn(built.warning, stacklevel=2)
+        assert steps.prepared is not None and steps.padding is not None
+        self._model, self._padding, self._meta = steps.prepared, steps.padding, steps.meta
+        self.plan = built.plan
+        self._build(built, steps.sample, steps.specs, loss_fn, model)
 
     def _build(
-        self,
-        layers: OrderedDict[str, nn.Module],
-        sample: Any,
-        specs: list[Any],
-        loss_fn: Any,
-        model: nn.Module,
-        init: Callable[[nn.Module], None] | None = None,
+        self, built: Assembly, sample: Any, specs: list[Any], loss_fn: Any, model: nn.Module
     ) -> None:
         k, micro = self.num_stages, self._padding.rows
-        self.stage_indices = stage_indices(self.stage_index, k, self.virtual_stages)
-        if self._meta:  # this rank's stages only: no rank holds the whole model
-            problem = None
-            try:
-                units = list(layers.values())
-                materialize_stages(
-                    model, units, self.plan.balance, self.stage_indices, self.device, init
-                )
-                for unit in self._model.sequential:  # the deferred views' originals
-                    rebind_state(unit, model)
-            except ValueError as exc:
-                problem = str(exc)
-            # A stage that cannot be initialized is refused on every rank, none waiting.
-            agree(self.rank, dist.get_world_size(self.group), problem, {})
+        self.stage_indices = list(built.stage_devices)
+        layers = built.layers.modules
         self.module, stages = build_stages(
             layers,
             self.plan,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -26,12 +26,13 @@ from autopipe.distributed.tied import shared_state, written_shared
 from autopipe.distributed.virtual import check_virtual
 from autopipe.planning.cut_rules import keep_together
 from autopipe.planning.names import ALL_SCHEDULES
+from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
 from autopipe.planning.planner import plan as make_plan
 from autopipe.planning.plans import Plan
 from profiler.measure import profile_model
 from profiler.profile import Profile
 
-__all__ = ["DEFAULT_TIMEOUT", "init_distributed"]
+__all__ = ["DEFAULT_TIMEOUT", "init_distributed"]  # the rest: internal to the runner
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -297,7 +298,7 @@ def check_sizes(
         )
 
 
-def _with_cached_calibration(profile: Profile, ranks: int, options: Mapping[str, Any]) -> Profile:
+def _with_cached_calibration(profile: Profile, ranks: int, settings: PipelineSettings) -> Profile:
     """A profile without a calibration of the runner, with this machine's cached one for
     the runtime the pipeline runs on (:mod:`autopipe.distributed.calibration_cache`), so
     the plan counts the runner's own costs; as it is without a cached one. The caller's
@@ -305,9 +306,7 @@ def _with_cached_calibration(profile: Profile, ranks: int, options: Mapping[str,
     found = profile.meta.get("calibration")
     if isinstance(found, dict) and "overhead_s" in found:  # calibrated for this run
         return profile
-    key = current_runtime_key(
-        ranks, str(options.get("schedule", "1f1b")), int(options.get("virtual_stages", 1))
-    )
+    key = current_runtime_key(ranks, str(settings.schedule or "1f1b"), settings.virtual_stages)
     cached = cached_runner_calibration(key)
     if cached is None:
         return profile
@@ -315,6 +314,90 @@ def _with_cached_calibration(profile: Profile, ranks: int, options: Mapping[str,
     calibrated.meta = dict(profile.meta)
     apply_runner_calibration(calibrated, cached)
     return calibrated
+
+
+def rank0_profile(
+    sequential: nn.Sequential,
+    sample: Tensor | tuple[Tensor, ...],
+    device: torch.device,
+    profile: Profile | Mapping[str, Any] | None,
+    settings: PipelineSettings,
+    owner: nn.Module | None = None,
+) -> Profile:
+    """The profile rank 0 plans from: the given one, checked, or the layers measured on
+    ``device`` under ``settings.autocast``, ``settings.chunks`` micro-batches of ``sample``
+    (one pipeline's mini-batch).
+
+    Raises:
+        ValueError: the profile does not fit the model or the autocast.
+    """
+    autocast = settings.autocast
+    if profile is None:
+        # The sample is the first layer's one argument: a tensor, or a tuple.
+        return profile_model(
+            sequential,
+            (sample,),
+            device=device,
+            chunks=settings.chunks,
+            autocast=autocast,
+            owner=owner if owner is not None else sequential,
+        )
+    if not isinstance(profile, Profile):
+        profile = Profile.from_dict(dict(profile))
+    if autocast is not None and profile.autocast != autocast:
+        raise ValueError(
+            f"the profile was made with autocast {profile.autocast or 'none'}, not {autocast}"
+        )
+    if len(profile.layers) != len(sequential):
+        raise ValueError(
+            f"the profile has {len(profile.layers)} layers but the model has {len(sequential)}"
+        )
+    return profile
+
+
+def rank0_plan(
+    profile: Profile,
+    num_stages: int,
+    ranks: int,
+    settings: PipelineSettings,
+    unsplit: Collection[str] = (),
+) -> Plan:
+    """Rank 0's plan of ``num_stages`` stages (K, or K·v) on ``ranks`` ranks per pipeline,
+    with this machine's cached calibration of the runner where the profile has none.
+
+    ``unsplit`` names the shared tensors whose users must stay on one stage (buffers each
+    rank would copy while some layer writes them, :func:`written_shared`): the planner
+    makes no cut between them (:func:`autopipe.planning.cut_rules.keep_together`).
+
+    Raises:
+        ValueError: no plan fits.
+    """
+    calibrated = _with_cached_calibration(profile, ranks, settings)
+    return make_plan(keep_together(calibrated, unsplit), num_stages, settings)
+
+
+def check_given_plan(plan: Plan, chunks: int, schedule: str) -> None:
+    """Warns when a given plan was made for other micro-batches or another schedule."""
+    if plan.chunks != chunks or plan.schedule != schedule:
+        warnings.warn(
+            f"the plan was made for chunks={plan.chunks}, schedule={plan.schedule!r} "
+            f"but runs with chunks={chunks}, schedule={schedule!r}; its predicted "
+            "costs do not apply",
+            stacklevel=4,
+        )
+
+
+def boundary_specs(
+    sequential: nn.Sequential,
+    sample: Tensor | tuple[Tensor, ...],
+    chunks: int,
+    autocast: str | None,
+) -> list[Any]:
+    """The specs of the tensors leaving every layer, for one micro-batch of ``sample``."""
+    tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
+    micro = tuple(t.tensor_split(chunks)[0] for t in tensors)
+    first = micro[0] if isinstance(sample, Tensor) else micro
+    return layer_output_specs(list(sequential), first, autocast)
 
 
 def setup_on_rank0(
@@ -330,7 +413,9 @@ def setup_on_rank0(
     written: frozenset[int] | None = None,
     owner: nn.Module | None = None,
 ) -> tuple[Plan, list[Any]]:
-    """Profiles (if needed), plans (if needed) and measures the boundary tensors.
+    """Profiles (if needed), plans (if needed) and measures the boundary tensors, as the
+    runner's build path does on rank 0 (:func:`rank0_profile`, :func:`rank0_plan`,
+    :func:`boundary_specs`).
 
     Args:
         sequential: the model.
@@ -339,10 +424,9 @@ def setup_on_rank0(
         device: where to profile.
         plan: the given plan, or ``None`` to plan.
         profile: the given profile, or ``None`` to profile the model on ``device``.
-        options: keyword arguments for :func:`autopipe.plan`; ``chunks`` and ``schedule``
-            are required (``data_parallel`` and ``batch``, the global batch, for replicas).
-        autocast: the autocast dtype the pipeline runs under: the profile's (made so, or
-            checked) and the boundary tensors' dtypes.
+        options: fields of :class:`PipelineSettings` to plan under; ``chunks`` and
+            ``schedule`` are required.
+        autocast: the autocast dtype the pipeline runs under.
         ranks: the ranks of one pipeline (K; default ``num_stages``).
         written: the buffers some layer may write (:attr:`Prepared.written`).
         owner: the model whose names the profile gives tied tensors (:attr:`Prepared.owner`).
@@ -354,45 +438,17 @@ def setup_on_rank0(
         ValueError: the profile does not fit the model or the autocast, no plan fits, or
             the plan puts the users of a buffer that may be written on two ranks.
     """
+    settings = with_overrides(None, {**options, "autocast": autocast}, "setup_on_rank0")
+    settings = settings.resolved(distributed=True)
     chunks, schedule = options["chunks"], options["schedule"]
     if plan is None:
-        if profile is None:
-            # The sample is the first layer's one argument: a tensor, or a tuple.
-            profile = profile_model(
-                sequential,
-                (sample,),
-                device=device,
-                chunks=chunks,
-                autocast=autocast,
-                owner=owner if owner is not None else sequential,
-            )
-        elif not isinstance(profile, Profile):
-            profile = Profile.from_dict(dict(profile))
-        if autocast is not None and profile.autocast != autocast:
-            raise ValueError(
-                f"the profile was made with autocast {profile.autocast or 'none'}, not {autocast}"
-            )
-        if len(profile.layers) != len(sequential):
-            raise ValueError(
-                f"the profile has {len(profile.layers)} layers but the model has {len(sequential)}"
-            )
-        profile = _with_cached_calibration(profile, ranks or num_stages, options)
+        found = rank0_profile(sequential, sample, device, profile, settings, owner)
         named = owner if owner is not None else sequential
-        profile = keep_together(profile, written_shared(list(sequential), written, named))
-        # Unless asked for, the stages keep every activation (no re-computation).
-        options = {"checkpoint": "never", **options}
-        plan = make_plan(profile, num_stages, **options)
-    elif plan.chunks != chunks or plan.schedule != schedule:
-        warnings.warn(
-            f"the plan was made for chunks={plan.chunks}, schedule={plan.schedule!r} "
-            f"but runs with chunks={chunks}, schedule={schedule!r}; its predicted "
-            "costs do not apply",
-            stacklevel=3,
-        )
+        unsplit = written_shared(list(sequential), written, named)
+        plan = rank0_plan(found, num_stages, ranks or num_stages, settings, unsplit)
+    else:
+        check_given_plan(plan, chunks, schedule)
     shared = shared_state(list(sequential), plan.balance, ranks, written)
     if shared:
         raise ValueError(shared)
-    tensors = (sample,) if isinstance(sample, Tensor) else tuple(sample)
-    micro = tuple(t.tensor_split(chunks)[0] for t in tensors)
-    first = micro[0] if isinstance(sample, Tensor) else micro
-    return plan, layer_output_specs(list(sequential), first, autocast)
+    return plan, boundary_specs(sequential, sample, chunks, autocast)

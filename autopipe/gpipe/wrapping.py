@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from autopipe.gpipe.gpipe import GPipe
+from autopipe.gpipe.wrap_steps import WrapSteps
 from autopipe.gpipe.wrapped import WrappedPipeline
 from autopipe.graph.flat_io import FlatSpec
-from autopipe.graph.layout import Layout, layout_model, stage_of_units
-from autopipe.graph.meta import has_meta_state, materialize_units, unused_meta
-from autopipe.graph.sequential import SequentialModel, model_inputs, prepare, unit_sequential
-from autopipe.graph.shapes import DynamicSpec
-from autopipe.graph.sharing import check_placement, copied_written
-from autopipe.graph.units import GRANULARITIES
-from autopipe.microbatching.batchnorm import resolve_deferred
-from autopipe.microbatching.batchnorm_units import defer_layers
-from autopipe.planning.cut_rules import keep_together
-from autopipe.planning.plan_settings import MemorySpec
-from autopipe.planning.planner import default_chunks
-from autopipe.planning.planner import plan as make_plan
-from profiler.batch_sizes import default_batch_sizes, smallest_batch
+from autopipe.graph.meta import has_meta_state
+from autopipe.graph.sequential import model_inputs, prepare, unit_sequential
+from autopipe.microbatching.assembly import assemble
+from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
 from profiler.devices import stage_devices
-from profiler.measure import profile_layers
 from profiler.precision import check_autocast
 from profiler.profile import Profile
 
@@ -51,29 +40,6 @@ def _device_names(stages: int | None, devices: Sequence[Device] | None) -> list[
     return [str(device) for device in stage_devices(count)]
 
 
-def _too_few(model: nn.Module, layout: Layout, granularity: str, stages: int) -> str:
-    """Why the model has fewer units than stages, and the ways out that exist."""
-    count = len(layout.names)
-    text = (
-        f"the model has {count} unit{'s' if count != 1 else ''} at granularity "
-        f"{granularity!r} ({', '.join(layout.names)}), too few for {stages} stages; "
-        f"use at most {count} stage{'s' if count != 1 else ''}"
-    )
-    # Advise another granularity only where it gives enough units on this very trace.
-    others: dict[str, int] = {}
-    for other in GRANULARITIES:
-        if other != granularity:
-            with contextlib.suppress(ValueError):
-                others[other] = len(layout_model(model, layout.traced, other).names)
-    fits = [g for g, n in others.items() if n >= stages]
-    if fits:
-        best = max(fits, key=others.__getitem__)
-        return f"{text} or granularity={best!r} ({others[best]} units)"
-    if layout.merged:
-        return f"{text}; boundaries that cannot be cut were merged ({layout.merged[0]})"
-    return text
-
-
 def _batch_size(sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None) -> int:
     """Dim 0 of the first input tensor (tracing checks that all of them agree), else 1."""
     _, tensors = FlatSpec.of(model_inputs(sample, kwargs))
@@ -83,23 +49,13 @@ def _batch_size(sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None)
 def wrap(
     model: nn.Module,
     sample: tuple[Any, ...] | Tensor,
+    settings: PipelineSettings | None = None,
     *,
     kwargs: dict[str, Any] | None = None,
     stages: int | None = None,
     devices: Sequence[Device] | None = None,
-    chunks: int | None = None,
-    checkpoint: str = "except_last",
-    memory: MemorySpec = None,
-    strategy: str = "optimal",
     profile: Profile | None = None,
-    granularity: str = "blocks",
-    leaf_modules: Iterable[str | type[nn.Module]] = (),
-    method: str = "auto",
-    autocast: str | None = None,
-    dynamic: DynamicSpec | None = None,
-    deferred_batch_norm: bool | None = None,
-    replicate_shared: bool = False,
-    init: Callable[[nn.Module], None] | None = None,
+    **overrides: Any,
 ) -> WrappedPipeline:
     """Splits any model into balanced pipeline stages and returns it ready to train.
 
@@ -114,21 +70,28 @@ def wrap(
     training and evaluation mode when they differ (dropout, batch norm), so ``train()``
     and ``eval()`` work as usual.
 
+    The keywords after ``profile`` are fields of :class:`PipelineSettings`, laid over
+    ``settings``; any other is refused (``TypeError``). The pipeline runs GPipe's
+    fill-drain schedule, one stage per device and one replica.
+
     Args:
         model: the model; its parameters are moved to their stages' devices in place and
             shared with the returned module.
         sample: the positional inputs of one mini-batch (a tuple, or a single tensor).
+        settings: the settings to plan and build under (default: all defaults).
         kwargs: keyword inputs of the sample.
         stages: the number of stages (default: ``len(devices)``, or 2).
         devices: one device per stage (default: the GPUs round-robin, or the CPU for every
             stage; :func:`profiler.devices.stage_devices`).
+        profile: a profile of the units to plan with instead of measuring them.
         chunks: micro-batches per mini-batch (default: 4 per stage, each of at least 2
             samples where the batch allows, as ``autopipe plan`` chooses; see
             :func:`autopipe.planning.planner.default_chunks`).
-        checkpoint: ``always``, ``except_last`` or ``never``.
+        checkpoint: ``always``, ``except_last`` (default, as for every GPipe schedule:
+            :func:`autopipe.planning.pipeline_settings.default_checkpoint`) or ``never``.
         memory: device capacity for the planner (bytes, ``"16GiB"``, or one per device).
         strategy: the planner's strategy (``optimal``, ``uniform``, ...).
-        profile: a profile of the units to plan with instead of measuring them.
+        optimizer, bandwidth, overhead: as for :func:`autopipe.plan`.
         granularity: ``children``, ``blocks`` (default) or ``leaves``; see
             :func:`autopipe.graph.units.unit_paths`.
         leaf_modules: submodule names or classes torch.fx treats as opaque calls.
@@ -189,81 +152,48 @@ def wrap(
             (on several devices, or with ``replicate_shared``); the planner keeps them
             together whenever a split can.
     """
+    settings = with_overrides(settings, overrides, "wrap")
+    _check_gpipe(settings)
+    chunks = settings.chunks
     bad_chunks = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
     if chunks is not None and bad_chunks:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     names = _device_names(stages, devices)
-    if chunks is None:
-        chunks = default_chunks(len(names), _batch_size(sample, kwargs))
-    check_autocast(autocast)
-    meta = has_meta_state(model)
-    if init is not None and not meta:
+    settings = settings.resolved(len(names), _batch_size(sample, kwargs))
+    check_autocast(settings.autocast)
+    if settings.init is not None and not has_meta_state(model):
         raise ValueError(
             "init= initializes the tensors of a model built on the meta device, but the "
             "model has none on meta; initialize it before wrap(), or build it under "
             'torch.device("meta")'
         )
-    deferred, warning = resolve_deferred(deferred_batch_norm, model, chunks)
-    if warning:
-        warnings.warn(warning, stacklevel=2)
+    autocast = settings.autocast
     if profile is not None and autocast is not None and profile.autocast != autocast:
         raise ValueError(
             f"the profile was made with autocast {profile.autocast or 'none'}, not {autocast}"
         )
-    layout = prepare(
-        model,
-        sample,
-        kwargs=kwargs,
-        granularity=granularity,
-        leaf_modules=leaf_modules,
-        method=method,
-        dynamic=dynamic,
-    )
-    model_units = SequentialModel.of(layout)
-    units = model_units.units
-    if len(units) < len(names):
-        raise ValueError(_too_few(model, layout, granularity, len(names)))
-    if deferred:  # the units' own graphs are rewritten; the model is left as it is
-        defer_layers(OrderedDict(zip(model_units.names, units)), model)
-    if profile is None:
-        tensors = model_units.io.flatten(sample, kwargs, "sample")
-        # The sizes profile_layers and the command line pick (never a batch of one under
-        # a training BatchNorm), for the traced batch: the first flat input may not be it.
-        micro = -(-layout.traced[layout.primary].batch // chunks)
-        profile = profile_layers(
-            units,
-            tensors,
-            device=names[0],
-            chunks=chunks,
-            names=model_units.names,
-            batch_sizes=default_batch_sizes(micro, smallest_batch(units)),
-            autocast=autocast,
-            owner=model,  # names the tensors several units use by the model's names
-        )
-    # Profiles saved before units were named by their dotted module paths wrote "/".
-    elif [name.replace("/", ".") for name in profile.names] != model_units.names:
+    steps = WrapSteps(model, sample, kwargs, names, settings, profile)
+    built = assemble(model, settings, steps)
+    if built.warning:
+        warnings.warn(built.warning, stacklevel=2)
+    units = nn.Sequential(*built.layers.modules.values())
+    pipeline = GPipe.from_plan(units, built.plan, replicate_shared=settings.replicate_shared)
+    return WrappedPipeline(model, pipeline, built.plan, built.layers.io)
+
+
+def _check_gpipe(settings: PipelineSettings) -> None:
+    """Refuses settings that GPipe in one process does not run.
+
+    Raises:
+        ValueError: another schedule than ``gpipe``, virtual stages or replicas.
+    """
+    if settings.schedule not in (None, "gpipe"):
         raise ValueError(
-            f"the profile's layers {profile.names} are not the model's units {model_units.names}"
+            f"wrap() runs GPipe's schedule, not {settings.schedule!r}; leave out schedule= "
+            "or use autopipe.distributed.DistributedPipeline"
         )
-    # The users of a tensor written in place stay on one stage when stages would copy it.
-    copied = copied_written(model_units.shared, names, model_units.written, replicate_shared)
-    profile = keep_together(profile, copied)
-    plan = make_plan(
-        profile, names, chunks=chunks, memory=memory, checkpoint=checkpoint, strategy=strategy
-    )
-    check_placement(
-        model_units.shared,
-        stage_of_units(plan.balance),
-        names,
-        model_units.names,
-        written=model_units.written,
-        replicate=replicate_shared,
-    )
-    if meta:  # each stage's part, on its own device: the model never is on one
-        stage_of = stage_of_units(plan.balance)
-        held = [[u for u, s in zip(units, stage_of) if s == k] for k in range(len(names))]
-        extra = unused_meta(model, held)
-        for k, device in enumerate(plan.devices):
-            materialize_units(model, held[k], device.name, init, seed=k, extra=extra[k])
-    pipeline = GPipe.from_plan(nn.Sequential(*units), plan, replicate_shared=replicate_shared)
-    return WrappedPipeline(model, pipeline, plan, model_units.io)
+    if settings.virtual_stages != 1 or settings.data_parallel not in (None, 1):
+        raise ValueError(
+            "wrap() runs one pipeline with one stage per device; leave out virtual_stages= "
+            "and data_parallel=, or use autopipe.distributed.DistributedPipeline"
+        )

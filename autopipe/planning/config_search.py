@@ -38,7 +38,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from autopipe.errors import PlanningError
 from autopipe.planning.cost_model import CostModel
@@ -47,6 +48,7 @@ from autopipe.planning.interleaved_balance import pipeline_time
 from autopipe.planning.intervals import IntervalSolver
 from autopipe.planning.names import CHECKPOINT_MODES, SCHEDULES, SEARCH_CHECKPOINTS
 from autopipe.planning.optimizer_sharding import check_shard_optimizer, settle
+from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
 from autopipe.planning.plan_settings import check_profile
 from autopipe.planning.planner import describe, interleaved_balance
 from autopipe.planning.plans import Plan
@@ -58,7 +60,7 @@ from autopipe.planning.spans import split_fits, stage_bounds, stage_memory, stag
 from autopipe.planning.tolerances import SAME_TIME
 from profiler.profile import Profile
 
-__all__ = ["search"]
+__all__ = ["SEARCH_SETTINGS", "SearchOptions", "search"]
 
 
 @dataclass
@@ -96,28 +98,41 @@ def _check(devices: int, top: int, schedules: Sequence[str], checkpoints: Sequen
         raise ValueError("give at least one schedule and one checkpoint mode")
 
 
+@dataclass(frozen=True)
+class SearchOptions:
+    """What :func:`search` weighs besides the settings; see there for each field."""
+
+    schedules: Sequence[str] = SCHEDULES
+    checkpoints: Sequence[str] = SEARCH_CHECKPOINTS
+    top: int = 10
+    max_chunks: int | None = None
+    even: bool = False
+    virtual_stages: Sequence[int] = (1,)
+    shard_optimizer: bool | str = False
+
+
+# The settings the search reads; the rest (chunks, checkpoint, schedule, ...) it searches.
+SEARCH_SETTINGS = frozenset({"memory", "batch", "optimizer", "bandwidth", "allreduce_bandwidth"})
+_OPTIONS = frozenset(f.name for f in fields(SearchOptions))
+
+
 def search(
     profile: Profile,
     devices: int = 8,
-    *,
-    memory: int | str | None = None,
-    batch: int | None = None,
-    schedules: Sequence[str] = SCHEDULES,
-    checkpoints: Sequence[str] = SEARCH_CHECKPOINTS,
-    optimizer: str | float = "adam",
-    bandwidth: float | str | None = None,
-    allreduce_bandwidth: float | str | None = None,
-    top: int = 10,
-    max_chunks: int | None = None,
-    even: bool = False,
-    virtual_stages: Sequence[int] = (1,),
-    shard_optimizer: bool | str = False,
+    settings: PipelineSettings | None = None,
+    options: SearchOptions | None = None,
+    **overrides: Any,
 ) -> list[Plan]:
     """Ranks the pipeline × data-parallel configurations of ``devices`` identical devices.
+
+    The keywords below are laid over ``options`` (``schedules`` to ``shard_optimizer``)
+    and ``settings`` (the others); any other keyword is refused (``TypeError``).
 
     Args:
         profile: per-layer measurements.
         devices: devices available (N); a configuration uses K stages × D replicas <= N.
+        settings: the settings to read ``memory`` to ``allreduce_bandwidth`` from.
+        options: the search's own options, :class:`SearchOptions`.
         memory: capacity of each device (bytes or ``16GiB``-style; default unlimited).
         batch: samples per step across all replicas (default: the profile's batch size).
         schedules: pipeline schedules to consider.
@@ -157,6 +172,17 @@ def search(
         ValueError: invalid arguments.
     """
     check_profile(profile, "search")
+    if options is not None and not isinstance(options, SearchOptions):
+        raise TypeError(f"search() takes options=SearchOptions(...), got {type(options).__name__}")
+    mine = {k: v for k, v in overrides.items() if k in _OPTIONS}
+    opts = replace(options or SearchOptions(), **mine)
+    rest = {k: v for k, v in overrides.items() if k not in _OPTIONS}
+    accepted = SEARCH_SETTINGS | _OPTIONS
+    chosen = with_overrides(settings, rest, "search", accepted)
+    schedules, checkpoints, top = opts.schedules, opts.checkpoints, opts.top
+    max_chunks, even, virtual_stages = opts.max_chunks, opts.even, opts.virtual_stages
+    memory, batch, optimizer = chosen.memory, chosen.batch, chosen.optimizer
+    bandwidth, allreduce_bandwidth = chosen.bandwidth, chosen.allreduce_bandwidth
     _check(devices, top, schedules, checkpoints)
     total_batch = profile.batch_size if batch is None else batch
     if isinstance(total_batch, bool) or not isinstance(total_batch, int) or total_batch < 1:
@@ -165,7 +191,9 @@ def search(
         isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1
     ):
         raise ValueError(f"max_chunks must be a positive integer or None, got {max_chunks!r}")
-    shard = check_shard_optimizer(shard_optimizer)
+    shard = check_shard_optimizer(opts.shard_optimizer)
+    if memory is not None and not isinstance(memory, (int, float, str)):
+        raise ValueError(f"the search takes one memory size for every device, got {memory!r}")
     capacity = None if memory is None else parse_bytes(memory)
     space = Space(
         profile,

@@ -4,42 +4,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from os import PathLike
 
 from autopipe.planning.cost_model import CostModel
 from autopipe.planning.devices import DeviceSpec, make_devices
 from autopipe.planning.layer_costs import ProfileLines, optimizer_factor
+from autopipe.planning.pipeline_settings import MemorySpec, PipelineSettings
 from autopipe.planning.runner_figures import RunnerFigures
 from profiler.profile import Profile
 
-__all__ = ["MemorySpec"]
+__all__ = ["MemorySpec", "PlanSettings"]
 
-MemorySpec = int | str | Sequence[int | str | None] | None
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """Everything but the profile and the devices that :func:`autopipe.plan` plans under.
-
-    The fields are :func:`autopipe.plan`'s keyword arguments of the same names (see there);
-    :func:`build_model` checks them.
-    """
-
-    chunks: int | None = None
-    memory: MemorySpec = None
-    checkpoint: str = "except_last"
-    schedule: str = "gpipe"
-    optimizer: str | float = "adam"
-    bandwidth: float | str | None = None
-    data_parallel: int = 1
-    batch: int | None = None
-    allreduce_bandwidth: float | str | None = None
-    overhead: float | None = None
-    virtual_stages: int = 1
-    padded: bool = False
-    shard_optimizer: bool = False
-    colocated: bool = False
+# The settings of a plan are those of the pipeline it is made for.
+PlanSettings = PipelineSettings
 
 
 def check_profile(profile: object, caller: str) -> None:
@@ -82,9 +59,12 @@ def _replica_batch(profile: Profile, batch: int | None, data_parallel: int) -> i
 def build_model(
     profile: Profile,
     devices: int | Sequence[DeviceSpec | str],
-    settings: PlanSettings,
+    settings: PipelineSettings,
 ) -> CostModel:
     """The cost model :func:`autopipe.plan` optimizes for ``devices`` under ``settings``.
+
+    Settings left ``None`` are resolved by :meth:`PipelineSettings.resolved` (the
+    profile's micro-batch count, ``gpipe``, :func:`default_checkpoint`).
 
     Raises:
         ValueError: invalid settings.
@@ -104,23 +84,27 @@ def build_model(
         name=profile.device,
         latency=figures.latency,
     )
-    m = profile.chunks if settings.chunks is None else settings.chunks
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"chunks must be a positive integer, got {m!r}")
-    replica = _replica_batch(profile, settings.batch, settings.data_parallel)
-    micro = math.ceil(replica / m)
-    # A mini-batch smaller than M yields fewer, single-sample micro-batches.
-    effective = math.ceil(replica / micro)
     v = settings.virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+    d = 1 if settings.data_parallel is None else settings.data_parallel
+    settings = settings.resolved(
+        max(1, len(specs) // v), profile.batch_size, profile_chunks=profile.chunks
+    )
+    m = settings.chunks
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"chunks must be a positive integer, got {m!r}")
+    replica = _replica_batch(profile, settings.batch, d)
+    micro = math.ceil(replica / m)
+    # A mini-batch smaller than M yields fewer, single-sample micro-batches.
+    effective = math.ceil(replica / micro)
     if not isinstance(settings.padded, bool):  # "no" would read as True
         raise TypeError(f"padded must be True or False, got {settings.padded!r}")
     if not isinstance(settings.shard_optimizer, bool):
         raise TypeError(f"shard_optimizer must be True or False, got {settings.shard_optimizer!r}")
     if not isinstance(settings.colocated, bool):
         raise TypeError(f"colocated must be True or False, got {settings.colocated!r}")
-    alone = len(specs) // v * settings.data_parallel == 1
+    alone = len(specs) // v * d == 1
     lines = ProfileLines.from_profile(profile, alone)
     # Micro-batches of uneven size take the mean size's time in all, unless the runner pads
     # each to the largest.
@@ -129,10 +113,10 @@ def build_model(
         costs,
         specs,
         effective,
-        settings.checkpoint,
-        settings.schedule,
+        str(settings.checkpoint),
+        str(settings.schedule),
         optimizer_factor(settings.optimizer),
-        data_parallel=settings.data_parallel,
+        data_parallel=d,
         virtual_stages=v,
         shard_optimizer=settings.shard_optimizer,
         colocated=settings.colocated,

@@ -19,55 +19,44 @@ from autopipe.planning.exact import check_cuts, gpipe_step_time, memory_split, o
 from autopipe.planning.interleaved_balance import interleaved_split, pipeline_time
 from autopipe.planning.interleaving import rank_stages
 from autopipe.planning.names import STRATEGIES
-from autopipe.planning.plan_settings import MemorySpec, PlanSettings, build_model, check_profile
+from autopipe.planning.pipeline_settings import (
+    CHUNKS_PER_STAGE,
+    PLAN_FIELDS,
+    PipelineSettings,
+    default_chunks,
+    with_overrides,
+)
+from autopipe.planning.plan_settings import PlanSettings, build_model, check_profile
 from autopipe.planning.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.quantities import format_bytes
 from autopipe.planning.spans import overflows, stage_bounds
 from profiler.profile import Profile
 
-__all__ = ["CHUNKS_PER_STAGE", "default_chunks", "evaluate", "plan"]
-
-# GPipe's rule of thumb: M >= 4K micro-batches keeps the bubble under about 20%.
-CHUNKS_PER_STAGE = 4
-
-
-def default_chunks(stages: int, batch_size: int) -> int:
-    """The micro-batch count ``wrap`` and the command line use unless told: ``4 × stages``,
-    with at least two samples per micro-batch where the mini-batch has two (batch norm
-    cannot train on micro-batches of one sample)."""
-    return max(1, min(CHUNKS_PER_STAGE * stages, batch_size // 2))
+__all__ = ["CHUNKS_PER_STAGE", "default_chunks", "evaluate", "plan", "plan_model"]
 
 
 def plan(
     profile: Profile,
     devices: int | Sequence[DeviceSpec | str] = 2,
-    *,
-    chunks: int | None = None,
-    memory: MemorySpec = None,
-    checkpoint: str = "except_last",
-    schedule: str = "gpipe",
-    strategy: str = "optimal",
-    optimizer: str | float = "adam",
-    bandwidth: float | str | None = None,
-    data_parallel: int = 1,
-    batch: int | None = None,
-    allreduce_bandwidth: float | str | None = None,
-    overhead: float | None = None,
-    virtual_stages: int = 1,
-    padded: bool = False,
-    shard_optimizer: bool = False,
-    colocated: bool = False,
+    settings: PipelineSettings | None = None,
+    **overrides: Any,
 ) -> Plan:
     """Plans the pipeline with the smallest predicted step time that fits every device.
+
+    The keywords below are the fields of :class:`PipelineSettings` that planning reads,
+    laid over ``settings``; any other is refused (``TypeError``).
 
     Args:
         profile: per-layer measurements (see :func:`profiler.profile_model`).
         devices: the number of stages (identical devices named like the profile's), or one
             :class:`DeviceSpec` or device name per stage.
+        settings: the settings to plan under (default: all defaults).
         chunks: micro-batches per mini-batch of one replica (default: the profile's).
         memory: capacity for every device, or one per device (bytes or ``16GiB``-style).
-        checkpoint: ``always``, ``except_last`` (default), ``never``, or ``auto``: each
-            stage checkpoints only if it does not fit otherwise.
+        checkpoint: ``always``, ``except_last``, ``never``, or ``auto``: each stage
+            checkpoints only if it does not fit otherwise. Default: ``except_last``, or
+            ``never`` for virtual stages and ``zb``
+            (:func:`autopipe.planning.pipeline_settings.default_checkpoint`).
         schedule: ``gpipe`` (default) or ``1f1b``; sets how many micro-batches each stage
             holds.
         strategy: ``optimal`` (exact, default), or a peer's split computed as the peer
@@ -113,25 +102,22 @@ def plan(
         TypeError: ``profile`` is not a :class:`Profile` (e.g. a path: load it with
             :meth:`Profile.load`), or another argument is of the wrong kind.
     """
+    settings = with_overrides(settings, overrides, "plan", PLAN_FIELDS)
+    return plan_model(build_model(profile, devices, settings), profile, settings)
+
+
+def plan_model(model: CostModel, profile: Profile, settings: PipelineSettings) -> Plan:
+    """The plan :func:`plan` makes of a cost model already built from ``profile`` under
+    ``settings`` (:func:`autopipe.planning.plan_settings.build_model`), by
+    ``settings.strategy``: several strategies price one cost model so.
+
+    Raises:
+        PlanningError: as :func:`plan`.
+        ValueError: an unknown strategy.
+    """
+    strategy = settings.strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    settings = PlanSettings(
-        chunks=chunks,
-        memory=memory,
-        checkpoint=checkpoint,
-        schedule=schedule,
-        optimizer=optimizer,
-        bandwidth=bandwidth,
-        data_parallel=data_parallel,
-        batch=batch,
-        allreduce_bandwidth=allreduce_bandwidth,
-        overhead=overhead,
-        virtual_stages=virtual_stages,
-        padded=padded,
-        shard_optimizer=shard_optimizer,
-        colocated=colocated,
-    )
-    model = build_model(profile, devices, settings)
     if model.num_stages > model.num_layers:
         raise PlanningError(
             f"cannot split {model.num_layers} layers into {model.num_stages} non-empty stages; "
@@ -146,7 +132,7 @@ def plan(
         balance = optimal_split(model)
     else:
         balance = _peer_balance(model, profile, strategy)
-    result = describe(model, balance, profile, strategy, optimizer, batch=batch)
+    result = describe(model, balance, profile, strategy, settings.optimizer, batch=settings.batch)
     _check_fits(model, result, strategy)
     return result
 

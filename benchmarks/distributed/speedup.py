@@ -155,7 +155,7 @@ def worker(
     for label, (schedule, virtual) in SCHEDULES.items():
         pipe = DistributedPipeline(
             make_model(width), x, loss_fn=nn.functional.mse_loss, chunks=CHUNKS,
-            schedule=schedule, profile=profile, virtual_stages=virtual,
+            schedule=schedule, profile=profile, virtual_stages=virtual, checkpoint="never",
         )  # fmt: skip
         profile = Profile.from_dict(pipe.plan.profile)
         if calibrated is None:

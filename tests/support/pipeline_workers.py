@@ -143,7 +143,7 @@ def _uneven() -> dict[str, Any]:
     results: dict[str, Any] = {"sequential": train_twice(pipe, x, y)}
     # The plan times every micro-batch at the padded size, as they run.
     profile = Profile.from_dict(pipe.plan.profile)
-    same = {"chunks": CHUNKS, "schedule": "1f1b", "checkpoint": "never"}
+    same = {"chunks": CHUNKS, "schedule": "1f1b", "checkpoint": pipe.plan.checkpoint}
     results["plan"] = [
         [stage.compute for stage in plan.stages]
         for plan in (

@@ -1,0 +1,211 @@
+"""A rank's part of the build path: arguments agreed by every rank, the plan made on rank 0.
+
+:func:`autopipe.microbatching.assembly.assemble` runs the steps in their order; here each
+is what one rank of :class:`autopipe.distributed.runner.PipelineRunner` does at it, with
+the collectives that keep the ranks together: every rank checks its arguments and the
+ranks compare them before anything can hang on a disagreement, rank 0 profiles, plans and
+measures the boundary tensors, and the ranks agree that each could initialize its stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopipe.distributed.collectives import share_from_rank0
+from autopipe.distributed.meta_stages import init_problem
+from autopipe.distributed.padding import MicroBatchPadding
+from autopipe.distributed.prepared import Prepared, prepare_model
+from autopipe.distributed.replicas import (
+    check_layout,
+    data_parallel_problem,
+    make_layout,
+    replica_sample,
+)
+from autopipe.distributed.setup import (
+    agree,
+    boundary_specs,
+    check_arguments,
+    check_given_plan,
+    check_sizes,
+    fingerprint_settings,
+    rank0_plan,
+    rank0_profile,
+)
+from autopipe.distributed.stage import checkpoint_problem, fingerprint
+from autopipe.distributed.tied import shared_state, written_shared
+from autopipe.distributed.virtual import stage_indices, virtual_problem
+from autopipe.graph.meta import has_meta_state
+from autopipe.microbatching.assembly import Layers
+from autopipe.planning.pipeline_settings import PipelineSettings
+from autopipe.planning.plans import Plan
+from profiler.precision import check_autocast
+from profiler.profile import Profile
+
+if TYPE_CHECKING:
+    from autopipe.distributed.runner import PipelineRunner
+
+__all__: list[str] = []  # internal to the distributed runner
+
+
+@dataclasses.dataclass
+class RankInputs:
+    """What a rank's constructor was given besides the settings.
+
+    Attributes:
+        model: the model.
+        sample: one mini-batch of the model's positional inputs.
+        loss_fn: the loss.
+        plan: a given plan, or ``None``.
+        profile: a given profile, or ``None``.
+        data_parallel: D as given (``None``: the plan's, or 1).
+        prepared: the model as a search already prepared it, or ``None``.
+        plan_shared: ``plan`` is the same object on every rank (a search broadcast it).
+    """
+
+    model: nn.Module
+    sample: Any
+    loss_fn: Any
+    plan: Plan | None
+    profile: Any
+    data_parallel: int | None
+    prepared: Prepared | None = None
+    plan_shared: bool = False
+
+
+class RankSteps:
+    """One rank's steps of the build path; they set the runner's layout as they learn it
+    (:attr:`PipelineRunner.layout`, its stage and replica, the batch per replica).
+
+    After :func:`autopipe.microbatching.assembly.assemble` has run them, :attr:`prepared`,
+    :attr:`sample` (replica 0's rows), :attr:`padding` and :attr:`specs` (the tensors
+    leaving every layer, for one micro-batch) are what the runner builds its stages with.
+    """
+
+    def __init__(self, runner: PipelineRunner, given: RankInputs, settings: PipelineSettings):
+        self.runner, self.inputs, self.settings = runner, given, settings
+        self.given: Plan | None = given.plan
+        self.prepared = given.prepared
+        self.sample: Any = given.sample
+        self.specs: list[Any] = []
+        self.padding: MicroBatchPadding | None = None
+        self.world = dist.get_world_size(runner.group)
+        self.meta = has_meta_state(given.model)
+
+    def layers(self) -> Layers:
+        inputs, settings, runner = self.inputs, self.settings, self.runner
+        self.prepared = self.prepared or prepare_model(inputs.model, inputs.sample)
+        layers = OrderedDict(self.prepared.sequential.named_children())
+        self.sample = self.prepared.sample
+        chunks, schedule = settings.chunks, settings.schedule
+        problem = check_arguments(layers, self.sample, chunks, schedule, inputs.loss_fn, self.given)
+        problem = problem or data_parallel_problem(runner.data_parallel)
+        problem = problem or virtual_problem(settings.virtual_stages)
+        problem = problem or checkpoint_problem(str(settings.checkpoint))
+        problem = problem or init_problem(inputs.model, self.meta, settings.init)
+        check_autocast(settings.autocast)
+        if problem:
+            raise ValueError(problem)
+        return Layers(layers, self.prepared, written=self.prepared.written)
+
+    def agree(self, layers: Layers | None, deferred: bool, error: Exception | None) -> None:
+        runner, settings, inputs = self.runner, self.settings, self.inputs
+        problem = None if error is None else str(error)
+        chunks, schedule = int(settings.chunks or 0), str(settings.schedule)
+        shown: dict[str, Any] = {}
+        if problem is None:
+            shown = fingerprint_settings(self.sample, chunks, schedule, self.given, inputs.profile)
+        shown["data_parallel"] = runner.data_parallel
+        shown["virtual_stages"] = settings.virtual_stages
+        shown["autocast"] = settings.autocast
+        shown["checkpoint"] = settings.checkpoint
+        shown["deferred_batch_norm"] = deferred
+        shown["meta device"] = self.meta  # the ties' broadcast needs every rank alike
+        modules = layers.modules if layers is not None and problem is None else {}
+        agree(runner.rank, self.world, problem, fingerprint(modules, **shown) if modules else {})
+        assert layers is not None  # agree raised otherwise
+        d, v = runner.data_parallel, settings.virtual_stages
+        k = check_layout(self.world, d, inputs.data_parallel, self.given)
+        check_sizes(k, len(layers.modules), self.given, schedule, chunks, data_parallel=d,
+                    virtual_stages=v)  # fmt: skip
+        # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
+        runner.batch_size, self.sample = replica_sample(self.sample, d, chunks, self.given)
+        self.padding = MicroBatchPadding(runner.batch_size, chunks)
+        runner.layout = layout = make_layout(runner.group, d, runner.device)
+        runner.stage_index, runner.num_stages = layout.stage, k
+        runner.replica_index = layout.replica
+        batch = runner.batch_size
+        self.settings = dataclasses.replace(
+            settings,
+            data_parallel=d,
+            batch=d * batch if d > 1 else None,
+            # Uneven micro-batches run padded to the largest.
+            padded=settings.padded or bool(batch % chunks),
+        )
+
+    def plan(self, layers: Layers, make: Callable[[], Plan]) -> Plan:
+        assert self.prepared is not None
+        sequential, sample = self.prepared.sequential, self.sample
+        chunks, autocast = int(self.settings.chunks or 1), self.settings.autocast
+
+        def on_rank0() -> tuple[dict[str, Any] | None, list[Any]]:
+            if self.given is not None:
+                check_given_plan(self.given, chunks, str(self.settings.schedule))
+            made = make()
+            specs = boundary_specs(sequential, sample, chunks, autocast)
+            # A plan every rank already holds needs no second trip; a given one does, as
+            # the ranks agreed only on its balance.
+            return (None if self.inputs.plan_shared else made.to_dict()), specs
+
+        what, failed = "receive the plan from rank 0", "rank 0 could not plan the pipeline"
+        group = self.runner.group
+        planned, self.specs = share_from_rank0(on_rank0, group, what=what, failed=failed)
+        if planned is None:
+            assert self.given is not None  # plan_shared: the plan every rank was given
+            return self.given
+        return Plan.from_dict(planned)
+
+    def profile(self, layers: Layers) -> Profile:
+        assert self.prepared is not None
+        prepared, runner = self.prepared, self.runner
+        # The model's own layers are measured, not their deferred views.
+        return rank0_profile(
+            prepared.sequential,
+            self.sample,
+            runner.device,
+            self.inputs.profile,
+            self.settings,
+            owner=prepared.owner,
+        )
+
+    def make_plan(self, layers: Layers, profile: Profile) -> Plan:
+        assert self.prepared is not None
+        runner, prepared = self.runner, self.prepared
+        stages = runner.num_stages * self.settings.virtual_stages
+        named = prepared.owner if prepared.owner is not None else prepared.sequential
+        unsplit = written_shared(list(prepared.sequential), layers.written, named)
+        return rank0_plan(profile, stages, runner.num_stages, self.settings, unsplit)
+
+    def check_placement(self, layers: Layers, plan: Plan) -> None:
+        assert self.prepared is not None
+        sequential = self.prepared.sequential
+        shared = shared_state(
+            list(sequential), plan.balance, self.runner.num_stages, layers.written
+        )
+        if shared:
+            raise ValueError(shared)
+
+    def stage_devices(self, plan: Plan) -> dict[int, str | torch.device]:
+        runner = self.runner
+        mine = stage_indices(runner.stage_index, runner.num_stages, self.settings.virtual_stages)
+        return {stage: runner.device for stage in mine}
+
+    def materialized(self, error: ValueError | None) -> None:
+        # A stage that cannot be initialized is refused on every rank, none waiting.
+        agree(self.runner.rank, self.world, None if error is None else str(error), {})
