@@ -25,8 +25,8 @@ from autopipe.planning.planner import evaluate, interleaved_balance
 from autopipe.planning.screening import Relaxation
 from autopipe.planning.spans import split_fits, stage_memory
 from profiler.profile import Profile, TiedState
-from tests.planning.test_search import exhaustive
 from tests.support.planning_cases import linear_profile, random_profile, splits
+from tests.support.planning_references import exhaustive
 
 
 def _with_unsplit(profile: Profile, spans: list[tuple[int, int]]) -> Profile:
