@@ -65,7 +65,7 @@ _HOMES = {
 
 # Modules under a short name: ``autopipe.timeline.trace(plan)``; ``autopipe.balance`` is
 # the package itself, loaded on first use like the names above.
-_MODULES = {"balance": "autopipe.balance", "timeline": "autopipe.planning.timeline"}
+_MODULES = {"balance": "autopipe.balance", "timeline": "autopipe.output.timeline"}
 
 
 def __getattr__(name: str) -> Any:

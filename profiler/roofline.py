@@ -109,7 +109,8 @@ def measure_peaks(
     The peaks are medians over repeated square matmuls (as large as the device needs, up
     to 8192 on a GPU and 2048 on a CPU); the bandwidth that of a copy past the caches,
     counting the bytes read and written. The result describes the device as the planner's
-    catalog does (``autopipe.planning.catalog.measured_device`` takes it). Prints nothing.
+    catalog does (``autopipe.planning.hardware.device_catalog.measured_device`` takes it). Prints
+    nothing.
 
     Args:
         device: the device, e.g. ``cpu`` or ``cuda:0``.

@@ -198,7 +198,7 @@ def _why_not_run(command: Command, earlier: list[Command]) -> str | None:
     if getattr(args, "ranks", None):
         return f"--ranks {args.ranks} starts processes: parsed only"
     if args.command == "bench" or (args.command == "calibrate" and args.model):
-        # tests/cli/test_bench.py and test_calibrate.py run them on small models.
+        # tests/cli/test_bench_command.py and test_calibrate.py run them on small models.
         return f"{args.command} times whole training steps (minutes here): parsed only"
     written = {file for other in earlier for file in _writes(_parse(other))}
     for file in _reads(args):

@@ -10,6 +10,6 @@ torchgpipe's function of that name, on the same strategy.
 from __future__ import annotations
 
 from autopipe.balance.balancers import balance_by_size, balance_by_time
-from autopipe.balance.measure import layer_sizes, layer_times, layerwise_sandbox
+from autopipe.balance.layer_measures import layer_sizes, layer_times, layerwise_sandbox
 
 __all__ = ["balance_by_size", "balance_by_time", "layer_sizes", "layer_times", "layerwise_sandbox"]

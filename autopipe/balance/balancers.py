@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopipe.balance import measure
-from autopipe.balance.measure import TensorOrTensors
+from autopipe.balance import layer_measures
+from autopipe.balance.layer_measures import TensorOrTensors
 from autopipe.planning import partition
 from profiler.devices import default_device, resolve_device
 from profiler.layer import storage_bytes
@@ -63,7 +63,7 @@ def balance_by_time(
         ValueError: a parameter already has a gradient, ``partitions`` is out of range, or
             the strategy is unknown.
     """
-    times = measure.layer_times(module, sample, timeout, _device(device))
+    times = layer_measures.layer_times(module, sample, timeout, _device(device))
     return _split(times, partitions, module, strategy)
 
 
@@ -107,5 +107,5 @@ def balance_by_size(
         ValueError: a parameter already has a gradient, an argument is out of range, or
             the strategy is unknown.
     """
-    sizes = measure.layer_sizes(module, input, chunks, param_scale, _device(device))
+    sizes = layer_measures.layer_sizes(module, input, chunks, param_scale, _device(device))
     return _split(sizes, partitions, module, strategy)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopipe.cli.inputs import Inputs, read_profile
 from autopipe.cli.options import default_device
-from autopipe.planning.quantities import format_bytes, format_time
+from autopipe.planning.model.quantities import format_bytes, format_time
 
 if TYPE_CHECKING:
     from profiler.profile import Profile

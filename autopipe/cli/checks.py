@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopipe.planning.quantities import format_bytes
+from autopipe.planning.model.quantities import format_bytes
 
 if TYPE_CHECKING:
     from torch import nn

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autopipe.planning.cost_model import optimizer_factor
-from autopipe.planning.quantities import parse_bytes, parse_rate
+from autopipe.planning.model.cost_model import optimizer_factor
+from autopipe.planning.model.quantities import parse_bytes, parse_rate
 from profiler.precision import check_autocast, check_dtype
 
 if TYPE_CHECKING:
-    from autopipe.planning.plans import Plan
+    from autopipe.planning.model.plans import Plan
     from profiler.profile import Profile
 
 __all__: list[str] = []  # internal to the command line
@@ -129,7 +129,7 @@ def check_writable(path: str, what: str) -> None:
 
 def _check_picture(path: str, what: str) -> None:
     """Fails early, before a long profile, when a picture cannot be drawn to ``path``."""
-    from autopipe.planning.timeline import check_picture_path, require_matplotlib
+    from autopipe.output.timeline import check_picture_path, require_matplotlib
 
     check_picture_path(path, what)
     check_writable(path, what)
@@ -149,7 +149,7 @@ def check_plan_outputs(args: argparse.Namespace) -> None:
     if args.compare:
         _check_picture(args.compare, "comparison")
     if getattr(args, "trace", None):
-        from autopipe.planning.trace_events import check_trace_path
+        from autopipe.output.trace_events import check_trace_path
 
         check_trace_path(args.trace)
 

@@ -9,13 +9,13 @@ from typing import Any, NoReturn
 
 from autopipe import __version__
 from autopipe.cli.arguments import add_measure_options, add_tracing_options, positive
-from autopipe.cli.bench import add_bench_parser
-from autopipe.cli.calibrate import calibrate_command
-from autopipe.cli.plan import plan_command
-from autopipe.cli.profile import profile_command
-from autopipe.cli.search import search_command
+from autopipe.cli.bench_command import add_bench_parser
+from autopipe.cli.calibrate_command import calibrate_command
+from autopipe.cli.plan_command import plan_command
+from autopipe.cli.profile_command import profile_command
+from autopipe.cli.search_command import search_command
 from autopipe.cli.target import add_target_options
-from autopipe.planning.names import ALL_SCHEDULES, CHECKPOINT_MODES, STRATEGIES
+from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES, STRATEGIES
 from autopipe.planning.planner import CHUNKS_PER_STAGE
 
 __all__: list[str] = []  # internal to the command line

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autopipe.distributed.calibration import calibrate_ranks
-from autopipe.distributed.pipeline import (
+from autopipe.distributed.distributed_pipeline import (
     SCHEDULES,
     DistributedPipeline,
     init_distributed,

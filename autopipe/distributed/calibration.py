@@ -25,7 +25,7 @@ from autopipe.distributed.collectives import rank_device, share_from_rank0
 from autopipe.distributed.replicas import all_reduce_mean
 from autopipe.distributed.runner import PipelineRunner
 from autopipe.microbatching.step_timing import median_seconds, tiny_stages
-from autopipe.planning.overhead_fit import overhead_per_clock, unit_clocks
+from autopipe.planning.model.overhead_fit import overhead_per_clock, unit_clocks
 from profiler.calibrate import store_calibration
 from profiler.devices import synchronize
 from profiler.fit import fit_linear

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopipe.distributed.distributed_pipeline import init_distributed
 from autopipe.distributed.local_ranks import (
     local_backend,
     report_to_launcher,
     run_on_local_ranks,
 )
-from autopipe.distributed.pipeline import init_distributed
 from profiler.calibrate import store_calibration
 from profiler.profile import Profile
 
@@ -152,7 +152,7 @@ def profile_on_local_ranks(
     """Each rank's layer times of the model, all ranks profiling at once.
 
     Args:
-        build: what :func:`autopipe.distributed.bench.time_splits_on_ranks` takes: makes
+        build: what :func:`autopipe.distributed.rank_bench.time_splits_on_ranks` takes: makes
             the model's units and the mini-batch on every rank.
         ranks: the processes, set up as the bench's ranks (bound to their CPUs on gloo).
         chunks: micro-batches per step, which sets the profiled micro-batch sizes.

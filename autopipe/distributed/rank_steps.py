@@ -39,12 +39,12 @@ from autopipe.distributed.setup import (
     rank0_profile,
 )
 from autopipe.distributed.stage import checkpoint_problem, fingerprint
-from autopipe.distributed.tied import shared_state, written_shared
+from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.virtual import stage_indices, virtual_problem
 from autopipe.graph.meta import has_meta_state
 from autopipe.microbatching.assembly import Layers
+from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
-from autopipe.planning.plans import Plan
 from profiler.precision import check_autocast
 from profiler.profile import Profile
 

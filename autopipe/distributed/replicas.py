@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
 
 __all__: list[str] = []  # internal to the distributed runner
 

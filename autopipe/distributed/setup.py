@@ -22,13 +22,13 @@ from autopipe.distributed.calibration_cache import (
 from autopipe.distributed.collectives import collective
 from autopipe.distributed.padding import rows_mixing_layer
 from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
-from autopipe.distributed.tied import shared_state, written_shared
+from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.virtual import check_virtual
-from autopipe.planning.cut_rules import keep_together
-from autopipe.planning.names import ALL_SCHEDULES
+from autopipe.planning.model.cut_rules import keep_together
+from autopipe.planning.model.names import ALL_SCHEDULES
+from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
 from autopipe.planning.planner import plan as make_plan
-from autopipe.planning.plans import Plan
 from profiler.measure import profile_model
 from profiler.profile import Profile
 
@@ -367,7 +367,7 @@ def rank0_plan(
 
     ``unsplit`` names the shared tensors whose users must stay on one stage (buffers each
     rank would copy while some layer writes them, :func:`written_shared`): the planner
-    makes no cut between them (:func:`autopipe.planning.cut_rules.keep_together`).
+    makes no cut between them (:func:`autopipe.planning.model.cut_rules.keep_together`).
 
     Raises:
         ValueError: no plan fits.

@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from autopipe.microbatching.recomputation import checkpointing, recomputing
-from autopipe.planning.names import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
+from autopipe.planning.model.names import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from profiler.precision import autocast_pass
 
 __all__ = ["merge_state_dicts"]

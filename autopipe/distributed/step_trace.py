@@ -7,7 +7,7 @@ calls that post batches of sends and receives and wait for them, for the step on
 wrappers only read the clock (on CUDA after synchronizing the device, so that an action's
 end is its kernels'), so the step computes exactly what it computes untraced. The ranks
 start from a barrier, each counting from when it leaves it, and rank 0 writes one trace
-with one track per rank, named as :func:`autopipe.planning.trace_events.trace` names the
+with one track per rank, named as :func:`autopipe.output.trace_events.trace` names the
 predicted step: ``F s1 mb2``, ``B``, ``I`` and ``W`` (zero bubble's halves), ``loss``,
 then ``post`` for time spent posting sends and receives (gloo may block there until the
 peer is ready) and ``wait`` for time waiting for them. A backward includes the forward's
@@ -30,13 +30,13 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from autopipe.distributed.collectives import collective
-from autopipe.planning.plans import Plan
-from autopipe.planning.trace_events import (
+from autopipe.output.trace_events import (
     Track,
     stages_label,
     trace_document,
     write_trace_document,
 )
+from autopipe.planning.model.plans import Plan
 
 __all__: list[str] = []  # internal: DistributedPipeline.step(trace=...) records
 

@@ -9,7 +9,7 @@ inputs and which the targets is the same as without virtual stages.
 ``1f1b`` runs as torch's ``ScheduleInterleaved1F1B`` and ``gpipe`` as
 ``ScheduleLoopedBFS``. Rank 0 plans K·v stages with ``virtual_stages=v``: the split
 balances the K·v stages, and the plan predicts the interleaved step time and each stage's
-micro-batches in flight under these schedules (:mod:`autopipe.planning.interleaving`).
+micro-batches in flight under these schedules (:mod:`autopipe.planning.schedules.interleaving`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from autopipe.distributed.stage import StageModule, TensorSpec, example_tensors
-from autopipe.planning.interleaving import spared
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
+from autopipe.planning.schedules.interleaving import spared
 
 __all__ = ["SCHEDULES"]
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from autopipe.gpipe import GPipe
 from autopipe.microbatching.step_timing import median_seconds, tiny_stages
-from autopipe.planning.exact import gpipe_step_time
-from autopipe.planning.overhead_fit import overhead_per_clock, unit_clocks
+from autopipe.planning.model.overhead_fit import overhead_per_clock, unit_clocks
+from autopipe.planning.split.exact import gpipe_step_time
 from profiler.calibrate import measure_bandwidth, store_calibration
 from profiler.devices import gpu_count, stage_devices, synchronize
 from profiler.in_context import measure_compute_scale

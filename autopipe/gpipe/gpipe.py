@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autopipe.gpipe.fill_drain import Pipeline
 from autopipe.gpipe.microbatch import TensorOrTensors, check, gather, scatter
-from autopipe.gpipe.pipeline import Pipeline
-from autopipe.gpipe.tied import Replicas
+from autopipe.gpipe.tied_copies import Replicas
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
-from autopipe.planning.names import FIXED_CHECKPOINT_MODES
+from autopipe.planning.model.names import FIXED_CHECKPOINT_MODES
 from profiler.devices import resolve_device, stage_devices
 
 if TYPE_CHECKING:
-    from autopipe.planning.plans import Plan
+    from autopipe.planning.model.plans import Plan
 
 __all__ = ["GPipe", "verify_module"]
 

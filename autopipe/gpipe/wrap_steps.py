@@ -15,10 +15,10 @@ from autopipe.graph.sequential import SequentialModel, prepare
 from autopipe.graph.sharing import check_placement, copied_written
 from autopipe.graph.units import GRANULARITIES
 from autopipe.microbatching.assembly import Layers
-from autopipe.planning.cut_rules import keep_together
+from autopipe.planning.model.cut_rules import keep_together
+from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
 from autopipe.planning.planner import plan as make_plan
-from autopipe.planning.plans import Plan
 from profiler.batch_sizes import default_batch_sizes, smallest_batch
 from profiler.measure import profile_layers
 from profiler.profile import Profile

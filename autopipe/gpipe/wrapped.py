@@ -13,7 +13,7 @@ from autopipe.graph.tracing import PREFIX
 if TYPE_CHECKING:
     from autopipe.gpipe.gpipe import GPipe
     from autopipe.graph.sequential import ModelIO
-    from autopipe.planning.plans import Plan
+    from autopipe.planning.model.plans import Plan
 
 __all__ = ["WrappedPipeline"]
 

@@ -185,7 +185,7 @@ def copied_written(
     Stages on one device share a tensor; stages on different devices (any stages with
     ``replicate``) each read a copy, which must not be of a tensor written in place. The
     planner keeps the users of those returned on one stage
-    (:func:`autopipe.planning.cut_rules.keep_together`). With stages on several devices
+    (:func:`autopipe.planning.model.cut_rules.keep_together`). With stages on several devices
     every such tensor is returned, even where two of the stages share a device: the split
     is not known yet.
 

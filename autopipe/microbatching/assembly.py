@@ -21,8 +21,8 @@ from torch import nn
 from autopipe.graph.meta import has_meta_state, materialize_units, rebind_state, unused_meta
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
+from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
-from autopipe.planning.plans import Plan
 from profiler.profile import Profile
 
 __all__ = ["Assembly", "BuildSteps", "Layers", "assemble", "materialize_stages"]

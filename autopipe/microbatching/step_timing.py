@@ -1,8 +1,9 @@
 """Timed training steps, alike on both runners: the benchmark's loss and turns, and the tiny
 model and medians their calibrations time.
 
-The single-process GPipe (:mod:`autopipe.gpipe.bench`, :mod:`autopipe.gpipe.executor_calibration`)
-and the distributed runner (:mod:`autopipe.distributed.bench`,
+The single-process GPipe (:mod:`autopipe.gpipe.split_bench`,
+:mod:`autopipe.gpipe.executor_calibration`) and the distributed runner
+(:mod:`autopipe.distributed.rank_bench`,
 :mod:`autopipe.distributed.calibration`) time their own steps; what a step is, how the
 splits take turns and how repeats are summed is the same for both, so that their figures
 compare.

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from autopipe.planning.balance import partition
-from autopipe.planning.catalog import CatalogDevice, find_device, load_catalog
-from autopipe.planning.config_search import search
-from autopipe.planning.devices import DeviceSpec, make_devices
-from autopipe.planning.estimates import estimate_profile, fit_efficiency
-from autopipe.planning.interleaving import rank_order
+from autopipe.planning.configuration.config_search import search
+from autopipe.planning.hardware.device_catalog import CatalogDevice, find_device, load_catalog
+from autopipe.planning.hardware.estimates import estimate_profile, fit_efficiency
+from autopipe.planning.model.device_specs import DeviceSpec, make_devices
+from autopipe.planning.model.plans import Plan, StagePlan
 from autopipe.planning.planner import plan
-from autopipe.planning.plans import Plan, StagePlan
-from autopipe.planning.simulation import simulate
+from autopipe.planning.schedules.interleaving import rank_order
+from autopipe.planning.schedules.simulation import simulate
+from autopipe.planning.split.balance import partition
 
 __all__ = [
     "CatalogDevice",

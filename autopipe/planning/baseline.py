@@ -11,13 +11,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from autopipe.errors import PlanningError
-from autopipe.planning.cost_model import CostModel
-from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.names import STRATEGIES
+from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.names import STRATEGIES
+from autopipe.planning.model.plan_settings import build_model
+from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
-from autopipe.planning.plan_settings import build_model
 from autopipe.planning.planner import plan_model
-from autopipe.planning.plans import Plan
 from profiler.profile import Profile
 
 __all__ = ["PlanComparison", "baseline_strategy", "compare_plans", "profile_devices"]

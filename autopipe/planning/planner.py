@@ -10,15 +10,15 @@ from typing import Any
 import numpy as np
 
 from autopipe.errors import PlanningError
-from autopipe.planning.balance import baseline_balance
-from autopipe.planning.colocation import device_count, shared_step_time
-from autopipe.planning.cost_model import CostModel
-from autopipe.planning.cut_rules import crossing
-from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.exact import check_cuts, gpipe_step_time, memory_split, optimal_split
-from autopipe.planning.interleaved_balance import interleaved_split, pipeline_time
-from autopipe.planning.interleaving import rank_stages
-from autopipe.planning.names import STRATEGIES
+from autopipe.planning.model.colocation import device_count, shared_step_time
+from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.cut_rules import crossing
+from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.names import STRATEGIES
+from autopipe.planning.model.plan_settings import PlanSettings, build_model, check_profile
+from autopipe.planning.model.plans import Plan, StagePlan, TiedPlan
+from autopipe.planning.model.quantities import format_bytes
+from autopipe.planning.model.spans import overflows, stage_bounds
 from autopipe.planning.pipeline_settings import (
     CHUNKS_PER_STAGE,
     PLAN_FIELDS,
@@ -26,10 +26,10 @@ from autopipe.planning.pipeline_settings import (
     default_chunks,
     with_overrides,
 )
-from autopipe.planning.plan_settings import PlanSettings, build_model, check_profile
-from autopipe.planning.plans import Plan, StagePlan, TiedPlan
-from autopipe.planning.quantities import format_bytes
-from autopipe.planning.spans import overflows, stage_bounds
+from autopipe.planning.schedules.interleaving import rank_stages
+from autopipe.planning.split.balance import baseline_balance
+from autopipe.planning.split.exact import check_cuts, gpipe_step_time, memory_split, optimal_split
+from autopipe.planning.split.interleaved_balance import interleaved_split, pipeline_time
 from profiler.profile import Profile
 
 __all__ = ["CHUNKS_PER_STAGE", "default_chunks", "evaluate", "plan", "plan_model"]
@@ -76,21 +76,21 @@ def plan(
         overhead: executor seconds per stage and micro-batch (default: calibrated, else 0).
         virtual_stages: stages per rank (v): ``devices`` then counts K·v stages, stage s
             on rank ``s % K``, run by an interleaved schedule (see
-            :mod:`autopipe.planning.interleaving`). The ``optimal`` split then minimizes the
-            interleaved step time by a local search from the exact K·v-stage split
-            (:mod:`autopipe.planning.interleaved_balance`; exact only for v = 1), and each rank's
-            stages together must fit its device (the capacity of its first stage).
+            :mod:`autopipe.planning.schedules.interleaving`). The ``optimal`` split then minimizes
+            the interleaved step time by a local search from the exact K·v-stage split
+            (:mod:`autopipe.planning.split.interleaved_balance`; exact only for v = 1), and each
+            rank's stages together must fit its device (the capacity of its first stage).
         padded: every micro-batch runs at the size of the largest, ``ceil(batch / M)``
             rows (the distributed runner pads uneven ones), not their mean size.
         shard_optimizer: the D replicas shard each stage's optimizer state among them
             (ZeRO stage 1, DeepSpeed's stage 1 or Megatron-LM's distributed optimizer):
             a stage holds ``opt / D`` optimizer state bytes per parameter byte, not
             ``opt``; the step time is unchanged (reduce-scatter plus all-gather move what
-            the all-reduce moves, see :mod:`autopipe.planning.cost_model`). No effect with
+            the all-reduce moves, see :mod:`autopipe.planning.model.cost_model`). No effect with
             ``data_parallel=1``.
         colocated: the stages run in one process (the single-process GPipe), so stages
             on devices of the same name share that device and take turns on it
-            (:mod:`autopipe.planning.colocation`): the step is at least M times their
+            (:mod:`autopipe.planning.model.colocation`): the step is at least M times their
             summed cost, and with every stage on one device the ``optimal`` split is the
             one whose largest stage needs the least memory (every split takes the same
             time there). Default: every stage on a device of its own (ranks).
@@ -108,7 +108,7 @@ def plan(
 
 def plan_model(model: CostModel, profile: Profile, settings: PipelineSettings) -> Plan:
     """The plan :func:`plan` makes of a cost model already built from ``profile`` under
-    ``settings`` (:func:`autopipe.planning.plan_settings.build_model`), by
+    ``settings`` (:func:`autopipe.planning.model.plan_settings.build_model`), by
     ``settings.strategy``: several strategies price one cost model so.
 
     Raises:
@@ -154,7 +154,7 @@ def _peer_balance(model: CostModel, profile: Profile, strategy: str) -> list[int
 
     Raises:
         PlanningError: the peer's split cuts between the users of a tensor that must stay
-            on one stage (:mod:`autopipe.planning.cut_rules`).
+            on one stage (:mod:`autopipe.planning.model.cut_rules`).
     """
     times = model.layers.forward + model.layers.backward
     costs: list[float] = [int(t * _MICROSECONDS) for t in times.tolist()]
@@ -184,7 +184,7 @@ def _replayed(model: CostModel) -> bool:
 
 def interleaved_balance(model: CostModel) -> list[int]:
     """The best split for virtual stages: a local search from the exact K·v-stage split
-    and the uniform one (:mod:`autopipe.planning.interleaved_balance`)."""
+    and the uniform one (:mod:`autopipe.planning.split.interleaved_balance`)."""
     starts = []
     with contextlib.suppress(PlanningError):  # no K·v-stage split fits: start elsewhere
         starts.append(optimal_split(model))

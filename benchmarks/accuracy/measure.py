@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
 from profiler.live_memory import SavedMemory
 
 __all__ = ["compare", "distinct", "interleaved_medians", "stage_memory", "state_bytes"]

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from autopipe import GPipe, search  # noqa: E402
 from autopipe.cli.model_file import load_sequential  # noqa: E402
 from autopipe.gpipe.executor_calibration import measure_overhead  # noqa: E402
-from autopipe.planning.plans import Plan  # noqa: E402
+from autopipe.planning.model.plans import Plan  # noqa: E402
 from benchmarks.accuracy.measure import (  # noqa: E402
     compare,
     distinct,

@@ -29,7 +29,7 @@ from autopipe import GPipe, search  # noqa: E402
 from autopipe.cli.model_file import load_sequential  # noqa: E402
 from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.distributed.calibration import calibrate_ranks, slowest_seconds  # noqa: E402
-from autopipe.planning.plans import Plan  # noqa: E402
+from autopipe.planning.model.plans import Plan  # noqa: E402
 from benchmarks.accuracy.measure import compare, distinct, stage_memory  # noqa: E402
 from benchmarks.processes import init_rank, spawn_ranks  # noqa: E402
 from profiler.profile import Profile  # noqa: E402

@@ -48,7 +48,8 @@ def peak_memory(p: Plan) -> float:
     """The plan's largest per-stage memory as the planner charges it, in bytes.
 
     That is parameters, gradients, optimizer state, buffers, boundary inputs, saved
-    activations and the transient peak (:class:`autopipe.planning.plans.StagePlan` ``memory``).
+    activations and the transient peak (:class:`autopipe.planning.model.plans.StagePlan`
+    ``memory``).
     """
     return max(s.memory for s in p.stages)
 

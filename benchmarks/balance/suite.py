@@ -28,7 +28,7 @@ import torch
 
 from autopipe import Plan, PlanningError, plan
 from autopipe.cli.model_file import as_sequential
-from autopipe.planning.timeline import checkpointed
+from autopipe.output.timeline import checkpointed
 from benchmarks.balance.memory_limit import MARGIN, MemoryLimit, choose_limit, peak_memory
 from benchmarks.balance.report import MEMORY_LABEL, noise_summary, render
 from benchmarks.balance.stage_timing import Job, StageTimer, Timing, as_tuple
@@ -140,7 +140,7 @@ def _row(
 
 def _draw(name: str, out: Path, bars: dict[str, Plan]) -> dict[str, str]:
     """Stage bars of every plan and the optimal plan's timeline; none without matplotlib."""
-    from autopipe.planning.timeline import draw_stage_bars, draw_timeline
+    from autopipe.output.timeline import draw_stage_bars, draw_timeline
 
     pictures: dict[str, str] = {}
     try:

@@ -4,8 +4,8 @@ Two gloo ranks (one thread each, bound to their own CPUs) run 16 identical block
 Linear(W, W) + GELU as four stages, two per rank, with interleaved 1F1B and looped BFS
 (``schedule="gpipe"`` with virtual stages), M=8. Every split below gives each rank 8
 blocks, so the closed form ``M·max_r C_r + (Σc − max_r C_r)/v`` predicts them all alike;
-the replay of torch's order of operations (:mod:`autopipe.planning.schedule_replay`, what the
-planner uses) does not: a heavy stage early in the pipeline starves the stages after it.
+the replay of torch's order of operations (:mod:`autopipe.planning.schedules.schedule_replay`, what
+the planner uses) does not: a heavy stage early in the pipeline starves the stages after it.
 Both estimates come from the calibrated profile (``calibrate_ranks``: link, runner
 overhead, compute scales with both ranks busy), and are set against the measured step
 (median of rounds of back-to-back steps, every split once per round).
@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from autopipe.distributed import DistributedPipeline  # noqa: E402
 from autopipe.distributed.calibration import measure_runner_overhead, slowest_seconds  # noqa: E402
-from autopipe.planning.interleaving import step_time as closed_form  # noqa: E402
 from autopipe.planning.planner import evaluate  # noqa: E402
+from autopipe.planning.schedules.interleaving import step_time as closed_form  # noqa: E402
 from benchmarks.distributed.speedup import BLOCKS, CHUNKS, WORLD, calibrate, make_model  # noqa: E402
 from benchmarks.processes import (  # noqa: E402
     MALLOC,

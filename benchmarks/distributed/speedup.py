@@ -6,7 +6,7 @@ the 1F1B and GPipe schedules. Contenders, each timed over BURST back-to-back ste
 
 * pipeline: ``DistributedPipeline.step`` (the slower rank's time counts), for 1F1B, GPipe,
   interleaved 1F1B with two virtual stages per rank (four stages) and zero bubble (the
-  last two predicted by replaying their order, :mod:`autopipe.planning.schedule_replay`);
+  last two predicted by replaying their order, :mod:`autopipe.planning.schedules.schedule_replay`);
 * hand-made: a minimal 1F1B written with plain ``send``/``recv`` on the same stage modules,
   which shows what pipelining costs on this host whatever the implementation;
 * baseline: one process with one thread (rank 0 alone; rank 1 waits) running the same

@@ -7,7 +7,7 @@ into units):
 
 1. a profile is measured (real times, with counted FLOPs and bytes) and estimated from
    its counts with the default efficiencies and with efficiencies fitted to it
-   (``autopipe.planning.estimates``); the fit's error per layer is reported;
+   (``autopipe.planning.hardware.estimates``); the fit's error per layer is reported;
 2. K = 2 and 4 stages are planned from the measured, the fitted and the default profile;
    every distinct split is measured end to end: whole training steps (forward, loss,
    backward) of the GPipe executor with every stage on the CPU, all splits of a model
@@ -39,11 +39,11 @@ from torch import Tensor, nn
 
 from autopipe import GPipe, plan
 from autopipe.cli.model_file import as_sequential, load_split
-from autopipe.planning.catalog import CatalogDevice, measured_device
-from autopipe.planning.estimates import Efficiency, estimate_profile, fit_efficiency
+from autopipe.output.timeline import checkpointed
+from autopipe.planning.hardware.device_catalog import CatalogDevice, measured_device
+from autopipe.planning.hardware.estimates import Efficiency, estimate_profile, fit_efficiency
+from autopipe.planning.model.plans import Plan
 from autopipe.planning.planner import evaluate
-from autopipe.planning.plans import Plan
-from autopipe.planning.timeline import checkpointed
 from benchmarks.balance.stage_timing import StageTimer, as_tuple, summarize
 from benchmarks.models import ZOO
 from benchmarks.planning.estimates_report import draw, render

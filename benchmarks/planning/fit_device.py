@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autopipe.cli.model_file import load_split  # noqa: E402
-from autopipe.planning.catalog import CatalogDevice, find_device, measured_device  # noqa: E402
-from autopipe.planning.estimates import fit_efficiency  # noqa: E402
+from autopipe.planning.hardware.device_catalog import CatalogDevice, find_device, measured_device  # noqa: E402
+from autopipe.planning.hardware.estimates import fit_efficiency  # noqa: E402
 from profiler.measure import profile_model  # noqa: E402
 from profiler.profile import Profile  # noqa: E402
 

@@ -2,10 +2,11 @@
 
 For random lognormal layer costs (mixed layers, and near-identical blocks), every split of L
 layers into K·v stages is evaluated two ways: the closed form
-``M·max_r C_r + (Σc − max_r C_r)/v`` (:func:`autopipe.planning.interleaving.step_time`) and the
-replay of torch's own order of operations (:mod:`autopipe.planning.schedule_replay`, what the
-planner uses). The tables give how far the closed form is from the replay on the splits
-it picks, and how much slower (replayed) its best split is than the replay's best.
+``M·max_r C_r + (Σc − max_r C_r)/v`` (:func:`autopipe.planning.schedules.interleaving.step_time`)
+and the replay of torch's own order of operations
+(:mod:`autopipe.planning.schedules.schedule_replay`, what the planner uses). The tables give how far
+the closed form is from the replay on the splits it picks, and how much slower (replayed) its best
+split is than the replay's best.
 
 Run: ``python -m benchmarks.planning.interleaved [--profiles N]``. Prints the table and saves
 ``benchmarks/results/interleaved.{json,md}``.
@@ -24,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from autopipe.planning.cost_model import CostModel
-from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.interleaved_balance import every_split
-from autopipe.planning.interleaving import step_times
-from autopipe.planning.layer_costs import LayerCosts
-from autopipe.planning.schedule_replay import makespans
+from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.layer_costs import LayerCosts
+from autopipe.planning.schedules.interleaving import step_times
+from autopipe.planning.schedules.schedule_replay import makespans
+from autopipe.planning.split.interleaved_balance import every_split
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # (K, v, M, schedule): M a multiple of interleaved 1F1B's rounds.

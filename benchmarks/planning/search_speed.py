@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autopipe.planning.config_search import search
+from autopipe.planning.configuration.config_search import search
 from profiler.profile import LayerProfile, Profile
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

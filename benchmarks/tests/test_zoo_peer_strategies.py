@@ -1,5 +1,5 @@
 """The peer strategies on the benchmark zoo's units, against the peers' own packages
-(tests/planning/test_peer_strategies.py checks them on random costs; the zoo lives with the
+(tests/planning/split/test_peer_strategies.py checks them on random costs; the zoo lives with the
 benchmarks, which tests/ does not import)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 import autopipe
 from autopipe.errors import PlanningError
-from tests.planning.test_peer_strategies import (
+from tests.planning.split.test_peer_strategies import (
     _check_blockpartition,
     _deepspeed_counts,
     _package,
@@ -104,7 +104,7 @@ def test_zoo_blockpartition_is_torchgpipes(
 def test_zoo_torchtitan_is_torchtitans(
     zoo: dict[str, tuple[Any, Any]], titan: Callable[..., Any]
 ) -> None:
-    from autopipe.planning.titan_split import has_titan_shape
+    from autopipe.planning.split.titan_split import has_titan_shape
 
     decoders = {"gpt2", "llama_untied"}
     for name, (_, profile) in zoo.items():

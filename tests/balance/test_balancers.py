@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.balance import balance_by_size, balance_by_time, blockpartition, measure
+from autopipe.balance import balance_by_size, balance_by_time, blockpartition, layer_measures
 
 
 def _model() -> nn.Sequential:
@@ -22,13 +22,13 @@ def _model() -> nn.Sequential:
 def _recording(monkeypatch: pytest.MonkeyPatch, name: str) -> list[list[float]]:
     """Wraps measure.<name> so that the test sees the costs the balancer measured."""
     seen: list[list[float]] = []
-    original = getattr(measure, name)
+    original = getattr(layer_measures, name)
 
     def wrapper(*args: Any) -> list[float]:
         seen.append(original(*args))
         return seen[-1]
 
-    monkeypatch.setattr(measure, name, wrapper)
+    monkeypatch.setattr(layer_measures, name, wrapper)
     return seen
 
 
@@ -48,7 +48,7 @@ def test_balance_by_size_is_the_exact_split_of_its_measured_sizes(monkeypatch):
 
 def test_layer_sizes_count_activations_per_micro_batch_and_scaled_parameters():
     layer = nn.Linear(4, 8)  # saves its input (not counted); its output is 8 float32
-    sizes = measure.layer_sizes(
+    sizes = layer_measures.layer_sizes(
         nn.Sequential(layer), torch.rand(16, 4), 2, 3.0, torch.device("cpu")
     )
     params = (4 * 8 + 8) * 4
@@ -70,7 +70,7 @@ def test_blockpartition_strategy_equals_torchgpipes_balance_by_time(monkeypatch,
     tg_balance = pytest.importorskip("torchgpipe.balance")
     partitions = 2
     model = nn.Sequential(*[nn.Identity() for _ in costs])
-    monkeypatch.setattr(measure, "layer_times", lambda *args: [float(c) for c in costs])
+    monkeypatch.setattr(layer_measures, "layer_times", lambda *args: [float(c) for c in costs])
     monkeypatch.setattr(tg_balance, "profile_times", lambda *args: list(costs))
     ours = balance_by_time(
         partitions, model, torch.rand(1), device="cpu", strategy="blockpartition"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from autopipe.cli import entry
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
 from profiler.profile import Profile
 from tests.support.cli_support import (
     FAST,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
 from tests.support.cli_support import assert_error, run
 from tests.support.planning_cases import linear_profile
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
 from tests.support.cli_support import FAST, MLP, assert_error, run
 
 META_MODEL = """import torch

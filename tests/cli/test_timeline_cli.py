@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from autopipe.cli import inputs as cli
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
 from tests.support.cli_support import MLP, assert_error, run
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from autopipe.cli import inputs as cli
-from autopipe.planning.plans import Plan
-from autopipe.planning.trace_events import trace
+from autopipe.output.trace_events import trace
+from autopipe.planning.model.plans import Plan
 from tests.support.cli_support import MLP, assert_error, run
 
 

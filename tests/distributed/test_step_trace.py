@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from autopipe.planning.plans import Plan
-from autopipe.planning.trace_events import trace
+from autopipe.output.trace_events import trace
+from autopipe.planning.model.plans import Plan
 from tests.support.dist_models import CHUNKS
 from tests.support.trace_workers import CASES, launch
 

@@ -14,10 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from autopipe import GPipe
-from autopipe.gpipe.pipeline import clock_cycles
+from autopipe.gpipe.fill_drain import clock_cycles
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
-from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.plans import Plan
 from tests.support.gpipe_support import needs_cuda, worker_threads
 
 MODES = ["always", "except_last", "never"]
@@ -590,7 +590,7 @@ def test_per_partition_checkpoint_modes_match_sequential() -> None:
 
 
 def test_from_auto_plan_uses_each_stage_mode() -> None:
-    from autopipe.planning.plans import StagePlan
+    from autopipe.planning.model.plans import StagePlan
 
     plan = _plan()
     plan.checkpoint = "auto"

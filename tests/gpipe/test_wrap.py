@@ -15,7 +15,7 @@ from autopipe.gpipe import GPipe
 from autopipe.gpipe.wrapping import WrappedPipeline, prepare, wrap
 from autopipe.graph.stage_modules import UnitModule
 from autopipe.graph.tracing import TracingError
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
 from profiler.profile import Profile
 from tests.support.float64 import assert_close64, square_loss
 from tests.support.tuple_models import (

@@ -11,8 +11,8 @@ from torch import nn
 
 from autopipe import plan
 from autopipe.microbatching.assembly import Layers, assemble
+from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
-from autopipe.planning.plans import Plan
 from profiler.profile import Profile
 from tests.support.planning_cases import linear_profile
 

@@ -11,7 +11,7 @@ import pytest
 from autopipe import plan
 from autopipe.planning import baseline
 from autopipe.planning.baseline import baseline_strategy, compare_plans, profile_devices
-from autopipe.planning.names import STRATEGIES
+from autopipe.planning.model.names import STRATEGIES
 from autopipe.planning.pipeline_settings import PipelineSettings
 from autopipe.planning.planner import evaluate
 from tests.support.planning_cases import linear_profile, random_profile

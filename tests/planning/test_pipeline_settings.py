@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from autopipe import plan
-from autopipe.planning.config_search import SearchOptions, search
+from autopipe.planning.configuration.config_search import SearchOptions, search
 from autopipe.planning.pipeline_settings import (
     FIELDS,
     PipelineSettings,

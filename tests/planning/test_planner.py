@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe import DeviceSpec, PlanningError, plan
-from autopipe.planning.layer_costs import calibrated_figures
-from autopipe.planning.plan_settings import PlanSettings, build_model
+from autopipe.planning.model.layer_costs import calibrated_figures
+from autopipe.planning.model.plan_settings import PlanSettings, build_model
+from autopipe.planning.model.plans import PLAN_VERSION, Plan
 from autopipe.planning.planner import evaluate
-from autopipe.planning.plans import PLAN_VERSION, Plan
 from tests.support.planning_cases import linear_profile, random_profile, splits
 from tests.support.planning_references import check_against_brute_force
 from tests.support.planning_strategies import device_specs

@@ -181,7 +181,7 @@ def test_extrapolation_never_falls_with_the_batch() -> None:
 
 
 def test_planner_predicts_measured_sizes_exactly() -> None:
-    from autopipe.planning.layer_costs import ProfileLines
+    from autopipe.planning.model.layer_costs import ProfileLines
 
     profile = _hockey_stick()
     lines = ProfileLines.from_profile(profile)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.planning.plans import Plan
+from autopipe.planning.model.plans import Plan
 from tests.support.export_models import Llama
 from tests.support.paths import ROOT
 

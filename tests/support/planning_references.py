@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from autopipe import PlanningError, plan
-from autopipe.planning.cost_model import CostModel
-from autopipe.planning.devices import DeviceSpec
-from autopipe.planning.layer_costs import ProfileLines
+from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.layer_costs import ProfileLines
 from autopipe.planning.planner import evaluate
 from tests.support.planning_cases import random_profile, splits
 

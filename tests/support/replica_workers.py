@@ -83,7 +83,7 @@ def virtual(rank: int) -> dict[str, Any]:
     """Two virtual stages per rank (K·v stages), both schedules, and the checks of v."""
     from autopipe.distributed import DistributedPipeline
     from autopipe.planning.planner import evaluate
-    from autopipe.planning.simulation import makespan, simulate
+    from autopipe.planning.schedules.simulation import makespan, simulate
     from profiler.profile import Profile
 
     x, y = make_batch()

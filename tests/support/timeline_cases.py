@@ -7,9 +7,9 @@ from collections import defaultdict
 
 import pytest
 
+from autopipe.planning.model.plans import Plan
 from autopipe.planning.planner import evaluate
-from autopipe.planning.plans import Plan
-from autopipe.planning.simulation import Event, checkpointed
+from autopipe.planning.schedules.simulation import Event, checkpointed
 from tests.support.planning_cases import linear_profile
 
 CHECKPOINTS = ("always", "except_last", "never")

@@ -1,0 +1,181 @@
+"""Times whole training steps of several splits of one model on local ranks it launches.
+
+One process per stage joins a process group (gloo on the CPU, each rank bound to its own
+cores, :mod:`autopipe.distributed.cpu_binding`; nccl with one GPU per rank), builds the
+model itself (``build``, a picklable function) and runs every split as a
+:class:`autopipe.distributed.DistributedPipeline` of the given plan, the splits taking turns
+one step each. A step is forward and backward through the pipeline with the loss the mean
+of the output, then an SGD step of the rank's stage; its time is the slowest rank's, each
+rank timing from a common barrier. After the timed steps one untimed step per split counts
+the bytes each rank's stage saves for backward (:class:`profiler.live_memory.SavedMemory`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autopipe.distributed.distributed_pipeline import DistributedPipeline, init_distributed
+from autopipe.distributed.local_ranks import (
+    Progress,
+    local_backend,
+    report_to_launcher,
+    run_on_local_ranks,
+)
+from autopipe.microbatching.step_timing import check_steps, mean_output_loss, take_turns
+from autopipe.output.bench_summary import Measured
+from autopipe.planning.model.plans import Plan
+from profiler.devices import synchronize
+from profiler.live_memory import SavedMemory
+
+__all__ = ["time_splits_on_ranks"]
+
+Build = Callable[[], tuple[nn.Sequential, Tensor | tuple[Tensor, ...]]]
+
+
+def _loss(output: Any, target: Tensor) -> Tensor:
+    """The benchmark's loss, which takes no target (:func:`mean_output_loss`)."""
+    return mean_output_loss(output)
+
+
+def _batch(sample: Tensor | tuple[Tensor, ...]) -> int:
+    first = sample if isinstance(sample, Tensor) else sample[0]
+    return int(first.shape[0])
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    store: str,
+    build: Build,
+    plans: dict[str, Plan],
+    options: dict[str, Any],
+    messages: Any,
+) -> None:
+    """One rank: join the group, build every split, time the turns, count saved bytes."""
+    try:
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        backend = options["backend"]
+        device = init_distributed(
+            backend,
+            bind_cpus=backend == "gloo",
+            timeout=timedelta(seconds=options["timeout"]),
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+        )
+        torch.manual_seed(0)
+        layers, sample = build()
+        target = torch.zeros(_batch(sample))
+        splits = {}
+        for label, plan in plans.items():
+            pipe = DistributedPipeline(
+                copy.deepcopy(layers),
+                sample,
+                loss_fn=_loss,
+                chunks=plan.chunks,
+                schedule=plan.schedule,
+                plan=plan,
+                device=device,
+            )
+            optimizer = torch.optim.SGD(pipe.module.parameters(), lr=options["lr"])
+            splits[label] = (pipe, optimizer)
+
+        def step(label: str) -> float:
+            pipe, optimizer = splits[label]
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.step(sample, target)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(device)
+            slowest = torch.tensor([time.perf_counter() - start], device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            return float(slowest.item())
+
+        def report(done: int, total: int, label: str) -> None:
+            messages.put(("progress", done, total, label))
+
+        times = take_turns(
+            list(splits),
+            step,
+            steps=options["steps"],
+            warmup=options["warmup"],
+            progress=report if rank == 0 else None,
+        )
+        peaks = {}
+        for label, (pipe, _) in splits.items():
+            with SavedMemory.of_modules(pipe.module) as saved:
+                step(label)
+            peaks[label] = saved.peak
+        messages.put(("result", rank, {"times": times, "peaks": peaks}))
+        dist.destroy_process_group()
+    except BaseException as exc:  # reported to the launcher as one line
+        report_to_launcher(messages, rank, exc)
+
+
+def time_splits_on_ranks(
+    build: Build,
+    plans: Mapping[str, Plan],
+    *,
+    ranks: int,
+    steps: int,
+    warmup: int = 1,
+    lr: float = 1e-3,
+    timeout: float = 300.0,
+    cuda: bool | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Measured]:
+    """Times training steps of every plan's split on ``ranks`` local processes.
+
+    Args:
+        build: called on every rank (after pickling: a module-level function or a
+            ``functools.partial`` of one) to make the model's units and the mini-batch
+            every step trains on, as ``layers(*sample)`` takes it.
+        plans: the splits by label, each of ``ranks`` stages; each runs with its
+            balance, micro-batches, schedule and checkpointing.
+        ranks: the processes, one per stage.
+        steps: timed steps per split.
+        warmup: untimed steps per split first.
+        lr: the SGD learning rate.
+        timeout: seconds any rank waits on another before failing.
+        cuda: run on GPUs with nccl (one per rank), or on the CPU with gloo; default:
+            on GPUs when there are any.
+        progress: called with (steps done, steps in all, label) after every step.
+
+    Returns:
+        Per label, the timed steps' seconds (the slowest rank's) and each stage's peak
+        saved bytes.
+
+    Raises:
+        ValueError: a plan not of ``ranks`` stages, fewer than one step, or not enough GPUs.
+        RuntimeError: a rank failed; the message is its error.
+    """
+    check_steps(steps, warmup)
+    for label, plan in plans.items():
+        if plan.num_stages != ranks:
+            raise ValueError(
+                f"the {label} split has {plan.num_stages} stages, not one per rank of {ranks}"
+            )
+    options = {
+        "backend": local_backend(ranks, cuda),
+        "timeout": timeout,
+        "lr": lr,
+        "steps": steps,
+        "warmup": warmup,
+    }
+    results = run_on_local_ranks(_rank_main, (build, dict(plans), options), ranks, progress)
+    return {
+        label: Measured(
+            results[0]["times"][label], [results[r]["peaks"][label] for r in range(ranks)]
+        )
+        for label in plans
+    }

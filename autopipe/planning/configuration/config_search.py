@@ -1,0 +1,398 @@
+"""``search``: the fastest pipeline × data-parallel configuration of N devices.
+
+A configuration is K pipeline stages times D data-parallel replicas (``K·D <= N``), M
+micro-batches per replica (one M per distinct micro-batch size ``ceil(b/M)`` of the replica
+batch b), a checkpoint mode and a schedule. Its value is the least predicted step time
+(pipeline plus gradient all-reduce) of any split that fits memory: the objective of
+:func:`autopipe.planning.split.exact.optimal_split`, whose O(K·L·W) program is too slow to run on
+each of thousands of configurations. A best-first branch and bound ranks them instead, each
+configuration going through cheaper tiers first:
+
+1. an O(1) bound from sums and maxima of the layer costs
+   (``Σ + (M−1)·max(Σ/K, largest layer) + α·max(P/K, largest P)``) and a check that
+   parameters, activations and the largest layer can fit at all;
+2. the relaxed min-max partition of :mod:`autopipe.planning.split.screening` (greedy probes, O(K)
+each,
+   exact memory, smallest sends): a tighter bound and a split whose real step time is
+   checked; when the two agree the configuration is solved (always, without transfer
+   costs and with a fixed checkpoint mode);
+3. the interval solver of :mod:`autopipe.planning.split.intervals` (O(K·L·log L) passes): exact
+sends and
+   per-stage checkpointing; exact unless checkpointed boundary inputs make the memory
+   limits non-monotone, in which case it bounds;
+4. the dynamic program of :mod:`autopipe.planning.split.exact`, for what is still unresolved.
+
+With ``virtual_stages``, configurations of K·v interleaved stages (v > 1) are bounded by
+a device's share of the work (``max(Σc, M·Σc/K)``) and then planned as :func:`autopipe.plan`
+plans them (the replayed schedule, :mod:`autopipe.planning.split.interleaved_balance`).
+
+A configuration is expanded only while its bound is below the ``top``-th best step time
+found so far, so the returned ranking equals that of exhaustive :func:`autopipe.plan`
+calls (ties may pick another balance of the same step time).
+
+With ``shard_optimizer`` the replicas of each configuration shard its stages' optimizer
+state (ZeRO-1); ``"auto"`` searches that way and returns each plan unsharded where that
+loses nothing (:mod:`autopipe.planning.configuration.optimizer_sharding`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from autopipe.errors import PlanningError
+from autopipe.planning.configuration.optimizer_sharding import check_shard_optimizer, settle
+from autopipe.planning.configuration.search_notes import annotate, explain_infeasible
+from autopipe.planning.configuration.search_space import Config, Space, configurations
+from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.names import CHECKPOINT_MODES, SCHEDULES, SEARCH_CHECKPOINTS
+from autopipe.planning.model.plan_settings import check_profile
+from autopipe.planning.model.plans import Plan
+from autopipe.planning.model.quantities import parse_bytes
+from autopipe.planning.model.spans import split_fits, stage_bounds, stage_memory, stage_spans
+from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
+from autopipe.planning.planner import describe, interleaved_balance
+from autopipe.planning.split.exact import solve_split, split_value
+from autopipe.planning.split.interleaved_balance import pipeline_time
+from autopipe.planning.split.intervals import IntervalSolver
+from autopipe.planning.split.screening import Relaxation
+from autopipe.planning.split.tolerances import SAME_TIME
+from profiler.profile import Profile
+
+__all__ = ["SEARCH_SETTINGS", "SearchOptions", "search"]
+
+
+@dataclass
+class _Found:
+    value: float
+    balance: list[int]
+    model: CostModel
+    exact: bool
+
+
+def _check(devices: int, top: int, schedules: Sequence[str], checkpoints: Sequence[str]) -> None:
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a positive integer, got {top!r}")
+    for what, given in (("schedules", schedules), ("checkpoints", checkpoints)):
+        # A string is a sequence too: "gpipe" would be read as five schedules.
+        if isinstance(given, str) or not isinstance(given, Sequence):
+            hint = f"; pass [{given!r}]" if isinstance(given, str) else ""
+            raise TypeError(f"{what} must be a list of names, got {given!r}{hint}")
+    for schedule in schedules:
+        if schedule == "zb":
+            raise ValueError(
+                "the search weighs gpipe and 1f1b; plan zero bubble with "
+                "autopipe.plan(..., schedule='zb')"
+            )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(SCHEDULES)}")
+    for mode in checkpoints:
+        if mode not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"unknown checkpoint mode {mode!r}: choose {', '.join(CHECKPOINT_MODES)}"
+            )
+    if not schedules or not checkpoints:
+        raise ValueError("give at least one schedule and one checkpoint mode")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What :func:`search` weighs besides the settings; see there for each field."""
+
+    schedules: Sequence[str] = SCHEDULES
+    checkpoints: Sequence[str] = SEARCH_CHECKPOINTS
+    top: int = 10
+    max_chunks: int | None = None
+    even: bool = False
+    virtual_stages: Sequence[int] = (1,)
+    shard_optimizer: bool | str = False
+
+
+# The settings the search reads; the rest (chunks, checkpoint, schedule, ...) it searches.
+SEARCH_SETTINGS = frozenset({"memory", "batch", "optimizer", "bandwidth", "allreduce_bandwidth"})
+_OPTIONS = frozenset(f.name for f in fields(SearchOptions))
+
+
+def search(
+    profile: Profile,
+    devices: int = 8,
+    settings: PipelineSettings | None = None,
+    options: SearchOptions | None = None,
+    **overrides: Any,
+) -> list[Plan]:
+    """Ranks the pipeline × data-parallel configurations of ``devices`` identical devices.
+
+    The keywords below are laid over ``options`` (``schedules`` to ``shard_optimizer``)
+    and ``settings`` (the others); any other keyword is refused (``TypeError``).
+
+    Args:
+        profile: per-layer measurements.
+        devices: devices available (N); a configuration uses K stages × D replicas <= N.
+        settings: the settings to read ``memory`` to ``allreduce_bandwidth`` from.
+        options: the search's own options, :class:`SearchOptions`.
+        memory: capacity of each device (bytes or ``16GiB``-style; default unlimited).
+        batch: samples per step across all replicas (default: the profile's batch size).
+        schedules: pipeline schedules to consider.
+        checkpoints: checkpoint modes to consider (``never``, ``except_last``,
+            ``always``, ``auto``).
+        optimizer: optimizer whose state is counted, or state bytes per parameter byte.
+        bandwidth: link bandwidth between stages in bytes/s (or a rate such as
+            ``10GB/s``; default: the profile's calibrated bandwidth, else free).
+        allreduce_bandwidth: bytes/s of the gradient all-reduce (default: the profile's
+            calibrated one, else ``bandwidth``).
+        top: how many configurations to return.
+        max_chunks: the most micro-batches per replica (default ``max(32, 16·K)``).
+        even: only configurations whose replicas and micro-batches split the batch into
+            equal parts, as :class:`autopipe.distributed.DistributedPipeline` needs for
+            models with BatchNorm (it pads the micro-batches of other models).
+        virtual_stages: stages per device to consider (v): one stage per device is always
+            searched, and each v > 1 listed adds K·v stages run by torch's interleaved
+            schedules (1F1B: interleaved 1F1B; gpipe: looped BFS),
+            without checkpointing, each valued by the replayed schedule
+            (:mod:`autopipe.planning.split.interleaved_balance`) with the runner's calibrated
+            ``virtual_overhead_s`` when there is one.
+        shard_optimizer: ``True``: the D replicas of each configuration shard its stages'
+            optimizer state (ZeRO stage 1, DeepSpeed's stage 1 or Megatron-LM's
+            distributed optimizer; same step time, ``opt / D`` state bytes per parameter
+            byte). ``"auto"``: search so, then return each plan unsharded where it fits
+            unsharded as fast; a plan that stays sharded records it and notes why
+            (unsharded it does not fit, or is slower). ``False`` (default): no sharding.
+
+    Returns:
+        Up to ``top`` plans, fastest (highest throughput) first, each with its
+        ``data_parallel``, ``throughput`` and ``notes`` (for all but the best, why it is
+        slower than the best; for the best, what the search covered and which faster
+        configurations do not fit).
+
+    Raises:
+        PlanningError: no configuration fits; the message gives the closest one.
+        ValueError: invalid arguments.
+    """
+    check_profile(profile, "search")
+    if options is not None and not isinstance(options, SearchOptions):
+        raise TypeError(f"search() takes options=SearchOptions(...), got {type(options).__name__}")
+    mine = {k: v for k, v in overrides.items() if k in _OPTIONS}
+    opts = replace(options or SearchOptions(), **mine)
+    rest = {k: v for k, v in overrides.items() if k not in _OPTIONS}
+    accepted = SEARCH_SETTINGS | _OPTIONS
+    chosen = with_overrides(settings, rest, "search", accepted)
+    schedules, checkpoints, top = opts.schedules, opts.checkpoints, opts.top
+    max_chunks, even, virtual_stages = opts.max_chunks, opts.even, opts.virtual_stages
+    memory, batch, optimizer = chosen.memory, chosen.batch, chosen.optimizer
+    bandwidth, allreduce_bandwidth = chosen.bandwidth, chosen.allreduce_bandwidth
+    _check(devices, top, schedules, checkpoints)
+    total_batch = profile.batch_size if batch is None else batch
+    if isinstance(total_batch, bool) or not isinstance(total_batch, int) or total_batch < 1:
+        raise ValueError(f"batch must be a positive integer, got {total_batch!r}")
+    if max_chunks is not None and (
+        isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1
+    ):
+        raise ValueError(f"max_chunks must be a positive integer or None, got {max_chunks!r}")
+    shard = check_shard_optimizer(opts.shard_optimizer)
+    if memory is not None and not isinstance(memory, (int, float, str)):
+        raise ValueError(f"the search takes one memory size for every device, got {memory!r}")
+    capacity = None if memory is None else parse_bytes(memory)
+    space = Space(
+        profile,
+        capacity=capacity,
+        bandwidth=bandwidth,
+        allreduce_bandwidth=allreduce_bandwidth,
+        optimizer=optimizer,
+        shard_optimizer=shard is not False,
+    )
+    if isinstance(virtual_stages, int):
+        raise TypeError(
+            f"virtual_stages lists the stages per device to weigh, e.g. (1, {virtual_stages}), "
+            f"got {virtual_stages!r}"
+        )
+    if not virtual_stages or any(
+        isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in virtual_stages
+    ):
+        raise ValueError(f"virtual_stages must be positive integers, got {virtual_stages!r}")
+    configs = configurations(
+        devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even,
+        tuple(virtual_stages), shard is not False,
+    )  # fmt: skip
+    ranking = _Ranking(space, top, checkpoints)
+    ranking.run(configs)
+    ranked = _rank(ranking.found, checkpoints, schedules)[:top]
+    if not ranked:
+        raise PlanningError(explain_infeasible(space, configs, devices))
+    profile_dict = profile.to_dict()
+    settled = [settle(space, c, f.model, f.balance, shard == "auto") for c, f in ranked]
+    plans = [
+        describe(
+            s.model,
+            s.balance,
+            profile,
+            "optimal",
+            optimizer,
+            batch=total_batch,
+            record=profile_dict,
+        )
+        for s in settled
+    ]
+    ranking.infeasible.sort(key=lambda item: item[0])
+    annotate(plans, space, ranking.infeasible, ranking.stats, devices)
+    # On the best, and on a runner-up only where it shards otherwise than the best.
+    for result, s in zip(plans, settled, strict=True):
+        if s.note and (result is plans[0] or result.shard_optimizer != plans[0].shard_optimizer):
+            result.notes.append(s.note)
+    return plans
+
+
+class _Ranking:
+    """Best-first branch and bound over the configurations (see the module docstring)."""
+
+    def __init__(self, space: Space, top: int, checkpoints: Sequence[str]) -> None:
+        self.space, self.top, self.checkpoints = space, top, checkpoints
+        self.found: dict[Config, _Found] = {}
+        self.infeasible: list[tuple[float, Config]] = []
+        self.stats = {
+            "configurations": 0,
+            "relaxed": 0,
+            "intervals": 0,
+            "exact": 0,
+            "interleaved": 0,
+        }
+        self._relaxations: dict[Config, Relaxation] = {}
+
+    def threshold(self, exclude: Config | None = None) -> float:
+        """The ``top``-th best value known of configurations other than ``exclude``: one
+        that cannot beat it is out."""
+        others = (f.value for c, f in self.found.items() if c != exclude)
+        values = heapq.nsmallest(self.top, others)
+        return values[-1] if len(values) == self.top else math.inf
+
+    def record(self, config: Config, result: _Found) -> None:
+        if config.checkpoint == "auto" and result.exact:
+            model = result.model
+            spans = enumerate(stage_spans(result.balance))
+            modes = {model.stage_checkpoint(k, s, e) for k, (s, e) in spans}
+            if len(modes) == 1 and modes <= set(self.checkpoints):
+                self.found.pop(config, None)
+                return  # the same plan as the fixed mode's, which is searched too
+        self.found[config] = result
+
+    def run(self, configs: Sequence[Config]) -> None:
+        self.stats["configurations"] = len(configs)
+        queue: list[tuple[float, int, int, Config]] = []
+        for i, config in enumerate(configs):
+            bound, possible = self.space.bound(config)
+            if possible:
+                queue.append((bound, 1, i, config))
+            else:
+                self.infeasible.append((bound, config))
+        heapq.heapify(queue)
+        tiers = {1: self._relax, 2: self._intervals, 3: self._program}
+        while queue:
+            bound, tier, i, config = heapq.heappop(queue)
+            limit = self.threshold(exclude=config)
+            if bound >= limit * (1 - SAME_TIME):
+                break
+            if config.virtual > 1:
+                self._interleaved(config, bound)
+                continue
+            lower = tiers[tier](config, bound, limit)
+            if lower is not None:
+                heapq.heappush(queue, (max(lower, bound), tier + 1, i, config))
+
+    def _settle(
+        self,
+        config: Config,
+        bound: float,
+        limit: float,
+        model: CostModel,
+        found: tuple[float, list[int]] | None,
+    ) -> float | None:
+        """Records a tier's ``(lower bound, split)``; the bound to queue again with, if the
+        configuration is not settled yet."""
+        if found is None:
+            self.infeasible.append((bound, config))
+            self.found.pop(config, None)
+            return None
+        lower, balance = found
+        if split_fits(model, balance):
+            # Any split that fits is worth keeping: exact, or a bound from above.
+            value = split_value(model, balance)
+            exact = value <= lower * (1 + SAME_TIME)
+            known = self.found.get(config)
+            if known is None or exact or value < known.value:
+                self.record(config, _Found(value, balance, model, exact))
+            if exact:
+                return None
+        return lower if lower < limit * (1 - SAME_TIME) else None
+
+    def _relax(self, config: Config, bound: float, limit: float) -> float | None:
+        """Tier 2: the relaxed partition."""
+        self.stats["relaxed"] += 1
+        model = self.space.model(config)
+        relaxation = Relaxation(model, self.space.memory_ends)
+        lower = self._settle(config, bound, limit, model, relaxation.lower_bound(limit))
+        if lower is not None:
+            self._relaxations[config] = relaxation
+        return lower
+
+    def _intervals(self, config: Config, bound: float, limit: float) -> float | None:
+        """Tier 3: the interval solver, exact when the memory limits are monotone."""
+        self.stats["intervals"] += 1
+        relaxation = self._relaxations[config]
+        solver = IntervalSolver(relaxation, envelope=not relaxation.monotone)
+        lower = self._settle(config, bound, limit, relaxation.model, solver.solve(limit))
+        if lower is None:
+            del self._relaxations[config]
+        return lower
+
+    def _interleaved(self, config: Config, bound: float) -> None:
+        """Virtual stages: the planner's split of the replayed interleaved schedule."""
+        self.stats["interleaved"] += 1
+        model = self.space.model(config)
+        try:
+            balance = interleaved_balance(model)
+        except PlanningError:
+            self.infeasible.append((bound, config))
+            return
+        value = pipeline_time(model, balance) + _allreduce(model, balance)
+        value += model.tied_time(balance)
+        self.record(config, _Found(value, balance, model, True))
+
+    def _program(self, config: Config, bound: float, limit: float) -> None:
+        """Tier 4: the dynamic program of :mod:`autopipe.planning.split.exact`."""
+        self.stats["exact"] += 1
+        model = self._relaxations.pop(config).model
+        self._settle(config, bound, limit, model, solve_split(model, limit))
+
+
+def _allreduce(model: CostModel, balance: list[int]) -> float:
+    """The step's gradient all-reduce: the slowest stage's, as the plan charges it."""
+    bounds = stage_bounds(balance)
+    return max(float(model.allreduce_time(bounds[k], bounds[k + 1])) for k in range(len(balance)))
+
+
+def _rank(
+    found: dict[Config, _Found], checkpoints: Sequence[str], schedules: Sequence[str]
+) -> list[tuple[Config, _Found]]:
+    """Exact results, fastest first; ties go to fewer devices, then to less memory."""
+
+    def key(item: tuple[Config, _Found]) -> tuple[float, ...]:
+        config, result = item
+        return (
+            result.value,
+            config.stages * config.replicas,
+            _peak_memory(result),
+            checkpoints.index(config.checkpoint),
+            schedules.index(config.schedule),
+            config.virtual,
+            config.chunks,
+        )
+
+    return sorted(((c, f) for c, f in found.items() if f.exact), key=key)
+
+
+def _peak_memory(result: _Found) -> float:
+    return float(stage_memory(result.model, result.balance).max())

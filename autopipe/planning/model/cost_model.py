@@ -1,0 +1,484 @@
+"""The cost and memory model of a pipeline stage, vectorized over candidate stage bounds.
+
+A stage holding layers ``[s, e)`` on device ``k`` costs, per micro-batch::
+
+    c_k(s, e) = (F(s,e) · (1 + r) + B(s,e)) / speed_k + o + λ_k + out(e) / bandwidth_k
+
+where F and B sum the layers' forward and backward times, ``r`` is the fraction of
+micro-batches that are re-computed (checkpointed), ``o`` is the executor's fixed overhead
+per stage and micro-batch (calibrated, else 0), ``out(e)`` is the size of the boundary
+sent to the next stage and ``λ_k`` the link's fixed latency per message (both zero after
+the last stage). Its peak memory is::
+
+    m_k(s, e) = P(s,e) · (2 + opt) + Buf(s,e) + ck_k · in(s) + keep_k · S(s,e) + peak(s,e)
+
+with parameters P (plus gradients and ``opt`` optimizer state bytes per parameter byte,
+see :func:`optimizer_factor`; ``adam-mixed``: 6, float32 master weights and Adam state for
+2-byte parameters), buffers Buf, the stage's boundary input ``in(s)``, the
+saved-for-backward bytes S of one micro-batch and the largest transient peak of a layer.
+Of the ``n_k`` micro-batches in flight on stage k (GPipe: M; 1F1B: min(M, K−k); with
+virtual stages see :mod:`autopipe.planning.schedules.interleaving`), ``ck_k`` are checkpointed and
+keep only their input; the others keep all saved tensors, and a re-computation holds one
+micro-batch's saved tensors at a time (``keep_k = n_k − ck_k``, at least 1).
+
+Checkpoint mode ``auto`` decides per stage: a stage runs ``never`` if its memory fits, else
+``except_last``, so it checkpoints only when it must. (``always`` never does better than
+``except_last``: it re-computes more and keeps at least as many boundary inputs.) Since the
+step time grows with every c_k and each stage's choice only affects its own memory,
+choosing per candidate stage inside the split search stays exact.
+
+With D data-parallel replicas of the pipeline, each stage all-reduces its gradients among
+its D copies once per step (ring all-reduce, after the pipeline drains, no overlap)::
+
+    a_k(s, e) = 2 · (D − 1) / D · P(s,e) / allreduce_bandwidth
+
+The stages' rings use disjoint devices and run at once, so a step costs ``max_k a_k``.
+
+With ``shard_optimizer`` (ZeRO stage 1, as DeepSpeed's ``zero_optimization.stage = 1`` and
+Megatron-LM's ``--use-distributed-optimizer``) each of a stage's D copies keeps the
+optimizer state of only a 1/D share of its parameters: ``P · (2 + opt / D)`` in place of
+``P · (2 + opt)``, weights and gradients still whole. The gradient all-reduce then becomes a
+reduce-scatter (each copy gets the summed gradients of its share and updates it) plus an
+all-gather of the updated parameters: ``(D − 1)/D · P`` each (parameters and gradients of
+one dtype), the ring all-reduce's ``2 · (D − 1)/D · P`` in all, so the step time model does
+not change (the optimizer step, which it does not time, only gets shorter). With D = 1 it
+changes nothing.
+
+A tensor several layers use (tied, :class:`profiler.profile.TiedState`) is counted in each
+user's ``P`` (or ``Buf``); a stage holds one copy of it however many of its layers use
+it, so ``P(s,e)`` counts it once per stage that holds a user. The ``n ≥ 2`` stages holding
+copies of a tied parameter (``n`` ranks: a rank's virtual stages share one) sum their
+gradients once per step (a ring all-reduce over the links between them, after the
+pipeline drains)::
+
+    t = 2 · (n − 1) / n · bytes / bandwidth + 2 · (n − 1) · λ
+
+with the slowest bandwidth and the largest latency of the holders' links (else the
+all-reduce bandwidth; free when neither is known), added to the step time.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from autopipe.planning.model.colocation import shared_groups
+from autopipe.planning.model.cut_rules import forbidden_cuts
+from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.layer_costs import (
+    LayerCosts,
+    optimizer_factor,
+)
+from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
+from autopipe.planning.model.spans import prefix_sums
+from autopipe.planning.schedules.interleaving import in_flight
+from autopipe.planning.schedules.schedule_replay import RECOMPUTE_CODES
+
+__all__ = ["CostModel", "optimizer_factor"]
+
+# Share of a layer's backward that computes its weights' gradients (zero bubble defers
+# it), for profiles that did not time the input's gradient alone: for a linear layer the
+# input's and the weights' gradients are one matrix product each, so half; a layer
+# without parameters has none.
+_WEIGHT_SHARE = 0.5
+
+Array = NDArray[np.float64]
+Index = NDArray[np.int64]
+
+
+class RangeMax:
+    """Sparse table for vectorized range-maximum queries over ``[s, e)``, ``s < e``."""
+
+    def __init__(self, values: Array) -> None:
+        n = len(values)
+        self.table = np.zeros((max(n.bit_length(), 1), max(n, 1)))
+        self.table[0, :n] = values
+        width = 1
+        for level in range(1, len(self.table)):
+            prev = self.table[level - 1]
+            self.table[level, : n - 2 * width + 1] = np.maximum(
+                prev[: n - 2 * width + 1], prev[width : n - width + 1]
+            )
+            width *= 2
+
+    def query(self, s: Index, e: Index) -> Array:
+        # floor(log2(length)), exactly, from the binary exponent.
+        level = np.frexp(e - s)[1] - 1
+        return np.asarray(np.maximum(self.table[level, s], self.table[level, e - (1 << level)]))
+
+
+def _finite_non_negative(value: object) -> bool:
+    number = float(value) if isinstance(value, numbers.Real) else math.nan
+    return not isinstance(value, bool) and math.isfinite(number) and number >= 0
+
+
+class StageParts(NamedTuple):
+    """A stage's times per micro-batch by part, its re-computation code and its memory."""
+
+    forward: Array
+    backward: Array
+    transfer: Array
+    recompute: Array
+    memory: Array
+
+
+class CostModel:
+    """Predicted time and memory of any candidate stage under a schedule.
+
+    Args:
+        layers: per-layer figures at the micro-batch size.
+        devices: one entry per stage.
+        chunks: micro-batches per mini-batch (M).
+        checkpoint: ``always``, ``except_last``, ``never`` or ``auto`` (per stage).
+        schedule: ``gpipe`` or ``1f1b``.
+        optimizer: optimizer state bytes per parameter byte (see :func:`optimizer_factor`).
+        overhead: the executor's fixed seconds per stage and micro-batch.
+        data_parallel: replicas of the pipeline (D) whose gradients are all-reduced.
+        allreduce_bandwidth: bytes/s of the all-reduce; ``None`` treats it as free.
+        virtual_stages: stages per rank (v, see :mod:`autopipe.planning.schedules.interleaving`);
+        the
+            devices are then K·v stages, stage s on rank ``s % K``.
+        shard_optimizer: each stage's D replicas shard its optimizer state (ZeRO-1, see
+            the module docstring): a stage holds ``opt / D`` state bytes per parameter byte.
+        colocated: the stages run in one process, so stages whose devices have the same
+            name share that device and take turns on it
+            (:mod:`autopipe.planning.model.colocation`).
+        forbidden: positions ``1..L−1`` where no cut may go, besides those of the layers'
+            ``unsplit`` tied tensors (:mod:`autopipe.planning.model.cut_rules`).
+    """
+
+    def __init__(
+        self,
+        layers: LayerCosts,
+        devices: Sequence[DeviceSpec],
+        chunks: int,
+        checkpoint: str = "except_last",
+        schedule: str = "gpipe",
+        optimizer: float = 2.0,
+        *,
+        overhead: float = 0.0,
+        data_parallel: int = 1,
+        allreduce_bandwidth: float | None = None,
+        virtual_stages: int = 1,
+        shard_optimizer: bool = False,
+        colocated: bool = False,
+        forbidden: Sequence[int] = (),
+    ) -> None:
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"unknown checkpoint mode {checkpoint!r}: choose {', '.join(CHECKPOINT_MODES)}"
+            )
+        if schedule not in ALL_SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(ALL_SCHEDULES)}")
+        if schedule == "zb" and checkpoint != "never":
+            raise ValueError(
+                f"zero bubble keeps every activation until its weights' gradients: plan it "
+                f"with checkpoint never, not {checkpoint!r}"
+            )
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if not _finite_non_negative(overhead):
+            raise ValueError(f"overhead must be finite seconds >= 0, got {overhead!r}")
+        if not _finite_non_negative(optimizer):
+            raise ValueError(
+                f"optimizer state factor must be a finite number >= 0, got {optimizer!r}; "
+                "convert a name with optimizer_factor()"
+            )
+        if data_parallel < 1:
+            raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+        if not isinstance(shard_optimizer, bool):  # "no" would read as True
+            raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+        if virtual_stages < 1 or len(devices) % virtual_stages:
+            raise ValueError(
+                f"{len(devices)} stages do not split into {virtual_stages} virtual stages per "
+                "rank: plan K·v stages"
+            )
+        if allreduce_bandwidth is not None and not allreduce_bandwidth > 0:
+            raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
+        self.layers = layers
+        self.devices = list(devices)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.schedule = schedule
+        self.optimizer = optimizer
+        self.overhead = float(overhead)
+        self.data_parallel = data_parallel
+        self.allreduce_bandwidth = allreduce_bandwidth
+        self.virtual_stages = virtual_stages
+        self.shard_optimizer = shard_optimizer
+        self.shared = shared_groups(self.devices, colocated)
+        # Per position 0..L, whether a stage may not start there: every solver honours it.
+        self.forbidden = forbidden_cuts(layers.tied, len(layers), forbidden)
+        self.restricted = bool(self.forbidden.any())
+        if self.shared and (virtual_stages > 1 or schedule == "zb" or data_parallel > 1):
+            raise ValueError(
+                "stages sharing a device are planned for the single-process GPipe, which runs "
+                "neither virtual stages, zero bubble nor replicas; give each stage its own "
+                "device or plan for ranks"
+            )
+        # Bytes a stage holds per parameter byte: weight, gradient and its optimizer state.
+        own = optimizer / data_parallel if shard_optimizer else optimizer
+        self.state_factor = 2.0 + own
+        # Stage k runs on rank k % K as local stage k // K; one replay of each rank's order.
+        ranks = len(self.devices) // virtual_stages
+        held = [in_flight(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)]
+        self._in_flight = [held[k % ranks][k // ranks] for k in range(len(self.devices))]
+        self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
+        self._fwd = prefix_sums(layers.forward)
+        self._bwd = prefix_sums(layers.backward)
+        if layers.backward_input is not None:  # measured: the rest is the weights'
+            weight = np.maximum(layers.backward - layers.backward_input, 0.0)
+        else:
+            weight = np.where(layers.params > 0, _WEIGHT_SHARE * layers.backward, 0.0)
+        self._weight = prefix_sums(weight)
+        # Saved bytes less what the previous layer also saves; a stage's first layer adds
+        # its shared part back (its predecessor is not in the stage).
+        self._shared = layers.shared_bytes
+        self._saved = prefix_sums(layers.saved - self._shared)
+        self._params = prefix_sums(layers.params)
+        self._state = prefix_sums(layers.params * self.state_factor + layers.buffers)
+        # Per tied tensor, how many of its users lie before each layer: a stage [s, e)
+        # holds cnt[e] − cnt[s] of them, and counts the tensor once instead.
+        self.tied = list(layers.tied)
+        n = len(layers)
+        self._tied_users = np.zeros((len(self.tied), n + 1))
+        for i, item in enumerate(self.tied):
+            used = np.zeros(n)
+            used[list(item.layers)] = 1.0
+            self._tied_users[i] = prefix_sums(used)
+        self._tied_params = np.array([0.0 if t.buffer else float(t.bytes) for t in self.tied])
+        self._tied_state = np.array(
+            [float(t.bytes) * (1.0 if t.buffer else self.state_factor) for t in self.tied]
+        )
+        # Boundary input of a stage starting at s: the model input or layer s−1's output.
+        self._inputs = np.concatenate([[layers.input], layers.output])
+        self._sends = np.concatenate([[0.0], layers.output[:-1], [0.0]])
+        self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def fraction(self, mode: str) -> float:
+        """Share of micro-batches whose forward runs again in backward under ``mode``."""
+        m = self.chunks
+        return {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[mode]
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Re-computed share of micro-batches (``auto``: of its fastest mode, ``never``)."""
+        return self.fraction(self.modes[0])
+
+    @property
+    def num_ranks(self) -> int:
+        """Devices of one pipeline: the stages over the virtual stages per rank."""
+        return self.num_stages // self.virtual_stages
+
+    def in_flight(self, k: int) -> int:
+        """Micro-batches whose activations stage ``k`` holds at its peak."""
+        return self._in_flight[k]
+
+    def checkpointed(self, k: int, mode: str | None = None) -> tuple[int, int]:
+        """``(ck, keep)``: in-flight micro-batches stored as inputs only, and as saved sets.
+
+        Args:
+            k: the stage.
+            mode: a fixed mode; default the model's (required when it is ``auto``).
+        """
+        mode = mode or self.checkpoint
+        if mode == "auto":
+            raise ValueError("checkpoint mode auto decides per stage: pass the mode")
+        n = self.in_flight(k)
+        ck = {"always": n, "except_last": min(n, self.chunks - 1), "never": 0}[mode]
+        return ck, max(n - ck, 1)
+
+    def layer_time(self) -> Array:
+        """Per-layer cost per micro-batch on a speed-1 device, transfers excluded."""
+        return self.layers.forward * (1.0 + self.recompute_fraction) + self.layers.backward
+
+    def transfer_time(self, k: int, e: Index) -> Array:
+        device = self.devices[k]
+        if device.bandwidth is None and not device.latency:
+            return np.zeros(np.shape(e))
+        # A stage ending at e sends layer e−1's output, unless it is the last stage.
+        sends = self._sends[e]
+        volume = sends / device.bandwidth if device.bandwidth is not None else 0.0 * sends
+        return np.where(np.asarray(e) < self.num_layers, volume + device.latency, 0.0)
+
+    def _repeats(self, weights: Array, s: Index, e: Index) -> Array:
+        """``Σ_t weights_t · (users of t in [s, e) − 1)⁺``: tied bytes counted twice."""
+        total = np.zeros(np.broadcast(np.asarray(s), np.asarray(e)).shape)
+        for users, weight in zip(self._tied_users, weights, strict=True):
+            total = total + weight * np.maximum(users[e] - users[s] - 1.0, 0.0)
+        return total
+
+    def holds_tied(self, s: Index, e: Index) -> list[NDArray[np.bool_]]:
+        """Per tied tensor, whether a stage of layers ``[s, e)`` holds a copy of it."""
+        return [users[e] - users[s] > 0 for users in self._tied_users]
+
+    def state_memory(self, s: Index, e: Index) -> Array:
+        """Parameters, gradients, optimizer state (a 1/D share when sharded) and buffers of
+        layers ``[s, e)``."""
+        state = self._state[e] - self._state[s]
+        if self.tied:
+            state = state - self._repeats(self._tied_state, s, e)
+        return state
+
+    def _work(self, k: int, s: Index, e: Index, mode: str) -> Array:
+        fwd = self._fwd[e] - self._fwd[s]
+        bwd = self._bwd[e] - self._bwd[s]
+        return (fwd * (1.0 + self.fraction(mode)) + bwd) / self.devices[k].speed
+
+    def _saved_sets(self, k: int, s: Index, e: Index, mode: str) -> Array:
+        ck, keep = self.checkpointed(k, mode)
+        saved = self._saved[e] - self._saved[s] + self._shared[s]
+        return ck * self._inputs[s] + keep * saved
+
+    def stage_costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index]:
+        """``(time, memory, mode)`` of stage ``k`` holding layers ``[s, e)``.
+
+        ``mode`` indexes :attr:`modes`: the fastest whose memory fits, else the one that
+        needs the least memory.
+        """
+        state = self.state_memory(s, e)
+        if self._peak is not None:
+            state = state + self._peak.query(s, e)
+        fixed = self.overhead + self.transfer_time(k, e)
+        cap = self.capacity(k)
+        time = self._work(k, s, e, self.modes[0]) + fixed
+        memory = state + self._saved_sets(k, s, e, self.modes[0])
+        choice = np.zeros(np.shape(memory), dtype=np.int64)
+        for i, mode in enumerate(self.modes[1:], start=1):
+            other = state + self._saved_sets(k, s, e, mode)
+            take = (memory > cap) & ((other <= cap) | (other < memory))
+            time = np.where(take, self._work(k, s, e, mode) + fixed, time)
+            memory = np.where(take, other, memory)
+            choice = np.where(take, i, choice)
+        return time, memory, choice
+
+    def stage_parts(self, k: int, s: Index, e: Index) -> StageParts:
+        """Stage ``k``'s parts with layers ``[s, e)``, as the step replay takes them.
+
+        One forward and one backward per micro-batch, the executor's overhead shared
+        between them in their proportion (so that ``forward·(1 + r) + backward + transfer``
+        is :meth:`stage_time`, ``r`` the re-computed share), the re-computation as a
+        :data:`autopipe.planning.schedules.schedule_replay.RECOMPUTE_CODES` value, and the stage's
+        memory (:meth:`stage_memory`), all from one :meth:`stage_costs`.
+        """
+        time, memory, choice = self.stage_costs(k, s, e)
+        speed = self.devices[k].speed
+        fwd = (self._fwd[e] - self._fwd[s]) / speed
+        bwd = (self._bwd[e] - self._bwd[s]) / speed
+        transfer = self.transfer_time(k, e)
+        fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
+        work = fwd * (1.0 + fractions) + bwd
+        compute = time - transfer
+        # Layers of no measurable time: the overhead goes to the forward and backward alike.
+        safe = np.where(work > 0, work, 1.0)
+        scale = np.where(work > 0, compute / safe, 1.0)
+        even = np.where(work > 0, 0.0, compute / (2.0 + fractions))
+        codes = np.array([RECOMPUTE_CODES[mode] for mode in self.modes])[choice]
+        return StageParts(fwd * scale + even, bwd * scale + even, transfer, codes, memory)
+
+    def weight_share(self, s: Index, e: Index) -> Array:
+        """Share of layers ``[s, e)``'s backward that computes their weights' gradients."""
+        backward = self._bwd[e] - self._bwd[s]
+        weight = self._weight[e] - self._weight[s]
+        return np.where(backward > 0, weight / np.where(backward > 0, backward, 1.0), 0.0)
+
+    def stage_checkpoint(self, k: int, s: int, e: int) -> str:
+        """The checkpoint mode stage ``k`` runs with when it holds layers ``[s, e)``."""
+        if len(self.modes) == 1:
+            return self.modes[0]
+        return self.modes[int(self.stage_costs(k, np.array(s), np.array(e))[2])]
+
+    def stage_time(self, k: int, s: Index, e: Index) -> Array:
+        """Cost per micro-batch of stage ``k`` holding layers ``[s, e)``."""
+        return self.stage_costs(k, s, e)[0]
+
+    def compute_time(self, k: int, s: Index, e: Index) -> Array:
+        """Compute (re-computation and executor overhead included) per micro-batch."""
+        return self.stage_time(k, s, e) - self.transfer_time(k, e)
+
+    def recompute_time(self, k: int, s: Index, e: Index) -> Array:
+        """Forward re-computation per micro-batch, averaged over the micro-batches."""
+        choice = self.stage_costs(k, s, e)[2]
+        fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
+        return fractions * (self._fwd[e] - self._fwd[s]) / self.devices[k].speed
+
+    def activation_memory(self, k: int, s: Index, e: Index) -> Array:
+        """Activations stage ``k`` holds at its peak with layers ``[s, e)``."""
+        return self.stage_memory(k, s, e) - self.state_memory(s, e)
+
+    def stage_memory(self, k: int, s: Index, e: Index) -> Array:
+        """Peak bytes of stage ``k`` holding layers ``[s, e)``."""
+        return self.stage_costs(k, s, e)[1]
+
+    def capacity(self, k: int) -> float:
+        memory = self.devices[k].memory
+        return math.inf if memory is None else float(memory)
+
+    @property
+    def allreduce_factor(self) -> float:
+        """All-reduce seconds per parameter byte of a stage: ``2·(D−1)/D / bandwidth``."""
+        d = self.data_parallel
+        if d == 1 or self.allreduce_bandwidth is None:
+            return 0.0
+        return 2.0 * (d - 1) / d / self.allreduce_bandwidth
+
+    def param_bytes(self, s: Index, e: Index) -> Array:
+        """Parameter (and so gradient) bytes of layers ``[s, e)``, a tied one once."""
+        params = self._params[e] - self._params[s]
+        if self.tied:
+            params = params - self._repeats(self._tied_params, s, e)
+        return params
+
+    def tied_times(self, balance: Sequence[int]) -> list[float]:
+        """Per tied tensor, seconds per step to sum its copies' gradients under ``balance``
+        (0 for buffers and for a tensor held by one stage)."""
+        bounds = np.concatenate([[0], np.cumsum(balance)]).astype(np.int64)
+        starts, ends = bounds[:-1], bounds[1:]
+        times = []
+        for item, held in zip(self.tied, self.holds_tied(starts, ends), strict=True):
+            holders = [self.devices[k] for k in np.flatnonzero(held)]
+            # A rank's virtual stages share one tensor: the ring runs between ranks.
+            n = len({int(k) % self.num_ranks for k in np.flatnonzero(held)})
+            if item.buffer or n < 2:
+                times.append(0.0)
+                continue
+            links = [d.bandwidth for d in holders if d.bandwidth is not None]
+            bandwidth = min(links) if links else self.allreduce_bandwidth
+            volume = 2.0 * (n - 1) / n * item.bytes
+            latency = 2.0 * (n - 1) * max(d.latency for d in holders)
+            times.append((volume / bandwidth if bandwidth else 0.0) + latency)
+        return times
+
+    def tied_time(self, balance: Sequence[int]) -> float:
+        """Seconds per step to sum the gradients of every tied parameter's copies."""
+        return float(sum(self.tied_times(balance)))
+
+    def allreduce_time(self, s: Index, e: Index) -> Array:
+        """Seconds per step to all-reduce the gradients of a stage holding ``[s, e)``."""
+        return self.allreduce_factor * self.param_bytes(s, e)
+
+    def signature(self, k: int) -> tuple[object, ...]:
+        """Stages with equal signatures have identical cost and memory functions."""
+        device = self.devices[k]
+        modes = tuple(self.checkpointed(k, mode) for mode in self.modes)
+        return (device.speed, device.bandwidth, device.latency, modes, self.capacity(k))
+
+    def sum_is_invariant(self) -> bool:
+        """Whether ``Σ_k c_k`` is the same for every split (equal speeds, free transfers)."""
+        speeds = {d.speed for d in self.devices}
+        fixed = len(self.modes) == 1 or all(d.memory is None for d in self.devices)
+        free = all(d.bandwidth is None and not d.latency for d in self.devices)
+        return len(speeds) == 1 and fixed and free

@@ -1,0 +1,123 @@
+"""The settings a plan is made under, and the cost model they build from a profile."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from os import PathLike
+
+from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.device_specs import DeviceSpec, make_devices
+from autopipe.planning.model.layer_costs import ProfileLines, optimizer_factor
+from autopipe.planning.model.runner_figures import RunnerFigures
+from autopipe.planning.pipeline_settings import MemorySpec, PipelineSettings
+from profiler.profile import Profile
+
+__all__ = ["MemorySpec", "PlanSettings"]
+
+# The settings of a plan are those of the pipeline it is made for.
+PlanSettings = PipelineSettings
+
+
+def check_profile(profile: object, caller: str) -> None:
+    """Refuses anything but a :class:`Profile` where ``caller()`` takes one.
+
+    Raises:
+        TypeError: ``profile`` is a path, a dict or anything else.
+    """
+    if isinstance(profile, Profile):
+        return
+    if isinstance(profile, (str, PathLike)):
+        raise TypeError(
+            f"{caller}() takes a Profile, not the path {str(profile)!r}; load it with "
+            f"Profile.load({str(profile)!r})"
+        )
+    if isinstance(profile, dict):
+        raise TypeError(
+            f"{caller}() takes a Profile, not a dict; convert it with Profile.from_dict(data)"
+        )
+    raise TypeError(
+        f"{caller}() takes a Profile, got {type(profile).__name__}; measure one with "
+        "profiler.profile_model(model, sample) or load one with Profile.load('file.json')"
+    )
+
+
+def _replica_batch(profile: Profile, batch: int | None, data_parallel: int) -> int:
+    """Samples per replica: ``ceil(batch / D)``."""
+    total = profile.batch_size if batch is None else batch
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"batch must be a positive integer, got {total!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int):
+        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    if not 1 <= data_parallel <= total:
+        raise ValueError(
+            f"data_parallel must be between 1 and the batch ({total}), got {data_parallel}"
+        )
+    return math.ceil(total / data_parallel)
+
+
+def build_model(
+    profile: Profile,
+    devices: int | Sequence[DeviceSpec | str],
+    settings: PipelineSettings,
+) -> CostModel:
+    """The cost model :func:`autopipe.plan` optimizes for ``devices`` under ``settings``.
+
+    Settings left ``None`` are resolved by :meth:`PipelineSettings.resolved` (the
+    profile's micro-batch count, ``gpipe``, :func:`default_checkpoint`).
+
+    Raises:
+        ValueError: invalid settings.
+        TypeError: ``profile`` is not a :class:`Profile`, or a setting is of the wrong kind.
+    """
+    check_profile(profile, "plan")
+    figures = RunnerFigures.resolve(
+        profile,
+        bandwidth=settings.bandwidth,
+        allreduce_bandwidth=settings.allreduce_bandwidth,
+        overhead=settings.overhead,
+    )
+    specs = make_devices(
+        devices,
+        memory=settings.memory,
+        bandwidth=figures.bandwidth,
+        name=profile.device,
+        latency=figures.latency,
+    )
+    v = settings.virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+    d = 1 if settings.data_parallel is None else settings.data_parallel
+    settings = settings.resolved(
+        max(1, len(specs) // v), profile.batch_size, profile_chunks=profile.chunks
+    )
+    m = settings.chunks
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"chunks must be a positive integer, got {m!r}")
+    replica = _replica_batch(profile, settings.batch, d)
+    micro = math.ceil(replica / m)
+    # A mini-batch smaller than M yields fewer, single-sample micro-batches.
+    effective = math.ceil(replica / micro)
+    if not isinstance(settings.padded, bool):  # "no" would read as True
+        raise TypeError(f"padded must be True or False, got {settings.padded!r}")
+    if not isinstance(settings.shard_optimizer, bool):
+        raise TypeError(f"shard_optimizer must be True or False, got {settings.shard_optimizer!r}")
+    if not isinstance(settings.colocated, bool):
+        raise TypeError(f"colocated must be True or False, got {settings.colocated!r}")
+    alone = len(specs) // v * d == 1
+    lines = ProfileLines.from_profile(profile, alone)
+    # Micro-batches of uneven size take the mean size's time in all, unless the runner pads
+    # each to the largest.
+    costs = lines.at(micro, time_batch=micro if settings.padded else replica / effective)
+    return figures.cost_model(
+        costs,
+        specs,
+        effective,
+        str(settings.checkpoint),
+        str(settings.schedule),
+        optimizer_factor(settings.optimizer),
+        data_parallel=d,
+        virtual_stages=v,
+        shard_optimizer=settings.shard_optimizer,
+        colocated=settings.colocated,
+    )

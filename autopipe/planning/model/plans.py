@@ -1,0 +1,344 @@
+"""A pipeline plan as plain data: the split, its predicted costs, and what it came from."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES
+from profiler.jsonfile import read_json, write_json
+from profiler.profile import Profile
+
+__all__ = ["Plan", "StagePlan", "TiedPlan"]
+
+PLAN_VERSION = 3
+# Older plans load too: they lack the fields added since (3: ``shard_optimizer``), whose
+# defaults hold for them.
+_READABLE = (1, 2, 3)
+
+
+@dataclass
+class StagePlan:
+    """One stage of a plan.
+
+    Attributes:
+        index: the stage's position in the pipeline.
+        device: the device the stage runs on.
+        start: index of the stage's first layer.
+        stop: one past the index of its last layer.
+        layers: names of the stage's layers.
+        compute: predicted forward + backward (+ re-computation) seconds per micro-batch.
+        transfer: predicted seconds per micro-batch to send its output to the next stage.
+        time: ``compute + transfer``, the stage's cost per micro-batch.
+        memory: predicted peak bytes on the device.
+        param_memory: bytes of parameters, gradients, optimizer state and buffers.
+        activation_memory: bytes of saved activations and boundary inputs at the peak.
+        capacity: the device's capacity in bytes, or ``None`` for unlimited.
+        in_flight: micro-batches whose activations the stage holds at its peak.
+        checkpoint: the stage's checkpoint mode (``auto`` plans decide per stage).
+        recompute: seconds of forward re-computation per micro-batch, part of ``compute``.
+        overhead: the executor's fixed seconds per micro-batch, part of ``compute``.
+        allreduce: seconds per step to all-reduce the stage's gradients among replicas.
+        forward: seconds of one forward per micro-batch, part of ``compute`` (its share of
+            the overhead included); 0 in plans that predate it.
+        weight: of the backward, the seconds that compute the weights' gradients (zero
+            bubble runs them apart, when a device would otherwise wait).
+        tied: bytes of the tied parameters and buffers the stage holds a copy of, part of
+            ``param_memory`` (parameters with their gradients and optimizer state).
+    """
+
+    index: int
+    device: str
+    start: int
+    stop: int
+    layers: list[str]
+    compute: float
+    transfer: float
+    time: float
+    memory: float
+    param_memory: float
+    activation_memory: float
+    capacity: int | None
+    in_flight: int
+    checkpoint: str = ""
+    recompute: float = 0.0
+    overhead: float = 0.0
+    allreduce: float = 0.0
+    forward: float = 0.0
+    weight: float = 0.0
+    tied: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class TiedPlan:
+    """A tensor several layers use, and where the plan keeps its copies.
+
+    Attributes:
+        names: its names in the model, the first one first.
+        stages: the stages holding a copy (every stage with a layer that uses it).
+        bytes: the size of one copy (without gradient and optimizer state).
+        time: seconds per step to sum the copies' gradients, part of the step time (0
+            for one copy, and for a buffer, which has none).
+        buffer: a buffer, not a parameter.
+    """
+
+    names: list[str]
+    stages: list[int]
+    bytes: int
+    time: float = 0.0
+    buffer: bool = False
+
+
+@dataclass
+class Plan:
+    """A balanced split of a model into pipeline stages, with its predicted costs.
+
+    Attributes:
+        balance: layers per stage (torchgpipe's ``balance``).
+        stages: per-stage detail.
+        chunks: micro-batches per mini-batch (M).
+        micro_batch: samples per micro-batch.
+        checkpoint: ``always``, ``except_last``, ``never`` or ``auto`` (see the stages).
+        schedule: ``gpipe`` or ``1f1b``.
+        strategy: the balancing strategy that chose the split.
+        optimizer: name of the optimizer whose state is counted.
+        bottleneck: the largest stage cost per micro-batch, seconds.
+        bottleneck_stage: index of that stage.
+        step_time: predicted seconds per mini-batch, ``Σ c_k + (M−1)·max c_k`` plus the
+            all-reduce.
+        bubble: predicted idle fraction of the pipeline over a step.
+        devices: the devices of one pipeline (one replica) the plan was made for.
+        profile: the profile the plan was made from, as a dict.
+        version: the JSON schema version.
+        data_parallel: replicas of the pipeline (D), each taking ``batch_size / D`` samples.
+        batch_size: samples per step across all replicas (0: unknown).
+        allreduce: seconds per step of the gradient all-reduce, part of ``step_time``.
+        throughput: predicted samples per second, ``batch_size / step_time``.
+        notes: why the plan was chosen or how it compares with the best of a search.
+        virtual_stages: stages per rank (v); the stages are K·v, stage s on rank
+            ``s % K``, and ``step_time`` is the interleaved schedule's (see
+            :mod:`autopipe.planning.schedules.interleaving`).
+        tied: the tensors several layers use, with the stages holding their copies.
+        tied_time: seconds per step summing tied parameters' gradients between the stages
+            holding copies, part of ``step_time``.
+        shard_optimizer: the ``data_parallel`` replicas shard each stage's optimizer
+            state (ZeRO stage 1): the stages' ``param_memory`` holds a 1/D share of it
+            (always ``False`` with one replica; plans before version 3 did not shard).
+        shared: groups of stages that share one device and take turns on it (in one
+            process, :mod:`autopipe.planning.model.colocation`); empty when every stage has its
+            own.
+    """
+
+    balance: list[int]
+    stages: list[StagePlan]
+    chunks: int
+    micro_batch: int
+    checkpoint: str
+    schedule: str
+    strategy: str
+    optimizer: str
+    bottleneck: float
+    bottleneck_stage: int
+    step_time: float
+    bubble: float
+    devices: list[DeviceSpec]
+    profile: dict[str, Any] = field(default_factory=dict, repr=False)
+    version: int = PLAN_VERSION
+    data_parallel: int = 1
+    batch_size: int = 0
+    allreduce: float = 0.0
+    throughput: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    virtual_stages: int = 1
+    tied: list[TiedPlan] = field(default_factory=list)
+    tied_time: float = 0.0
+    shard_optimizer: bool = False
+    shared: list[list[int]] = field(default_factory=list)
+
+    @property
+    def pipeline_time(self) -> float:
+        """Seconds per step of the pipeline alone: ``step_time`` less the all-reduce and
+        the tied parameters' gradient sums."""
+        return self.step_time - self.allreduce - self.tied_time
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the plan occupies: ranks per pipeline times data-parallel replicas
+        (stages sharing a device count once)."""
+        own = self.num_stages - sum(len(group) - 1 for group in self.shared)
+        return own // self.virtual_stages * self.data_parallel
+
+    @property
+    def stage_checkpoints(self) -> list[str]:
+        """Each stage's checkpoint mode."""
+        return [stage.checkpoint or self.checkpoint for stage in self.stages]
+
+    @property
+    def efficiency(self) -> float:
+        """Busy fraction of the pipeline over a step: ``1 - bubble``."""
+        return 1.0 - self.bubble
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.balance)
+
+    def export(self, fmt: str) -> str:
+        """The split as another runtime takes it, as text to paste or save.
+
+        Formats (:data:`autopipe.planning.runtimes.export_formats.EXPORT_FORMATS`): ``torch`` and
+        ``torch-json``, the ``split_spec`` of ``torch.distributed.pipelining.pipeline``;
+        ``torchtitan`` (TOML) and ``torchtitan-json``, its ``module_fqns_per_model_part``;
+        ``megatron``, Megatron-LM's ``--pipeline-model-parallel-layout`` (decoder-only
+        models); ``deepspeed`` (JSON), the layer boundaries of a ``PipelineModule``.
+
+        Raises:
+            ValueError: an unknown format, or a split it cannot express (the message
+                names the cut).
+        """
+        from autopipe.planning.runtimes.export_formats import export_plan
+
+        return export_plan(self, fmt)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["efficiency"] = self.efficiency
+        if not self.tied:  # plans of untied models read as before tied state was planned
+            del data["tied"], data["tied_time"]
+            for stage in data["stages"]:
+                del stage["tied"]
+        if not self.shared:  # plans for devices of their own read as before
+            del data["shared"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("version")
+        if version not in _READABLE:
+            raise ValueError(
+                f"plan format version {version!r} is not supported (expected {PLAN_VERSION}); "
+                "re-create it with `autopipe plan`"
+            )
+        skip = ("stages", "devices", "efficiency", "tied")
+        fields = {k: v for k, v in data.items() if k not in skip}
+        # Version 1 had one checkpoint mode for all stages.
+        stages = [{"checkpoint": data["checkpoint"], **s} for s in data["stages"]]
+        fields["version"] = PLAN_VERSION
+        plan = cls(
+            stages=[StagePlan(**s) for s in stages],
+            devices=[DeviceSpec.from_dict(d) for d in data["devices"]],
+            tied=[TiedPlan(**t) for t in data.get("tied", [])],
+            **fields,
+        )
+        _check_plan(plan)
+        return plan
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the plan as JSON, atomically."""
+        write_json(path, "plan", self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Reads a plan written by :meth:`save`.
+
+        Raises:
+            ValueError: the file is not a plan of a supported version.
+        """
+        data = read_json(path, "plan")
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path} is not a valid autopipe plan: {exc}") from None
+        except ValueError as exc:  # name the file: the message names the field
+            raise ValueError(f"{path}: {exc}") from None
+
+
+_REMAKE = "re-create the plan with `autopipe plan`"
+
+
+def _count(value: object, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where} is {value!r}; it must be an integer >= 1")
+    return value
+
+
+_PLAN_AMOUNTS = ("bottleneck", "step_time", "bubble", "allreduce", "throughput", "tied_time")
+_STAGE_AMOUNTS = (
+    "compute", "transfer", "time", "memory", "param_memory", "activation_memory",
+    "recompute", "overhead", "allreduce", "forward", "weight", "tied",
+)  # fmt: skip
+
+
+def _check_amounts(item: object, where: str, names: tuple[str, ...]) -> None:
+    """Each predicted figure is a finite number >= 0 (JSON lets NaN and Infinity in)."""
+    for name in names:
+        value = getattr(item, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where}{name} is {value!r}; it must be a finite number >= 0")
+
+
+def _check_plan(plan: Plan) -> None:
+    """The balance, the stages and the devices describe one split (a loaded file may
+    have been edited so that they contradict each other)."""
+    if not isinstance(plan.balance, list) or not plan.balance:
+        raise ValueError(f"balance is {plan.balance!r}; it must be a non-empty list")
+    for k, size in enumerate(plan.balance):
+        _count(size, f"balance[{k}]")
+    for what in ("chunks", "micro_batch", "data_parallel", "virtual_stages"):
+        _count(getattr(plan, what), what)
+    if not isinstance(plan.shard_optimizer, bool):
+        raise ValueError(f"shard_optimizer is {plan.shard_optimizer!r}; it must be true or false")
+    _check_amounts(plan, "", _PLAN_AMOUNTS)
+    for k, stage in enumerate(plan.stages):
+        _check_amounts(stage, f"stages[{k}].", _STAGE_AMOUNTS)
+    if len(plan.stages) != len(plan.balance):
+        raise ValueError(
+            f"balance {plan.balance} has {len(plan.balance)} stages but stages lists "
+            f"{len(plan.stages)}; {_REMAKE}"
+        )
+    start = 0
+    for k, (stage, size) in enumerate(zip(plan.stages, plan.balance)):
+        span = (stage.index, stage.start, stage.stop)
+        if span != (k, start, start + size) or len(stage.layers) != size:
+            raise ValueError(
+                f"stages[{k}] (index {stage.index}, start {stage.start}, stop {stage.stop}, "
+                f"{len(stage.layers)} layer names) contradicts balance {plan.balance}, by "
+                f"which stage {k} holds layers {start} to {start + size - 1}; {_REMAKE}"
+            )
+        start += size
+    if len(plan.devices) != len(plan.stages):
+        raise ValueError(
+            f"devices lists {len(plan.devices)} devices for {len(plan.stages)} stages; {_REMAKE}"
+        )
+    if len(plan.stages) % plan.virtual_stages:
+        raise ValueError(
+            f"{len(plan.stages)} stages do not split into virtual_stages "
+            f"{plan.virtual_stages} per device; {_REMAKE}"
+        )
+    if plan.schedule not in ALL_SCHEDULES:
+        raise ValueError(f"schedule is {plan.schedule!r}; choose {', '.join(ALL_SCHEDULES)}")
+    for k, mode in enumerate(plan.stage_checkpoints):
+        if mode not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"stages[{k}].checkpoint is {mode!r}; choose {', '.join(CHECKPOINT_MODES)}"
+            )
+    if not isinstance(plan.profile, dict):
+        raise ValueError(f"profile must be an object, got {plan.profile!r}")
+    if not plan.profile:  # plans may be saved without their profile
+        return
+    try:  # the report and the simulation read it
+        layers = len(Profile.from_dict(plan.profile))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"profile: {exc}") from None
+    if layers != start:
+        raise ValueError(
+            f"balance {plan.balance} splits {start} layers but the plan's profile has "
+            f"{layers}; {_REMAKE}"
+        )

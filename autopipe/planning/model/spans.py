@@ -1,0 +1,79 @@
+"""Stage spans of a balance, prefix sums over layers, and whether a split fits memory."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+if TYPE_CHECKING:
+    from autopipe.planning.model.cost_model import CostModel
+
+__all__ = []
+
+
+def stage_bounds(balance: Sequence[int]) -> NDArray[np.int64]:
+    """Where each stage starts, then where the last ends: ``[0, b₀, b₀+b₁, ..., L]``."""
+    return np.cumsum([0, *balance])
+
+
+def stage_spans(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """Each stage's layers ``[s, e)`` as Python integers."""
+    bounds = stage_bounds(balance).tolist()
+    return list(itertools.pairwise(bounds))
+
+
+def prefix_sums(values: ArrayLike) -> NDArray[np.float64]:
+    """``[0, v₀, v₀+v₁, ...]``: the sum over layers ``[s, e)`` is ``p[e] − p[s]``."""
+    if isinstance(values, np.ndarray) and values.dtype == np.float64 and values.ndim == 1:
+        # Summed in place after the leading 0: the same sums as below without the copy a
+        # concatenation makes, which costs as much as the sums at 10⁶ layers.
+        prefix = np.empty(len(values) + 1)
+        prefix[0] = 0.0
+        np.cumsum(values, out=prefix[1:])
+        return prefix
+    return np.concatenate([[0.0], np.cumsum(values)])
+
+
+def stage_memory(model: CostModel, balance: Sequence[int]) -> NDArray[np.float64]:
+    """The peak memory of each stage of ``balance`` under ``model``."""
+    bounds = stage_bounds(balance)
+    return np.array(
+        [
+            float(model.stage_costs(k, np.array(bounds[k]), np.array(bounds[k + 1]))[1])
+            for k in range(len(balance))
+        ]
+    )
+
+
+def overflows(
+    model: CostModel, memory: NDArray[np.float64]
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Bytes over capacity, per row of stage memories (rows: splits, columns: stages):
+    of each stage on its device, and, with virtual stages, of each rank's stages together
+    on the rank's device (stage s runs on rank ``s % K``; no columns without virtual
+    stages). A split fits where no entry is above 0."""
+    capacities = np.array([model.capacity(k) for k in range(model.num_stages)])
+    stages = memory - capacities
+    ranks = model.num_ranks
+    if ranks == model.num_stages:
+        return stages, np.empty((len(memory), 0))
+    held = np.stack([memory[:, r::ranks].sum(axis=1) for r in range(ranks)], axis=1)
+    return stages, held - capacities[:ranks]
+
+
+def fits_memory(model: CostModel, memory: NDArray[np.float64]) -> NDArray[np.bool_]:
+    """Per row of stage memories (see :func:`overflows`), whether the split fits."""
+    stages, ranks = overflows(model, memory)
+    return np.all(stages <= 0, axis=1) & np.all(ranks <= 0, axis=1)
+
+
+def split_fits(model: CostModel, balance: Sequence[int]) -> bool:
+    """Whether every stage of ``balance`` (and every rank's stages) fits its device, and
+    no cut lies where none may go (:attr:`CostModel.forbidden`)."""
+    if model.restricted and model.forbidden[stage_bounds(balance)[1:-1]].any():
+        return False
+    return bool(fits_memory(model, stage_memory(model, balance)[None, :])[0])

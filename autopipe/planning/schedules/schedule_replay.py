@@ -1,0 +1,207 @@
+"""A pipeline schedule's step replayed from its fixed order of operations, for many splits.
+
+Every device runs its operations in an order that depends only on the schedule, K, v and M
+(:func:`autopipe.planning.schedules.interleaving.rank_order`), never on the stage times. So one step
+is a fixed graph: an operation starts when its device has finished the previous one and its
+input is there (a forward needs the previous stage's output, sent; a backward the next
+stage's input gradient, or on the last stage its own forward). :func:`replay_order` puts
+the operations in an order in which every input comes first, once per shape;
+:func:`makespans` then walks it with numpy, every split at once (a max-plus recurrence),
+and :func:`autopipe.planning.schedules.simulation.simulate` walks it for one plan, keeping the
+events.
+
+Per micro-batch stage ``s`` takes ``forward[s]`` (then ``transfer[s]`` sending its output,
+the device busy, as the cost model charges the send to the stage) and ``backward[s]``,
+after a re-computation of the forward when the micro-batch is checkpointed on that stage.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from autopipe.planning.schedules.interleaving import rank_order, spared
+
+__all__ = ["makespans"]
+
+# Which micro-batches a stage re-computes, by checkpoint mode: none, all, or all but the one
+# whose backward the stage runs first (:func:`autopipe.planning.schedules.interleaving.spared`: the
+# last in GPipe's reversed order, the first in 1F1B's).
+NONE, ALL, ALL_BUT_ONE = 0, 1, 2
+RECOMPUTE_CODES = {"never": NONE, "always": ALL, "except_last": ALL_BUT_ONE}
+# Floats per (splits × stages × micro-batches) array of one block of splits (32 MiB).
+_BLOCK_FLOATS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation of a step.
+
+    Attributes:
+        rank: the device that runs it (stage ``s`` runs on ``s mod K``).
+        kind: ``"F"`` forward, ``"B"`` backward, or the backward's two halves under zero
+            bubble: ``"I"`` the input's gradient (sent on), ``"W"`` the weights'.
+        stage: the stage.
+        micro_batch: the micro-batch, from 0.
+    """
+
+    rank: int
+    kind: str
+    stage: int
+    micro_batch: int
+
+    @property
+    def forward(self) -> bool:
+        return self.kind == "F"
+
+
+def recomputes(code: Any, micro_batch: int, spared: int) -> Any:
+    """Whether a stage with re-computation ``code`` re-computes ``micro_batch``, ``spared``
+    being the micro-batch whose backward it runs first (element-wise for an array of
+    codes)."""
+    return (code == ALL) | ((code == ALL_BUT_ONE) & (micro_batch != spared))
+
+
+@functools.lru_cache(maxsize=64)
+def replay_order(ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[Operation, ...]:
+    """Every operation of a step, each after the operations it waits for.
+
+    Args:
+        ranks: K, the devices.
+        virtual: v, stages per device (K·v stages).
+        chunks: M, micro-batches.
+        schedule: ``gpipe`` or ``1f1b``.
+
+    Raises:
+        ValueError: as :func:`~autopipe.planning.schedules.interleaving.rank_order`.
+        RuntimeError: the devices' orders wait on each other (a deadlock).
+    """
+    last = ranks * virtual - 1
+    orders = [rank_order(r, ranks, virtual, chunks, schedule) for r in range(ranks)]
+    # Done: ("F", s, i) forwards (sent), ("G", s, i) input gradients (B or I).
+    done: set[tuple[str, int, int]] = set()
+    position = [0] * ranks
+    out: list[Operation] = []
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for r in range(ranks):
+            while position[r] < len(orders[r]):
+                op, stage, i = orders[r][position[r]]
+                needs: tuple[str, int, int] | None
+                if op == "F":
+                    needs = ("F", stage - 1, i) if stage > 0 else None
+                elif op == "W":
+                    needs = ("G", stage, i)
+                else:
+                    needs = ("F", stage, i) if stage == last else ("G", stage + 1, i)
+                if needs is not None and needs not in done:
+                    break  # waits on another device; come back on the next sweep
+                done.add(("F" if op == "F" else ("G" if op in "BI" else "W"), stage, i))
+                out.append(Operation(r, op, stage, i))
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"the {schedule} schedule deadlocks for K={ranks}, v={virtual}")
+    return tuple(out)
+
+
+def makespans(
+    forward: NDArray[np.float64],
+    backward: NDArray[np.float64],
+    transfer: NDArray[np.float64],
+    recompute: NDArray[np.int64],
+    ranks: int,
+    chunks: int,
+    schedule: str,
+    weight: NDArray[np.float64] | None = None,
+) -> NDArray[np.float64]:
+    """Seconds of one step for every row (split) of per-stage times.
+
+    Args:
+        forward: (splits, K·v) seconds of one forward per micro-batch.
+        backward: (splits, K·v) seconds of one backward.
+        transfer: (splits, K·v) seconds to send one forward output (0 on the last stage).
+        recompute: (splits, K·v) :data:`RECOMPUTE_CODES` values.
+        ranks: K; stage ``s`` runs on device ``s mod K``.
+        chunks: M.
+        schedule: ``gpipe``, ``1f1b`` or ``zb``.
+        weight: (splits, K·v) share of each backward that computes the weights'
+            gradients, which ``zb`` defers (its ``W``); default none.
+
+    Raises:
+        ValueError: the stages do not divide among the ranks, or as :func:`replay_order`.
+    """
+    forward = np.atleast_2d(np.asarray(forward, dtype=float))
+    stages = forward.shape[1]
+    if ranks < 1 or not stages or stages % ranks:
+        raise ValueError(f"{stages} stages do not divide among {ranks} ranks")
+    order = replay_order(ranks, stages // ranks, chunks, schedule)
+    first = spared(ranks, stages // ranks, chunks, schedule)
+    arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in (backward, transfer)]
+    share = np.zeros_like(forward) if weight is None else np.atleast_2d(np.asarray(weight))
+    codes = np.atleast_2d(np.asarray(recompute))
+    out = np.empty(len(forward))
+    block = max(1, _BLOCK_FLOATS // (stages * chunks))
+    for lo in range(0, len(forward), block):
+        hi = lo + block
+        out[lo:hi] = _replay(
+            order,
+            forward[lo:hi],
+            arrays[0][lo:hi],
+            arrays[1][lo:hi],
+            share[lo:hi],
+            codes[lo:hi],
+            ranks,
+            chunks,
+            first,
+        )
+    return out
+
+
+def _replay(
+    order: tuple[Operation, ...],
+    forward: NDArray[np.float64],
+    backward: NDArray[np.float64],
+    transfer: NDArray[np.float64],
+    weight: NDArray[np.float64],
+    codes: NDArray[np.int64],
+    ranks: int,
+    chunks: int,
+    first: tuple[int, ...],
+) -> NDArray[np.float64]:
+    rows, stages = forward.shape
+    last = stages - 1
+    sent = np.zeros((stages, chunks, rows))  # forward output of (stage, micro-batch) there
+    grads = np.zeros((stages, chunks, rows))  # input gradient of (stage, micro-batch) there
+    free = np.zeros((ranks, rows))
+    # Per stage and micro-batch: the re-computation before its backward, if any.
+    again = {
+        (s, i): np.where(recomputes(codes[:, s], i, first[s]), forward[:, s], 0.0)
+        for s in range(stages)
+        for i in range(chunks)
+        if np.any(codes[:, s] != NONE)
+    }
+    for op in order:
+        s, i, r = op.stage, op.micro_batch, op.rank
+        if op.kind == "F":
+            ready = sent[s - 1, i] if s > 0 else free[r]
+            end = np.maximum(free[r], ready) + forward[:, s] + transfer[:, s]
+            sent[s, i] = end
+        elif op.kind == "W":  # after its own input gradient, on this device
+            end = free[r] + backward[:, s] * weight[:, s]
+        else:
+            ready = sent[s, i] if s == last else grads[s + 1, i]
+            part = backward[:, s] if op.kind == "B" else backward[:, s] * (1.0 - weight[:, s])
+            end = np.maximum(free[r], ready) + part
+            extra = again.get((s, i))
+            if extra is not None:
+                end += extra
+            grads[s, i] = end
+        free[r] = end
+    return np.asarray(free.max(axis=0))

@@ -1,0 +1,100 @@
+"""Per stage and start, the most layers a pipeline stage can hold within its memory."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from autopipe.planning.model.cost_model import CostModel, RangeMax
+from autopipe.planning.model.spans import prefix_sums
+
+__all__ = []
+
+Array = NDArray[np.float64]
+Ints = NDArray[np.int64]
+# Per memory signature: the largest fitting end per start (array, list), its running
+# maximum (list), and whether the two are the same.
+MemoryCache = dict[tuple[object, ...], tuple[Ints, list[int], list[int], bool]]
+
+
+class MemoryLimits:
+    """For every stage k, checkpoint mode μ and start s: the largest end e with
+    ``m_k(s, e) <= capacity + extra`` under mode μ (``e = s`` when not even one layer fits).
+
+    Memory grows with e for a fixed start, so these ends say exactly which stages fit.
+    They need not grow with s (a later start may keep a larger checkpointed boundary
+    input); their running maxima (``envelopes``) do, and relax the limits.
+
+    Attributes:
+        ends: per stage and mode, the ends as arrays.
+        lists: the same as Python lists (for scalar lookups).
+        envelopes: their running maxima, as lists.
+        monotone: whether the ends never fall as the start grows (then equal to the
+            envelopes).
+    """
+
+    def __init__(self, model: CostModel, cache: MemoryCache | None = None, extra: float = 0.0):
+        """Args:
+        model: the cost model.
+        cache: shared by models with the same ``layers`` object (and bytes held per
+            parameter byte), so that stages with the same memory signature are computed
+            once.
+        extra: bytes added to every capacity.
+        """
+        self.model = m = model
+        cache = {} if cache is None else cache
+        layers = m.layers
+        self.n = m.num_layers
+        # Tied tensors once (at their first user): a stage's state from below.
+        params, buffers = layers.first_use()
+        self._state = prefix_sums(params * m.state_factor + buffers)
+        # As in the cost model: shared bytes count once, added back at a stage's start.
+        self._shared = layers.shared_bytes
+        self._saved = prefix_sums(layers.saved - self._shared)
+        self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
+        # Boundary input of a stage starting at s: the model input or layer s−1's output.
+        self._inputs = np.concatenate([[layers.input], layers.output[:-1]])
+        self.ends: list[list[Ints]] = []
+        self.lists: list[list[list[int]]] = []
+        self.envelopes: list[list[list[int]]] = []
+        self.monotone = True
+        for k in range(m.num_stages):
+            ends: list[Ints] = []
+            lists: list[list[int]] = []
+            envelopes: list[list[int]] = []
+            for mu in m.modes:
+                ck, keep = m.checkpointed(k, mu)
+                cap = m.capacity(k) + extra
+                key = (id(layers), m.state_factor, float(keep), float(ck), cap)
+                if key not in cache:
+                    const = ck * self._inputs + keep * self._shared
+                    found = self._ends(self._state + keep * self._saved, const, cap)
+                    rise = np.maximum.accumulate(found)
+                    same = bool((found == rise).all())
+                    cache[key] = (found, found.tolist(), rise.tolist(), same)
+                array, values, envelope, rising = cache[key]
+                ends.append(array)
+                lists.append(values)
+                envelopes.append(envelope)
+                self.monotone = self.monotone and rising
+            self.ends.append(ends)
+            self.lists.append(lists)
+            self.envelopes.append(envelopes)
+
+    def _ends(self, additive: Array, const: Array, cap: float) -> Ints:
+        """Per start s, the largest end e >= s with ``A(e) − A(s) + const(s) + peak <= cap``."""
+        starts = np.arange(self.n)
+        budget = additive[starts] + (cap - const)
+        ends = np.maximum(np.searchsorted(additive, budget, side="right") - 1, starts)
+        if self._peak is None:
+            return ends.astype(np.int64)
+        # The largest layer peak of the stage also grows with e: bisect on it.
+        lo, hi = starts.copy(), ends.astype(np.int64)
+        while np.any(lo < hi):
+            open_ = lo < hi
+            mid = np.where(open_, (lo + hi + 1) // 2, np.minimum(lo + 1, self.n))
+            total = additive[mid] - additive[starts] + const + self._peak.query(starts, mid)
+            ok = open_ & (total <= cap)
+            lo = np.where(ok, mid, lo)
+            hi = np.where(open_ & ~ok, mid - 1, hi)
+        return lo

@@ -1,0 +1,51 @@
+"""Tests of ``autopipe plan --search`` (autopipe.cli.search_command)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autopipe.planning.model.plans import Plan
+from tests.support.cli_support import assert_error, run
+
+
+def test_search(capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path) -> None:
+    out_file = tmp_path / "best.json"
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "4", "--top", "3"]
+    code, out, err = run(capsys, *argv, "--allreduce-bandwidth", "1GB", "--json", str(out_file))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:6] == ["#", "K", "D", "M", "checkpoint", "schedule"]
+    assert lines[1].startswith("1 ") and lines[1].endswith("best")
+    assert "the best plan:" in out and "balance" in out
+    best = Plan.load(out_file)
+    assert best.num_devices <= 4 and best.throughput > 0
+    assert f"{best.num_stages} stage{'' if best.num_stages == 1 else 's'}" in out
+    assert "plan written to" in err
+
+
+def test_search_restricted_to_a_mode(
+    capsys: pytest.CaptureFixture[str], profile_file: Path
+) -> None:
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2"]
+    code, out, err = run(capsys, *argv, "--checkpoint", "never", "--schedule", "1f1b")
+    assert code == 0, err
+    rows = out.split("\n\n")[0].splitlines()[1:]
+    assert rows and all(" never " in row and " 1f1b " in row for row in rows if row[0].isdigit())
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--stages", "2"], "--search chooses the stages itself"),
+        (["--memory", "1GB,2GB"], "--search needs one --memory size"),
+        (["--memory", "1KB"], "no configuration of up to 2 devices fits"),
+        (["--strategy", "uniform"], "--search plans with the optimal strategy"),
+    ],
+)
+def test_bad_search_options(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, args: list[str], expected: str
+) -> None:
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2", *args]
+    assert_error(*run(capsys, *argv), expected)

@@ -1,0 +1,65 @@
+"""The search space of ``search`` (autopipe.planning.configuration.search_space): the micro-batch
+counts it tries and the bounds it prunes configurations by."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopipe.planning.configuration.search_space import Config, Space, chunk_options
+from autopipe.planning.planner import evaluate
+from tests.support.planning_cases import random_profile
+
+
+def test_chunk_options():
+    assert chunk_options(10, 100) == [(1, 10), (2, 5), (3, 4), (4, 3), (5, 2), (10, 1)]
+    assert chunk_options(10, 4) == [(1, 10), (2, 5), (3, 4), (4, 3)]
+    for batch in range(1, 60):
+        options = chunk_options(batch, batch)
+        micros = [math.ceil(batch / m) for m in range(1, batch + 1)]
+        assert [micro for _, micro in options] == sorted(set(micros), reverse=True)
+        assert all(m == math.ceil(batch / micro) for m, micro in options)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    shape=st.sampled_from([(2, 2, 4), (2, 3, 2), (3, 2, 3), (2, 2, 1), (4, 2, 8)]),
+    replicas=st.sampled_from([1, 2]),
+    bandwidth=st.sampled_from([None, 300.0]),
+    overhead=st.sampled_from([0.0, 0.05]),
+)
+def test_virtual_stage_bound_is_below_every_split(seed, shape, replicas, bandwidth, overhead):
+    # The search prunes interleaved configurations by this bound: it must never exceed
+    # the replayed step of any split, or the search could miss the best one.
+    k, v, m = shape
+    rng = np.random.default_rng(seed)
+    profile = random_profile(rng, k * v + 3)
+    profile.meta["calibration"] = {"virtual_overhead_s": overhead}
+    batch = m * 2 * replicas
+    space = Space(
+        profile, capacity=None, bandwidth=bandwidth, allreduce_bandwidth=500.0, optimizer="adam"
+    )
+    for schedule in ("gpipe", "1f1b"):
+        config = Config(k, replicas, m, 2, "never", schedule, 2 * m, v)
+        bound, possible = space.bound(config)
+        assert possible
+        for _ in range(5):
+            cuts = sorted(rng.choice(np.arange(1, len(profile)), k * v - 1, replace=False))
+            balance = np.diff([0, *cuts, len(profile)]).tolist()
+            result = evaluate(
+                profile,
+                balance,
+                chunks=m,
+                checkpoint="never",
+                schedule=schedule,
+                virtual_stages=v,
+                data_parallel=replicas,
+                batch=batch,
+                bandwidth=bandwidth,
+                allreduce_bandwidth=500.0,
+            )
+            assert bound <= result.step_time * (1 + 1e-9)
