@@ -1,12 +1,13 @@
 """autopipe: automatic, provably balanced pipeline parallelism for PyTorch.
 
-Layers, each a subpackage, from the bottom up: :mod:`autopipe.planning` (pure numbers, no
-torch), :mod:`autopipe.graph` (any module cut into units), :mod:`autopipe.microbatching` (what
-both runners need to train micro-batches like the whole batch), :mod:`autopipe.gpipe` (one
-process), :mod:`autopipe.distributed` (torch pipelining) and :mod:`autopipe.balance`
-(torchgpipe's measuring balancers), and :mod:`autopipe.cli`. Every
-name below loads on first use, so ``import autopipe`` costs nothing and planning never
-imports torch.
+Layers, each a subpackage, from the bottom up, on :mod:`profiler` (the measurements):
+:mod:`autopipe.planning` (pure numbers, no torch); :mod:`autopipe.graph` (any module cut
+into units) beside :mod:`autopipe.output` (reports, timelines, traces);
+:mod:`autopipe.microbatching` (what both runners need to train micro-batches like the whole
+batch); :mod:`autopipe.gpipe` (one process), :mod:`autopipe.distributed` (torch
+pipelining) and :mod:`autopipe.balance` (torchgpipe's measuring balancers); and
+:mod:`autopipe.cli`. Every name below loads on first use, so ``import autopipe`` costs
+nothing and planning never imports torch.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from autopipe.planning.model.runner_figures import RunnerFigures
 from autopipe.planning.pipeline_settings import MemorySpec, PipelineSettings
 from profiler.profile import Profile
 
-__all__ = ["MemorySpec", "PlanSettings"]
+__all__ = ["MemorySpec", "PlanSettings", "build_model"]
 
 # The settings of a plan are those of the pipeline it is made for.
 PlanSettings = PipelineSettings

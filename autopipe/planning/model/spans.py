@@ -4,15 +4,35 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-if TYPE_CHECKING:
-    from autopipe.planning.model.cost_model import CostModel
-
 __all__ = []
+
+
+class StageMemoryModel(Protocol):
+    """What the memory checks read of :class:`~autopipe.planning.model.cost_model.CostModel`.
+
+    A protocol rather than an import: the cost model imports this module's prefix sums, so
+    naming its class here would make the two modules import each other."""
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    def stage_costs(self, k: int, s: Any, e: Any) -> tuple[Any, Any, Any]: ...
+
+    def capacity(self, k: int) -> float: ...
+
+    @property
+    def restricted(self) -> bool: ...
+
+    @property
+    def forbidden(self) -> NDArray[np.bool_]: ...
 
 
 def stage_bounds(balance: Sequence[int]) -> NDArray[np.int64]:
@@ -38,7 +58,7 @@ def prefix_sums(values: ArrayLike) -> NDArray[np.float64]:
     return np.concatenate([[0.0], np.cumsum(values)])
 
 
-def stage_memory(model: CostModel, balance: Sequence[int]) -> NDArray[np.float64]:
+def stage_memory(model: StageMemoryModel, balance: Sequence[int]) -> NDArray[np.float64]:
     """The peak memory of each stage of ``balance`` under ``model``."""
     bounds = stage_bounds(balance)
     return np.array(
@@ -50,7 +70,7 @@ def stage_memory(model: CostModel, balance: Sequence[int]) -> NDArray[np.float64
 
 
 def overflows(
-    model: CostModel, memory: NDArray[np.float64]
+    model: StageMemoryModel, memory: NDArray[np.float64]
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Bytes over capacity, per row of stage memories (rows: splits, columns: stages):
     of each stage on its device, and, with virtual stages, of each rank's stages together
@@ -65,13 +85,13 @@ def overflows(
     return stages, held - capacities[:ranks]
 
 
-def fits_memory(model: CostModel, memory: NDArray[np.float64]) -> NDArray[np.bool_]:
+def fits_memory(model: StageMemoryModel, memory: NDArray[np.float64]) -> NDArray[np.bool_]:
     """Per row of stage memories (see :func:`overflows`), whether the split fits."""
     stages, ranks = overflows(model, memory)
     return np.all(stages <= 0, axis=1) & np.all(ranks <= 0, axis=1)
 
 
-def split_fits(model: CostModel, balance: Sequence[int]) -> bool:
+def split_fits(model: StageMemoryModel, balance: Sequence[int]) -> bool:
     """Whether every stage of ``balance`` (and every rank's stages) fits its device, and
     no cut lies where none may go (:attr:`CostModel.forbidden`)."""
     if model.restricted and model.forbidden[stage_bounds(balance)[1:-1]].any():

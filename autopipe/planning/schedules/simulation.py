@@ -41,8 +41,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from autopipe.planning.model.plans import Plan
 from autopipe.planning.schedules.interleaving import spared
 from autopipe.planning.schedules.schedule_replay import (
     ALL_BUT_ONE,
@@ -52,7 +52,11 @@ from autopipe.planning.schedules.schedule_replay import (
     replay_order,
 )
 
-__all__ = ["simulate"]
+# Only annotations name a Plan: schedules sit below the plans they replay (see the package).
+if TYPE_CHECKING:
+    from autopipe.planning.model.plans import Plan
+
+__all__ = ["KINDS", "checkpointed", "makespan", "simulate", "stage_times"]
 
 KINDS = ("forward", "recompute", "backward", "weight", "transfer")
 # Backward takes about twice the forward (gradients of inputs and of weights).
