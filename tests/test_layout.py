@@ -1,8 +1,11 @@
-"""The layout rules lint-imports cannot state: no import cycle, no private or internal import."""
+"""The layout rules lint-imports cannot state: no import cycle, no private or internal import,
+one name per module, tests that mirror the modules, faces that load on first use."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +118,58 @@ def test_no_import_cycle_in_the_library():
         if len(component) > 1
     ]
     assert cycles == []
+
+
+def _module_homes() -> dict[str, list[Path]]:
+    """Each module's file name (``exact``) -> the folders that hold a module of that name."""
+    homes: dict[str, list[Path]] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name != "__init__.py":
+                homes.setdefault(path.stem, []).append(path.parent.relative_to(ROOT))
+    return homes
+
+
+def test_no_two_modules_share_a_name():
+    """One name, one module: ``tied`` is profiler's, the runners' are named by their role."""
+    homes = _module_homes()
+    assert {name: folders for name, folders in homes.items() if len(folders) > 1} == {}
+
+
+def test_no_planning_folder_holds_more_than_15_modules():
+    planning = ROOT / "autopipe" / "planning"
+    sizes = {
+        str(folder.relative_to(ROOT)): len([p for p in folder.glob("*.py") if p.stem != "__init__"])
+        for folder in [planning, *(path for path in planning.iterdir() if path.is_dir())]
+        if (folder / "__init__.py").exists()
+    }
+    assert len(sizes) > 1 and {folder: n for folder, n in sizes.items() if n > 15} == {}
+
+
+def test_tests_mirror_the_modules():
+    """``tests/planning/split/test_exact.py`` tests ``autopipe/planning/split/exact.py``: a test
+    named after a module sits in the folder that mirrors the module's."""
+    homes = _module_homes()
+    misplaced = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        folder = path.parent.relative_to(ROOT / "tests")
+        if not folder.parts or folder.parts[0] in ("support", "torchgpipe_conformance"):
+            continue
+        for home in homes.get(path.stem.removeprefix("test_"), []):
+            mirrored = home if home.parts[0] == "profiler" else home.relative_to("autopipe")
+            if folder != mirrored:
+                misplaced.append(f"{path.relative_to(ROOT)} tests {home}")
+    assert misplaced == []
+
+
+@pytest.mark.parametrize("face", ["autopipe.planning", "autopipe.output"])
+def test_a_face_loads_its_modules_on_first_use(face: str):
+    """Importing the face loads none of its modules; each public name then resolves."""
+    code = (
+        "import importlib, sys\n"
+        f"face = importlib.import_module({face!r})\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({face + '.'!r})))\n"
+        "print(all(getattr(face, name) is not None for name in face.__all__))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[]\nTrue\n", "")
