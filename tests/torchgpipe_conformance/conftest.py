@@ -4,7 +4,7 @@ The test files here are torchgpipe's, unchanged (BSD-3-Clause, see LICENSE). Whi
 imported and while they run, ``import torchgpipe`` and its submodules resolve to autopipe's
 functions of the same meaning; anywhere else the installed torchgpipe (if any) is untouched.
 Tests of torchgpipe's internals, and of behaviour autopipe deliberately differs in, are
-marked xfail below with the reason (README, "Coming from torchgpipe").
+marked xfail below with the reason (docs/torchgpipe.md).
 """
 
 from __future__ import annotations
