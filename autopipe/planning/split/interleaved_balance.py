@@ -102,8 +102,10 @@ def _moves(balance: list[int]) -> Iterable[list[int]]:
 def every_split(layers: int, stages: int) -> NDArray[np.int64]:
     """The stage bounds ``[0, c_1, …, layers]`` of every split into non-empty stages, one
     row each (``C(layers − 1, stages − 1)`` rows)."""
-    cuts = np.array(list(itertools.combinations(range(1, layers), stages - 1)), dtype=np.int64)
-    cuts = cuts.reshape(-1, stages - 1)
+    found = list(itertools.combinations(range(1, layers), stages - 1))
+    # Shaped by the row count: one stage has one split with no cut (a reshape to (-1, 0)
+    # of the empty array could not tell how many rows).
+    cuts = np.array(found, dtype=np.int64).reshape(len(found), stages - 1)
     ends = np.full((len(cuts), 1), layers, dtype=np.int64)
     return np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
 
