@@ -10,7 +10,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autopipe.cli.bench_conditions import calibrate_runner, profile_as_run
+from autopipe.cli.bench_conditions import (
+    calibrate_runner,
+    fit_in_place,
+    profile_as_run,
+    replan,
+)
 from autopipe.cli.bench_options import (
     add_bench_arguments,
     given_balance,
@@ -115,7 +120,11 @@ class _Progress:
 
 
 def _measure(
-    args: argparse.Namespace, plans: dict[str, Plan], stages: int, dtype: str | None
+    args: argparse.Namespace,
+    plans: dict[str, Plan],
+    stages: int,
+    dtype: str | None,
+    in_place: bool = False,
 ) -> dict[str, Measured]:
     build: Callable[[], Any] = functools.partial(
         load_units, args.model, dtype, args.granularity, tuple(args.leaf_modules)
@@ -134,6 +143,7 @@ def _measure(
                 lr=LR,
                 cuda=(args.device or default_device()).startswith("cuda"),
                 progress=progress,
+                in_place=in_place,
             )
         except RuntimeError as exc:  # a rank's failure, already one line
             raise ValueError(str(exc)) from None
@@ -149,6 +159,7 @@ def _measure(
         devices=gpipe_devices(args, stages),
         lr=LR,
         progress=progress,
+        in_place=in_place,
     )
 
 
@@ -219,27 +230,41 @@ def bench_command(args: argparse.Namespace) -> int:
     devices: int | list[str] = args.ranks or gpipe_devices(args, stages)
     calibrated = calibrate_runner(args, profile)
     plans = _plans(profile, devices, names, balance, options, args.strategies is not None)
-    # Strategies that give the same split run the same steps: each split is measured once
-    # (timed apart, their noise alone would tell them apart).
-    first_of: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for label, found in plans.items():
-        key = (tuple(found.balance), tuple(found.stage_checkpoints))
-        first_of[label] = seen.setdefault(key, label)
-    distinct = {label: found for label, found in plans.items() if first_of[label] == label}
+    first_of, distinct = _distinct(plans)
     dtype = args.dtype or (profile.dtype if profile.dtype not in (None, "float32") else None)
     runner = (
         f"{args.ranks} local ranks (DistributedPipeline)"
         if args.ranks
         else f"GPipe in one process on {', '.join(dict.fromkeys(gpipe_devices(args, stages)))}"
     )
-    print(
-        f"running {_count(len(distinct), 'split')}, {_count(args.warmup, 'warm-up step')} and "
-        f"{_count(args.steps, 'timed step')} each, on {runner}",
-        file=sys.stderr,
-    )
+    in_place = not args.no_calibrate and args.warmup >= 2
     with model_output_to_stderr():  # the model's steps may print; the table is stdout's
-        measured = _measure(args, distinct, stages, dtype)
+        _announce(len(distinct), args, runner)
+        measured = _measure(args, distinct, stages, dtype, in_place)
+        fitted_line = (
+            ""
+            if in_place or args.no_calibrate
+            else "predicted from the profile: --warmup 2 or more times the splits in place"
+        )
+        if in_place:
+            fitted, fitted_line = fit_in_place(profile, distinct, measured, devices, options)
+            again = replan(fitted, plans, devices, options)
+            first_again, distinct_again = _distinct(again)
+            if set(map(_split_key, distinct_again.values())) - set(
+                map(_split_key, distinct.values())
+            ):
+                # The figures moved optimal's split to one not run yet: run every split
+                # again with it, and predict them all from that run's own warm-up steps.
+                print("the in-place figures chose another split: running again", file=sys.stderr)
+                _announce(len(distinct_again), args, runner)
+                measured = _measure(args, distinct_again, stages, dtype, in_place)
+                fitted, fitted_line = fit_in_place(
+                    profile, distinct_again, measured, devices, options
+                )
+                again = replan(fitted, again, devices, options, optimal=False)
+                first_again, distinct_again = _distinct(again)
+                fitted_line += " of a second run, with the split the first run's chose"
+            profile, plans, first_of, distinct = fitted, again, first_again, distinct_again
     costs = unit_costs(profile, stages, **options)
     summaries = [
         summarize(label, plans[label], measured[first_of[label]], costs) for label in plans
@@ -276,6 +301,7 @@ def bench_command(args: argparse.Namespace) -> int:
             "memory": memory,
             "profiled": profiled,
             "calibrated": calibrated,
+            "in_place": fitted_line,
             "shared": next(iter(plans.values())).shared,
         }
         record = bench_record(summaries, settings)
@@ -286,7 +312,7 @@ def bench_command(args: argparse.Namespace) -> int:
         }
         _write_json(args.json, record)
         drawn.append(f"results written to {args.json}")
-    notes = [profiled, calibrated, *_notes(plans)]
+    notes = [profiled, calibrated, fitted_line, *_notes(plans)]
     header += "".join(f"\n{line}" for line in notes if line)
     sys.stdout.write(render_bench(summaries, header))
     for first, labels in same.items():
@@ -294,6 +320,31 @@ def bench_command(args: argparse.Namespace) -> int:
     for line in drawn:
         print(line, file=sys.stderr)
     return 0
+
+
+def _split_key(found: Plan) -> tuple[Any, ...]:
+    return (tuple(found.balance), tuple(found.stage_checkpoints))
+
+
+def _distinct(plans: dict[str, Plan]) -> tuple[dict[str, str], dict[str, Plan]]:
+    """Each label's first label of the same split, and those first labels' plans.
+
+    Strategies that give the same split run the same steps: each split is measured once
+    (timed apart, their noise alone would tell them apart).
+    """
+    first_of: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for label, found in plans.items():
+        first_of[label] = seen.setdefault(_split_key(found), label)
+    return first_of, {label: found for label, found in plans.items() if first_of[label] == label}
+
+
+def _announce(splits: int, args: argparse.Namespace, runner: str) -> None:
+    print(
+        f"running {_count(splits, 'split')}, {_count(args.warmup, 'warm-up step')} and "
+        f"{_count(args.steps, 'timed step')} each, on {runner}",
+        file=sys.stderr,
+    )
 
 
 def _notes(plans: dict[str, Plan]) -> list[str]:

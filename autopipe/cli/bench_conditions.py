@@ -20,6 +20,8 @@ from autopipe.cli.options import default_device
 from autopipe.planning.model.quantities import format_bytes, format_time
 
 if TYPE_CHECKING:
+    from autopipe.output.bench_summary import Measured
+    from autopipe.planning.model.plans import Plan
     from profiler.profile import Profile
 
 __all__: list[str] = []  # internal to the command line
@@ -170,3 +172,83 @@ def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def fit_in_place(
+    profile: Profile,
+    plans: dict[str, Plan],
+    measured: dict[str, Measured],
+    devices: int | list[str],
+    options: dict[str, Any],
+) -> tuple[Profile, str]:
+    """The profile refined on the splits' warm-up steps timed where they ran, and the line
+    saying how.
+
+    On ranks every stage's forward and backward were timed in the pipeline
+    (:func:`autopipe.planning.model.in_place_fit.fit_layer_scales`); in one process the
+    stages share the device, so each split's whole step gives one factor for every layer,
+    the least-squares fit of the predicted steps to the measured ones.
+    """
+    from autopipe.planning.model.in_place_fit import (
+        StageSeconds,
+        fit_layer_scales,
+        scaled_profile,
+        uniform_scales,
+    )
+    from autopipe.planning.planner import evaluate
+
+    timed = {label: found.in_place for label, found in measured.items() if found.in_place}
+    if not timed:
+        return profile, ""
+    if all(figures["stages"] for figures in timed.values()):
+        observed = [
+            StageSeconds(
+                plans[label],
+                [stage["forward"] for stage in figures["stages"]],
+                [stage["backward"] for stage in figures["stages"]],
+            )
+            for label, figures in timed.items()
+        ]
+        scales = fit_layer_scales(profile, observed)
+        how = "each stage's forward and backward timed in the pipeline's last warm-up step"
+    else:
+        # The step is linear in a factor g on every layer's time as long as the bottleneck
+        # does not move: step(g) = p1 + (p2 - p1)(g - 1), with p2 the step at g = 2.
+        doubled = scaled_profile(profile, uniform_scales(profile, 2.0), "")
+        num = den = 0.0
+        for label, figures in timed.items():
+            p1 = plans[label].step_time
+            p2 = evaluate(
+                doubled, plans[label].balance, devices, strategy=label, **options
+            ).step_time
+            slope, seen = p2 - p1, figures["step"]
+            num, den = num + (seen - p1) * slope / seen**2, den + slope**2 / seen**2
+        factor = 1.0 + num / den if den > 0 else 1.0
+        scales = uniform_scales(profile, max(factor, 0.05))
+        how = (
+            f"every layer's time x{max(factor, 0.05):.2f}, fitted on the splits' last warm-up steps"
+        )
+    fitted = scaled_profile(profile, scales, how)
+    return fitted, f"predicted from in-place figures: {how}"
+
+
+def replan(
+    profile: Profile,
+    plans: dict[str, Plan],
+    devices: int | list[str],
+    options: dict[str, Any],
+    optimal: bool = True,
+) -> dict[str, Plan]:
+    """Every split predicted again from ``profile``: ``optimal`` planned afresh (it may
+    choose another split) unless not ``optimal``, the other strategies' and the given
+    splits kept as they were (the strategies split by their own rules, not by these
+    figures)."""
+    from autopipe.planning.planner import evaluate, plan
+
+    out = {}
+    for label, found in plans.items():
+        if label == "optimal" and optimal:
+            out[label] = plan(profile, devices, strategy="optimal", **options)
+        else:
+            out[label] = evaluate(profile, found.balance, devices, strategy=label, **options)
+    return out

@@ -63,9 +63,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--warmup",
         type=non_negative,
-        default=2,
+        default=3,
         metavar="W",
-        help="untimed steps per split before timing (default: 2)",
+        help="untimed steps per split before timing (default: 3); those after the first "
+        "are timed in place and the predictions made from them (2 or more; see "
+        "--no-calibrate)",
     )
     parser.add_argument(
         "--memory",
@@ -98,9 +100,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-calibrate",
         action="store_true",
-        help="with --ranks: leave the runner's own costs out of the predictions (default: "
-        "apply this machine's cached calibration for the runtime, measured on the ranks "
-        "the first time)",
+        help="predict from the profile alone: no in-step scales, no figures timed in the "
+        "warm-up steps and, with --ranks, the runner's own costs left out (default: apply "
+        "this machine's cached calibration for the runtime, measured on the ranks the "
+        "first time)",
     )
     parser.add_argument(
         "--recalibrate",

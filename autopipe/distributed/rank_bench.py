@@ -6,7 +6,10 @@ model itself (``build``, a picklable function) and runs every split as a
 :class:`autopipe.distributed.DistributedPipeline` of the given plan, the splits taking turns
 one step each. A step is forward and backward through the pipeline with the loss the mean
 of the output, then an SGD step of the rank's stage; its time is the slowest rank's, each
-rank timing from a common barrier. After the timed steps one untimed step per split counts
+rank timing from a common barrier. With ``in_place`` the warm-up steps after the first are
+recorded (:class:`autopipe.distributed.step_trace.StepRecorder`): every stage's forward and
+backward per micro-batch, timed on the rank that runs it, which ``autopipe bench`` predicts
+the timed steps from. After the timed steps one untimed step per split counts
 the bytes each rank's stage saves for backward (:class:`profiler.live_memory.SavedMemory`).
 """
 
@@ -30,8 +33,9 @@ from autopipe.distributed.local_ranks import (
     report_to_launcher,
     run_on_local_ranks,
 )
+from autopipe.distributed.step_trace import StepRecorder, median_stage_seconds, stage_seconds
 from autopipe.microbatching.step_timing import check_steps, mean_output_loss, take_turns
-from autopipe.output.bench_summary import Measured
+from autopipe.output.bench_summary import Measured, merge_stage_seconds
 from autopipe.planning.model.plans import Plan
 from profiler.devices import synchronize
 from profiler.live_memory import SavedMemory
@@ -104,19 +108,34 @@ def _rank_main(
         def report(done: int, total: int, label: str) -> None:
             messages.put(("progress", done, total, label))
 
+        records: dict[str, list[dict[str, Any]]] = {label: [] for label in splits}
+
+        def warm_step(label: str, round_: int) -> float:
+            """A warm-up step; after the first (which sets up torch's stages) each stage's
+            forwards and backwards are timed where they run, for the predictions."""
+            if round_ < 1 or not options["in_place"]:
+                return step(label)
+            pipe = splits[label][0]
+            with StepRecorder(pipe.stages, pipe.schedule, device, pipe.group) as recorder:
+                seconds = step(label)
+            records[label].append(stage_seconds(recorder.actions, seconds, recorder.stop))
+            return seconds
+
         times = take_turns(
             list(splits),
             step,
             steps=options["steps"],
             warmup=options["warmup"],
             progress=report if rank == 0 else None,
+            warmup_step=warm_step,
         )
+        in_place = {label: median_stage_seconds(found) for label, found in records.items() if found}
         peaks = {}
         for label, (pipe, _) in splits.items():
             with SavedMemory.of_modules(pipe.module) as saved:
                 step(label)
             peaks[label] = saved.peak
-        messages.put(("result", rank, {"times": times, "peaks": peaks}))
+        messages.put(("result", rank, {"times": times, "peaks": peaks, "in_place": in_place}))
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the launcher as one line
         report_to_launcher(messages, rank, exc)
@@ -133,6 +152,7 @@ def time_splits_on_ranks(
     timeout: float = 300.0,
     cuda: bool | None = None,
     progress: Progress | None = None,
+    in_place: bool = False,
 ) -> dict[str, Measured]:
     """Times training steps of every plan's split on ``ranks`` local processes.
 
@@ -150,6 +170,8 @@ def time_splits_on_ranks(
         cuda: run on GPUs with nccl (one per rank), or on the CPU with gloo; default:
             on GPUs when there are any.
         progress: called with (steps done, steps in all, label) after every step.
+        in_place: record the warm-up steps after the first and return their medians per
+            stage (``in_place`` of :class:`~autopipe.output.bench_summary.Measured`).
 
     Returns:
         Per label, the timed steps' seconds (the slowest rank's) and each stage's peak
@@ -171,11 +193,14 @@ def time_splits_on_ranks(
         "lr": lr,
         "steps": steps,
         "warmup": warmup,
+        "in_place": in_place,
     }
     results = run_on_local_ranks(_rank_main, (build, dict(plans), options), ranks, progress)
     return {
         label: Measured(
-            results[0]["times"][label], [results[r]["peaks"][label] for r in range(ranks)]
+            results[0]["times"][label],
+            [results[r]["peaks"][label] for r in range(ranks)],
+            merge_stage_seconds([results[r]["in_place"].get(label) for r in range(ranks)]),
         )
         for label in plans
     }

@@ -18,6 +18,7 @@ later one.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from autopipe.output.trace_events import (
 )
 from autopipe.planning.model.plans import Plan
 
-__all__: list[str] = []  # internal: DistributedPipeline.step(trace=...) records
+__all__ = ["StepRecorder", "median_stage_seconds", "stage_seconds"]
 
 # torch's calls that post a batch of sends and receives, and that wait for them
 _POST = ("_batch_p2p", "_sorted_batch_p2p")
@@ -208,3 +209,43 @@ def track_label(stages: Sequence[int], replica: int, replicas: int) -> str:
     """``stage 1``, ``stages 1, 3``, or with replicas ``stage 1, replica 0``."""
     label = stages_label(stages)
     return f"{label}, replica {replica}" if replicas > 1 else label
+
+
+def stage_seconds(actions: Sequence[Action], step: float, span: float) -> dict[str, Any]:
+    """One rank's recorded step in figures.
+
+    Returns:
+        ``{"stages": {stage: {"forward": s, "backward": s}}, "step": s, "span": s}``: per
+        stage the mean seconds per micro-batch of its forward and of its backward (the
+        re-computation and zero bubble's two halves included), the step's seconds and
+        the part the schedule ran.
+    """
+    sums: dict[int, dict[str, float]] = {}
+    counts: dict[int, int] = {}
+    for action in actions:
+        if action.stage < 0 or action.kind == "loss":
+            continue
+        kind = "forward" if action.kind == "forward" else "backward"
+        totals = sums.setdefault(action.stage, {"forward": 0.0, "backward": 0.0})
+        totals[kind] += action.end - action.start
+        counts[action.stage] = counts.get(action.stage, 0) + (kind == "forward")
+    stages = {
+        index: {kind: total / max(counts[index], 1) for kind, total in totals.items()}
+        for index, totals in sums.items()
+    }
+    return {"stages": stages, "step": step, "span": span}
+
+
+def median_stage_seconds(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several steps' :func:`stage_seconds` as one: each figure's median over the steps."""
+    stages: dict[int, dict[str, float]] = {}
+    for index in records[0]["stages"]:
+        stages[index] = {
+            kind: statistics.median(r["stages"][index][kind] for r in records)
+            for kind in records[0]["stages"][index]
+        }
+    return {
+        "stages": stages,
+        "step": statistics.median(r["step"] for r in records),
+        "span": statistics.median(r["span"] for r in records),
+    }

@@ -11,6 +11,7 @@ counting costs the timed steps nothing.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -123,6 +124,7 @@ def time_splits(
     devices: Sequence[str] | None = None,
     lr: float = 1e-3,
     progress: Progress | None = None,
+    in_place: bool = False,
 ) -> dict[str, Measured]:
     """Times training steps of every plan's split of ``layers``, the splits taking turns.
 
@@ -136,6 +138,10 @@ def time_splits(
         devices: one device per stage (default: each plan's own devices).
         lr: the SGD learning rate.
         progress: called with (steps done, steps in all, label) after every step.
+        in_place: keep the median seconds of each split's warm-up steps after the first
+            (``in_place`` of :class:`~autopipe.output.bench_summary.Measured`:
+            ``{"stages": [], "step": s}``; the stages share the process, so only the whole
+            step is timed); none with fewer than two warm-up steps.
 
     Returns:
         Per label, the timed steps' seconds and each stage's peak saved bytes.
@@ -149,13 +155,28 @@ def time_splits(
         label: _Split(layers, plan, devices or [d.name for d in plan.devices], lr)
         for label, plan in plans.items()
     }
+    kept: dict[str, list[float]] = {label: [] for label in splits}
+
+    def warm_step(label: str, round_: int) -> float:
+        seconds = splits[label].step(value)
+        if round_ >= 1:  # the first round sets things up; the later ones are kept
+            kept[label].append(seconds)
+        return seconds
+
     times = take_turns(
         list(splits),
         lambda label: splits[label].step(value),
         steps=steps,
         warmup=warmup,
         progress=progress,
+        warmup_step=warm_step if in_place else None,
     )
+    warm = {
+        label: {"stages": [], "step": statistics.median(found)}
+        for label, found in kept.items()
+        if found
+    }
     return {
-        label: Measured(times[label], split.saved_peaks(value)) for label, split in splits.items()
+        label: Measured(times[label], split.saved_peaks(value), warm.get(label))
+        for label, split in splits.items()
     }

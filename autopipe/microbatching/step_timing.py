@@ -62,6 +62,7 @@ def take_turns(
     steps: int,
     warmup: int,
     progress: Progress | None = None,
+    warmup_step: Callable[[str, int], float] | None = None,
 ) -> dict[str, list[float]]:
     """Runs ``warmup + steps`` rounds of one step per label, so that a slow spell of the
     machine touches every split alike.
@@ -72,6 +73,8 @@ def take_turns(
         steps: timed rounds.
         warmup: untimed rounds first.
         progress: called with (steps done, steps in all, label) after every step.
+        warmup_step: runs a warm-up step instead of ``step``, given the label and the
+            warm-up round (from 0), e.g. to record the later ones.
 
     Returns:
         Per label, the seconds of its timed steps.
@@ -80,7 +83,8 @@ def take_turns(
     total, done = (warmup + steps) * len(labels), 0
     for round_ in range(warmup + steps):
         for label in labels:
-            seconds = step(label)
+            warming = round_ < warmup and warmup_step is not None
+            seconds = warmup_step(label, round_) if warming else step(label)  # type: ignore[misc]
             if round_ >= warmup:
                 times[label].append(seconds)
             done += 1

@@ -19,6 +19,7 @@ __all__ = [
     "bounding_unit",
     "ideal_step",
     "median_spread",
+    "merge_stage_seconds",
     "speedups",
     "summarize",
     "unit_costs",
@@ -33,10 +34,28 @@ class Measured:
         times: seconds of each timed training step, the warm-up steps left out.
         saved_peak: per stage, the peak bytes saved for backward over a step (the
             activations a stage holds), ``None`` where it was not measured.
+        in_place: a warm-up step recorded where it ran (see :func:`merge_stage_seconds`),
+            or ``None``.
     """
 
     times: list[float]
     saved_peak: list[int | None]
+    in_place: dict[str, Any] | None = None
+
+
+def merge_stage_seconds(parts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Every rank's recorded step as one: each stage's figures from the rank that ran it,
+    the slowest rank's step and schedule span; ``None`` when a rank recorded none."""
+    if not parts or any(part is None for part in parts):
+        return None
+    stages: dict[int, dict[str, float]] = {}
+    for part in parts:
+        stages.update({int(k): dict(v) for k, v in part["stages"].items()})  # type: ignore[index]
+    return {
+        "stages": [stages[i] for i in sorted(stages)],
+        "step": max(part["step"] for part in parts),  # type: ignore[index]
+        "span": max(part["span"] for part in parts),  # type: ignore[index]
+    }
 
 
 def median_spread(times: Sequence[float]) -> tuple[float, float]:

@@ -59,6 +59,8 @@ def test_bench_one_process(
     assert "loss: mean of the output" in out and "GPipe in one process on cpu" in out
     assert "speed-up of the row over the column" in out
     assert "profiled in this process with" in out and "calibrated" not in out
+    # One warm-up step only sets things up: nothing to time in place.
+    assert "predicted from the profile: --warmup 2 or more times the splits in place" in out
     # Progress on stderr: one line a round, warm-up included.
     assert "round 3/3 done" in err
     assert picture.read_bytes().startswith(b"\x89PNG")
@@ -102,12 +104,16 @@ def test_bench_two_ranks(
         "--steps",
         "2",
         "--warmup",
-        "0",
+        "2",
         "--json",
         str(out_json),
     )
     assert code == 0, err
     assert "2 local ranks" in out
+    # The predictions come from the stages timed in the second warm-up step.
+    fitted = "predicted from in-place figures: each stage's forward and backward timed"
+    assert fitted in out
+    assert json.loads(out_json.read_text())["settings"]["in_place"].startswith(fitted)
     record = json.loads(out_json.read_text())
     assert record["settings"]["runner"] == "distributed" and record["settings"]["ranks"] == 2
     assert [split["label"] for split in record["splits"]] == ["optimal", "uniform"]
@@ -123,6 +129,8 @@ def test_bench_two_ranks(
     assert cached is not None
     for plan in record["plans"].values():
         assert all(stage["overhead"] == cached["overhead_s"] for stage in plan["stages"])
+        # Each stage's prediction is what its stages measured in place, up to the fit.
+    assert record["settings"]["warmup"] == 2
     argv = ["bench", model_file, "--ranks", "2", *QUICK, "--strategies", "optimal"]
     code, out, err = run(capsys, *argv, "--steps", "1", "--warmup", "0")
     assert code == 0, err
@@ -130,6 +138,20 @@ def test_bench_two_ranks(
     code, out, err = run(capsys, *argv, "--steps", "1", "--warmup", "0", "--no-calibrate")
     assert code == 0, err
     assert "not calibrated (--no-calibrate)" in out
+
+
+def test_bench_one_process_fits_its_warm_up_steps(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: str
+) -> None:
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", model_file, "--stages", "2", *QUICK, "--strategies", "optimal,uniform"]
+    code, out, err = run(capsys, *argv, "--steps", "1", "--warmup", "2", "--json", str(out_json))
+    assert code == 0, err
+    assert "predicted from in-place figures: every layer's time x" in out
+    assert "fitted on the splits' last warm-up steps" in out
+    code, out, err = run(capsys, *argv, "--steps", "1", "--warmup", "2", "--no-calibrate")
+    assert code == 0, err
+    assert "in-place" not in out and "in-step scale" not in out
 
 
 def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

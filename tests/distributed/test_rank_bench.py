@@ -50,6 +50,22 @@ def test_two_ranks_time_every_split() -> None:
     assert three is not None and two is not None and three > two
 
 
+def test_warm_up_steps_are_timed_in_place() -> None:
+    plans = _plans([2, 2], [3, 1])
+    result = time_splits_on_ranks(build, plans, ranks=2, steps=1, warmup=3, in_place=True)
+    for label, measured in result.items():
+        found = measured.in_place
+        assert found is not None, label
+        # Every stage's forward and backward per micro-batch, from the rank that ran it.
+        assert len(found["stages"]) == 2
+        for stage in found["stages"]:
+            assert stage["forward"] > 0 and stage["backward"] > 0
+        assert found["span"] > 0 and found["step"] > 0
+    # Without it, nothing is recorded.
+    plain = time_splits_on_ranks(build, _plans([2, 2]), ranks=2, steps=1, warmup=2)
+    assert plain["[2, 2]"].in_place is None
+
+
 def test_a_rank_failure_is_one_error() -> None:
     with pytest.raises(RuntimeError, match="rank [01] failed: ValueError: no model here"):
         time_splits_on_ranks(failing_build, _plans([2, 2]), ranks=2, steps=1)

@@ -108,3 +108,24 @@ def test_bad_trace_path_refuses_the_step_on_every_rank(trace_run: list[dict[str,
         assert "does not exist" in trace_run[rank]["refused"]
         assert trace_run[rank]["after refusal"]  # and the next step runs
     assert trace_run[1]["refused"].startswith("rank 0: cannot write the trace")
+
+
+def test_stage_seconds_sums_a_stages_actions_per_micro_batch() -> None:
+    from autopipe.distributed.step_trace import Action, median_stage_seconds, stage_seconds
+
+    actions = [
+        Action(0, 0, "forward", 0.0, 1.0),
+        Action(0, 1, "forward", 1.0, 3.0),
+        Action(0, 0, "backward", 3.0, 6.0),
+        Action(0, 1, "input", 6.0, 7.0),  # zero bubble's halves count as the backward
+        Action(0, 1, "weight", 7.0, 8.0),
+        Action(0, 1, "loss", 8.0, 9.0),  # the loss is neither
+        Action(-1, -1, "wait", 9.0, 10.0),  # nor are the messages
+    ]
+    found = stage_seconds(actions, 12.0, 10.0)
+    assert found == {"stages": {0: {"forward": 1.5, "backward": 2.5}}, "step": 12.0, "span": 10.0}
+    slower = stage_seconds([Action(0, 0, "forward", 0.0, 4.0)], 20.0, 15.0)
+    other = stage_seconds([Action(0, 0, "forward", 0.0, 2.0)], 14.0, 11.0)
+    middle = median_stage_seconds([found, slower, other])
+    assert middle["stages"][0]["forward"] == 2.0
+    assert (middle["step"], middle["span"]) == (14.0, 11.0)

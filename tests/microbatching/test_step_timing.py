@@ -45,6 +45,18 @@ def test_the_splits_take_turns_and_the_warmup_is_left_out() -> None:
         check_steps(1, -1)
 
 
+def test_warm_up_rounds_may_run_their_own_step() -> None:
+    warm: list[tuple[str, int]] = []
+
+    def warm_step(label: str, round_: int) -> float:
+        warm.append((label, round_))
+        return 100.0
+
+    times = take_turns(["a", "b"], lambda label: 1.0, steps=1, warmup=2, warmup_step=warm_step)
+    assert warm == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    assert times == {"a": [1.0], "b": [1.0]}  # the warm-up's seconds are not kept
+
+
 def test_median_after_the_warmup_and_the_tiny_model() -> None:
     samples = iter([100.0, 3.0, 1.0, 2.0])
     assert median_seconds(lambda: next(samples), repeats=3, warmup=1) == 2.0

@@ -15,6 +15,7 @@ from autopipe.output.bench_summary import (
     bounding_unit,
     ideal_step,
     median_spread,
+    merge_stage_seconds,
     speedups,
     summarize,
     unit_costs,
@@ -42,6 +43,20 @@ def test_ideal_step_refuses_nothing_to_spread() -> None:
         ideal_step([], 4)
     with pytest.raises(ValueError, match="at least one micro-batch"):
         ideal_step([1.0], 0)
+
+
+def test_merge_stage_seconds_takes_each_stage_from_its_rank() -> None:
+    first = {"stages": {0: {"forward": 1.0, "backward": 2.0}}, "step": 5.0, "span": 4.0}
+    second = {"stages": {1: {"forward": 3.0, "backward": 4.0}}, "step": 6.0, "span": 3.0}
+    merged = merge_stage_seconds([first, second])
+    assert merged == {
+        "stages": [{"forward": 1.0, "backward": 2.0}, {"forward": 3.0, "backward": 4.0}],
+        "step": 6.0,
+        "span": 4.0,
+    }
+    # A rank that recorded nothing: nothing to merge.
+    assert merge_stage_seconds([first, None]) is None
+    assert merge_stage_seconds([]) is None
 
 
 def test_median_spread() -> None:

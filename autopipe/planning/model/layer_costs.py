@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -59,9 +60,7 @@ def calibrated_figures(profile: Profile) -> dict[str, float]:
     longer the layers' per-sample and per-micro-batch times are in a whole training
     step than each layer's alone in the profile).
     """
-    found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
-    if not isinstance(found, dict):
-        return {}
+    found = calibrated_source(profile)
     out = {}
     for key in _CALIBRATED:
         value = found.get(key)
@@ -92,6 +91,35 @@ def _compute_scale(profile: Profile, alone: bool = False) -> tuple[float, float]
     per_sample = found.get(f"{prefix}compute_scale", 1.0)
     fixed = found.get(f"{prefix}fixed_scale", per_sample)
     return fixed, per_sample
+
+
+def layer_scales(profile: Profile) -> dict[str, Array]:
+    """The per-layer factors of ``meta["calibration"]["layer_scales"]`` (forward and
+    backward, one finite positive number per layer each), or none when absent.
+
+    Raises:
+        ValueError: present but not one factor per layer.
+    """
+    found = calibrated_source(profile).get("layer_scales")
+    if found is None:
+        return {}
+    out = {}
+    for figure in ("forward", "backward"):
+        values = found.get(figure) if isinstance(found, dict) else None
+        array = np.asarray(values if values is not None else [], dtype=float)
+        if array.shape != (len(profile),) or not (np.isfinite(array).all() and (array > 0).all()):
+            raise ValueError(
+                f"the profile's calibration.layer_scales.{figure} must hold one positive "
+                f"factor per layer ({len(profile)}); measure again or remove it"
+            )
+        out[figure] = array
+    return out
+
+
+def calibrated_source(profile: Profile) -> dict[str, Any]:
+    """``profile.meta["calibration"]``, or an empty dict."""
+    found = profile.meta.get("calibration") if isinstance(profile.meta, dict) else None
+    return found if isinstance(found, dict) else {}
 
 
 def optimizer_factor(optimizer: str | float) -> float:
@@ -200,6 +228,9 @@ class ProfileLines:
         params: parameter bytes per layer.
         buffers: buffer bytes per layer.
         scale: ``(fixed_scale, compute_scale)`` applied to times.
+        layer_scale: per figure (``forward``, ``backward``), a factor per layer fitted on
+            steps timed where they ran (:mod:`autopipe.planning.model.in_place_fit`), or
+            empty: none.
         split_backward: whether every layer's backward to its input alone was measured.
         tied: the tensors several layers use (see :class:`profiler.profile.TiedState`).
     """
@@ -211,6 +242,7 @@ class ProfileLines:
     params: Array
     buffers: Array
     scale: tuple[float, float] = (1.0, 1.0)
+    layer_scale: dict[str, Array] = field(default_factory=dict)
     split_backward: bool = False
     tied: tuple[TiedState, ...] = ()
 
@@ -235,6 +267,7 @@ class ProfileLines:
             params=np.array([float(layer.param_bytes) for layer in profile.layers]),
             buffers=np.array([float(layer.buffer_bytes) for layer in profile.layers]),
             scale=_compute_scale(profile, alone),
+            layer_scale=layer_scales(profile),
             split_backward=all(layer.backward_input is not None for layer in profile.layers),
             tied=tuple(profile.tied),
         )
@@ -244,6 +277,9 @@ class ProfileLines:
         a, b = segments(self.sizes, self.values[name], micro_batch)
         if name in ("forward", "backward", "backward_input"):
             a, b = a * self.scale[0], b * self.scale[1]
+            factor = self.layer_scale.get("forward" if name == "forward" else "backward")
+            if factor is not None:
+                a, b = a * factor, b * factor
         return np.maximum(a + b * micro_batch, 0.0)
 
     def at(self, micro_batch: float, time_batch: float | None = None) -> LayerCosts:
