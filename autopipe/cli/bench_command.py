@@ -263,7 +263,10 @@ def bench_command(args: argparse.Namespace) -> int:
                 )
                 again = replan(fitted, again, devices, options, optimal=False)
                 first_again, distinct_again = _distinct(again)
-                fitted_line += " of a second run, with the split the first run's chose"
+                fitted_line = fitted_line.replace(
+                    "in-place figures:",
+                    "in-place figures of a second run (the first run's chose another split):",
+                )
             profile, plans, first_of, distinct = fitted, again, first_again, distinct_again
     costs = unit_costs(profile, stages, **options)
     summaries = [

@@ -192,7 +192,9 @@ def fit_in_place(
     from autopipe.planning.model.in_place_fit import (
         StageSeconds,
         fit_layer_scales,
+        fit_update,
         scaled_profile,
+        stage_param_bytes,
         uniform_scales,
     )
     from autopipe.planning.planner import evaluate
@@ -200,6 +202,15 @@ def fit_in_place(
     timed = {label: found.in_place for label, found in measured.items() if found.in_place}
     if not timed:
         return profile, ""
+    # The optimizer's step, timed apart on every rank (or in the process).
+    pairs = []
+    for label, figures in timed.items():
+        if figures["stages"]:
+            for stage, found in zip(plans[label].stages, figures["stages"], strict=True):
+                pairs.append((stage_param_bytes(profile, stage.start, stage.stop), found["update"]))
+        else:
+            pairs.append((stage_param_bytes(profile, 0, len(profile)), figures["update"]))
+    update = fit_update(pairs)
     if all(figures["stages"] for figures in timed.values()):
         observed = [
             StageSeconds(
@@ -214,10 +225,11 @@ def fit_in_place(
     else:
         # The step is linear in a factor g on every layer's time as long as the bottleneck
         # does not move: step(g) = p1 + (p2 - p1)(g - 1), with p2 the step at g = 2.
-        doubled = scaled_profile(profile, uniform_scales(profile, 2.0), "")
+        once = scaled_profile(profile, uniform_scales(profile, 1.0), "", update)
+        doubled = scaled_profile(profile, uniform_scales(profile, 2.0), "", update)
         num = den = 0.0
         for label, figures in timed.items():
-            p1 = plans[label].step_time
+            p1 = evaluate(once, plans[label].balance, devices, strategy=label, **options).step_time
             p2 = evaluate(
                 doubled, plans[label].balance, devices, strategy=label, **options
             ).step_time
@@ -228,8 +240,9 @@ def fit_in_place(
         how = (
             f"every layer's time x{max(factor, 0.05):.2f}, fitted on the splits' last warm-up steps"
         )
-    fitted = scaled_profile(profile, scales, how)
-    return fitted, f"predicted from in-place figures: {how}"
+    fitted = scaled_profile(profile, scales, how, update)
+    mib = format_time(update * 2**20)
+    return fitted, f"predicted from in-place figures: {how}; the optimizer's step {mib}/MiB"
 
 
 def replan(

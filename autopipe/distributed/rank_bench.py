@@ -93,14 +93,19 @@ def _rank_main(
             optimizer = torch.optim.SGD(pipe.module.parameters(), lr=options["lr"])
             splits[label] = (pipe, optimizer)
 
+        updates: list[float] = []  # this rank's optimizer steps, in the recorded ones
+
         def step(label: str) -> float:
             pipe, optimizer = splits[label]
             dist.barrier()
             start = time.perf_counter()
             pipe.step(sample, target)
+            synchronize(device)
+            stepped = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             synchronize(device)
+            updates.append(time.perf_counter() - stepped)
             slowest = torch.tensor([time.perf_counter() - start], device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             return float(slowest.item())
@@ -118,7 +123,10 @@ def _rank_main(
             pipe = splits[label][0]
             with StepRecorder(pipe.stages, pipe.schedule, device, pipe.group) as recorder:
                 seconds = step(label)
-            records[label].append(stage_seconds(recorder.actions, seconds, recorder.stop))
+            found = stage_seconds(recorder.actions, seconds, recorder.stop)
+            for figures in found["stages"].values():  # the rank's one optimizer, once
+                figures["update"] = updates[-1] / len(found["stages"])
+            records[label].append(found)
             return seconds
 
         times = take_turns(

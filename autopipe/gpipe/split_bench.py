@@ -62,15 +62,20 @@ class _Split:
         )
         self.optimizer = torch.optim.SGD(self.pipe.parameters(), lr=lr)
         self.devices = [torch.device(d) for d in self.pipe.devices]
+        self.update = 0.0
 
     def step(self, value: Any) -> float:
         _synchronize(self.devices)
         start = time.perf_counter()
         mean_output_loss(self.pipe(value)).backward()
+        _synchronize(self.devices)
+        stepped = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         _synchronize(self.devices)
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        self.update = end - stepped  # the optimizer's step, of the last step
+        return end - start
 
     def saved_peaks(self, value: Any) -> list[int | None]:
         """One untimed step counting each stage's peak saved-for-backward bytes."""
@@ -156,11 +161,13 @@ def time_splits(
         for label, plan in plans.items()
     }
     kept: dict[str, list[float]] = {label: [] for label in splits}
+    updates: dict[str, list[float]] = {label: [] for label in splits}
 
     def warm_step(label: str, round_: int) -> float:
         seconds = splits[label].step(value)
         if round_ >= 1:  # the first round sets things up; the later ones are kept
             kept[label].append(seconds)
+            updates[label].append(splits[label].update)
         return seconds
 
     times = take_turns(
@@ -172,7 +179,11 @@ def time_splits(
         warmup_step=warm_step if in_place else None,
     )
     warm = {
-        label: {"stages": [], "step": statistics.median(found)}
+        label: {
+            "stages": [],
+            "step": statistics.median(found),
+            "update": statistics.median(updates[label]),
+        }
         for label, found in kept.items()
         if found
     }

@@ -306,6 +306,7 @@ def describe(
                 recompute=float(model.recompute_time(k, s, e)),
                 overhead=model.overhead,
                 allreduce=float(model.allreduce_time(s, e)),
+                update=float(model.update_time(s, e)),
                 forward=float(parts.forward),
                 weight=float(parts.backward * model.weight_share(s, e)),
                 tied=float(sum(t.bytes for t, h in zip(model.tied, held, strict=True) if h)),
@@ -323,9 +324,15 @@ def describe(
     else:
         pipeline = gpipe_step_time(times, m)
     allreduce = max(stage.allreduce for stage in stages)
+    # What follows each stage's last backward: its all-reduce and its optimizer's step;
+    # the stages that take turns on one device run theirs one after another.
+    after = max(
+        [stage.allreduce + stage.update for stage in stages]
+        + [sum(stages[k].allreduce + stages[k].update for k in group) for group in model.shared]
+    )
     tied = _tied(model, balance)
     tied_time = sum(item.time for item in tied)
-    total = pipeline + allreduce + tied_time
+    total = pipeline + after + tied_time
     # Idle share of the devices over the pipeline; (K−1)/(M+K−1) for K devices when
     # stages are balanced, 0 for stages that all take turns on one.
     bubble = 1.0 - m * float(times.sum()) / (ranks * pipeline) if pipeline > 0 else 0.0

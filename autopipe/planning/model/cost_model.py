@@ -470,6 +470,21 @@ class CostModel:
         """Seconds per step to all-reduce the gradients of a stage holding ``[s, e)``."""
         return self.allreduce_factor * self.param_bytes(s, e)
 
+    @property
+    def update_factor(self) -> float:
+        """Seconds of the optimizer's step per parameter byte of a stage (calibrated)."""
+        return self.layers.update_per_byte
+
+    def update_time(self, s: Index, e: Index) -> Array:
+        """Seconds per step of the optimizer's step on a stage holding ``[s, e)``."""
+        return self.update_factor * self.param_bytes(s, e)
+
+    @property
+    def step_factor(self) -> float:
+        """Seconds per step per parameter byte of the stage with the most: its gradients'
+        all-reduce and its optimizer's step, which follow its last backward."""
+        return self.allreduce_factor + self.update_factor
+
     def signature(self, k: int) -> tuple[object, ...]:
         """Stages with equal signatures have identical cost and memory functions."""
         device = self.devices[k]

@@ -31,7 +31,14 @@ from autopipe.planning.model.layer_costs import ProfileLines
 from autopipe.planning.model.plans import Plan
 from profiler.profile import Profile
 
-__all__ = ["StageSeconds", "fit_layer_scales", "scaled_profile", "uniform_scales"]
+__all__ = [
+    "StageSeconds",
+    "fit_layer_scales",
+    "fit_update",
+    "scaled_profile",
+    "stage_param_bytes",
+    "uniform_scales",
+]
 
 Array = NDArray[np.float64]
 # A factor beyond these is a measurement gone wrong (a stalled rank), not a slow layer.
@@ -140,6 +147,21 @@ def fit_layer_scales(profile: Profile, observed: Sequence[StageSeconds]) -> dict
     }
 
 
+def stage_param_bytes(profile: Profile, start: int, stop: int) -> float:
+    """Parameter bytes of layers ``[start, stop)`` as the profile counts them."""
+    return float(sum(layer.param_bytes for layer in profile.layers[start:stop]))
+
+
+def fit_update(timed: Sequence[tuple[float, float]]) -> float:
+    """Seconds of the optimizer's step per parameter byte: the least-squares line through
+    the origin of ``(parameter bytes, seconds)`` pairs, each a stage's (or a process's)
+    optimizer step timed where it ran; 0 when no pair holds parameters."""
+    volume = sum(size * size for size, _ in timed)
+    if volume <= 0:
+        return 0.0
+    return max(sum(size * seconds for size, seconds in timed) / volume, 0.0)
+
+
 def uniform_scales(profile: Profile, factor: float) -> dict[str, Array]:
     """One ``factor`` for every layer's forward and backward."""
     if not (np.isfinite(factor) and factor > 0):
@@ -148,13 +170,20 @@ def uniform_scales(profile: Profile, factor: float) -> dict[str, Array]:
     return {"forward": ones, "backward": ones.copy()}
 
 
-def scaled_profile(profile: Profile, scales: dict[str, Array], source: str) -> Profile:
+def scaled_profile(
+    profile: Profile,
+    scales: dict[str, Array],
+    source: str,
+    update_per_byte: float | None = None,
+) -> Profile:
     """A copy of ``profile`` whose layers' times carry ``scales`` on top of its own.
 
     Args:
         profile: the profile (left unchanged).
         scales: per figure, one factor per layer (:func:`fit_layer_scales`).
         source: how the factors were measured, kept beside them for the report.
+        update_per_byte: seconds of the optimizer's step per parameter byte
+            (:func:`fit_update`), or ``None``: the profile's own.
     """
     out = copy.deepcopy(profile)
     found = out.meta.get("calibration") if isinstance(out.meta, dict) else None
@@ -166,5 +195,7 @@ def scaled_profile(profile: Profile, scales: dict[str, Array], source: str) -> P
     }
     calibration["layer_scales"] = {k: [float(x) for x in v] for k, v in combined.items()}
     calibration["layer_scales_source"] = source
+    if update_per_byte is not None:
+        calibration["update_s_per_byte"] = float(update_per_byte)
     out.meta["calibration"] = calibration
     return out

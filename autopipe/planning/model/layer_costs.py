@@ -46,6 +46,7 @@ _CALIBRATED = (
     "alone_compute_scale",
     "alone_fixed_scale",
     "allreduce_bandwidth",
+    "update_s_per_byte",
 )
 
 
@@ -58,7 +59,8 @@ def calibrated_figures(profile: Profile) -> dict[str, float]:
     ``latency_s`` (seconds per message between stages), ``allreduce_bandwidth`` (of the
     data-parallel gradient sync), and ``compute_scale`` and ``fixed_scale`` (how much
     longer the layers' per-sample and per-micro-batch times are in a whole training
-    step than each layer's alone in the profile).
+    step than each layer's alone in the profile), and ``update_s_per_byte`` (seconds of
+    the optimizer's step per parameter byte, timed in a pipeline's own steps).
     """
     found = calibrated_source(profile)
     out = {}
@@ -177,6 +179,8 @@ class LayerCosts:
     backward_input: Array | None = None
     # Tensors several layers use, counted in each user's params (or buffers).
     tied: tuple[TiedState, ...] = ()
+    # Seconds of the optimizer's step per parameter byte (calibrated, else 0: free).
+    update_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if self.shared is None:  # frozen: set once, at construction
@@ -245,6 +249,7 @@ class ProfileLines:
     layer_scale: dict[str, Array] = field(default_factory=dict)
     split_backward: bool = False
     tied: tuple[TiedState, ...] = ()
+    update_per_byte: float = 0.0
 
     @classmethod
     def from_profile(cls, profile: Profile, alone: bool = False) -> ProfileLines:
@@ -270,6 +275,7 @@ class ProfileLines:
             layer_scale=layer_scales(profile),
             split_backward=all(layer.backward_input is not None for layer in profile.layers),
             tied=tuple(profile.tied),
+            update_per_byte=calibrated_figures(profile).get("update_s_per_byte", 0.0),
         )
 
     def figure(self, name: str, micro_batch: float) -> Array:
@@ -311,4 +317,5 @@ class ProfileLines:
             if self.split_backward
             else None,
             tied=self.tied,
+            update_per_byte=self.update_per_byte,
         )

@@ -48,6 +48,8 @@ class StagePlan:
             bubble runs them apart, when a device would otherwise wait).
         tied: bytes of the tied parameters and buffers the stage holds a copy of, part of
             ``param_memory`` (parameters with their gradients and optimizer state).
+        update: seconds per step of the optimizer's step on the stage (0 unless
+            calibrated: ``update_s_per_byte``).
     """
 
     index: int
@@ -70,6 +72,7 @@ class StagePlan:
     forward: float = 0.0
     weight: float = 0.0
     tied: float = 0.0
+    update: float = 0.0
 
     @property
     def size(self) -> int:

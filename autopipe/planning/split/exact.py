@@ -175,7 +175,7 @@ def split_value(model: CostModel, balance: list[int]) -> float:
     """The predicted step time of ``balance``: pipeline, all-reduce and the sums of tied
     parameters' gradients, fits ignored."""
     starts, ends = _bounds(balance)
-    allreduce = float(np.max(model.allreduce_time(starts, ends)))
+    allreduce = float(np.max(model.allreduce_time(starts, ends) + model.update_time(starts, ends)))
     pipeline = gpipe_step_time(_stage_times(model, balance), model.chunks)
     return pipeline + allreduce + model.tied_time(balance)
 
@@ -284,7 +284,7 @@ def solve_split(model: CostModel, stop: float = np.inf) -> tuple[float, list[int
     if model.num_stages > model.num_layers:
         return None
     tables = _Tables(model)
-    alpha = model.allreduce_factor
+    alpha = model.step_factor
     if alpha > 0 and model.num_stages > 1:
         if _dp(tables, tables.time, "max") is None:
             return None

@@ -292,7 +292,7 @@ class IntervalSolver:
         A value at or above ``stop`` may be a mere lower bound.
         """
         r = self.r
-        alpha = r.model.allreduce_factor
+        alpha = r.model.step_factor
 
         def run(cap: float, limit: float) -> tuple[float, float, list[int]] | None:
             found = self.pipeline(cap, limit)

@@ -243,7 +243,7 @@ class Relaxation:
         Returns ``None`` when no split fits even relaxed. A bound below ``stop`` is the
         relaxed optimum; one at or above ``stop`` only proves that nothing beats ``stop``.
         """
-        chunks, alpha = self.model.chunks, self.model.allreduce_factor
+        chunks, alpha = self.model.chunks, self.model.step_factor
         floor = max(float(self.params[-1]) / self.stages, self.max_param)
 
         def solve(cap: float, limit: float) -> tuple[float, float, list[int]] | None:

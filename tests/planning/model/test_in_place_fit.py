@@ -8,6 +8,7 @@ import pytest
 from autopipe.planning.model.in_place_fit import (
     StageSeconds,
     fit_layer_scales,
+    fit_update,
     scaled_profile,
     uniform_scales,
 )
@@ -108,3 +109,33 @@ def test_bad_factors_are_refused() -> None:
         uniform_scales(profile, 0.0)
     with pytest.raises(ValueError, match="no timed stages"):
         fit_layer_scales(profile, [])
+
+
+def test_the_optimizers_step_follows_the_stage_with_the_most_parameters() -> None:
+    profile = linear_profile([1.0, 1.0, 1.0, 1.0], params=[100, 300, 200, 400])
+    update = 0.01  # seconds per parameter byte
+    timed = scaled_profile(profile, uniform_scales(profile, 1.0), "test", update)
+    for balance in ([1, 3], [2, 2], [3, 1]):
+        plain = evaluate(profile, balance, 2, chunks=2, optimizer="sgd")
+        found = evaluate(timed, balance, 2, chunks=2, optimizer="sgd")
+        sizes = [sum([100, 300, 200, 400][s.start : s.stop]) for s in found.stages]
+        assert [s.update for s in found.stages] == pytest.approx([update * b for b in sizes])
+        assert found.step_time == pytest.approx(plain.step_time + update * max(sizes))
+    # The planner weighs it: its step is the least of every split's.
+    best = min(
+        ([1, 3], [2, 2], [3, 1]),
+        key=lambda b: evaluate(timed, b, 2, chunks=2, optimizer="sgd").step_time,
+    )
+    assert plan(timed, 2, chunks=2, optimizer="sgd").step_time == pytest.approx(
+        evaluate(timed, best, 2, chunks=2, optimizer="sgd").step_time
+    )
+    # Stages taking turns on one device run their steps one after another.
+    shared = evaluate(timed, [2, 2], ["cpu", "cpu"], chunks=2, optimizer="sgd", colocated=True)
+    alone = evaluate(profile, [2, 2], ["cpu", "cpu"], chunks=2, optimizer="sgd", colocated=True)
+    assert shared.step_time == pytest.approx(alone.step_time + update * 1000)
+
+
+def test_fit_update_is_the_line_through_the_origin() -> None:
+    assert fit_update([(100.0, 1.0), (200.0, 2.0)]) == pytest.approx(0.01)
+    assert fit_update([(0.0, 1.0)]) == 0.0
+    assert fit_update([]) == 0.0
