@@ -191,7 +191,13 @@ def profile_layers(
                     "cache_bytes": cache_bytes(dev),
                 }
             settings = MeasureSettings(
-                dev, warmup, repeats, CacheFlush(dev) if cold_cache else None, autocast
+                dev,
+                warmup,
+                repeats,
+                CacheFlush(dev) if cold_cache else None,
+                autocast,
+                reuse=pool,
+                progress=progress,
             )
             inputs = [resize_sample(tensors, size, dev) for size in sizes]
             input_bytes = [tensor_bytes(x) for x in inputs]
@@ -203,8 +209,6 @@ def profile_layers(
                 settings,
                 packed=packed,
                 signatures=signatures,
-                reuse=pool,
-                progress=progress,
                 spreads=spreads,
                 needs=_needs(layers, counted, [input_bytes, *_outputs(counted)]),
             )

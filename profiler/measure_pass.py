@@ -37,13 +37,25 @@ _RECENT = 4
 
 @dataclass(frozen=True)
 class MeasureSettings:
-    """How each layer is timed (see :func:`profiler.measure.profile_layers`)."""
+    """How each layer is timed (see :func:`profiler.measure.profile_layers`).
+
+    Attributes:
+        device: where the layers run.
+        warmup: untimed runs before the timed ones.
+        repeats: timed runs.
+        flush: what empties the device's cache before each run, or ``None``.
+        autocast: the autocast dtype, or ``None``.
+        reuse: measure identical layers once; ``False``: measure every layer.
+        progress: called as ``progress(done, total, name)`` after each layer.
+    """
 
     device: torch.device
     warmup: int
     repeats: int
     flush: CacheFlush | None
     autocast: str | None
+    reuse: bool = True
+    progress: Callable[[int, int, str], None] | None = None
 
 
 @dataclass
@@ -154,8 +166,6 @@ def measure_layers(
     *,
     packed: bool = False,
     signatures: Sequence[str] | None = None,
-    reuse: bool = True,
-    progress: Callable[[int, int, str], None] | None = None,
     spreads: list[float] | None = None,
     needs: Sequence[tuple[int, str]] | None = None,
 ) -> tuple[list[LayerProfile], list[str]]:
@@ -163,7 +173,7 @@ def measure_layers(
 
     A layer with the signature of one measured before (same code, modes, state shapes
     and input shapes: :func:`profiler.pooling.layer_signature`) does the same work; with
-    ``reuse`` it takes that layer's figures, and the first one's replica computes its
+    ``settings.reuse`` it takes that layer's figures, and the first one's replica computes its
     outputs for the next layer. Twelve identical blocks are measured once.
 
     Args:
@@ -171,12 +181,11 @@ def measure_layers(
             its state is on the meta device) and freed after its last twin.
         names: their names.
         inputs: the first layer's inputs at each batch size, on the device.
-        settings: the device and how to time.
+        settings: the device, how to time, whether to reuse a twin's figures and whom to
+            tell the progress.
         packed: the first layer takes its inputs as one tuple.
         signatures: the layers' signatures when known (a count pass computed them);
             ``None``: computed here, on the real inputs.
-        reuse: measure identical layers once; ``False``: measure every layer.
-        progress: called as ``progress(done, total, name)`` after each layer.
         spreads: when given, each layer's timing spread (interquartile range of its
             forward and backward runs over their median) is appended to it.
         needs: each layer's counted bytes of measuring it and what they are made of
@@ -189,6 +198,7 @@ def measure_layers(
     Raises:
         MemoryShortage: a layer to measure does not fit the device's free memory.
     """
+    reuse, progress = settings.reuse, settings.progress
     remaining = Counter(signatures) if signatures is not None else None
     kept: OrderedDict[str, _Measured] = OrderedDict()
     results: list[LayerProfile] = []

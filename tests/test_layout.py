@@ -1,5 +1,6 @@
 """The layout rules lint-imports cannot state: no import cycle, no private or internal import,
-one name per module, tests that mirror the modules, faces that load on first use."""
+one name per module, tests that mirror the modules, faces that load on first use, no function
+of ten parameters."""
 
 from __future__ import annotations
 
@@ -160,6 +161,28 @@ def test_tests_mirror_the_modules():
             if folder != mirrored:
                 misplaced.append(f"{path.relative_to(ROOT)} tests {home}")
     assert misplaced == []
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """Every parameter of the function, ``*args`` and ``**kwargs`` included, but a
+    method's ``self`` or ``cls``."""
+    args = node.args
+    named = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+    names = [a.arg for a in named] + [a.arg for a in (args.vararg, args.kwarg) if a]
+    return names[1:] if names and names[0] in ("self", "cls") else names
+
+
+def test_no_library_function_takes_ten_parameters():
+    """Where ten would be needed, a settings object serves (``PipelineSettings``,
+    ``SearchOptions``, ``CostOptions``, ``MeasureSettings``, ...)."""
+    found = [
+        f"{module}:{node.lineno} {node.name} takes {len(_parameters(node))}"
+        for module, tree in SOURCES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and len(_parameters(node)) >= 10
+    ]
+    assert len(SOURCES) > 100 and found == []
 
 
 @pytest.mark.parametrize("face", ["autopipe.planning", "autopipe.output"])

@@ -174,7 +174,7 @@ class DistributedPipeline(PipelineRunner):
             device: this rank's device.
             search_options: for :func:`autopipe.distributed.rank_search.search_plan` (``memory``,
                 ``schedules``, ``checkpoints``, ``virtual_stages``, ``calibrate``,
-                ``profile``, ``optimizer``).
+                ``profile``, ``optimizer``, or ``settings`` and ``options`` whole).
             **kwargs: more constructor arguments (``autocast``, ``plan_options`` are not
                 searched; ``init`` for a model on the meta device).
 

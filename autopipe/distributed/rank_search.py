@@ -11,7 +11,7 @@ micro-batches, then hands the best plan to every rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,10 +23,10 @@ from autopipe.distributed.collectives import rank_device, share_from_rank0
 from autopipe.distributed.prepared import Prepared, prepare_model
 from autopipe.distributed.tied_gradients import written_shared
 from autopipe.errors import PlanningError
-from autopipe.planning.configuration.config_search import search
+from autopipe.planning.configuration.config_search import SearchOptions, search
 from autopipe.planning.model.cut_rules import keep_together
-from autopipe.planning.model.names import SCHEDULES, SEARCH_CHECKPOINTS
 from autopipe.planning.model.plans import Plan
+from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
 from profiler.batch_sizes import doubling_batch_sizes, smallest_batch
 from profiler.measure import profile_model
 from profiler.profile import Profile
@@ -40,6 +40,13 @@ def _sizes(batch: int, model: nn.Module) -> list[int]:
     return doubling_batch_sizes(batch, smallest_batch([model]))
 
 
+# What the keywords of :func:`search_plan` may set: the settings and the search options
+# it searched under before it took them whole. The rest is the runner's: the batch is the
+# sample's, and only configurations that split it evenly are weighed.
+_SETTINGS = frozenset({"memory", "optimizer"})
+_OPTIONS = frozenset({"schedules", "checkpoints", "virtual_stages"})
+
+
 def search_plan(
     model: nn.Module,
     sample: Tensor | tuple[Tensor, ...],
@@ -48,11 +55,9 @@ def search_plan(
     device: torch.device | str | None = None,
     profile: Profile | None = None,
     calibrate: bool = False,
-    memory: int | str | None = None,
-    schedules: Sequence[str] = SCHEDULES,
-    checkpoints: Sequence[str] = SEARCH_CHECKPOINTS,
-    virtual_stages: Sequence[int] = (1,),
-    optimizer: str | float = "adam",
+    settings: PipelineSettings | None = None,
+    options: SearchOptions | None = None,
+    **overrides: Any,
 ) -> Plan:
     """The fastest configuration of this group's ranks for ``model``; a collective.
 
@@ -65,17 +70,22 @@ def search_plan(
         profile: a profile of the model's layers to search from instead of profiling.
         calibrate: measure links, runner overhead and compute with every rank busy first
             (``calibrate_ranks``; with ``virtual_stages`` above 1, their runner too).
-        memory: each device's capacity (bytes or ``"16GiB"``).
-        schedules: schedules to consider.
-        checkpoints: checkpoint modes to consider.
-        virtual_stages: stages per device to consider (one is always searched).
-        optimizer: optimizer whose state is counted.
+        settings: the settings the search reads (``SEARCH_SETTINGS`` of
+            :mod:`autopipe.planning.configuration.config_search`); the batch is the
+            sample's.
+        options: the search's ``SearchOptions``; ``even`` and ``top`` are the runner's
+            (configurations that split the batch evenly, the best 200 weighed).
+        **overrides: laid over those two: ``memory`` (each device's capacity, bytes or
+            ``"16GiB"``), ``optimizer`` (whose state is counted), ``schedules`` and
+            ``checkpoints`` (to consider), ``virtual_stages`` (stages per device to
+            consider; one is always searched).
 
     Returns:
         The plan, the same on every rank: its ``chunks``, ``schedule``, ``data_parallel``
         and ``virtual_stages`` are the configuration to build the pipeline with.
 
     Raises:
+        TypeError: ``settings`` or ``options`` of another type, or another keyword.
         ValueError: no configuration of the group's size fits (on every rank).
     """
     return search_prepared(
@@ -84,12 +94,26 @@ def search_plan(
         device=device,
         profile=profile,
         calibrate=calibrate,
-        memory=memory,
-        schedules=schedules,
-        checkpoints=checkpoints,
-        virtual_stages=virtual_stages,
-        optimizer=optimizer,
+        settings=settings,
+        options=options,
+        **overrides,
     )
+
+
+def _inputs(
+    settings: PipelineSettings | None,
+    options: SearchOptions | None,
+    overrides: dict[str, Any],
+) -> tuple[PipelineSettings, SearchOptions]:
+    """The settings and the search options :func:`search_plan` searches under."""
+    if options is not None and not isinstance(options, SearchOptions):
+        raise TypeError(
+            f"search_plan() takes options=SearchOptions(...), got {type(options).__name__}"
+        )
+    rest = {k: v for k, v in overrides.items() if k not in _OPTIONS}
+    chosen = with_overrides(settings, rest, "search_plan", _SETTINGS | _OPTIONS)
+    mine = {k: v for k, v in overrides.items() if k in _OPTIONS}
+    return chosen, replace(options or SearchOptions(), **mine)
 
 
 def search_prepared(
@@ -99,14 +123,13 @@ def search_prepared(
     device: torch.device | str | None = None,
     profile: Profile | None = None,
     calibrate: bool = False,
-    memory: int | str | None = None,
-    schedules: Sequence[str] = SCHEDULES,
-    checkpoints: Sequence[str] = SEARCH_CHECKPOINTS,
-    virtual_stages: Sequence[int] = (1,),
-    optimizer: str | float = "adam",
+    settings: PipelineSettings | None = None,
+    options: SearchOptions | None = None,
+    **overrides: Any,
 ) -> Plan:
     """:func:`search_plan` of a model already made ready for stages (``prepare_model``),
     so that building the pipeline afterwards does not trace it again; a collective."""
+    chosen, opts = _inputs(settings, options, overrides)
     world = dist.get_world_size(group)
     tensors = (prepared.sample,) if isinstance(prepared.sample, Tensor) else prepared.sample
     batch = int(tensors[0].shape[0])
@@ -130,38 +153,32 @@ def search_prepared(
             group,
             model=prepared.sequential,
             sample=(prepared.sample,),
-            virtual_stages=max(virtual_stages),
+            virtual_stages=max(opts.virtual_stages),
         )
     # Each rank holds a copy of what its stages use: a written buffer's users stay on one.
     owner = prepared.owner if prepared.owner is not None else prepared.sequential
     written = written_shared(list(prepared.sequential), prepared.written, owner)
     found = keep_together(profile, written)
+    # Replicas and micro-batches that split the batch exactly: every model runs so
+    # (padding rows would enter BatchNorm's statistics), and the sample is global.
+    exact = (replace(chosen, batch=batch), replace(opts, even=True, top=200))
 
     def best() -> dict[str, Any]:
-        return _best(
-            found,
-            world,
-            batch,
-            memory=memory,
-            schedules=schedules,
-            checkpoints=checkpoints,
-            virtual_stages=virtual_stages,
-            optimizer=optimizer,
-        )
+        return _best(found, world, *exact)
 
     what, failed = "receive the plan from rank 0", "rank 0 found no configuration"
     return Plan.from_dict(share_from_rank0(best, group, what=what, failed=failed))
 
 
-def _best(profile: Profile, world: int, batch: int, **options: Any) -> dict[str, Any]:
+def _best(
+    profile: Profile, world: int, settings: PipelineSettings, options: SearchOptions
+) -> dict[str, Any]:
     """The fastest configuration using exactly ``world`` devices, as a plan's dict.
 
     Raises:
         PlanningError: none fits, or every one that fits uses fewer devices.
     """
-    # Replicas and micro-batches that split the batch exactly: every model runs so
-    # (padding rows would enter BatchNorm's statistics), and the sample is global.
-    found = search(profile, world, batch=batch, even=True, top=200, **options)
+    found = search(profile, world, settings, options)
     exact = [plan for plan in found if plan.num_devices == world]
     if not exact:
         best = found[0]

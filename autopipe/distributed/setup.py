@@ -21,6 +21,7 @@ from autopipe.distributed.calibration_cache import (
 )
 from autopipe.distributed.collectives import collective
 from autopipe.distributed.padding import rows_mixing_layer
+from autopipe.distributed.prepared import Prepared
 from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
 from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.virtual import check_virtual
@@ -401,46 +402,47 @@ def boundary_specs(
 
 
 def setup_on_rank0(
-    sequential: nn.Sequential,
+    prepared: Prepared,
     sample: Tensor | tuple[Tensor, ...],
     num_stages: int,
     device: torch.device,
     plan: Plan | None,
     profile: Profile | Mapping[str, Any] | None,
-    options: dict[str, Any],
-    autocast: str | None = None,
+    settings: PipelineSettings,
     ranks: int | None = None,
-    written: frozenset[int] | None = None,
-    owner: nn.Module | None = None,
 ) -> tuple[Plan, list[Any]]:
     """Profiles (if needed), plans (if needed) and measures the boundary tensors, as the
     runner's build path does on rank 0 (:func:`rank0_profile`, :func:`rank0_plan`,
     :func:`boundary_specs`).
 
     Args:
-        sequential: the model.
-        sample: one mini-batch of one pipeline (a replica's shard when there are several).
+        prepared: the model made ready for stages: its layers, the buffers some layer may
+            write (:attr:`Prepared.written`) and the model whose names the profile gives
+            tied tensors (:attr:`Prepared.owner`).
+        sample: one mini-batch of one pipeline (a replica's shard when there are several),
+            as ``prepared.sequential`` takes it.
         num_stages: the number of stages to plan (K, or K·v with virtual stages).
         device: where to profile.
         plan: the given plan, or ``None`` to plan.
         profile: the given profile, or ``None`` to profile the model on ``device``.
-        options: fields of :class:`PipelineSettings` to plan under; ``chunks`` and
-            ``schedule`` are required.
-        autocast: the autocast dtype the pipeline runs under.
+        settings: what to plan under, ``chunks`` and ``schedule`` given; its ``autocast``
+            is the one the pipeline runs under.
         ranks: the ranks of one pipeline (K; default ``num_stages``).
-        written: the buffers some layer may write (:attr:`Prepared.written`).
-        owner: the model whose names the profile gives tied tensors (:attr:`Prepared.owner`).
 
     Returns:
         The plan and the specs of the tensors leaving every layer, for one micro-batch.
 
     Raises:
-        ValueError: the profile does not fit the model or the autocast, no plan fits, or
-            the plan puts the users of a buffer that may be written on two ranks.
+        ValueError: ``chunks`` or ``schedule`` is not given, the profile does not fit the
+            model or the autocast, no plan fits, or the plan puts the users of a buffer
+            that may be written on two ranks.
     """
-    settings = with_overrides(None, {**options, "autocast": autocast}, "setup_on_rank0")
+    settings = with_overrides(settings, {}, "setup_on_rank0")  # refuses another type
+    chunks, schedule = settings.chunks, settings.schedule
+    if chunks is None or schedule is None:
+        raise ValueError("setup_on_rank0 plans for given micro-batches: set chunks and schedule")
     settings = settings.resolved(distributed=True)
-    chunks, schedule = options["chunks"], options["schedule"]
+    sequential, written, owner = prepared.sequential, prepared.written, prepared.owner
     if plan is None:
         found = rank0_profile(sequential, sample, device, profile, settings, owner)
         named = owner if owner is not None else sequential
@@ -451,4 +453,4 @@ def setup_on_rank0(
     shared = shared_state(list(sequential), plan.balance, ranks, written)
     if shared:
         raise ValueError(shared)
-    return plan, boundary_specs(sequential, sample, chunks, autocast)
+    return plan, boundary_specs(sequential, sample, chunks, settings.autocast)

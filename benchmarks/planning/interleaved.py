@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts
 from autopipe.planning.schedules.interleaving import step_times
@@ -72,7 +72,7 @@ def compare(forward: np.ndarray, k: int, v: int, m: int, schedule: str) -> dict[
         m,
         checkpoint="never",
         schedule=schedule,
-        virtual_stages=v,
+        options=CostOptions(virtual_stages=v),
     )
     bounds = every_split(len(forward), k * v)
     parts = [model.stage_parts(s, bounds[:, s], bounds[:, s + 1]) for s in range(k * v)]

@@ -1,6 +1,7 @@
 """The peer strategies on the benchmark zoo's units, against the peers' own packages
 (tests/planning/split/test_peer_strategies.py checks them on random costs; the zoo lives with the
-benchmarks, which tests/ does not import)."""
+benchmarks, which tests/ does not import; both take the peers' functions from
+tests/support/peer_references.py)."""
 
 from __future__ import annotations
 
@@ -13,28 +14,12 @@ import pytest
 
 import autopipe
 from autopipe.errors import PlanningError
-from tests.planning.split.test_peer_strategies import (
-    _check_blockpartition,
-    _deepspeed_counts,
-    _package,
-    _titan_counts,
+from tests.support.peer_references import (
+    check_blockpartition,
+    deepspeed_counts,
+    package,
+    titan_counts,
 )
-
-
-@pytest.fixture(scope="module")
-def solve() -> Callable[..., Any]:
-    return _package("torchgpipe.balance.blockpartition").solve
-
-
-@pytest.fixture(scope="module")
-def deepspeed_utils() -> ModuleType:
-    return _package("deepspeed.runtime.utils")
-
-
-@pytest.fixture(scope="module")
-def titan() -> Callable[..., list[list[str]]]:
-    return _package("torchtitan.distributed.pipeline_parallel")._generate_llm_fqn_per_model_part
-
 
 # --- the benchmark zoo's profiles ------------------------------------------------------
 
@@ -44,7 +29,7 @@ def zoo() -> dict[str, tuple[Any, Any]]:
     """Each zoo model's units and a profile of them: their names and parameter bytes, and
     seeded lognormal times (conformance needs the same costs on both sides, not measured
     ones: timing every zoo model would take minutes)."""
-    _package("torch")
+    package("torch")
     from autopipe.cli.model_file import as_sequential
     from benchmarks.models import ZOO, llama_untied
     from profiler.profile import LayerProfile, Profile
@@ -84,7 +69,7 @@ def test_zoo_parameters_is_deepspeeds(
         counts = [sum(p.numel() for p in unit.parameters() if p.requires_grad) for unit in seq]
         for k in _stage_counts(len(seq)):
             ours = autopipe.plan(profile, k, strategy="parameters", checkpoint="never")
-            assert ours.balance == _deepspeed_counts(deepspeed_utils, counts, k), (name, k)
+            assert ours.balance == deepspeed_counts(deepspeed_utils, counts, k), (name, k)
 
 
 def test_zoo_blockpartition_is_torchgpipes(
@@ -98,7 +83,7 @@ def test_zoo_blockpartition_is_torchgpipes(
                 for layer in profile.layers
             ]
             for k in _stage_counts(len(costs)):
-                _check_blockpartition(solve, costs, k)
+                check_blockpartition(solve, costs, k)
 
 
 def test_zoo_torchtitan_is_torchtitans(
@@ -118,7 +103,7 @@ def test_zoo_torchtitan_is_torchtitans(
         head = names.index(layer_units[0])
         tail = len(names) - 1 - names.index(layer_units[-1])
         for k in (1, 2, 3, 4):
-            counts = _titan_counts(titan(k, len(layer_units)))
+            counts = titan_counts(titan(k, len(layer_units)))
             expected = list(counts)
             expected[0] += head
             expected[-1] += tail

@@ -15,7 +15,16 @@ import profiler.measure
 from autopipe.cli import cache
 from profiler import jsonfile
 from profiler.profile import Profile
-from tests.support.cli_support import FAST, RESIDUAL_MODEL, assert_error, plan_two_stages, run
+from tests.support.cli_support import (
+    FAST,
+    RESIDUAL_MODEL,
+    assert_error,
+    plan_after_change,
+    plan_twice,
+    plan_two_stages,
+    run,
+    write_model_file,
+)
 
 # The widths, the batch and the tie come from the environment, so that the structure and
 # the sample change while the file's bytes do not.
@@ -57,10 +66,7 @@ def measured(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
 @pytest.fixture
 def model_file(tmp_path: Path) -> Path:
-    (tmp_path / "helper.py").write_text("WIDTH = '8'\n")
-    path = tmp_path / "model.py"
-    path.write_text(MODEL)
-    return path
+    return write_model_file(tmp_path, MODEL, {"helper.py": "WIDTH = '8'\n"})
 
 
 def entries() -> list[Path]:
@@ -70,15 +76,12 @@ def entries() -> list[Path]:
 def test_second_run_plans_from_the_cache(
     capsys: pytest.CaptureFixture[str], model_file: Path, measured: Counter
 ) -> None:
-    first, err = plan_two_stages(capsys, model_file)
-    assert "profile: cached" not in err
-    assert measured.calls == 1
-    [entry] = entries()
-    second, err = plan_two_stages(capsys, model_file)
+    (first, err_first), (second, err) = plan_twice(capsys, model_file)
+    assert "profile: cached" not in err_first
     assert measured.calls == 1  # not measured again
+    [entry] = entries()
     assert err.splitlines() == [f"profile: cached ({entry}; the model file did not run)"]
     assert second == first
-    assert entries() == [entry]
 
 
 def test_a_hit_skips_the_trace(
@@ -91,8 +94,7 @@ def test_a_hit_skips_the_trace(
     path.write_text(RESIDUAL_MODEL)
     traced = Counter(autopipe.graph.sequential.unit_sequential)
     monkeypatch.setattr(autopipe.graph.sequential, "unit_sequential", traced)
-    first, _ = plan_two_stages(capsys, path)
-    second, err = plan_two_stages(capsys, path)
+    (first, _), (second, err) = plan_twice(capsys, path)
     assert (traced.calls, measured.calls) == (1, 1)
     assert "profile: cached" in err and second == first
 
@@ -163,15 +165,10 @@ def test_each_change_misses(
     change: Callable[[Path, pytest.MonkeyPatch], None] | None,
     options: list[str],
 ) -> None:
-    plan_two_stages(capsys, model_file)
-    if change is not None:
-        change(model_file, monkeypatch)
-    _, err = plan_two_stages(capsys, model_file, *options)
-    assert "profile: cached" not in err
-    assert measured.calls == 2
-    assert len(entries()) == 2
-    _, err = plan_two_stages(capsys, model_file, *options)  # the new entry hits in turn
-    assert "profile: cached" in err and measured.calls == 2
+    act = None if change is None else lambda: change(model_file, monkeypatch)
+    changed, again = plan_after_change(capsys, model_file, act, *options)
+    assert "profile: cached" not in changed and len(entries()) == 2
+    assert "profile: cached" in again and measured.calls == 2  # the new entry hits in turn
 
 
 def test_tied_parameters_miss(
@@ -181,10 +178,11 @@ def test_tied_parameters_miss(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("CACHE_TEST_WIDTH", "4")
-    plan_two_stages(capsys, model_file)
-    monkeypatch.setenv("CACHE_TEST_TIE", "1")
-    _, err = plan_two_stages(capsys, model_file)
-    assert "profile: cached" not in err and measured.calls == 2
+    changed, again = plan_after_change(
+        capsys, model_file, lambda: monkeypatch.setenv("CACHE_TEST_TIE", "1")
+    )
+    assert "profile: cached" not in changed and "profile: cached" in again
+    assert measured.calls == 2
 
 
 @pytest.mark.parametrize(
@@ -338,12 +336,11 @@ def test_a_constant_tensors_value_is_in_the_key(
 ) -> None:
     path = tmp_path / "constant.py"
     path.write_text(CONSTANT_MODEL)
-    plan_two_stages(capsys, path)
-    _, err = plan_two_stages(capsys, path)
-    assert "profile: cached" in err and measured.calls == 1
-    monkeypatch.setenv("CACHE_TEST_FACTOR", "3")
-    _, err = plan_two_stages(capsys, path)
-    assert "profile: cached" not in err and measured.calls == 2
+    changed, again = plan_after_change(
+        capsys, path, lambda: monkeypatch.setenv("CACHE_TEST_FACTOR", "3")
+    )
+    assert "profile: cached" not in changed and "profile: cached" in again
+    assert measured.calls == 2
 
 
 META_MODEL = """import torch
@@ -366,7 +363,6 @@ def test_a_meta_model_for_a_target_hits(
 ) -> None:
     path = tmp_path / "meta_model.py"
     path.write_text(META_MODEL)
-    first, _ = plan_two_stages(capsys, path, "--target", "h100")
-    second, err = plan_two_stages(capsys, path, "--target", "h100")
+    (first, _), (second, err) = plan_twice(capsys, path, "--target", "h100")
     assert "profile: cached" in err and measured.calls == 1
     assert second == first and "times estimated for" in second

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from autopipe.cli import source_index
-from tests.support.cli_support import plan_two_stages
+from tests.support.cli_support import (
+    plan_after_change,
+    plan_twice,
+    plan_two_stages,
+    write_model_file,
+)
 
 # Every run of the file appends a line to runs.txt (a write, which the index ignores), so
 # the number of lines is the number of times the file ran.
@@ -35,11 +40,8 @@ sample = torch.randn(8, 4)
 
 @pytest.fixture
 def model_file(tmp_path: Path) -> Path:
-    (tmp_path / "helper.py").write_text("WIDTH = 4\n")
-    (tmp_path / "config.json").write_text('{"scale": 2}')
-    path = tmp_path / "model.py"
-    path.write_text(MODEL)
-    return path
+    beside = {"helper.py": "WIDTH = 4\n", "config.json": '{"scale": 2}'}
+    return write_model_file(tmp_path, MODEL, beside)
 
 
 def runs(path: Path) -> int:
@@ -50,8 +52,7 @@ def runs(path: Path) -> int:
 def test_an_unchanged_file_does_not_run_again(
     capsys: pytest.CaptureFixture[str], model_file: Path
 ) -> None:
-    first, _ = plan_two_stages(capsys, model_file)
-    second, err = plan_two_stages(capsys, model_file)
+    (first, _), (second, err) = plan_twice(capsys, model_file)
     assert runs(model_file) == 1
     assert "the model file did not run" in err
     assert second == first
@@ -91,13 +92,10 @@ def test_each_change_runs_the_file_again(
     monkeypatch: pytest.MonkeyPatch,
     change: Callable[[Path, pytest.MonkeyPatch], None],
 ) -> None:
-    plan_two_stages(capsys, model_file)
-    change(model_file, monkeypatch)
-    _, err = plan_two_stages(capsys, model_file)
-    assert runs(model_file) == 2
-    assert "the model file did not run" not in err
-    _, err = plan_two_stages(capsys, model_file)  # the new state is recorded in turn
-    assert runs(model_file) == 2 and "the model file did not run" in err
+    changed, again = plan_after_change(capsys, model_file, lambda: change(model_file, monkeypatch))
+    assert "the model file did not run" not in changed
+    # The new state is recorded in turn.
+    assert runs(model_file) == 2 and "the model file did not run" in again
 
 
 def test_another_micro_batch_count_runs_the_file_then_keeps_both(
@@ -114,9 +112,8 @@ def test_another_micro_batch_count_runs_the_file_then_keeps_both(
 
 
 def test_no_cache_runs_the_file(capsys: pytest.CaptureFixture[str], model_file: Path) -> None:
-    plan_two_stages(capsys, model_file)
-    plan_two_stages(capsys, model_file, "--no-cache")
-    assert runs(model_file) == 2
+    changed, _ = plan_after_change(capsys, model_file, None, "--no-cache")
+    assert runs(model_file) == 3 and "did not run" not in changed
 
 
 def test_a_missing_profile_entry_runs_the_file(
@@ -124,11 +121,13 @@ def test_a_missing_profile_entry_runs_the_file(
 ) -> None:
     from autopipe.cli import cache
 
-    plan_two_stages(capsys, model_file)
-    for entry in (cache.cache_dir() / "profiles").glob("*.json"):
-        entry.unlink()
-    _, err = plan_two_stages(capsys, model_file)
-    assert runs(model_file) == 2 and "profile: cached" not in err
+    def remove() -> None:
+        for entry in (cache.cache_dir() / "profiles").glob("*.json"):
+            entry.unlink()
+
+    changed, again = plan_after_change(capsys, model_file, remove)
+    assert runs(model_file) == 2 and "profile: cached" not in changed
+    assert "did not run" in again
 
 
 def test_a_damaged_index_runs_the_file(
@@ -136,14 +135,14 @@ def test_a_damaged_index_runs_the_file(
 ) -> None:
     from autopipe.cli import cache
 
-    plan_two_stages(capsys, model_file)
-    for entry in (cache.cache_dir() / "sources").glob("*.json"):
-        entry.write_text("{not json")
-    _, err = plan_two_stages(capsys, model_file)
-    assert runs(model_file) == 2
-    assert err.startswith("profile: cached (") and "did not run" not in err  # profile still hit
-    plan_two_stages(capsys, model_file)
-    assert runs(model_file) == 2  # the index was rewritten
+    def damage() -> None:
+        for entry in (cache.cache_dir() / "sources").glob("*.json"):
+            entry.write_text("{not json")
+
+    changed, again = plan_after_change(capsys, model_file, damage)
+    # The profile still hit; the index was rewritten.
+    assert changed.startswith("profile: cached (") and "did not run" not in changed
+    assert runs(model_file) == 2 and "did not run" in again
 
 
 def test_recording_notes_reads_not_writes(tmp_path: Path) -> None:

@@ -19,7 +19,9 @@ from autopipe.distributed.calibration_cache import (
     runtime_key,
     save_runner_calibration,
 )
+from autopipe.distributed.prepared import Prepared
 from autopipe.distributed.setup import setup_on_rank0
+from autopipe.planning.pipeline_settings import PipelineSettings
 from profiler.calibrate import store_calibration
 from tests.support.planning_cases import linear_profile
 
@@ -86,9 +88,10 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
 
 def _plan_overhead(profile: object) -> float:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    options = {"chunks": 2, "schedule": "1f1b"}
+    sample = torch.randn(4, 4)
+    settings = PipelineSettings(chunks=2, schedule="1f1b")
     plan, _ = setup_on_rank0(
-        model, torch.randn(4, 4), 2, torch.device("cpu"), None, profile, options
+        Prepared(model, sample), sample, 2, torch.device("cpu"), None, profile, settings
     )
     return plan.stages[0].overhead
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,39 @@ def plan_two_stages(
     code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, *options)
     assert code == 0, err
     return out, err
+
+
+def plan_twice(
+    capsys: pytest.CaptureFixture[str], path: Path, *options: str
+) -> tuple[tuple[str, str], tuple[str, str]]:
+    """:func:`plan_two_stages` twice, as a user plans again: each run's output and errors."""
+    return plan_two_stages(capsys, path, *options), plan_two_stages(capsys, path, *options)
+
+
+def plan_after_change(
+    capsys: pytest.CaptureFixture[str],
+    path: Path,
+    change: Callable[[], object] | None,
+    *options: str,
+) -> tuple[str, str]:
+    """Plans ``path``, makes the ``change`` (none: only the ``options`` differ) and plans
+    twice with the ``options``: the errors of the run after the change (which must find
+    nothing cached) and of the next one (which finds what that run recorded)."""
+    plan_two_stages(capsys, path)
+    if change is not None:
+        change()
+    (_, changed), (_, again) = plan_twice(capsys, path, *options)
+    return changed, again
+
+
+def write_model_file(folder: Path, source: str, beside: Mapping[str, str]) -> Path:
+    """``folder/model.py`` of ``source``, with the files it reads (``helper.py``, ...)
+    written beside it."""
+    for name, text in beside.items():
+        (folder / name).write_text(text)
+    path = folder / "model.py"
+    path.write_text(source)
+    return path
 
 
 def assert_error(code: int, out: str, err: str, expected: str = "") -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from autopipe import PlanningError, plan
-from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import ProfileLines
 from autopipe.planning.planner import evaluate
@@ -91,7 +91,7 @@ def random_model(
             DeviceSpec("cpu", capacity, speed=speed, bandwidth=bandwidth)
             for speed in speeds or [1.0] * stages
         ]
-        return CostModel(costs, devices, chunks, mode, schedule, 2.0, **more)
+        return CostModel(costs, devices, chunks, mode, schedule, 2.0, CostOptions(**more))
 
     capacity = None
     if capacity_share is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts, ProfileLines, optimizer_factor
 from autopipe.planning.model.runner_figures import RunnerFigures
@@ -141,9 +141,7 @@ class Space:
             config.checkpoint,
             config.schedule,
             self.optimizer,
-            data_parallel=config.replicas,
-            virtual_stages=v,
-            shard_optimizer=sharded,
+            CostOptions(data_parallel=config.replicas, virtual_stages=v, shard_optimizer=sharded),
         )
 
     def figures(

@@ -12,7 +12,8 @@ number: sample ``i`` is compute-bound when ``x_i / y_i >= b / a``. Sorting the s
 ``x_i / y_i`` gives at most one partition per sample; within a partition the model is
 linear in ``(a, b, o)``, and weighted least squares of ``(t̂ − t) / t`` gives a first
 solution. The best few are refined by Gauss-Newton steps on the log error, re-partitioning
-after each step. The fit is exact for times the model made.
+after each step, and with the overhead held at its bound (0) where a free step would take
+it below. The fit is exact for times the model made.
 """
 
 from __future__ import annotations
@@ -76,28 +77,51 @@ def _linear(
     return _bounded(params, known, x, y)
 
 
+def _directions(
+    params: np.ndarray, x: np.ndarray, y: np.ndarray, t: np.ndarray
+) -> list[tuple[list[int], np.ndarray]]:
+    """The Gauss-Newton steps from ``params``: with every coefficient free, and, where that
+    step would take the overhead below its bound (0), with the overhead held there.
+
+    A step solved with the overhead free and then clipped to 0 is not a descent direction
+    for the others: it spends part of the fit on an overhead that cannot follow, so the
+    line search finds nothing and the refinement would stop short of the constrained
+    optimum."""
+    estimate = np.maximum(_estimate(params, x, y), 1e-300)
+    columns = _columns(params[0] * x >= params[1] * y, x, y)
+    residual = -np.log(estimate / t)
+    found = []
+    free = [k for k in range(3) if np.any(columns[k] > 0)]
+    step, *_ = np.linalg.lstsq((columns[free] / estimate).T, residual, rcond=None)
+    found.append((free, step))
+    if 2 in free and params[2] + step[-1] < 0:
+        held = free[:-1]
+        step, *_ = np.linalg.lstsq((columns[held] / estimate).T, residual, rcond=None)
+        found.append((held, step))
+    return found
+
+
 def _refine(
     params: np.ndarray, x: np.ndarray, y: np.ndarray, t: np.ndarray
 ) -> tuple[np.ndarray, float]:
     """Gauss-Newton steps on the log error from ``params``, halved until they improve."""
     score = _objective(params, x, y, t)
     for _ in range(_STEPS):
-        estimate = np.maximum(_estimate(params, x, y), 1e-300)
-        columns = _columns(params[0] * x >= params[1] * y, x, y)
-        free = [k for k in range(3) if np.any(columns[k] > 0)]
-        step, *_ = np.linalg.lstsq((columns[free] / estimate).T, -np.log(estimate / t), rcond=None)
-        size, improved = 1.0, False
-        while size > 1e-6:
-            trial = params.copy()
-            trial[free] += size * step
-            trial[2] = max(trial[2], 0.0)
-            if trial[0] > 0 and trial[1] > 0:
-                found = _objective(trial, x, y, t)
-                if found < score:
-                    improved = found < score * (1 - 1e-12) and score - found > 1e-30
-                    params, score = trial, found
-                    break
-            size /= 2
+        best, best_score = params, score
+        for free, step in _directions(params, x, y, t):
+            size = 1.0
+            while size > 1e-6:
+                trial = params.copy()
+                trial[free] += size * step
+                trial[2] = max(trial[2], 0.0)
+                if trial[0] > 0 and trial[1] > 0:
+                    found = _objective(trial, x, y, t)
+                    if found < best_score:
+                        best, best_score = trial, found
+                        break
+                size /= 2
+        improved = best_score < score * (1 - 1e-12) and score - best_score > 1e-30
+        params, score = best, best_score
         if not improved:
             break
     return params, score

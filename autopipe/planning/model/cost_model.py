@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -79,7 +80,7 @@ from autopipe.planning.model.spans import prefix_sums
 from autopipe.planning.schedules.interleaving import in_flight
 from autopipe.planning.schedules.schedule_replay import RECOMPUTE_CODES
 
-__all__ = ["CostModel", "optimizer_factor"]
+__all__ = ["CostModel", "CostOptions", "optimizer_factor"]
 
 # Share of a layer's backward that computes its weights' gradients (zero bubble defers
 # it), for profiles that did not time the input's gradient alone: for a linear layer the
@@ -127,6 +128,34 @@ class StageParts(NamedTuple):
     memory: Array
 
 
+@dataclass(frozen=True)
+class CostOptions:
+    """What a :class:`CostModel` weighs besides the layers, the devices and the schedule.
+
+    Attributes:
+        overhead: the executor's fixed seconds per stage and micro-batch.
+        data_parallel: replicas of the pipeline (D) whose gradients are all-reduced.
+        allreduce_bandwidth: bytes/s of the all-reduce; ``None`` treats it as free.
+        virtual_stages: stages per rank (v, see :mod:`autopipe.planning.schedules.interleaving`);
+            the devices are then K·v stages, stage s on rank ``s % K``.
+        shard_optimizer: each stage's D replicas shard its optimizer state (ZeRO-1, see
+            the module docstring): a stage holds ``opt / D`` state bytes per parameter byte.
+        colocated: the stages run in one process, so stages whose devices have the same
+            name share that device and take turns on it
+            (:mod:`autopipe.planning.model.colocation`).
+        forbidden: positions ``1..L−1`` where no cut may go, besides those of the layers'
+            ``unsplit`` tied tensors (:mod:`autopipe.planning.model.cut_rules`).
+    """
+
+    overhead: float = 0.0
+    data_parallel: int = 1
+    allreduce_bandwidth: float | None = None
+    virtual_stages: int = 1
+    shard_optimizer: bool = False
+    colocated: bool = False
+    forbidden: Sequence[int] = ()
+
+
 class CostModel:
     """Predicted time and memory of any candidate stage under a schedule.
 
@@ -137,19 +166,8 @@ class CostModel:
         checkpoint: ``always``, ``except_last``, ``never`` or ``auto`` (per stage).
         schedule: ``gpipe`` or ``1f1b``.
         optimizer: optimizer state bytes per parameter byte (see :func:`optimizer_factor`).
-        overhead: the executor's fixed seconds per stage and micro-batch.
-        data_parallel: replicas of the pipeline (D) whose gradients are all-reduced.
-        allreduce_bandwidth: bytes/s of the all-reduce; ``None`` treats it as free.
-        virtual_stages: stages per rank (v, see :mod:`autopipe.planning.schedules.interleaving`);
-        the
-            devices are then K·v stages, stage s on rank ``s % K``.
-        shard_optimizer: each stage's D replicas shard its optimizer state (ZeRO-1, see
-            the module docstring): a stage holds ``opt / D`` state bytes per parameter byte.
-        colocated: the stages run in one process, so stages whose devices have the same
-            name share that device and take turns on it
-            (:mod:`autopipe.planning.model.colocation`).
-        forbidden: positions ``1..L−1`` where no cut may go, besides those of the layers'
-            ``unsplit`` tied tensors (:mod:`autopipe.planning.model.cut_rules`).
+        options: the overhead, replicas, virtual stages, sharding, colocation and
+            forbidden cuts (:class:`CostOptions`; default: none of them).
     """
 
     def __init__(
@@ -160,15 +178,16 @@ class CostModel:
         checkpoint: str = "except_last",
         schedule: str = "gpipe",
         optimizer: float = 2.0,
-        *,
-        overhead: float = 0.0,
-        data_parallel: int = 1,
-        allreduce_bandwidth: float | None = None,
-        virtual_stages: int = 1,
-        shard_optimizer: bool = False,
-        colocated: bool = False,
-        forbidden: Sequence[int] = (),
+        options: CostOptions | None = None,
     ) -> None:
+        if options is None:
+            options = CostOptions()
+        elif not isinstance(options, CostOptions):
+            raise TypeError(f"options must be a CostOptions, got {type(options).__name__}")
+        overhead, data_parallel = options.overhead, options.data_parallel
+        allreduce_bandwidth, virtual_stages = options.allreduce_bandwidth, options.virtual_stages
+        shard_optimizer, colocated = options.shard_optimizer, options.colocated
+        forbidden = options.forbidden
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(
                 f"unknown checkpoint mode {checkpoint!r}: choose {', '.join(CHECKPOINT_MODES)}"
@@ -200,6 +219,7 @@ class CostModel:
             )
         if allreduce_bandwidth is not None and not allreduce_bandwidth > 0:
             raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
+        self.options = options
         self.layers = layers
         self.devices = list(devices)
         self.chunks = chunks

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from os import PathLike
 
-from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec, make_devices
 from autopipe.planning.model.layer_costs import ProfileLines, optimizer_factor
 from autopipe.planning.model.runner_figures import RunnerFigures
@@ -116,8 +116,10 @@ def build_model(
         str(settings.checkpoint),
         str(settings.schedule),
         optimizer_factor(settings.optimizer),
-        data_parallel=d,
-        virtual_stages=v,
-        shard_optimizer=settings.shard_optimizer,
-        colocated=settings.colocated,
+        CostOptions(
+            data_parallel=d,
+            virtual_stages=v,
+            shard_optimizer=settings.shard_optimizer,
+            colocated=settings.colocated,
+        ),
     )

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts, calibrated_figures
 from autopipe.planning.model.quantities import parse_rate
@@ -93,11 +93,7 @@ class RunnerFigures:
         checkpoint: str,
         schedule: str,
         optimizer: float,
-        *,
-        data_parallel: int = 1,
-        virtual_stages: int = 1,
-        shard_optimizer: bool = False,
-        colocated: bool = False,
+        options: CostOptions | None = None,
     ) -> CostModel:
         """The cost model of ``devices`` (one per stage) running ``costs`` with these figures.
 
@@ -108,11 +104,10 @@ class RunnerFigures:
             checkpoint: the checkpoint mode.
             schedule: the pipeline schedule.
             optimizer: optimizer state bytes per parameter byte.
-            data_parallel: replicas of the pipeline.
-            virtual_stages: stages per device.
-            shard_optimizer: the replicas shard each stage's optimizer state (ZeRO-1).
-            colocated: the stages run in one process; those on one device take turns.
+            options: the replicas, virtual stages, sharding and colocation; their
+                ``overhead`` and ``allreduce_bandwidth`` are these figures'.
         """
+        given = options if options is not None else CostOptions()
         return CostModel(
             costs,
             list(devices),
@@ -120,10 +115,9 @@ class RunnerFigures:
             checkpoint,
             schedule,
             optimizer,
-            overhead=self.overhead_for(virtual_stages, schedule),
-            data_parallel=data_parallel,
-            allreduce_bandwidth=self.allreduce_bandwidth,
-            virtual_stages=virtual_stages,
-            shard_optimizer=shard_optimizer,
-            colocated=colocated,
+            replace(
+                given,
+                overhead=self.overhead_for(given.virtual_stages, schedule),
+                allreduce_bandwidth=self.allreduce_bandwidth,
+            ),
         )

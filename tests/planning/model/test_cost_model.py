@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import pytest
 
-from autopipe.planning.model.cost_model import CostModel, RangeMax, optimizer_factor
+from autopipe.planning.model.cost_model import CostModel, CostOptions, RangeMax, optimizer_factor
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts, ProfileLines
 from tests.support.planning_cases import random_profile
@@ -27,9 +29,13 @@ def costs(n=4, **overrides):
     return LayerCosts(**base)
 
 
+OPTIONS = {f.name for f in fields(CostOptions)}
+
+
 def model(devices=2, **kwargs):
     specs = [DeviceSpec() for _ in range(devices)] if isinstance(devices, int) else devices
-    return CostModel(costs(), specs, **{"chunks": 4, **kwargs})
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
+    return CostModel(costs(), specs, **{"chunks": 4, **kwargs}, options=CostOptions(**options))
 
 
 def at(value):

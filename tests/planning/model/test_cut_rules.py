@@ -9,7 +9,7 @@ import pytest
 
 from autopipe import DeviceSpec, PlanningError, plan
 from autopipe.planning.configuration.config_search import search
-from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.cut_rules import (
     crossing,
     cuts_allowed,
@@ -108,7 +108,12 @@ def test_every_solver_honours_the_forbidden_cuts(seed: int) -> None:
     settings = PlanSettings(chunks=4, memory=[None, 9000][seed % 2], checkpoint="never")
     base = build_model(profile, k, settings)
     model = CostModel(
-        base.layers, base.devices, base.chunks, base.checkpoint, base.schedule, forbidden=forbidden
+        base.layers,
+        base.devices,
+        base.chunks,
+        base.checkpoint,
+        base.schedule,
+        options=CostOptions(forbidden=forbidden),
     )
     allowed = [b for b in splits(n, k) if split_fits(model, b)]
     assert all(cuts_allowed(b, model.forbidden) for b in allowed)
@@ -136,8 +141,7 @@ def test_every_solver_honours_the_forbidden_cuts(seed: int) -> None:
             4,
             "never",
             "1f1b",
-            virtual_stages=2,
-            forbidden=forbidden,
+            options=CostOptions(virtual_stages=2, forbidden=forbidden),
         )
         options = [b for b in splits(n, 4) if split_fits(virtual, b)]
         if options:

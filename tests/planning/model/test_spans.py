@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import ProfileLines
 from autopipe.planning.model.spans import (
@@ -38,7 +38,7 @@ def _model(capacity, stages, virtual=1):
     profile = random_profile(np.random.default_rng(3), 8)
     costs = ProfileLines.from_profile(profile).at(2)
     devices = [DeviceSpec("cpu", capacity)] * stages
-    return CostModel(costs, devices, 4, "never", "gpipe", 2.0, virtual_stages=virtual)
+    return CostModel(costs, devices, 4, "never", "gpipe", 2.0, CostOptions(virtual_stages=virtual))
 
 
 def test_a_split_fits_when_every_stage_does():

@@ -2,14 +2,14 @@
 
 Seeded random cost vectors (lengths 1..40, every stage count, ties, zeros) and the profiles
 of the benchmark zoo; a test is skipped, with the reason, only where its package is not
-installed.
+installed (the peers' functions and the fixtures that load them:
+tests/support/peer_references.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -19,27 +19,14 @@ import pytest
 import autopipe
 from autopipe.errors import PlanningError
 from autopipe.planning.split.titan_split import titan_layer_counts
+from tests.support.peer_references import (
+    check_blockpartition,
+    deepspeed_counts,
+    package,
+    titan_counts,
+)
 
 CASES = 1200
-
-
-def _package(name: str) -> ModuleType:
-    return pytest.importorskip(name, reason=f"{name} is not installed")
-
-
-@pytest.fixture(scope="module")
-def solve() -> Callable[..., Any]:
-    return _package("torchgpipe.balance.blockpartition").solve
-
-
-@pytest.fixture(scope="module")
-def deepspeed_utils() -> ModuleType:
-    return _package("deepspeed.runtime.utils")
-
-
-@pytest.fixture(scope="module")
-def titan() -> Callable[..., list[list[str]]]:
-    return _package("torchtitan.distributed.pipeline_parallel")._generate_llm_fqn_per_model_part
 
 
 def _vector(rng: random.Random) -> tuple[list[float], int]:
@@ -60,64 +47,12 @@ def _vector(rng: random.Random) -> tuple[list[float], int]:
     return costs, rng.randint(1, n)
 
 
-class _Budget(Exception):
-    pass
-
-
-def _run_solve(solve: Callable[..., Any], costs: list[float], k: int) -> list[int] | None:
-    """torchgpipe's balance, or ``None`` when its loop runs past a budget of executed lines
-    far above any run that ends (its loop has no bound; no clock involved)."""
-    budget = 200 * len(costs) * k
-    executed = 0
-
-    def line(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal executed
-        if event == "line":
-            executed += 1
-            if executed > budget:
-                raise _Budget
-        return line
-
-    def call(frame: Any, event: str, arg: Any) -> Any:
-        return line if frame.f_code is solve.__code__ else None
-
-    sys.settrace(call)
-    try:
-        return [len(block) for block in solve(costs, k)]
-    except _Budget:
-        return None
-    finally:
-        sys.settrace(None)
-
-
-def _ours(costs: list[float], k: int) -> list[int] | str:
-    try:
-        return autopipe.partition(costs, k, strategy="blockpartition")
-    except PlanningError as exc:
-        return str(exc)
-
-
-def _check_blockpartition(solve: Callable[..., Any], costs: list[float], k: int) -> str:
-    """Asserts that ours is torchgpipe's balance, or refused exactly where torchgpipe's is
-    unusable; returns what happened."""
-    theirs = _run_solve(solve, costs, k)
-    ours = _ours(costs, k)
-    if theirs is None:
-        assert isinstance(ours, str) and "does not stop" in ours, (costs, k, ours)
-        return "endless"
-    if min(theirs) < 1 or sum(theirs) != len(costs):
-        assert isinstance(ours, str) and "leaves" in ours, (costs, k, ours, theirs)
-        return "empty stage"
-    assert ours == theirs, (costs, k)
-    return "same"
-
-
 def test_blockpartition_is_torchgpipes_on_random_costs(solve: Callable[..., Any]) -> None:
     rng = random.Random(2024)
     seen: dict[str, int] = {}
     for _ in range(CASES):
         costs, k = _vector(rng)
-        outcome = _check_blockpartition(solve, costs, k)
+        outcome = check_blockpartition(solve, costs, k)
         seen[outcome] = seen.get(outcome, 0) + 1
     assert seen["same"] >= CASES * 3 // 4  # most vectors do get a split
 
@@ -140,12 +75,7 @@ def test_blockpartition_on_lognormal_benchmark_sizes(solve: Callable[..., Any]) 
         for _ in range(5):
             n = rng.randint(4 * k, 16 * k)
             costs = [int(rng.lognormvariate(0.0, 1.0) * 1e3) for _ in range(n)]
-            _check_blockpartition(solve, costs, k)
-
-
-def _deepspeed_counts(utils: ModuleType, weights: list[float], k: int) -> list[int]:
-    parts = [int(p) for p in utils.partition_balanced(weights, k)]
-    return [b - a for a, b in itertools.pairwise(parts)]
+            check_blockpartition(solve, costs, k)
 
 
 def test_parameters_is_deepspeeds_on_random_weights(deepspeed_utils: ModuleType) -> None:
@@ -153,12 +83,12 @@ def test_parameters_is_deepspeeds_on_random_weights(deepspeed_utils: ModuleType)
     for _ in range(CASES):
         weights, k = _vector(rng)
         ours = autopipe.partition([1.0] * len(weights), k, memory=weights, strategy="parameters")
-        assert ours == _deepspeed_counts(deepspeed_utils, weights, k), (weights, k)
+        assert ours == deepspeed_counts(deepspeed_utils, weights, k), (weights, k)
 
 
 def test_parameters_known_instances(deepspeed_utils: ModuleType) -> None:
     weights = [6, 5, 9, 3]
-    theirs = _deepspeed_counts(deepspeed_utils, weights, 3)
+    theirs = deepspeed_counts(deepspeed_utils, weights, 3)
     assert autopipe.partition([1] * 4, 3, memory=weights, strategy="parameters") == theirs
     assert theirs == [1, 1, 2]  # largest stage 12; the min-max split holds 11
 
@@ -172,8 +102,8 @@ def test_uniform_is_deepspeeds(deepspeed_utils: ModuleType) -> None:
 
 
 def test_uniform_is_megatrons_where_megatron_splits() -> None:
-    torch = _package("torch")
-    _package("megatron.core")
+    torch = package("torch")
+    package("megatron.core")
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -200,15 +130,11 @@ def test_uniform_is_megatrons_where_megatron_splits() -> None:
                 assert theirs is None
 
 
-def _titan_counts(parts: list[list[str]]) -> list[int]:
-    return [sum(name.startswith("layers.") for name in part) for part in parts]
-
-
 def test_torchtitan_layer_counts_are_torchtitans(titan: Callable[..., Any]) -> None:
     for layers in range(0, 41):
         for k in range(1, 25):
             try:
-                theirs: list[int] | None = _titan_counts(titan(k, layers))
+                theirs: list[int] | None = titan_counts(titan(k, layers))
             except ValueError:
                 theirs = None
             try:
