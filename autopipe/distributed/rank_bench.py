@@ -42,6 +42,9 @@ from profiler.live_memory import SavedMemory
 
 __all__ = ["time_splits_on_ranks"]
 
+# Seconds any rank waits on another before failing: a hung rank fails the run.
+TIMEOUT = 300.0
+
 Build = Callable[[], tuple[nn.Sequential, Tensor | tuple[Tensor, ...]]]
 
 
@@ -157,7 +160,6 @@ def time_splits_on_ranks(
     steps: int,
     warmup: int = 1,
     lr: float = 1e-3,
-    timeout: float = 300.0,
     cuda: bool | None = None,
     progress: Progress | None = None,
     in_place: bool = False,
@@ -174,7 +176,6 @@ def time_splits_on_ranks(
         steps: timed steps per split.
         warmup: untimed steps per split first.
         lr: the SGD learning rate.
-        timeout: seconds any rank waits on another before failing.
         cuda: run on GPUs with nccl (one per rank), or on the CPU with gloo; default:
             on GPUs when there are any.
         progress: called with (steps done, steps in all, label) after every step.
@@ -197,7 +198,7 @@ def time_splits_on_ranks(
             )
     options = {
         "backend": local_backend(ranks, cuda),
-        "timeout": timeout,
+        "timeout": TIMEOUT,
         "lr": lr,
         "steps": steps,
         "warmup": warmup,
