@@ -137,3 +137,17 @@ def test_the_same_code_traces_with_real_weights(factory: Callable[[], nn.Module]
     assert traced.values[traced.graph.find_nodes(op="output")[0].args[0][0].name].shape == (
         tuple(model(x).shape)
     )
+
+
+def test_meta_bytes_counts_each_stages_new_tensors_once() -> None:
+    from autopipe.graph.meta import meta_bytes
+
+    model = build(gpt2, meta=True)  # tied embedding and head: the first user counts them
+    units = SequentialModel.of(prepare(model, (token_ids(),))).units
+    stages = [units[:2], units[2:]]
+    sizes = meta_bytes(model, stages, [[], []])
+    state = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    assert sum(sizes) == sum(t.numel() * t.element_size() for t in state if t.is_meta)
+    assert all(size > 0 for size in sizes)
+    assert meta_bytes(model, stages[::-1], [[], []])[0] > sizes[1]  # the head's copy is first
+    assert has_meta_state(model)  # nothing was materialized
