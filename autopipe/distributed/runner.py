@@ -7,7 +7,7 @@ import dataclasses
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -66,6 +66,9 @@ class PipelineRunner:
     """
 
     _handover: tuple[Prepared, bool] | None = None
+    # Set by DistributedPipeline(calibrate=True): measures the runner's figures once on
+    # every rank before rank 0 plans (the calibration sits above this class).
+    _calibration: Callable[[PipelineRunner, Any], Mapping[str, float] | None] | None = None
     layout: ReplicaLayout  # the pipeline and replica groups, set by the build path
 
     def __init__(
@@ -108,7 +111,9 @@ class PipelineRunner:
         self._steps = 0
         self._broken = False
         prepared, plan_shared = self._handover or (None, False)
-        given = RankInputs(model, sample, loss_fn, plan, profile, given_d, prepared, plan_shared)
+        given = RankInputs(
+            model, sample, loss_fn, plan, profile, given_d, prepared, plan_shared, self._calibration
+        )
         settings = dataclasses.replace(settings, data_parallel=self.data_parallel)
         steps = RankSteps(self, given, settings)
         built = assemble(model, settings, steps)

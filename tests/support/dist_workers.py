@@ -111,6 +111,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     scenarios: dict[str, Callable[[], Any]] = {
         "equal": lambda: pipeline_workers.equal(rank, world),
         "constants": pipeline_workers.constants,
+        "construction-calibration": lambda: pipeline_workers.construction_calibration(rank, world),
         "autocast": pipeline_workers.autocast,
         "virtual": lambda: replica_workers.virtual(rank),
         "replicas": lambda: replica_workers.replicas(rank, world),

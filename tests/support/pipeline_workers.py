@@ -243,3 +243,33 @@ def constants() -> dict[str, Any]:
         "balance": pipe.plan.balance,
     }
 
+
+def construction_calibration(rank: int, world: int) -> dict[str, Any]:
+    """Pipelines built on an empty calibration cache: by default nothing is measured;
+    ``calibrate=True`` measures once and keeps it; the next pipeline finds it cached."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.distributed.calibration_cache import (
+        cached_runner_calibration,
+        current_runtime_key,
+    )
+
+    x, _ = make_batch()
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    key = current_runtime_key(world)  # one stage per rank, 1F1B: the single-stage runtime
+
+    def entry() -> dict[str, Any] | None:
+        return cached_runner_calibration(key)
+
+    result: dict[str, Any] = {}
+    plain = DistributedPipeline(make_model(), x, **options)
+    result["default"] = (plain.plan.stages[0].overhead, entry())
+    measured = DistributedPipeline(make_model(), x, calibrate=True, **options)
+    result["measured"] = (measured.plan.stages[0].overhead, entry())
+    result["calibration"] = measured.plan.profile["meta"].get("calibration")
+    again = DistributedPipeline(make_model(), x, calibrate=True, **options)
+    result["again"] = (again.plan.stages[0].overhead, entry())
+    try:
+        DistributedPipeline(make_model(), x, calibrate="yes", **options)
+    except TypeError as exc:
+        result["error"] = str(exc)
+    return result
