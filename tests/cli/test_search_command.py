@@ -55,7 +55,7 @@ def test_search_on_one_device(
     capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
 ) -> None:
     out_file = tmp_path / "best.json"
-    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "3", "--top", "50"]
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "3", "--top", "1000"]
     code, out, err = run(capsys, *argv, "--one-device", "--json", str(out_file))
     assert code == 0, err
     rows = [row.split() for row in out.split("\n\n")[0].splitlines()[1:] if row[:1].isdigit()]

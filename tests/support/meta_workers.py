@@ -95,7 +95,7 @@ def _refused() -> str:
     return "not refused"
 
 
-def _short_of_memory() -> str:
+def _short_of_memory() -> tuple[str, list[int]]:
     """A stage larger than a fake free-memory figure: refused before it is materialized."""
     import profiler.memory_guard
     from autopipe.distributed import DistributedPipeline
@@ -113,10 +113,10 @@ def _short_of_memory() -> str:
     try:
         DistributedPipeline(stack(), x, loss_fn=loss_fn, chunks=2, plan=planned.plan)
     except ValueError as exc:
-        return str(exc)
+        return str(exc), planned.plan.balance
     finally:
         profiler.memory_guard.free_bytes = free
-    return "not refused"
+    return "not refused", planned.plan.balance
 
 
 def _meta(rank: int) -> dict[str, Any]:
