@@ -17,6 +17,7 @@ __all__ = [
     "cpu_model",
     "default_device",
     "gpu_count",
+    "physical_device",
     "resolve_device",
     "stage_devices",
     "synchronize",
@@ -62,6 +63,20 @@ def resolve_device(device: torch.device | str) -> torch.device:
     if resolved.type == "cuda" and resolved.index is None:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         return torch.device("cuda", index)
+    return resolved
+
+
+def physical_device(device: torch.device | str | int) -> torch.device:
+    """The physical device ``device`` names, so that two names of one device compare equal:
+    ``cpu`` and ``cpu:0`` are the one CPU, ``cuda`` is the current CUDA device, an int is
+    that CUDA device."""
+    if isinstance(device, bool):  # an int to Python, never a device
+        raise TypeError(f"a device is a name, a torch.device or a CUDA index, got {device!r}")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    resolved = resolve_device(device)
+    if resolved.type in ("cpu", "mps", "meta"):  # one device of the kind per process
+        return torch.device(resolved.type)
     return resolved
 
 

@@ -20,7 +20,14 @@ from torch import nn
 
 from profiler.counting import LayerCounts
 
-__all__ = ["MemoryShortage", "check_fits", "format_bytes", "free_bytes", "measuring_bytes"]
+__all__ = [
+    "MemoryShortage",
+    "check_fits",
+    "format_bytes",
+    "free_bytes",
+    "measuring_bytes",
+    "storage_shortage",
+]
 
 # Of the free memory, the share a measured layer's counted bytes may take: the rest is for
 # what counting does not see (kernel workspaces, the allocator's rounding, the process).
@@ -166,3 +173,20 @@ def check_fits(label: str, needed: int, detail: str, device: torch.device) -> No
     free = free_bytes(device)
     if free is not None and needed > USABLE_SHARE * free:
         raise MemoryShortage(label, needed, free, str(device), detail)
+
+
+def storage_shortage(needed: int, device: torch.device | str) -> str | None:
+    """What is short when ``needed`` bytes are to be given storage on ``device`` at once,
+    or ``None`` when they fit :data:`USABLE_SHARE` of its free memory (or it cannot be
+    read): e.g. ``needs 12.00 GiB but the host has 8.00 GiB free, of which 20% stays spare``.
+    """
+    device = torch.device(device)
+    free = free_bytes(device)
+    if free is None or needed <= USABLE_SHARE * free:
+        return None
+    where = "the host" if device.type == "cpu" else str(device)
+    spare = round(100 * (1 - USABLE_SHARE))
+    return (
+        f"needs {format_bytes(needed)} but {where} has {format_bytes(free)} free, of which "
+        f"{spare}% stays spare"
+    )

@@ -78,11 +78,6 @@ def selected_command(args: argparse.Namespace) -> Command:
                 "--export goes with a plan of --stages; with --search, save the best plan "
                 "with --json and export it in Python: Plan.load(FILE).export(FORMAT)"
             )
-        if args.one_device:  # the search weighs devices of their own
-            raise ValueError(
-                "--one-device plans one pipeline whose stages take turns on one device; the "
-                "search ranks configurations of separate devices: leave out one of them"
-            )
         return search_command
     if args.command == "plan" and args.shard_optimizer:
         raise ValueError(
@@ -156,7 +151,8 @@ def _add_plan_parser(commands: Any) -> None:
         action="store_true",
         help="every stage on the profile's one device in one process (autopipe.GPipe on "
         "['cpu', 'cpu']): the stages take turns, so the step is M x their summed time, every "
-        "split takes as long and the one needing the least memory per stage is chosen",
+        "split takes as long and the one needing the least memory per stage is chosen; "
+        "with --search, up to --devices stages on it, one replica, gpipe",
     )
     parser.add_argument(
         "--strategy",

@@ -27,10 +27,16 @@ def _check_search_options(args: argparse.Namespace) -> None:
         raise ValueError("--search plans with the optimal strategy: leave out --strategy")
     if args.compare:
         raise ValueError("--compare is not available with --search; use --timeline")
+    if args.one_device and (args.target or args.allreduce_bandwidth):
+        raise ValueError(
+            "--search --one-device ranks stages taking turns on this profile's one device, "
+            "with one replica: leave out --target and --allreduce-bandwidth"
+        )
 
 
 def search_command(args: argparse.Namespace) -> int:
-    """Ranks the configurations of ``--devices`` devices, prints them and the best plan."""
+    """Ranks the configurations of ``--devices`` devices (with ``--one-device``: of up to
+    that many stages taking turns on one device), prints them and the best plan."""
     from autopipe.output.report import render_plan, render_search
     from autopipe.planning.configuration.config_search import SearchOptions, search
 
@@ -60,13 +66,16 @@ def search_command(args: argparse.Namespace) -> int:
         bandwidth=bandwidth,
         allreduce_bandwidth=allreduce,
     )
+    # One device runs its stages in one process, under GPipe's fill-drain.
+    schedules = ("gpipe",) if args.one_device else SCHEDULES
     options = SearchOptions(
-        schedules=(args.schedule,) if args.schedule else SCHEDULES,
+        schedules=(args.schedule,) if args.schedule else schedules,
         checkpoints=(args.checkpoint,) if args.checkpoint else SEARCH_CHECKPOINTS,
         top=args.top,
         even=args.even,
         virtual_stages=tuple(range(1, args.virtual_stages + 1)),
         shard_optimizer=args.shard_optimizer,
+        one_device=args.one_device,
     )
     plans = search(profile, devices, settings, options)
     best = plans[0]

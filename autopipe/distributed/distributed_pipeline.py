@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from autopipe.distributed.prepared import prepare_model
 from autopipe.distributed.rank_search import search_prepared
 from autopipe.distributed.runner import PipelineRunner
+from autopipe.distributed.runtime_calibration import measure_uncached_runtime
 from autopipe.distributed.setup import init_distributed
 from autopipe.distributed.stage import merge_state_dicts
 from autopipe.distributed.virtual import SCHEDULES
@@ -140,11 +141,33 @@ class DistributedPipeline(PipelineRunner):
             rank (it would train from placeholder values). Only for a model with meta
             tensors; the model is traced on meta (see :func:`autopipe.graph.trace`) and
             rank 0 profiles its units without their values.
+        calibrate: when rank 0 plans from a profile without the runner's calibration and
+            this machine's cache has none for the runtime, measure it first, every rank
+            together: message latency and bandwidth between ranks and the runner's
+            seconds per stage and micro-batch for this schedule and stages per rank
+            (:mod:`autopipe.distributed.runtime_calibration`); kept in the cache
+            for every later pipeline of the same runtime. Default ``False``: a cached
+            entry is still applied, and nothing is measured.
 
     Raises:
         ValueError: invalid or mismatched arguments, or no plan fits (on every rank).
         RuntimeError: no process group, or another rank failed during setup.
     """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Tensor | tuple[Tensor, ...],
+        settings: Any = None,
+        *,
+        calibrate: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(calibrate, bool):
+            raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
+        if calibrate:  # a collective once the ranks agree, before rank 0 plans
+            self._calibration = measure_uncached_runtime
+        super().__init__(model, sample, settings, **kwargs)
 
     @classmethod
     def from_search(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,3 +137,20 @@ def state_keys(model: nn.Module) -> list[tuple[str, str]]:
     owners = tensor_names(model)
     state = model.state_dict(keep_vars=True)
     return [(key, owners.get(id(value), key)) for key, value in state.items()]
+
+
+def unheld_state(model: nn.Module, layers: Sequence[nn.Module]) -> OrderedDict[str, Tensor]:
+    """The tensors of the model's ``state_dict`` that none of ``layers`` holds (no unit
+    reads them), by the names :func:`original_names` gives, leaving out those on meta.
+
+    Nothing trains or writes them, so each rank's are the model's values; the gathered
+    state dict takes them from the ranks where they are not on meta.
+    """
+    held = {id(t) for layer in layers for t in layer.state_dict(keep_vars=True).values()}
+    held |= {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    owners = tensor_names(model)
+    unheld: OrderedDict[str, Tensor] = OrderedDict()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in held and not value.is_meta:
+            unheld.setdefault(owners.get(id(value), key), value)
+    return unheld

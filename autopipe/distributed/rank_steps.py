@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,6 +67,8 @@ class RankInputs:
         data_parallel: D as given (``None``: the plan's, or 1).
         prepared: the model as a search already prepared it, or ``None``.
         plan_shared: ``plan`` is the same object on every rank (a search broadcast it).
+        calibration: measures the runner's figures on every rank before rank 0 plans
+            (``calibrate=True``), returning them, or ``None`` when it measured nothing.
     """
 
     model: nn.Module
@@ -77,6 +79,7 @@ class RankInputs:
     data_parallel: int | None
     prepared: Prepared | None = None
     plan_shared: bool = False
+    calibration: Callable[[PipelineRunner, Any], Mapping[str, float] | None] | None = None
 
 
 class RankSteps:
@@ -97,6 +100,7 @@ class RankSteps:
         self.padding: MicroBatchPadding | None = None
         self.world = dist.get_world_size(runner.group)
         self.meta = has_meta_state(given.model)
+        self.measured: Mapping[str, float] | None = None  # the runner's figures, if measured
 
     def layers(self) -> Layers:
         inputs, settings, runner = self.inputs, self.settings, self.runner
@@ -153,6 +157,9 @@ class RankSteps:
         assert self.prepared is not None
         sequential, sample = self.prepared.sequential, self.sample
         chunks, autocast = int(self.settings.chunks or 1), self.settings.autocast
+        measure = self.inputs.calibration
+        if measure is not None and self.given is None:  # a collective: every rank measures
+            self.measured = measure(self.runner, self.inputs.profile)
 
         def on_rank0() -> tuple[dict[str, Any] | None, list[Any]]:
             if self.given is not None:
@@ -190,7 +197,9 @@ class RankSteps:
         stages = runner.num_stages * self.settings.virtual_stages
         named = prepared.owner if prepared.owner is not None else prepared.sequential
         unsplit = written_shared(list(prepared.sequential), layers.written, named)
-        return rank0_plan(profile, stages, runner.num_stages, self.settings, unsplit)
+        return rank0_plan(
+            profile, stages, runner.num_stages, self.settings, unsplit, measured=self.measured
+        )
 
     def check_placement(self, layers: Layers, plan: Plan) -> None:
         assert self.prepared is not None

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,7 +17,13 @@ from torch import Tensor, nn
 from autopipe.distributed.collectives import collective, rank_device
 from autopipe.distributed.failures import FailureBoard, rank_names
 from autopipe.distributed.meta_stages import broadcast_ties
-from autopipe.distributed.prepared import Prepared, original_names, state_keys, tensor_names
+from autopipe.distributed.prepared import (
+    Prepared,
+    original_names,
+    state_keys,
+    tensor_names,
+    unheld_state,
+)
 from autopipe.distributed.rank_steps import RankInputs, RankSteps
 from autopipe.distributed.replicas import (
     ReplicaLayout,
@@ -60,6 +66,9 @@ class PipelineRunner:
     """
 
     _handover: tuple[Prepared, bool] | None = None
+    # Set by DistributedPipeline(calibrate=True): measures the runner's figures once on
+    # every rank before rank 0 plans (the calibration sits above this class).
+    _calibration: Callable[[PipelineRunner, Any], Mapping[str, float] | None] | None = None
     layout: ReplicaLayout  # the pipeline and replica groups, set by the build path
 
     def __init__(
@@ -102,7 +111,9 @@ class PipelineRunner:
         self._steps = 0
         self._broken = False
         prepared, plan_shared = self._handover or (None, False)
-        given = RankInputs(model, sample, loss_fn, plan, profile, given_d, prepared, plan_shared)
+        given = RankInputs(
+            model, sample, loss_fn, plan, profile, given_d, prepared, plan_shared, self._calibration
+        )
         settings = dataclasses.replace(settings, data_parallel=self.data_parallel)
         steps = RankSteps(self, given, settings)
         built = assemble(model, settings, steps)
@@ -134,6 +145,7 @@ class PipelineRunner:
         # parameters among them have a copy on each rank using them (TiedGradients).
         shared = shared_across_stages(list(layers.values()), self.plan.balance, k)
         self._keys = state_keys(model)
+        self._unheld = unheld_state(model, [*layers.values(), *built.layers.originals])
         owners = tensor_names(model)
         self._shared = {owners.get(id(t)) for t, _ in shared} - {None}
         self.module.to(self.device)
@@ -290,10 +302,15 @@ class PipelineRunner:
         return [(self._original[k], p) for k, p in self.module.named_parameters()]
 
     def state_dict(self) -> OrderedDict[str, Tensor]:
-        """This rank's part of the original model's ``state_dict`` (its keys)."""
+        """This rank's part of the original model's ``state_dict`` (its keys): what its
+        stages hold of it, without the constants a trace lifted out of the code and the
+        model's non-persistent buffers, which the model's ``state_dict`` leaves out too."""
+        names = {name for _, name in self._keys}
         state: OrderedDict[str, Tensor] = OrderedDict()
         for key, value in self.module.state_dict().items():
-            state.setdefault(self._original.get(key, key), value)
+            name = self._original.get(key, key)
+            if name in names:
+                state.setdefault(name, value)
         return state
 
     def gather_state_dict(self, dst: int = 0) -> OrderedDict[str, Tensor] | None:
@@ -304,6 +321,9 @@ class PipelineRunner:
         """
         first = self.replica_index == 0
         state = stage_states(self.module, self.stage_indices, self._original) if first else []
+        if first and self._unheld:  # tensors of the model no stage holds, as they are here
+            own = OrderedDict((k, t.detach().cpu()) for k, t in self._unheld.items())
+            state.append((-1 - self.stage_index, own))  # apart from the stages' indices
         world = self.num_stages * self.data_parallel
         parts: list[Any] | None = [None] * world if self.rank == dst else None
         target = dist.get_global_rank(self.group or dist.group.WORLD, dst)  # type: ignore[arg-type]
@@ -313,31 +333,45 @@ class PipelineRunner:
             return None
         # In stage order, so that the keys come in the original model's order.
         pairs = [pair for part in parts[: self.num_stages] for pair in part]
-        stages = sorted(pairs, key=lambda pair: pair[0])
-        return self._plain_state(stages)
+        everything = sorted(pairs, key=lambda pair: pair[0])
+        stages = [pair for pair in everything if pair[0] >= 0]
+        unheld = [state for index, state in everything if index < 0]
+        return self._plain_state(stages, unheld)
 
     def _plain_state(
-        self, stages: list[tuple[int, OrderedDict[str, Tensor]]]
+        self,
+        stages: list[tuple[int, OrderedDict[str, Tensor]]],
+        unheld: list[OrderedDict[str, Tensor]],
     ) -> OrderedDict[str, Tensor]:
-        """The stages' states as the plain model's ``state_dict``: one entry per key.
+        """The stages' states as the plain model's ``state_dict``: its keys, one entry each.
 
         A tensor of several stages comes from each (its copies are equal): the first is
         kept. Every key of a tied tensor (``lm_head.weight`` as well as
-        ``transformer.wte.weight``) gets it, in the plain model's order.
+        ``transformer.wte.weight``) gets it, in the plain model's order. What the stages
+        hold that the model's ``state_dict`` does not (constants a trace lifted out of the
+        code, non-persistent buffers) is left out; a tensor of the model no stage holds (no
+        unit reads it) comes from ``unheld``, the ranks' own.
+
+        Raises:
+            RuntimeError: a key of the model that neither a stage nor a rank holds.
         """
+        names = {name for _, name in self._keys}
         seen: set[str] = set()
         parts = []
         for _, state in stages:
-            parts.append(OrderedDict((k, v) for k, v in state.items() if k not in seen))
+            kept = ((k, v) for k, v in state.items() if k in names and k not in seen)
+            parts.append(OrderedDict(kept))
             seen.update(k for k in state if k in self._shared)
         merged = merge_state_dicts(parts)
-        plain: OrderedDict[str, Tensor] = OrderedDict()
-        for key, name in self._keys:
-            if name in merged:
-                plain[key] = merged[name]
-        for key, value in merged.items():
-            plain.setdefault(key, value)  # a tensor the model does not name: as the stage has it
-        return plain
+        for state in unheld:
+            for name, value in state.items():
+                merged.setdefault(name, value)
+        missing = [key for key, name in self._keys if name not in merged]
+        if missing:
+            raise RuntimeError(
+                f"no rank holds a value of {', '.join(missing[:3])} of the model's state_dict"
+            )
+        return OrderedDict((key, merged[name]) for key, name in self._keys)
 
     def __repr__(self) -> str:
         # The plan's names are the modules' dotted ones (the stage modules' keys cannot hold dots).

@@ -299,16 +299,21 @@ def check_sizes(
         )
 
 
-def _with_cached_calibration(profile: Profile, ranks: int, settings: PipelineSettings) -> Profile:
-    """A profile without a calibration of the runner, with this machine's cached one for
-    the runtime the pipeline runs on (:mod:`autopipe.distributed.calibration_cache`), so
-    the plan counts the runner's own costs; as it is without a cached one. The caller's
-    profile is left unchanged."""
+def _with_cached_calibration(
+    profile: Profile,
+    ranks: int,
+    settings: PipelineSettings,
+    measured: Mapping[str, float] | None = None,
+) -> Profile:
+    """A profile without a calibration of the runner, with the runner's figures just
+    ``measured`` or else this machine's cached ones for the runtime the pipeline runs on
+    (:mod:`autopipe.distributed.calibration_cache`), so the plan counts the runner's own
+    costs; as it is without either. The caller's profile is left unchanged."""
     found = profile.meta.get("calibration")
     if isinstance(found, dict) and "overhead_s" in found:  # calibrated for this run
         return profile
     key = current_runtime_key(ranks, str(settings.schedule or "1f1b"), settings.virtual_stages)
-    cached = cached_runner_calibration(key)
+    cached = measured if measured is not None else cached_runner_calibration(key)
     if cached is None:
         return profile
     calibrated = copy.copy(profile)
@@ -362,6 +367,8 @@ def rank0_plan(
     ranks: int,
     settings: PipelineSettings,
     unsplit: Collection[str] = (),
+    *,
+    measured: Mapping[str, float] | None = None,
 ) -> Plan:
     """Rank 0's plan of ``num_stages`` stages (K, or K·v) on ``ranks`` ranks per pipeline,
     with this machine's cached calibration of the runner where the profile has none.
@@ -369,11 +376,13 @@ def rank0_plan(
     ``unsplit`` names the shared tensors whose users must stay on one stage (buffers each
     rank would copy while some layer writes them, :func:`written_shared`): the planner
     makes no cut between them (:func:`autopipe.planning.model.cut_rules.keep_together`).
+    ``measured``: the runner's figures the ranks just measured (``calibrate=True``), used
+    before the cache.
 
     Raises:
         ValueError: no plan fits.
     """
-    calibrated = _with_cached_calibration(profile, ranks, settings)
+    calibrated = _with_cached_calibration(profile, ranks, settings, measured)
     return make_plan(keep_together(calibrated, unsplit), num_stages, settings)
 
 

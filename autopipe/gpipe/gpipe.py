@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autopipe.gpipe.colocated import colocation_mismatch, device_groups
 from autopipe.gpipe.fill_drain import Pipeline
 from autopipe.gpipe.microbatch import TensorOrTensors, check, gather, scatter
 from autopipe.gpipe.tied_copies import Replicas
@@ -228,7 +229,9 @@ class GPipe(nn.Module):
     def from_plan(cls, module: nn.Sequential, plan: Plan, **kwargs: Any) -> GPipe:
         """Builds a GPipe with the balance, devices, chunks and checkpoint mode of ``plan``.
 
-        Extra keyword arguments (e.g. ``deferred_batch_norm``) are passed on.
+        Extra keyword arguments (e.g. ``deferred_batch_norm``) are passed on. Partitions
+        on one physical device take turns on it; a plan that does not record them so
+        (``plan.shared``, from ``colocated=True``) mispredicts the step, which is warned of.
         """
         if plan.schedule != "gpipe":
             warnings.warn(
@@ -243,14 +246,24 @@ class GPipe(nn.Module):
                 "(DistributedPipeline runs interleaved schedules)",
                 stacklevel=2,
             )
+        devices = [d.name for d in plan.devices]
+        mismatch = colocation_mismatch(plan, devices)
+        if mismatch is not None:
+            warnings.warn(mismatch, stacklevel=2)
         return cls(
             module,
             plan.balance,
-            devices=[d.name for d in plan.devices],
+            devices=devices,
             chunks=plan.chunks,
             checkpoint=plan.checkpoint if plan.checkpoint != "auto" else plan.stage_checkpoints,
             **kwargs,
         )
+
+    @property
+    def shared_devices(self) -> list[list[int]]:
+        """The partitions that share one physical device and take turns on it, as groups of
+        partition indices (empty when each has its own), as a plan records them."""
+        return device_groups(self.devices)
 
     @property
     def replicated(self) -> dict[str, tuple[int, ...]]:

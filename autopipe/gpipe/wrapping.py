@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from autopipe.gpipe.colocated import physical_names
 from autopipe.gpipe.gpipe import GPipe
 from autopipe.gpipe.wrap_steps import WrapSteps
 from autopipe.gpipe.wrapped import WrappedPipeline
@@ -27,17 +29,18 @@ Device = torch.device | str | int
 
 
 def _device_names(stages: int | None, devices: Sequence[Device] | None) -> list[str]:
+    """Each stage's device, named as its physical device, so that the planner sees which
+    stages share one (``cpu`` twice; ``cuda`` and ``cuda:0`` when device 0 is current)."""
     if devices is not None:
-        names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
-        if not names:
+        if not devices:
             raise ValueError("devices must name at least one device")
-        if stages is not None and stages != len(names):
-            raise ValueError(f"stages={stages} but {len(names)} devices were given")
-        return names
+        if stages is not None and stages != len(devices):
+            raise ValueError(f"stages={stages} but {len(devices)} devices were given")
+        return physical_names(devices)
     count = 2 if stages is None else stages
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"stages must be a positive integer, got {stages!r}")
-    return [str(device) for device in stage_devices(count)]
+    return physical_names(stage_devices(count))
 
 
 def _batch_size(sample: tuple[Any, ...] | Tensor, kwargs: dict[str, Any] | None) -> int:
@@ -72,7 +75,9 @@ def wrap(
 
     The keywords after ``profile`` are fields of :class:`PipelineSettings`, laid over
     ``settings``; any other is refused (``TypeError``). The pipeline runs GPipe's
-    fill-drain schedule, one stage per device and one replica.
+    fill-drain schedule, one stage per device and one replica. Stages given the same
+    physical device (``["cpu", "cpu"]``) take turns on it, and the plan says so
+    (``plan.shared``, priced as ``colocated=True`` prices it).
 
     Args:
         model: the model; its parameters are moved to their stages' devices in place and
@@ -159,6 +164,8 @@ def wrap(
     if chunks is not None and bad_chunks:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     names = _device_names(stages, devices)
+    # One process: stages on one device take turns on it, and the plan prices them so.
+    settings = dataclasses.replace(settings, colocated=True)
     settings = settings.resolved(len(names), _batch_size(sample, kwargs))
     check_autocast(settings.autocast)
     if settings.init is not None and not has_meta_state(model):

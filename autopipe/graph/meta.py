@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from profiler.counting import swapped_state
 from profiler.materialize import materialize_part
 
-__all__ = ["has_meta_state", "materialize_units", "rebind_state", "unused_meta"]
+__all__ = ["has_meta_state", "materialize_units", "meta_bytes", "rebind_state", "unused_meta"]
 
 META = torch.device("meta")
 
@@ -135,6 +135,31 @@ def unused_meta(model: nn.Module, stages: Sequence[Sequence[nn.Module]]) -> list
             if tensor.is_meta and id(tensor) not in everything:
                 extra[home].append(f"{prefix}.{name}" if prefix else name)
     return extra
+
+
+def meta_bytes(
+    model: nn.Module, stages: Sequence[Sequence[nn.Module]], extra: Sequence[Sequence[str]]
+) -> list[int]:
+    """The bytes :func:`materialize_units` gives storage to, stage by stage in this order:
+    each stage's meta tensors of the model (its units' and its ``extra`` names), a tensor
+    several stages use counted with the first of them, as it is materialized there.
+    Nothing is materialized."""
+    by_id = {id(t): t for _, t in _named_state(model) if t.is_meta}
+    by_name = {name: t for name, t in _named_state(model) if t.is_meta}
+    counted: set[int] = set()
+    sizes = []
+    for modules, names in zip(stages, extra, strict=True):
+        for module in modules:
+            rebind_state(module, model)
+        tensors = [t for module in modules for _, t in _named_state(module) if id(t) in by_id]
+        tensors += [by_name[name] for name in names if name in by_name]
+        size = 0
+        for tensor in tensors:
+            if id(tensor) not in counted:
+                counted.add(id(tensor))
+                size += tensor.numel() * tensor.element_size()
+        sizes.append(size)
+    return sizes
 
 
 def materialize_units(

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from profiler.devices import resolve_device
+from profiler.devices import physical_device
 
 __all__ = [
     "SharedState",
@@ -167,13 +167,6 @@ def adjacent_boundaries(shared: Iterable[SharedState]) -> set[int]:
     return {a for s in shared for a, b in zip(s.units, s.units[1:]) if b == a + 1}
 
 
-def _device(name: str) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cpu":
-        return torch.device("cpu")
-    return resolve_device(device)
-
-
 def copied_written(
     shared: Iterable[SharedState],
     devices: Sequence[str],
@@ -195,7 +188,7 @@ def copied_written(
         written: the names of the tensors some unit may write (:func:`find_written`).
         replicate: whether stages on one device get copies too.
     """
-    one_device = len({_device(name) for name in devices}) == 1
+    one_device = len({physical_device(name) for name in devices}) == 1
     if one_device and not (replicate and len(devices) > 1):
         return []
     return [item.name for item in shared if item.name in written]
@@ -232,7 +225,7 @@ def check_placement(
         if item.name not in written:
             continue
         stages = {stage_of_unit[u] for u in item.units}
-        placed = {_device(devices[k]) for k in stages}
+        placed = {physical_device(devices[k]) for k in stages}
         if len(placed) > 1 or (replicate and len(stages) > 1):
             where = ", ".join(
                 f"{unit_names[u]} (stage {stage_of_unit[u]}, {devices[stage_of_unit[u]]})"

@@ -18,11 +18,19 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from autopipe.graph.meta import has_meta_state, materialize_units, rebind_state, unused_meta
+from autopipe.graph.meta import (
+    has_meta_state,
+    materialize_units,
+    meta_bytes,
+    rebind_state,
+    unused_meta,
+)
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
 from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
+from profiler.devices import physical_device
+from profiler.memory_guard import format_bytes, storage_shortage
 from profiler.profile import Profile
 
 __all__ = ["Assembly", "BuildSteps", "Layers", "assemble", "materialize_stages"]
@@ -126,6 +134,7 @@ def materialize_stages(
     devices: dict[int, str | torch.device],
     init: Callable[[nn.Module], None] | None,
     originals: Sequence[nn.Module] = (),
+    names: Sequence[str] = (),
 ) -> None:
     """Gives the meta tensors of the stages in ``devices`` storage on each one's device and
     initializes them (see :func:`autopipe.graph.meta.materialize_units`); the other stages'
@@ -138,15 +147,66 @@ def materialize_stages(
 
     Raises:
         ValueError: a tensor that nothing initializes (without ``init``), see
-            :func:`autopipe.graph.meta.materialize_units`.
+            :func:`autopipe.graph.meta.materialize_units`; a stage whose tensors do not fit
+            its device's free memory (:func:`check_stage_memory`), before any is
+            materialized.
     """
     starts = [sum(balance[:s]) for s in range(len(balance))]
     stages = [list(layers[start : start + size]) for start, size in zip(starts, balance)]
     extra = unused_meta(model, stages)
+    labels = [
+        _label(stage, list(names[start : start + len(stage)]))
+        for start, stage in zip(starts, stages)
+    ]
+    check_stage_memory(model, stages, extra, devices, labels)
     for k in sorted(devices):
         materialize_units(model, stages[k], devices[k], init, seed=k, extra=extra[k])
     for layer in (*layers, *originals):
         rebind_state(layer, model)
+
+
+def _label(stage: Sequence[nn.Module], names: Sequence[str]) -> str:
+    """A stage's layers in words: ``layers h.0..h.3``, or their classes without names."""
+    shown = list(names) or [type(layer).__name__ for layer in stage]
+    return f"layer {shown[0]}" if len(shown) == 1 else f"layers {shown[0]}..{shown[-1]}"
+
+
+def check_stage_memory(
+    model: nn.Module,
+    stages: Sequence[Sequence[nn.Module]],
+    extra: Sequence[Sequence[str]],
+    devices: dict[int, str | torch.device],
+    labels: Sequence[str] = (),
+) -> None:
+    """Refuses to materialize stages whose meta tensors do not fit their devices' free
+    memory, before any is given storage: a stage too large would push the host into swap
+    or the out-of-memory killer (or fail inside the CUDA allocator) half-way through.
+
+    Each stage in ``devices`` is checked with the stages before it on the same device (all
+    of them are materialized before training starts), against
+    :func:`profiler.memory_guard.storage_shortage`.
+
+    Raises:
+        ValueError: the first stage that does not fit: its index, layers, bytes and device.
+    """
+    order = sorted(devices)
+    sizes = meta_bytes(model, [stages[k] for k in order], [extra[k] for k in order])
+    held: dict[str, int] = {}
+    for k, size in zip(order, sizes, strict=True):
+        device = str(physical_device(devices[k]))
+        before = held.get(device, 0)
+        held[device] = before + size
+        problem = storage_shortage(held[device], device)
+        if problem is None:
+            continue
+        label = labels[k] if labels else _label(stages[k], [])
+        with_earlier = f", with {format_bytes(before)} of earlier stages there," if before else ""
+        raise ValueError(
+            f"materializing stage {k} ({label}) on {device} "
+            f"for its {format_bytes(size)} of parameters and buffers{with_earlier} {problem}; "
+            "free memory there, give the stages more devices (or more stages on more "
+            "devices) so each holds less, or load a smaller model"
+        )
 
 
 def assemble(model: nn.Module, settings: PipelineSettings, steps: BuildSteps) -> Assembly:
@@ -193,6 +253,7 @@ def assemble(model: nn.Module, settings: PipelineSettings, steps: BuildSteps) ->
                 devices,
                 settings.init,
                 layers.originals,
+                list(layers.modules),
             )
         except ValueError as exc:
             problem = exc

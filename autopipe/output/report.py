@@ -212,9 +212,13 @@ def render_stages(plan: Plan) -> str:
 
 
 def _device_memory(plan: Plan) -> list[float]:
-    """Each device's predicted peak bytes: with virtual stages, its stages' together."""
+    """Each device's predicted peak bytes: with virtual stages, or stages sharing a
+    device (``plan.shared``), its stages' together."""
     ranks = plan.num_stages // max(plan.virtual_stages, 1)
-    return [sum(s.memory for s in plan.stages[r::ranks]) for r in range(ranks)]
+    held = [sum(s.memory for s in plan.stages[r::ranks]) for r in range(ranks)]
+    grouped = {k for group in plan.shared for k in group}
+    shared = [sum(plan.stages[k].memory for k in group) for group in plan.shared]
+    return [m for r, m in enumerate(held) if r not in grouped] + shared
 
 
 def render_summary(plan: Plan) -> str:

@@ -237,7 +237,6 @@ def test_wrap_defaults_to_the_command_lines_chunks() -> None:
         (["--bandwidth", "fast"], "cannot parse bandwidth 'fast'"),
         (["--optimizer", "lion"], "unknown optimizer 'lion'"),
         (["--one-device", "--virtual-stages", "2"], "leave out --virtual-stages"),
-        (["--one-device", "--search"], "the search ranks configurations of separate devices"),
     ],
 )
 def test_bad_plan_options(

@@ -49,3 +49,39 @@ def test_bad_search_options(
 ) -> None:
     argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2", *args]
     assert_error(*run(capsys, *argv), expected)
+
+
+def test_search_on_one_device(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path
+) -> None:
+    out_file = tmp_path / "best.json"
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "3", "--top", "1000"]
+    code, out, err = run(capsys, *argv, "--one-device", "--json", str(out_file))
+    assert code == 0, err
+    rows = [row.split() for row in out.split("\n\n")[0].splitlines()[1:] if row[:1].isdigit()]
+    assert rows and {row[2] for row in rows} == {"1"}  # D: one replica
+    assert all("gpipe" in row for row in rows)
+    assert {row[1] for row in rows} == {"1", "2", "3"}  # K: up to --devices stages
+    assert "taking turns on one cpu" in out
+    best = Plan.load(out_file)
+    assert best.num_devices == 1
+    if best.num_stages > 1:
+        assert best.shared == [list(range(best.num_stages))]
+        assert "share cpu: they run one after another" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--schedule", "1f1b"], "search the schedule gpipe"),
+        (["--virtual-stages", "2"], "leave out virtual_stages (--virtual-stages)"),
+        (["--shard-optimizer"], "no copies to shard the optimizer state over"),
+        (["--allreduce-bandwidth", "1GB"], "leave out --target and --allreduce-bandwidth"),
+        (["--memory", "1KB"], "no configuration of up to 2 stages on one device fits"),
+    ],
+)
+def test_bad_one_device_search_options(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, args: list[str], expected: str
+) -> None:
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2", "--one-device"]
+    assert_error(*run(capsys, *argv, *args), expected)

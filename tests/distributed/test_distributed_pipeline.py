@@ -77,6 +77,31 @@ def test_gathered_state_dict_is_the_original(equal_run: Any) -> None:
     assert all(r["state"] is None for r in results[1:])
 
 
+def test_gathered_state_dict_leaves_out_what_the_model_state_dict_does(tmp_path: Path) -> None:
+    """A lifted constant and a non-persistent buffer are no keys of it; a buffer no unit
+    reads is, with its value."""
+    from tests.support.pipeline_workers import Constants, constants_batch
+
+    results = scenario_results("constants", 2, tmp_path, limit=120)
+    model = Constants()
+    x, y = constants_batch()
+    loss = torch.stack(
+        [loss_fn(model(xb), yb) for xb, yb in zip(x.tensor_split(2), y.tensor_split(2))]
+    ).mean()
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    state = model.state_dict()
+    gathered = results[0]["state"]
+    assert list(gathered) == list(state)  # neither "scale" nor "shift", and "unused" too
+    for key, value in state.items():
+        # float64 throughout: the micro-batches' sums differ from one process's by rounding.
+        torch.testing.assert_close(gathered[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    owns = [set(r["own"]) for r in results]
+    assert owns[0] | owns[1] <= set(state) - {"unused"} and not owns[0] & owns[1]
+    assert results[1]["state"] is None
+    model.load_state_dict(gathered)  # strict: the same keys
+
+
 LOSS_FAILURE = (
     "rank 1 (stage 1 of 2) failed in step 1: RuntimeError: deliberate failure in the loss"
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -96,3 +97,18 @@ def test_a_tensor_nothing_initializes_is_refused_on_every_rank(
     messages = [r["refused"] for r in ranks]
     assert all("nothing initializes scale" in m and "pass init=" in m for m in messages)
     assert messages[0].startswith("rank 1: ")  # the rank holding it says which
+
+
+def test_a_stage_larger_than_the_free_memory_is_refused_on_every_rank(
+    ranks: list[dict[str, Any]],
+) -> None:
+    messages = [r["short"][0] for r in ranks]
+    first = ranks[0]["short"][1][0]  # the layers of stage 0, as rank 0 planned them
+    layers = "layer 0" if first == 1 else f"layers 0..{first - 1}"
+    # Every rank raises rank 0's line (the others naming it), none waits on another.
+    assert messages[0].startswith(f"materializing stage 0 ({layers}) on cpu"), messages
+    assert messages[1] == "rank 0: " + messages[0]
+    assert all(
+        re.search(r"on cpu for its [\d.]+ KiB of parameters and buffers needs", m) for m in messages
+    )
+    assert all("free memory there" in m for m in messages)

@@ -514,11 +514,14 @@ def _plan(schedule: str = "gpipe") -> Plan:
 
 
 def test_from_plan() -> None:
+    shared = _plan()
+    shared.shared = [[0, 1]]  # as a plan made with colocated=True records the one CPU
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pipe = GPipe.from_plan(_model(), _plan(), deferred_batch_norm=True)
+        pipe = GPipe.from_plan(_model(), shared, deferred_batch_norm=True)
     assert pipe.balance == [4, 2] and pipe.chunks == 3 and pipe.checkpoint == "never"
     assert pipe.devices == [torch.device("cpu")] * 2
+    assert pipe.shared_devices == [[0, 1]]
     with pytest.warns(UserWarning, match="1f1b"):
         GPipe.from_plan(_model(), _plan("1f1b"))
     interleaved = _plan()

@@ -140,3 +140,33 @@ def test_a_tensor_nothing_initializes_is_refused_unless_init_is_given() -> None:
 def test_init_is_refused_for_a_model_without_meta_tensors() -> None:
     with pytest.raises(ValueError, match=r"init= .*none on meta"):
         _wrap(ResidualMLP(), torch.randn(8, 5), init=lambda part: None)
+
+
+def test_a_stage_larger_than_the_free_memory_is_refused_before_any_is_materialized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import profiler.memory_guard
+    from profiler.profile import Profile
+
+    x = torch.randn(8, 5)
+    real = wrap(ResidualMLP(), x, devices=["cpu", "cpu"], chunks=2)
+    profile = Profile.from_dict(real.plan.profile)  # so that nothing is measured below
+    balance = real.plan.balance
+    model: Any = build(ResidualMLP, meta=True)
+    sizes = [
+        sum(t.numel() * t.element_size() for t in unit.state_dict().values())
+        for unit in real.pipeline
+    ]
+    first = sum(sizes[: balance[0]])
+    # Stage 0 fits 80% of this figure; stages 0 and 1 together on the one CPU do not.
+    free = int(first / 0.8) + 1
+    monkeypatch.setattr(profiler.memory_guard, "free_bytes", lambda device: free)
+    with pytest.raises(ValueError) as caught:
+        _wrap(model, x, profile=profile)
+    message = str(caught.value)
+    assert message.startswith("materializing stage 1 (layers ")
+    assert " on cpu for its " in message and "of earlier stages there" in message
+    assert "free memory there" in message and "\n" not in message
+    assert has_meta_state(model) and all(t.is_meta for t in model.state_dict().values())
+    monkeypatch.setattr(profiler.memory_guard, "free_bytes", lambda device: None)
+    assert _wrap(model, x, profile=profile)(x).shape == (8, 3)  # unreadable: not refused

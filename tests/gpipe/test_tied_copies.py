@@ -16,6 +16,7 @@ from autopipe.gpipe.wrapping import WrappedPipeline, wrap
 from autopipe.graph import stage_of_units
 from autopipe.graph.sequential import SequentialModel, prepare
 from autopipe.graph.sharing import check_placement
+from autopipe.planning.model.cut_rules import keep_together
 from profiler.profile import Profile
 from tests.support.float64 import assert_close64
 from tests.support.wrap_models import SharedBias
@@ -304,8 +305,12 @@ def test_a_split_the_written_buffer_refused_is_planned_around_and_trains_exactly
             replicate=True,
         )
     wrapped = wrap(model, (x,), stages=2, chunks=2, profile=profile, replicate_shared=True)
-    # The best split keeping both users on one stage: the first stage ends before them.
-    assert wrapped.plan.balance == [first, units - first]
+    # Both users on one stage: the split the planner makes for the two stages taking turns
+    # on the one CPU (wrap plans them colocated) once the buffer's users are kept together.
+    balance = wrapped.plan.balance
+    assert not first < balance[0] <= last
+    kept = keep_together(profile, tied["names"][:1])
+    assert balance == plan(kept, ["cpu", "cpu"], chunks=2, colocated=True).balance
     assert [t.unsplit for t in Profile.from_dict(wrapped.plan.profile).tied if t.buffer] == [True]
     ours = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     theirs = torch.optim.SGD(reference.parameters(), lr=0.1)

@@ -603,3 +603,15 @@ def test_sample_is_the_models_positional_inputs(kind: str) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_stages_on_one_device_are_planned_to_take_turns() -> None:
+    x = torch.randn(8, 5)
+    # "cpu:0" is the same CPU: the plan names both stages "cpu" and prices their turns.
+    wrapped = wrap(ResidualMLP(), (x,), devices=["cpu", "cpu:0"], chunks=2)
+    plan = wrapped.plan
+    assert [device.name for device in plan.devices] == ["cpu", "cpu"]
+    assert plan.shared == [[0, 1]] and wrapped.pipeline.shared_devices == [[0, 1]]
+    times = [stage.time for stage in plan.stages]
+    assert plan.pipeline_time == pytest.approx(plan.chunks * sum(times), rel=1e-12)
+    assert plan.num_devices == 1

@@ -240,3 +240,17 @@ def test_materialize_units_gives_one_stage_its_tensors_alone() -> None:
     # The stage's graphs read the new tensors: it runs on real values.
     (got,) = stages[1][0](torch.randn(3, 4))
     assert got.shape == (3, 2) and not got.is_meta
+
+
+def test_meta_bytes_counts_each_stages_new_tensors_once() -> None:
+    from autopipe.graph.meta import meta_bytes
+
+    model = build(gpt2, meta=True)  # tied embedding and head: the first user counts them
+    units = SequentialModel.of(prepare(model, (token_ids(),))).units
+    stages = [units[:2], units[2:]]
+    sizes = meta_bytes(model, stages, [[], []])
+    state = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    assert sum(sizes) == sum(t.numel() * t.element_size() for t in state if t.is_meta)
+    assert all(size > 0 for size in sizes)
+    assert meta_bytes(model, stages[::-1], [[], []])[0] > sizes[1]  # the head's copy is first
+    assert has_meta_state(model)  # nothing was materialized

@@ -83,3 +83,15 @@ def test_free_bytes_of_the_host() -> None:
     free = free_bytes(torch.device("cpu"))
     assert free is not None and free > 0
     assert free_bytes(torch.device("meta")) is None
+
+
+def test_storage_shortage_says_what_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    from profiler.memory_guard import storage_shortage
+
+    _free(monkeypatch, 1000)
+    assert storage_shortage(800, "cpu") is None  # 80% of the free memory may be taken
+    assert storage_shortage(801, "cpu") == (
+        "needs 801 B but the host has 1000 B free, of which 20% stays spare"
+    )
+    monkeypatch.setattr(profiler.memory_guard, "free_bytes", lambda device: None)
+    assert storage_shortage(1 << 60, "cpu") is None  # unknown: not refused

@@ -110,6 +110,8 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     torch.set_num_threads(1)  # one thread per rank: the ranks share the host's CPUs
     scenarios: dict[str, Callable[[], Any]] = {
         "equal": lambda: pipeline_workers.equal(rank, world),
+        "constants": pipeline_workers.constants,
+        "construction-calibration": lambda: pipeline_workers.construction_calibration(rank, world),
         "autocast": pipeline_workers.autocast,
         "virtual": lambda: replica_workers.virtual(rank),
         "replicas": lambda: replica_workers.replicas(rank, world),

@@ -95,9 +95,34 @@ def _refused() -> str:
     return "not refused"
 
 
+def _short_of_memory() -> tuple[str, list[int]]:
+    """A stage larger than a fake free-memory figure: refused before it is materialized."""
+    import profiler.memory_guard
+    from autopipe.distributed import DistributedPipeline
+
+    def stack() -> nn.Module:
+        with torch.device("meta"):
+            return nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+
+    x = torch.randn(8, 64)
+    loss_fn = lambda o, t: o.sum()  # noqa: E731
+    planned = DistributedPipeline(stack(), x, loss_fn=loss_fn, chunks=2, schedule="gpipe")
+    free = profiler.memory_guard.free_bytes
+    # Smaller than any stage's parameters (two layers: 2 x 16.25 KiB), larger than nothing.
+    profiler.memory_guard.free_bytes = lambda device: 1 << 14
+    try:
+        DistributedPipeline(stack(), x, loss_fn=loss_fn, chunks=2, plan=planned.plan)
+    except ValueError as exc:
+        return str(exc), planned.plan.balance
+    finally:
+        profiler.memory_guard.free_bytes = free
+    return "not refused", planned.plan.balance
+
+
 def _meta(rank: int) -> dict[str, Any]:
     results: dict[str, Any] = {name: _run(v, s, loaded) for name, v, s, loaded in RUNS}
     results["refused"] = _refused()
+    results["short"] = _short_of_memory()
     return results
 
 

@@ -197,3 +197,79 @@ def autocast() -> dict[str, Any]:
     except ValueError as exc:
         results["refused"] = str(exc)
     return results
+
+
+class Constants(nn.Module):
+    """Tensors that are neither parameters nor state_dict buffers: a plain tensor attribute
+    (which tracing lifts into a constant) and a non-persistent buffer, both used in forward;
+    and a buffer that forward never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8, dtype=torch.float64)
+        self.scale = torch.arange(8, dtype=torch.float64) / 8 + 0.5
+        self.register_buffer("shift", torch.full((8,), 0.25, dtype=torch.float64), persistent=False)
+        self.register_buffer("kept", torch.ones(8, dtype=torch.float64))
+        self.register_buffer(
+            "unused", torch.full((2,), 7.0, dtype=torch.float64)
+        )  # no unit reads it
+        self.b = nn.Linear(8, 8, dtype=torch.float64)
+        self.c = nn.Linear(8, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * self.scale + self.shift
+        return self.c(torch.tanh(self.b(h * self.kept)))
+
+
+def constants_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    return x, y
+
+
+def constants() -> dict[str, Any]:
+    """A model with lifted constants trained one SGD step: the gathered state dict."""
+    from autopipe.distributed import DistributedPipeline
+
+    x, y = constants_batch()
+    pipe = DistributedPipeline(Constants(), x, loss_fn=loss_fn, chunks=2, schedule="gpipe")
+    pipe.step(x, y)
+    optimizer = torch.optim.SGD(pipe.module.parameters(), lr=0.1)
+    optimizer.step()
+    return {
+        "state": pipe.gather_state_dict(),
+        "own": pipe.state_dict(),
+        "balance": pipe.plan.balance,
+    }
+
+
+def construction_calibration(rank: int, world: int) -> dict[str, Any]:
+    """Pipelines built on an empty calibration cache: by default nothing is measured;
+    ``calibrate=True`` measures once and keeps it; the next pipeline finds it cached."""
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.distributed.calibration_cache import (
+        cached_runner_calibration,
+        current_runtime_key,
+    )
+
+    x, _ = make_batch()
+    options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": CHUNKS}
+    key = current_runtime_key(world)  # one stage per rank, 1F1B: the single-stage runtime
+
+    def entry() -> dict[str, Any] | None:
+        return cached_runner_calibration(key)
+
+    result: dict[str, Any] = {}
+    plain = DistributedPipeline(make_model(), x, **options)
+    result["default"] = (plain.plan.stages[0].overhead, entry())
+    measured = DistributedPipeline(make_model(), x, calibrate=True, **options)
+    result["measured"] = (measured.plan.stages[0].overhead, entry())
+    result["calibration"] = measured.plan.profile["meta"].get("calibration")
+    again = DistributedPipeline(make_model(), x, calibrate=True, **options)
+    result["again"] = (again.plan.stages[0].overhead, entry())
+    try:
+        DistributedPipeline(make_model(), x, calibrate="yes", **options)
+    except TypeError as exc:
+        result["error"] = str(exc)
+    return result

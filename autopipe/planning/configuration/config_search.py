@@ -44,6 +44,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autopipe.errors import PlanningError
+from autopipe.planning.configuration.one_device_search import (
+    check_one_device,
+    one_device_search,
+)
 from autopipe.planning.configuration.optimizer_sharding import check_shard_optimizer, settle
 from autopipe.planning.configuration.search_notes import annotate, explain_infeasible
 from autopipe.planning.configuration.search_space import Config, Space, configurations
@@ -111,6 +115,7 @@ class SearchOptions:
     even: bool = False
     virtual_stages: Sequence[int] = (1,)
     shard_optimizer: bool | str = False
+    one_device: bool = False
 
 
 # The settings the search reads; the rest (chunks, checkpoint, schedule, ...) it searches.
@@ -162,6 +167,12 @@ def search(
             byte). ``"auto"``: search so, then return each plan unsharded where it fits
             unsharded as fast; a plan that stays sharded records it and notes why
             (unsharded it does not fit, or is slower). ``False`` (default): no sharding.
+        one_device: every stage on the profile's one device, in one process, taking
+            turns on it (:mod:`autopipe.planning.configuration.one_device_search`):
+            ``devices`` is then the most stages, every configuration has one replica and
+            runs GPipe's fill-drain (only ``gpipe`` of ``schedules`` is weighed), and its
+            stages together must fit ``memory``. Virtual stages and a sharded optimizer
+            state are refused (``ValueError``).
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its
@@ -197,14 +208,6 @@ def search(
     if memory is not None and not isinstance(memory, (int, float, str)):
         raise ValueError(f"the search takes one memory size for every device, got {memory!r}")
     capacity = None if memory is None else parse_bytes(memory)
-    space = Space(
-        profile,
-        capacity=capacity,
-        bandwidth=bandwidth,
-        allreduce_bandwidth=allreduce_bandwidth,
-        optimizer=optimizer,
-        shard_optimizer=shard is not False,
-    )
     if isinstance(virtual_stages, int):
         raise TypeError(
             f"virtual_stages lists the stages per device to weigh, e.g. (1, {virtual_stages}), "
@@ -214,6 +217,31 @@ def search(
         isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in virtual_stages
     ):
         raise ValueError(f"virtual_stages must be positive integers, got {virtual_stages!r}")
+    if not isinstance(opts.one_device, bool):
+        raise TypeError(f"one_device must be True or False, got {opts.one_device!r}")
+    if opts.one_device:
+        check_one_device(schedules, virtual_stages, shard)
+    space = Space(
+        profile,
+        capacity=capacity,
+        bandwidth=bandwidth,
+        allreduce_bandwidth=allreduce_bandwidth,
+        optimizer=optimizer,
+        shard_optimizer=shard is not False,
+        one_device=opts.one_device,
+    )
+    if opts.one_device:
+        return one_device_search(
+            profile,
+            space,
+            devices,
+            total_batch,
+            checkpoints,
+            top=top,
+            max_chunks=max_chunks,
+            even=even,
+            optimizer=optimizer,
+        )
     configs = configurations(
         devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even,
         tuple(virtual_stages), shard is not False,

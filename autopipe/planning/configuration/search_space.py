@@ -71,7 +71,9 @@ class Space:
 
     With ``shard_optimizer`` every configuration's replicas shard its stages' optimizer
     state (ZeRO-1: ``opt / D`` state bytes per parameter byte, see
-    :mod:`autopipe.planning.model.cost_model`), and the bounds count that share.
+    :mod:`autopipe.planning.model.cost_model`), and the bounds count that share. With
+    ``one_device`` every stage is on the profile's one device, in one process, and the
+    cost models price their turns on it (``colocated``).
     """
 
     def __init__(
@@ -83,9 +85,11 @@ class Space:
         allreduce_bandwidth: float | str | None,
         optimizer: str | float,
         shard_optimizer: bool = False,
+        one_device: bool = False,
     ) -> None:
         self.profile = profile
         self.shard_optimizer = shard_optimizer
+        self.one_device = one_device
         self.lines = ProfileLines.from_profile(profile)
         self.lines_alone = ProfileLines.from_profile(profile, alone=True)
         # The figures :func:`autopipe.plan` builds its model with, for the same arguments.
@@ -109,7 +113,7 @@ class Space:
         self.memory_ends: MemoryCache = {}
 
     def devices(self, stages: int) -> list[DeviceSpec]:
-        cuda = self.profile.device.startswith("cuda")
+        cuda = self.profile.device.startswith("cuda") and not self.one_device
         names = [f"cuda:{k}" if cuda else self.profile.device for k in range(stages)]
         return [
             DeviceSpec(name, self.capacity, 1.0, self.bandwidth, self.latency) for name in names
@@ -141,7 +145,12 @@ class Space:
             config.checkpoint,
             config.schedule,
             self.optimizer,
-            CostOptions(data_parallel=config.replicas, virtual_stages=v, shard_optimizer=sharded),
+            CostOptions(
+                data_parallel=config.replicas,
+                virtual_stages=v,
+                shard_optimizer=sharded,
+                colocated=self.one_device,
+            ),
         )
 
     def figures(

@@ -16,11 +16,13 @@ With every stage on one device that is ``M · Σ c``: every split costs the same
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.plans import Plan
 
-__all__ = ["device_count", "shared_groups", "shared_step_time"]
+__all__ = ["colocated_plan", "device_count", "shared_groups", "shared_step_time"]
 
 
 def shared_groups(devices: Sequence[DeviceSpec], colocated: bool) -> list[list[int]]:
@@ -54,3 +56,33 @@ def shared_step_time(times: Sequence[float], chunks: int, groups: Sequence[Seque
     pipeline = float(sum(times)) + (chunks - 1) * float(max(times))
     busiest = max((chunks * sum(times[k] for k in group) for group in groups), default=0.0)
     return max(pipeline, busiest)
+
+
+def colocated_plan(plan: Plan, groups: Sequence[Sequence[int]]) -> Plan:
+    """``plan`` priced with the stages of each group taking turns on one device.
+
+    A stage's own time does not depend on which stages share its device, so the stages are
+    kept and only the step, the bubble and the throughput are priced again (as
+    :func:`autopipe.plan` prices them with ``colocated=True``): for a plan made for devices
+    of their own that a single-process runner puts on fewer devices.
+
+    Raises:
+        ValueError: the plan has virtual stages, zero bubble or replicas, which no
+            single-process runner co-locates.
+    """
+    shared = [sorted(int(k) for k in group) for group in groups if len(group) > 1]
+    if shared and (plan.virtual_stages > 1 or plan.schedule == "zb" or plan.data_parallel > 1):
+        raise ValueError(
+            "stages sharing a device are planned for the single-process GPipe, which runs "
+            "neither virtual stages, zero bubble nor replicas"
+        )
+    times = [stage.time for stage in plan.stages]
+    m = plan.chunks
+    pipeline = shared_step_time(times, m, shared)
+    total = pipeline + plan.allreduce + plan.tied_time
+    devices = device_count(plan.num_stages, shared)
+    bubble = 1.0 - m * float(sum(times)) / (devices * pipeline) if pipeline > 0 else 0.0
+    throughput = plan.batch_size / total if total > 0 else 0.0
+    return dataclasses.replace(
+        plan, shared=shared, step_time=total, bubble=bubble, throughput=throughput
+    )

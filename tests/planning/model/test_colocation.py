@@ -87,3 +87,23 @@ def test_plan_round_trips_and_refuses_ranks_only_settings() -> None:
     assert "shared" not in plan(profile, 2).to_dict()
     with pytest.raises(ValueError, match="single-process GPipe"):
         plan(profile, ["cpu", "cpu"], colocated=True, schedule="1f1b", virtual_stages=2, chunks=4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_plan_priced_again_for_stages_on_one_device(seed: int) -> None:
+    from autopipe.planning.model.colocation import colocated_plan
+
+    profile = random_profile(np.random.default_rng(seed), 7)
+    for balance in ([3, 2, 2], [1, 1, 5]):
+        apart = evaluate(profile, balance, ["cpu", "cpu", "cuda:0"], checkpoint="never")
+        shared = evaluate(
+            profile, balance, ["cpu", "cpu", "cuda:0"], colocated=True, checkpoint="never"
+        )
+        again = colocated_plan(apart, [[0, 1]])
+        assert again.shared == shared.shared == [[0, 1]]
+        assert again.stages == shared.stages and again.balance == balance
+        # Integer-valued figures: the sums are exact in float64.
+        assert again.step_time == shared.step_time
+        assert again.bubble == pytest.approx(shared.bubble, abs=1e-12)
+        assert again.throughput == pytest.approx(shared.throughput, rel=1e-12)
+    assert colocated_plan(apart, []).step_time == apart.step_time
