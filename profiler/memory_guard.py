@@ -20,7 +20,7 @@ from torch import nn
 
 from profiler.counting import LayerCounts
 
-__all__ = ["MemoryShortage", "check_fits", "format_bytes", "free_bytes", "measuring_bytes"]
+__all__ = ["MemoryShortage"]
 
 # Of the free memory, the share a measured layer's counted bytes may take: the rest is for
 # what counting does not see (kernel workspaces, the allocator's rounding, the process).

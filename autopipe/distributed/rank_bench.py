@@ -30,11 +30,10 @@ from autopipe.distributed.local_ranks import (
     report_to_launcher,
     run_on_local_ranks,
 )
-from autopipe.microbatching.step_timing import check_steps, mean_output_loss, take_turns
-from autopipe.output.bench_summary import Measured
-from autopipe.planning.model.plans import Plan
-from profiler.devices import synchronize
-from profiler.live_memory import SavedMemory
+from autopipe.microbatching import check_steps, mean_output_loss, take_turns
+from autopipe.output import Measured
+from autopipe.planning import Plan
+from profiler import SavedMemory, synchronize
 
 __all__ = ["time_splits_on_ranks"]
 

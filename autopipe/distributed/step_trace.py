@@ -30,13 +30,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from autopipe.distributed.collectives import collective
-from autopipe.output.trace_events import (
-    Track,
-    stages_label,
-    trace_document,
-    write_trace_document,
-)
-from autopipe.planning.model.plans import Plan
+from autopipe.output import Track, stages_label, trace_document, write_trace_document
+from autopipe.planning import Plan
 
 __all__: list[str] = []  # internal: DistributedPipeline.step(trace=...) records
 

@@ -10,8 +10,9 @@ matplotlib only when a picture is drawn.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from profiler import lazy_face
 
 if TYPE_CHECKING:
     from autopipe.output.bench_report import draw_bench, render_bench
@@ -89,14 +90,4 @@ _HOMES = {
     "write_trace_document": "autopipe.output.trace_events",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'autopipe.output' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_face(__name__, _HOMES)

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 from autopipe.planning.configuration.optimizer_sharding import check_shard_optimizer, settle
 from autopipe.planning.configuration.search_notes import annotate, explain_infeasible
 from autopipe.planning.configuration.search_space import Config, Space, configurations
@@ -60,9 +60,9 @@ from autopipe.planning.split.interleaved_balance import pipeline_time
 from autopipe.planning.split.intervals import IntervalSolver
 from autopipe.planning.split.screening import Relaxation
 from autopipe.planning.split.tolerances import SAME_TIME
-from profiler.profile import Profile
+from profiler import Profile
 
-__all__ = ["SEARCH_SETTINGS", "SearchOptions", "search"]
+__all__ = ["SearchOptions", "search"]
 
 
 @dataclass

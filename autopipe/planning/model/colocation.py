@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from autopipe.planning.model.device_specs import DeviceSpec
 
-__all__ = ["device_count", "shared_groups", "shared_step_time"]
+__all__: list[str] = []
 
 
 def shared_groups(devices: Sequence[DeviceSpec], colocated: bool) -> list[list[int]]:
