@@ -73,4 +73,5 @@ __version__ = "0.1.0"
 # the package itself, loaded on first use like the names above.
 _MODULES = {"balance": "autopipe.balance", "timeline": "autopipe.output.timeline"}
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES, _MODULES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES, _MODULES)

@@ -1,7 +1,8 @@
 """Per-layer measurement of PyTorch models for pipeline planning.
 
-The data model (:class:`Profile`) imports no torch; the measuring functions load torch
-only when first used, so the planner stays torch-free.
+The package's face: the names autopipe uses. Each loads its module on first use (the
+data model, :class:`Profile`, imports no torch; the measuring functions load torch), so
+the planner stays torch-free; :func:`lazy_face` is the helper every face loads with.
 """
 
 from __future__ import annotations
@@ -147,4 +148,5 @@ _HOMES = {
     "write_json": "profiler.jsonfile",
 }
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

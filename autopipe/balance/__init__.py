@@ -5,6 +5,8 @@ torchgpipe measures, but split the measured costs with autopipe's exact partitio
 split whose largest partition is smallest); ``strategy="blockpartition"`` gives
 torchgpipe's own heuristic instead. ``autopipe.balance.blockpartition.solve`` is
 torchgpipe's function of that name, on the same strategy.
+
+Each name below loads its module on first use.
 """
 
 from __future__ import annotations
@@ -33,4 +35,5 @@ _HOMES = {
     "layerwise_sandbox": "autopipe.balance.layer_measures",
 }
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

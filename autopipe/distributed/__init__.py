@@ -1,4 +1,7 @@
-"""The distributed runner on ``torch.distributed.pipelining``: stages, replicas, calibration."""
+"""The distributed runner on ``torch.distributed.pipelining``: stages, replicas, calibration.
+
+Each name below loads its module on first use.
+"""
 
 from __future__ import annotations
 
@@ -65,4 +68,5 @@ _HOMES = {
     "with_rank_times": "autopipe.distributed.rank_conditions",
 }
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

@@ -1,4 +1,7 @@
-"""The single-process GPipe executor, and any module wrapped into one."""
+"""The single-process GPipe executor, and any module wrapped into one.
+
+Each name below loads its module on first use.
+"""
 
 from __future__ import annotations
 
@@ -31,4 +34,5 @@ _HOMES = {
     "wrap": "autopipe.gpipe.wrapping",
 }
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

@@ -1,4 +1,7 @@
-"""Graph: any ``nn.Module`` traced (torch.fx or torch.export) and cut into units."""
+"""Graph: any ``nn.Module`` traced (torch.fx or torch.export) and cut into units.
+
+Each name below loads its module on first use.
+"""
 
 from __future__ import annotations
 
@@ -78,4 +81,5 @@ _HOMES = {
     "unused_meta": "autopipe.graph.meta",
 }
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

@@ -1,4 +1,7 @@
-"""What both runners need so that micro-batches train like the whole mini-batch."""
+"""What both runners need so that micro-batches train like the whole mini-batch.
+
+Each name below loads its module on first use.
+"""
 
 from __future__ import annotations
 
@@ -63,4 +66,5 @@ _HOMES = {
     "tiny_stages": "autopipe.microbatching.step_timing",
 }
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

@@ -90,4 +90,5 @@ _HOMES = {
     "write_trace_document": "autopipe.output.trace_events",
 }
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

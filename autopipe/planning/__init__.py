@@ -175,4 +175,5 @@ _HOMES = {
     "with_overrides": "autopipe.planning.pipeline_settings",
 }
 
-__getattr__, __dir__ = lazy_face(__name__, _HOMES)
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)
