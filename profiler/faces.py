@@ -32,15 +32,15 @@ def lazy_face(
     shortcuts = dict(modules or {})
     namespace = vars(sys.modules[package])
 
+    # Each lookup reads the home module again rather than keeping the value in the face:
+    # ``from profiler import profile_model`` in a function then sees what the home module
+    # holds now, as an import from the home module would (a test may have replaced it).
     def __getattr__(name: str) -> Any:
         if name in shortcuts:
-            value: Any = importlib.import_module(shortcuts[name])
-        elif name in homes:
-            value = getattr(importlib.import_module(homes[name]), name)
-        else:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        namespace[name] = value  # later lookups skip this function
-        return value
+            return importlib.import_module(shortcuts[name])
+        if name in homes:
+            return getattr(importlib.import_module(homes[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
         return sorted({*namespace, *namespace.get("__all__", ()), *shortcuts})
