@@ -12,28 +12,29 @@ nothing and planning never imports torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from profiler import lazy_face
 
 if TYPE_CHECKING:
     from autopipe.distributed import DistributedPipeline
-    from autopipe.errors import PlanningError
+    from autopipe.errors import ModelFileError, PlanningError, TracingError
     from autopipe.gpipe import GPipe, WrappedPipeline, wrap
     from autopipe.microbatching import is_checkpointing, is_recomputing
     from autopipe.planning import DeviceSpec, Plan, StagePlan, make_devices, partition, plan, search
-    from profiler.profile import LayerProfile, Profile
-
-__version__ = "0.1.0"
+    from profiler import LayerProfile, Profile
 
 __all__ = [
     "DeviceSpec",
     "DistributedPipeline",
     "GPipe",
     "LayerProfile",
+    "ModelFileError",
     "Plan",
     "PlanningError",
     "Profile",
     "StagePlan",
+    "TracingError",
     "WrappedPipeline",
     "is_checkpointing",
     "is_recomputing",
@@ -48,11 +49,13 @@ _HOMES = {
     "DeviceSpec": "autopipe.planning",
     "DistributedPipeline": "autopipe.distributed",
     "GPipe": "autopipe.gpipe",
-    "LayerProfile": "profiler.profile",
+    "LayerProfile": "profiler",
+    "ModelFileError": "autopipe.errors",
     "Plan": "autopipe.planning",
     "PlanningError": "autopipe.errors",
-    "Profile": "profiler.profile",
+    "Profile": "profiler",
     "StagePlan": "autopipe.planning",
+    "TracingError": "autopipe.errors",
     "WrappedPipeline": "autopipe.gpipe",
     "is_checkpointing": "autopipe.microbatching",
     "is_recomputing": "autopipe.microbatching",
@@ -63,23 +66,12 @@ _HOMES = {
     "wrap": "autopipe.gpipe",
 }
 
+__version__ = "0.1.0"
+
 
 # Modules under a short name: ``autopipe.timeline.trace(plan)``; ``autopipe.balance`` is
 # the package itself, loaded on first use like the names above.
 _MODULES = {"balance": "autopipe.balance", "timeline": "autopipe.output.timeline"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _MODULES:
-        module = importlib.import_module(_MODULES[name])
-        globals()[name] = module
-        return module
-    if name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'autopipe' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_MODULES})
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES, _MODULES)

@@ -43,8 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from autopipe import Plan
 from autopipe.distributed import DistributedPipeline, calibrate_ranks, init_distributed
-from profiler.measure import profile_model
-from profiler.profile import Profile
+from profiler import Profile, profile_model
 
 
 def build_model(width: int = 256, depth: int = 6, classes: int = 10) -> nn.Sequential:

@@ -10,12 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor, nn
 
-__all__ = [
-    "batch_refusal",
-    "default_batch_sizes",
-    "doubling_batch_sizes",
-    "smallest_batch",
-]
+__all__ = ["default_batch_sizes", "doubling_batch_sizes", "smallest_batch"]
 
 # What BatchNorm raises in training when a channel has one value (batch 1, 1x1 map).
 _ONE_VALUE = "Expected more than 1 value per channel when training"

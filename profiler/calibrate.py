@@ -13,7 +13,7 @@ from typing import Any
 from profiler.fit import fit_linear
 from profiler.profile import Profile
 
-__all__ = ["DEFAULT_SIZES", "measure_bandwidth", "store_calibration"]
+__all__ = ["measure_bandwidth", "store_calibration"]
 
 # Copy sizes in bytes: large enough that the per-copy latency does not dominate.
 DEFAULT_SIZES = (1 << 20, 4 << 20, 16 << 20)

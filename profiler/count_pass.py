@@ -14,7 +14,7 @@ from profiler.layer import OneValue
 from profiler.pooling import layer_signature
 from profiler.profile import LayerProfile
 
-__all__ = ["CountedLayer", "count_layers", "counted_profiles", "with_counts"]
+__all__: list[str] = []
 
 Inputs = tuple[Tensor, ...]
 

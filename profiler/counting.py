@@ -28,15 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.layer import Pass, as_tensors, state_storages, storage_key, tensor_bytes
 from profiler.precision import autocast_pass
 
-__all__ = [
-    "CpuKernels",
-    "LayerCounts",
-    "Traffic",
-    "count_layer",
-    "fresh_like",
-    "meta_copy",
-    "to_meta",
-]
+__all__ = ["fake_inputs", "fake_state", "quiet_fakes", "swapped_state"]
 
 META = torch.device("meta")
 

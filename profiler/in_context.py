@@ -16,12 +16,12 @@ from torch import Tensor, nn
 from profiler.calibrate import store_calibration
 from profiler.devices import synchronize
 from profiler.layer import as_tensors
-from profiler.layer_names import layer_names, same_layer_name
+from profiler.layer_naming import layer_names, same_layer_name
 from profiler.precision import autocast_pass
 from profiler.profile import Profile
 from profiler.samples import sample_arguments, sequential_inputs_problem
 
-__all__ = ["calibrate_in_step", "chunk_counts", "measure_compute_scale", "scale_counts"]
+__all__ = ["calibrate_in_step", "measure_compute_scale"]
 
 FIGURES = ("forward", "backward")
 

@@ -18,18 +18,7 @@ from torch import Tensor, nn
 from profiler.devices import synchronize
 from profiler.precision import autocast_pass
 
-__all__ = [
-    "CacheFlush",
-    "LayerFigures",
-    "OneValue",
-    "Pass",
-    "as_tensors",
-    "measure_layer",
-    "state_storages",
-    "storage_bytes",
-    "storage_key",
-    "tensor_bytes",
-]
+__all__ = ["state_storages", "storage_bytes", "storage_key"]
 
 
 @dataclass

@@ -8,7 +8,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor, nn
 
-__all__ = ["has_meta", "materialize", "materialize_part", "meta_tensors"]
+__all__ = ["materialize_part"]
 
 # The spread of the random weights a tensor without an initializer of its own gets: small,
 # as language models start (0.02), so that activations stay finite through deep stacks.

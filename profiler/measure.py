@@ -16,7 +16,7 @@ from profiler.count_pass import CountedLayer, count_layers, counted_profiles, wi
 from profiler.counting import META
 from profiler.devices import resolve_device
 from profiler.layer import CacheFlush, cache_bytes, cold_cache_needed, tensor_bytes
-from profiler.layer_names import layer_names
+from profiler.layer_naming import layer_names
 from profiler.materialize import has_meta
 from profiler.measure_pass import MeasureSettings, measure_layers
 from profiler.memory_guard import measuring_bytes
@@ -350,7 +350,7 @@ def profile_model(model: nn.Sequential, sample: Tensor | tuple[Any, ...], **kwar
     ``nn.Sequential`` itself one tensor (``x`` or ``(x,)``), or ``((a, b),)`` for a first
     layer that takes a tuple. Between the layers a tuple is one value, as
     ``nn.Sequential`` passes it on. Layer names are the children's names (a traced model's
-    units: their modules' dotted names, see :func:`profiler.layer_names.layer_names`) and
+    units: their modules' dotted names, see :func:`profiler.layer_naming.layer_names`) and
     kinds their class names.
 
     Raises:

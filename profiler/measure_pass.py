@@ -26,7 +26,7 @@ from profiler.pooling import layer_signature
 from profiler.precision import autocast_pass
 from profiler.profile import LayerProfile
 
-__all__ = ["MeasureSettings", "measure_layers"]
+__all__: list[str] = []
 
 Inputs = tuple[Tensor, ...]
 

@@ -20,14 +20,7 @@ from torch import nn
 
 from profiler.counting import LayerCounts
 
-__all__ = [
-    "MemoryShortage",
-    "check_fits",
-    "format_bytes",
-    "free_bytes",
-    "measuring_bytes",
-    "storage_shortage",
-]
+__all__ = ["MemoryShortage", "format_bytes", "storage_shortage"]
 
 # Of the free memory, the share a measured layer's counted bytes may take: the rest is for
 # what counting does not see (kernel workspaces, the allocator's rounding, the process).

@@ -16,7 +16,7 @@ from torch import Tensor, fx, nn
 
 from profiler.profile import LayerProfile
 
-__all__ = ["layer_signature", "pool_identical"]
+__all__: list[str] = []
 
 
 def _tensor_key(tensor: Tensor) -> str:

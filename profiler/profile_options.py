@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ProfileOptions", "with_options"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 
 from profiler.devices import resolve_device, synchronize
 
-__all__ = ["PEAK_DTYPES", "measure_peaks"]
+__all__ = ["measure_peaks"]
 
 # What a peak can be measured in; ``tf32`` is float32 matmuls on CUDA tensor cores.
 PEAK_DTYPES = ("float32", "tf32", "bfloat16", "float16")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["resize_sample", "sample_arguments", "sequential_inputs_problem"]
+__all__: list[str] = []
 
 Inputs = tuple[Tensor, ...]
 

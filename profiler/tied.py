@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from profiler.profile import TiedState
 
-__all__ = ["TensorUse", "tensor_uses", "tied_state"]
+__all__ = ["tensor_uses"]
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""The layout rules lint-imports cannot state: no import cycle, no private or internal import,
-one name per module, tests that mirror the modules, faces that load on first use, no function
-of ten parameters."""
+"""The layout rules lint-imports cannot state: no import cycle, no private import, other
+packages imported through their faces only, one name per module, tests that mirror the
+modules, faces that load on first use, no function of ten parameters."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def _sources() -> dict[str, ast.Module]:
 
 SOURCES = _sources()
 SUBPACKAGES = {_module_name(path.parent) for path in (ROOT / "autopipe").glob("*/__init__.py")}
+# A package's face is its __init__: what other packages may import of it.
+FACES = {"autopipe", "profiler", *SUBPACKAGES}
 
 
 def _imports_from(tree: ast.Module) -> Iterator[tuple[ast.ImportFrom, str]]:
@@ -54,14 +56,6 @@ def _public_names(tree: ast.Module) -> list[str] | None:
     return None
 
 
-def _subpackage(module: str) -> str:
-    """``autopipe.graph`` for ``autopipe.graph.layout``; the top package for the others."""
-    parts = module.split(".")
-    if len(parts) > 1 and f"{parts[0]}.{parts[1]}" in SUBPACKAGES:
-        return f"{parts[0]}.{parts[1]}"
-    return parts[0]
-
-
 def test_no_module_imports_a_private_name_of_another():
     found = [
         f"{module}:{node.lineno} takes {name} from {node.module}"
@@ -72,20 +66,106 @@ def test_no_module_imports_a_private_name_of_another():
     assert found == []
 
 
-def test_other_layers_import_only_the_names_a_module_lists_in_all():
-    """A subpackage's module lists in ``__all__`` what the other layers may import from it;
-    an empty ``__all__`` marks a module internal to its subpackage."""
+def _package(module: str) -> str:
+    """The package whose face speaks for the module: ``autopipe.graph`` for
+    ``autopipe.graph.layout``, ``autopipe`` for ``autopipe.errors``, ``profiler``."""
+    parts = module.split(".")
+    if len(parts) > 1 and f"{parts[0]}.{parts[1]}" in SUBPACKAGES:
+        return f"{parts[0]}.{parts[1]}"
+    return parts[0]
+
+
+def _homes(tree: ast.Module) -> dict[str, str]:
+    """A face's ``_HOMES``: each name it offers -> the module it loads the name from."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_HOMES" for t in node.targets
+        ):
+            return dict(ast.literal_eval(node.value))
+    return {}
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module binds at its top: definitions, assignments and imports."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+    return names
+
+
+def _imported(tree: ast.Module) -> set[str]:
+    return {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+
+
+def test_other_packages_import_only_from_faces():
+    """A library module takes another package's names from its face (``from autopipe.graph
+    import Layout``), never from one of that package's modules."""
+    found = [
+        f"{module}:{node.lineno} takes {name} from {node.module}"
+        for module, tree in SOURCES.items()
+        for node, name in _imports_from(tree)
+        if _package(node.module or "") != _package(module) and node.module not in FACES
+    ]
+    assert found == []
+
+
+def test_other_packages_import_only_the_names_a_face_lists():
     found = []
     for module, tree in SOURCES.items():
         for node, name in _imports_from(tree):
             source = node.module or ""
-            if not source.startswith("autopipe.") or _subpackage(source) == _subpackage(module):
+            if source not in FACES or _package(source) == _package(module):
                 continue
-            if f"{source}.{name}" in SOURCES or name.startswith("__"):
-                continue  # a submodule, or a dunder such as __version__
-            public = _public_names(SOURCES[source]) if source in SOURCES else None
-            if public is None or name not in public:
+            if name not in (_public_names(SOURCES[source]) or []) and not name.startswith("__"):
                 found.append(f"{module}:{node.lineno} takes {name} from {source}")
+    assert found == []
+
+
+def test_every_name_a_face_lists_has_a_home_that_defines_it():
+    """Each name in a face's ``__all__`` is bound in the face or in the module its ``_HOMES``
+    names: its own package's module, or another face that lists it."""
+    found = []
+    for face in sorted(FACES):
+        homes = _homes(SOURCES[face])
+        for name in _public_names(SOURCES[face]) or []:
+            if name in _defined(SOURCES[face]):
+                continue
+            home = homes.get(name)
+            if home is None or home not in SOURCES:
+                found.append(f"{face}.{name}: no home")
+            elif home in FACES and home != face:
+                if name not in (_public_names(SOURCES[home]) or []):
+                    found.append(f"{face}.{name}: {home} does not list it")
+            elif _package(home) != face or name not in _defined(SOURCES[home]):
+                found.append(f"{face}.{name}: {home} does not define it")
+    assert found == []
+
+
+def test_a_module_lists_only_what_its_face_offers():
+    """Outside the faces, a module's ``__all__`` names what its face loads from it (and names
+    it re-exports); a module its face loads nothing from lists none: it is internal."""
+    offered: dict[str, set[str]] = {}
+    for face in FACES:
+        for name, home in _homes(SOURCES[face]).items():
+            offered.setdefault(home, set()).add(name)
+    found = [
+        f"{module} lists {name}"
+        for module, tree in SOURCES.items()
+        if module not in FACES
+        for name in _public_names(tree) or []
+        if name not in offered.get(module, set()) and name not in _imported(tree)
+    ]
     assert found == []
 
 
@@ -98,7 +178,7 @@ def test_no_public_name_shadows_a_module_of_its_package():
     """``package.name`` is one attribute: a function named like a submodule hides it."""
     shadowed = [
         f"{package}.{name}"
-        for package in sorted(SUBPACKAGES)
+        for package in sorted(FACES)
         for name in _public_names(SOURCES[package]) or []
         if f"{package}.{name}" in SOURCES
     ]
@@ -185,13 +265,16 @@ def test_no_library_function_takes_ten_parameters():
     assert len(SOURCES) > 100 and found == []
 
 
-@pytest.mark.parametrize("face", ["autopipe.planning", "autopipe.output"])
+@pytest.mark.parametrize("face", sorted(FACES))
 def test_a_face_loads_its_modules_on_first_use(face: str):
-    """Importing the face loads none of its modules; each public name then resolves."""
+    """Importing a face loads no module of the library but the faces and their helper; each
+    name the face lists then resolves."""
     code = (
         "import importlib, sys\n"
         f"face = importlib.import_module({face!r})\n"
-        f"print(sorted(m for m in sys.modules if m.startswith({face + '.'!r})))\n"
+        f"faces = {sorted(FACES)!r} + ['profiler.faces']\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('autopipe', 'profiler')\n"
+        "             and m not in faces))\n"
         "print(all(getattr(face, name) is not None for name in face.__all__))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -8,8 +8,7 @@ from torch import nn
 from autopipe.balance import layer_measures
 from autopipe.balance.layer_measures import TensorOrTensors
 from autopipe.planning import partition
-from profiler.devices import default_device, resolve_device
-from profiler.layer import storage_bytes
+from profiler import default_device, resolve_device, storage_bytes
 
 __all__ = ["balance_by_size", "balance_by_time"]
 

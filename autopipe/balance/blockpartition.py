@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from autopipe.planning import partition
 
-__all__ = ["solve"]
+__all__: list[str] = []
 
 Number = TypeVar("Number", int, float)
 

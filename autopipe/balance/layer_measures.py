@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from profiler.devices import synchronize
-from profiler.layer import state_storages, storage_bytes, storage_key
+from profiler import state_storages, storage_bytes, storage_key, synchronize
 
 __all__ = ["layer_sizes", "layer_times", "layerwise_sandbox"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from profiler.precision import AUTOCAST_DTYPES, DTYPES
+from profiler import AUTOCAST_DTYPES, DTYPES
 
 __all__: list[str] = []  # internal to the command line
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autopipe import PlanningError
 from autopipe.cli.bench_conditions import (
     calibrate_runner,
     fit_in_place,
@@ -24,15 +25,14 @@ from autopipe.cli.bench_options import (
 )
 from autopipe.cli.model_output import model_output_to_stderr
 from autopipe.cli.options import cost_options, default_device, default_stages
-from autopipe.errors import PlanningError
-from autopipe.planning.pipeline_settings import PipelineSettings
+from autopipe.planning import PipelineSettings
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-    from autopipe.output.bench_summary import Measured
-    from autopipe.planning.model.plans import Plan
-    from profiler.profile import Profile
+    from autopipe.output import Measured
+    from autopipe.planning import Plan
+    from profiler import Profile
 
 __all__: list[str] = []  # internal to the command line
 
@@ -83,9 +83,7 @@ def _plans(
     Unless the strategies were ``chosen`` by name, ``torchtitan`` is left out of a model
     without its shape (it places an embedding, decoder layers and an output).
     """
-    from autopipe.planning.model.quantities import format_bytes
-    from autopipe.planning.planner import evaluate, plan
-    from autopipe.planning.split.titan_split import has_titan_shape
+    from autopipe.planning import evaluate, format_bytes, has_titan_shape, plan
 
     if not chosen and not has_titan_shape([layer.name for layer in profile.layers]):
         names = [name for name in names if name != "torchtitan"]
@@ -131,7 +129,7 @@ def _measure(
     )
     progress = _Progress(len(plans))
     if args.ranks:
-        from autopipe.distributed.rank_bench import time_splits_on_ranks
+        from autopipe.distributed import time_splits_on_ranks
 
         try:
             return time_splits_on_ranks(
@@ -147,7 +145,7 @@ def _measure(
             )
         except RuntimeError as exc:  # a rank's failure, already one line
             raise ValueError(str(exc)) from None
-    from autopipe.gpipe.split_bench import time_splits
+    from autopipe.gpipe import time_splits
 
     layers, sample = build()
     return time_splits(
@@ -165,9 +163,13 @@ def _measure(
 
 def bench_command(args: argparse.Namespace) -> int:
     """``autopipe bench``: plan every split, train each for a few steps, print the table."""
-    from autopipe.output.bench_report import render_bench
-    from autopipe.output.bench_summary import bench_record, summarize, unit_costs
-    from autopipe.output.timeline import check_picture_path
+    from autopipe.output import (
+        bench_record,
+        check_picture_path,
+        render_bench,
+        summarize,
+        unit_costs,
+    )
 
     if args.ranks and args.stages and args.stages != args.ranks:
         raise ValueError(
@@ -283,7 +285,7 @@ def bench_command(args: argparse.Namespace) -> int:
     )
     drawn = []
     if args.picture:
-        from autopipe.output.bench_report import draw_bench
+        from autopipe.output import draw_bench
 
         draw_bench(summaries, args.picture)
         drawn.append(f"picture written to {args.picture}")
@@ -352,7 +354,7 @@ def _announce(splits: int, args: argparse.Namespace, runner: str) -> None:
 
 def _notes(plans: dict[str, Plan]) -> list[str]:
     """What the predictions assumed that a reader would not guess: stages taking turns."""
-    from autopipe.output.report import shared_line
+    from autopipe.output import shared_line
 
     found = next(iter(plans.values()))
     return [f"predicted: {shared_line(found, group)}" for group in found.shared]

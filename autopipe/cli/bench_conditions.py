@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from autopipe.cli.inputs import Inputs, read_profile
 from autopipe.cli.options import default_device
-from autopipe.planning.model.quantities import format_bytes, format_time
+from autopipe.planning import format_bytes, format_time
 
 if TYPE_CHECKING:
-    from autopipe.output.bench_summary import Measured
-    from autopipe.planning.model.plans import Plan
-    from profiler.profile import Profile
+    from autopipe.output import Measured
+    from autopipe.planning import Plan
+    from profiler import Profile
 
 __all__: list[str] = []  # internal to the command line
 
@@ -58,14 +58,14 @@ def profile_as_run(
         own = _count(torch.get_num_threads(), "thread")
         scaled = ""
         if not args.no_calibrate:
-            from profiler.in_context import calibrate_in_step
+            from profiler import calibrate_in_step
 
             layers, sample = build()
             chunks = inputs.chunks or args.chunks or inputs.profile.chunks
             found = calibrate_in_step(inputs.profile, layers, sample, chunks=chunks)
             scaled = _scaled(found["fixed_scale"], found["compute_scale"], "in this process")
         return inputs, f"profiled in this process with {own} ({runs}{_spread(inputs)}){scaled}"
-    from autopipe.distributed.rank_conditions import profile_on_local_ranks, with_rank_times
+    from autopipe.distributed import profile_on_local_ranks, with_rank_times
 
     quick = argparse.Namespace(**{**vars(args), "profile_repeats": 1, "profile_warmup": 0})
     inputs = read_profile(profile_args(quick), stages, check_model=check_model)
@@ -129,15 +129,15 @@ def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
         return ""
     if args.no_calibrate:
         return "not calibrated (--no-calibrate): the runner's own costs count as free"
-    from autopipe.distributed.calibration_cache import (
+    from autopipe.distributed import (
         apply_runner_calibration,
         cache_file,
         cached_runner_calibration,
+        calibrate_local_ranks,
+        cpu_share,
         runtime_key,
         save_runner_calibration,
     )
-    from autopipe.distributed.cpu_binding import cpu_share
-    from autopipe.distributed.rank_conditions import calibrate_local_ranks
 
     cuda = not _on_ranks_cpu(args)
     if cuda:
@@ -189,15 +189,15 @@ def fit_in_place(
     stages share the device, so each split's whole step gives one factor for every layer,
     the least-squares fit of the predicted steps to the measured ones.
     """
-    from autopipe.planning.model.in_place_fit import (
+    from autopipe.planning import (
         StageSeconds,
+        evaluate,
         fit_layer_scales,
         fit_update,
         scaled_profile,
         stage_param_bytes,
         uniform_scales,
     )
-    from autopipe.planning.planner import evaluate
 
     timed = {label: found.in_place for label, found in measured.items() if found.in_place}
     if not timed:
@@ -260,7 +260,7 @@ def replan(
     choose another split) unless not ``optimal``, the other strategies' and the given
     splits kept as they were (the strategies split by their own rules, not by these
     figures)."""
-    from autopipe.planning.planner import evaluate, plan
+    from autopipe.planning import evaluate, plan
 
     out = {}
     for label, found in plans.items():

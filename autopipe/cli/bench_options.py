@@ -6,8 +6,8 @@ import argparse
 
 from autopipe.cli.arguments import add_tracing_options, positive
 from autopipe.cli.options import default_device
-from autopipe.planning.model.names import CHECKPOINT_MODES, STRATEGIES
-from profiler.precision import DTYPES
+from autopipe.planning import CHECKPOINT_MODES, STRATEGIES
+from profiler import DTYPES
 
 __all__: list[str] = []  # internal to the command line
 

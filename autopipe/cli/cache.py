@@ -42,10 +42,7 @@ from torch import Tensor, nn
 
 import profiler
 from autopipe import __version__
-from profiler.cache_dir import ENV_DIR, cache_dir
-from profiler.devices import cpu_model
-from profiler.jsonfile import read_json, write_json
-from profiler.profile import Profile
+from profiler import ENV_DIR, Profile, cache_dir, cpu_model, read_json, write_json
 
 if TYPE_CHECKING:
     from autopipe.cli.model_file import LoadedModel

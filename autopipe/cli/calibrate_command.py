@@ -8,14 +8,14 @@ import sys
 from autopipe.cli.inputs import load_matching
 from autopipe.cli.model_output import model_output_to_stderr
 from autopipe.cli.options import check_writable, save
-from autopipe.planning.model.quantities import format_bytes, format_time
+from autopipe.planning import format_bytes, format_time
 
 __all__: list[str] = []  # internal to the command line
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
     """Measures overhead and bandwidth and stores them in the profile."""
-    from profiler.profile import Profile
+    from profiler import Profile
 
     output = args.output or args.profile
     check_writable(output, "profile")
@@ -25,7 +25,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         from autopipe.cli.checks import check_device_list
 
         devices = check_device_list(args.devices)
-    from autopipe.gpipe.executor_calibration import calibrate_executor
+    from autopipe.gpipe import calibrate_executor
 
     model = sample = None
     if args.model:  # timed as it was profiled: cast to the profile's dtype

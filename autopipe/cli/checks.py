@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopipe.planning.model.quantities import format_bytes
+from autopipe.planning import format_bytes
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from profiler.profile import LayerProfile, Profile
+    from profiler import LayerProfile, Profile
 
-__all__ = ["check_device", "check_device_list", "check_profile_matches"]
+__all__: list[str] = []
 
 
 def check_device(text: str, option: str = "--device") -> str:
@@ -84,7 +84,7 @@ def _describe(figures: tuple[str, str, int, int], buffers: bool) -> str:
 def _recorded(layer: LayerProfile, name: str) -> tuple[str, str, int, int]:
     """What the profile records of a layer, its name as the model spells it when they
     match (a profile saved with ``h/3`` names the layer ``h.3``)."""
-    from profiler.layer_names import same_layer_name
+    from profiler import same_layer_name
 
     recorded = name if same_layer_name(layer.name, name) else layer.name
     return recorded, layer.kind, layer.param_bytes, layer.buffer_bytes
@@ -111,7 +111,7 @@ def check_profile_matches(
             f"{profile_path} does not match {model_path}: the profile has {len(profile)} "
             f"layers, the model {len(model)}; {fix}"
         )
-    from profiler.layer_names import layer_names
+    from profiler import layer_names
 
     named = zip(profile.layers, layer_names(model), model.children(), strict=True)
     for index, (layer, name, module) in enumerate(named):

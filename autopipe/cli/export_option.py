@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopipe.cli.options import check_writable
-from autopipe.planning.runtimes.export_formats import check_export_format
+from autopipe.planning import check_export_format
 
 if TYPE_CHECKING:
-    from autopipe.planning.model.plans import Plan
+    from autopipe.planning import Plan
 
 __all__: list[str] = []  # internal to the command line
 

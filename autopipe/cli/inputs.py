@@ -10,15 +10,14 @@ from typing import TYPE_CHECKING
 
 from autopipe.cli.model_output import model_output_to_stderr
 from autopipe.cli.options import default_device
-from autopipe.planning.planner import default_chunks
-from profiler.precision import DTYPES
+from autopipe.planning import default_chunks
+from profiler import DTYPES
 
 if TYPE_CHECKING:
     from torch import nn
 
     from autopipe.cli.model_file import Sample
-    from profiler.profile import Profile
-    from profiler.progress import TerminalProgress
+    from profiler import Profile, TerminalProgress
 
 __all__: list[str] = []  # internal to the command line
 
@@ -141,7 +140,7 @@ def measure_model(
 
 def _load_profile(args: argparse.Namespace) -> Profile:
     """The ``--profile`` file, which must have been measured as ``--autocast``/``--dtype`` say."""
-    from profiler.profile import Profile
+    from profiler import Profile
 
     profile = Profile.load(args.profile)
     given = {
@@ -176,7 +175,7 @@ def load_matching(
 ) -> tuple[nn.Sequential, Sample]:
     """The model file ``path``, cast as the profile was, refused if it has other layers."""
     from autopipe.cli.checks import check_profile_matches
-    from profiler.layer_names import layer_names
+    from profiler import layer_names
 
     # A profile made with --dtype measured the cast model: compare with that one.
     cast = profile.dtype if profile.dtype in DTYPES and profile.dtype != "float32" else None
@@ -201,10 +200,7 @@ def _measure(
 
     ``owner`` is the model its layers were traced from, which names shared parameters.
     """
-    from profiler.layer_names import layer_names
-    from profiler.measure import profile_model
-    from profiler.memory_guard import MemoryShortage
-    from profiler.progress import TerminalProgress
+    from profiler import MemoryShortage, TerminalProgress, layer_names, profile_model
 
     children = list(zip(layer_names(model), model.children()))
     show = TerminalProgress(kinds={name: type(child).__name__ for name, child in children})

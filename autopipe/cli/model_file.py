@@ -17,17 +17,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from autopipe.errors import ModelFileError, TracingError
+from autopipe import ModelFileError, TracingError
 
-__all__ = [
-    "LoadedModel",
-    "ModelFileError",
-    "as_sequential",
-    "cast_loaded",
-    "load_model_file",
-    "load_sequential",
-    "load_split",
-]
+__all__: list[str] = []
 
 Sample = Tensor | tuple[Tensor, ...]
 
@@ -326,7 +318,7 @@ def as_sequential(
             )
         return model, sample
     _check_leaves(model, leaves, where)
-    from autopipe.graph.sequential import unit_sequential
+    from autopipe.graph import unit_sequential
 
     args = sample if isinstance(sample, tuple) else (sample,)
     try:
@@ -390,7 +382,7 @@ def cast_loaded(loaded: LoadedModel, dtype: str | None) -> tuple[nn.Module, Samp
     see :func:`profiler.precision.cast_model`)."""
     model, sample, kwargs = loaded.model, loaded.sample, loaded.kwargs
     if dtype is not None:
-        from profiler.precision import cast_model
+        from profiler import cast_model
 
         model, sample = cast_model(model, sample, dtype)
         keys = [key for key, value in kwargs.items() if isinstance(value, Tensor)]

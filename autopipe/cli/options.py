@@ -12,20 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autopipe.planning.model.cost_model import optimizer_factor
-from autopipe.planning.model.quantities import parse_bytes, parse_rate
-from profiler.precision import check_autocast, check_dtype
+from autopipe.planning import optimizer_factor, parse_bytes, parse_rate
+from profiler import check_autocast, check_dtype
 
 if TYPE_CHECKING:
-    from autopipe.planning.model.plans import Plan
-    from profiler.profile import Profile
+    from autopipe.planning import Plan
+    from profiler import Profile
 
 __all__: list[str] = []  # internal to the command line
 
 
 def _gpu_count() -> int:
     try:
-        from profiler.devices import gpu_count  # loads torch
+        from profiler import gpu_count  # loads torch
     except ImportError:  # planning from a saved profile needs no torch
         return 0
     return gpu_count()
@@ -129,7 +128,7 @@ def check_writable(path: str, what: str) -> None:
 
 def _check_picture(path: str, what: str) -> None:
     """Fails early, before a long profile, when a picture cannot be drawn to ``path``."""
-    from autopipe.output.timeline import check_picture_path, require_matplotlib
+    from autopipe.output import check_picture_path, require_matplotlib
 
     check_picture_path(path, what)
     check_writable(path, what)
@@ -149,7 +148,7 @@ def check_plan_outputs(args: argparse.Namespace) -> None:
     if args.compare:
         _check_picture(args.compare, "comparison")
     if getattr(args, "trace", None):
-        from autopipe.output.trace_events import check_trace_path
+        from autopipe.output import check_trace_path
 
         check_trace_path(args.trace)
 

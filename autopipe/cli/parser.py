@@ -15,8 +15,7 @@ from autopipe.cli.plan_command import plan_command
 from autopipe.cli.profile_command import profile_command
 from autopipe.cli.search_command import search_command
 from autopipe.cli.target import add_target_options
-from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES, STRATEGIES
-from autopipe.planning.planner import CHUNKS_PER_STAGE
+from autopipe.planning import ALL_SCHEDULES, CHECKPOINT_MODES, CHUNKS_PER_STAGE, STRATEGIES
 
 __all__: list[str] = []  # internal to the command line
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from autopipe import PlanningError
 from autopipe.cli.export_option import parse_exports, render_exports, to_stdout, write_exports
 from autopipe.cli.inputs import read_profile
 from autopipe.cli.options import (
@@ -16,19 +17,18 @@ from autopipe.cli.options import (
     save,
 )
 from autopipe.cli.target import check_target_options, estimated, target_devices
-from autopipe.errors import PlanningError
-from autopipe.planning.pipeline_settings import PipelineSettings
+from autopipe.planning import PipelineSettings
 
 if TYPE_CHECKING:
-    from autopipe.planning.model.device_specs import DeviceSpec
+    from autopipe.planning import DeviceSpec
 
 __all__: list[str] = []  # internal to the command line
 
 
 def plan_command(args: argparse.Namespace) -> int:
     """``autopipe plan``: profile (or load) and print the best split, with pictures."""
-    from autopipe.output.report import render_plan
-    from autopipe.planning.baseline import compare_plans, profile_devices
+    from autopipe.output import render_plan
+    from autopipe.planning import compare_plans, profile_devices
 
     check_precision(args)
     target = check_target_options(args)
@@ -90,17 +90,17 @@ def plan_command(args: argparse.Namespace) -> int:
     exported = render_exports(result, exports)
     drawn = []
     if args.timeline:
-        from autopipe.output.timeline import draw_timeline
+        from autopipe.output import draw_timeline
 
         draw_timeline(result, args.timeline)
         drawn.append(f"timeline written to {args.timeline}")
     if args.compare:
-        from autopipe.output.timeline import draw_stage_bars
+        from autopipe.output import draw_stage_bars
 
         draw_stage_bars(compared.every_strategy(), args.compare)
         drawn.append(f"comparison written to {args.compare}")
     if args.trace:
-        from autopipe.output.trace_events import write_trace
+        from autopipe.output import write_trace
 
         write_trace(result, args.trace)
         drawn.append(f"trace written to {args.trace}")

@@ -12,7 +12,7 @@ __all__: list[str] = []  # internal to the command line
 
 def profile_command(args: argparse.Namespace) -> int:
     """``autopipe profile``: measures every layer and writes the profile to ``--output``."""
-    from autopipe.output.report import precision_label
+    from autopipe.output import precision_label
 
     check_precision(args)
     check_writable(args.output, "profile")

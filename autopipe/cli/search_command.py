@@ -14,8 +14,7 @@ from autopipe.cli.options import (
     save,
 )
 from autopipe.cli.target import check_target_options, estimated, search_links
-from autopipe.planning.model.names import SCHEDULES, SEARCH_CHECKPOINTS
-from autopipe.planning.pipeline_settings import PipelineSettings
+from autopipe.planning import SCHEDULES, SEARCH_CHECKPOINTS, PipelineSettings
 
 __all__: list[str] = []  # internal to the command line
 
@@ -37,8 +36,8 @@ def _check_search_options(args: argparse.Namespace) -> None:
 def search_command(args: argparse.Namespace) -> int:
     """Ranks the configurations of ``--devices`` devices (with ``--one-device``: of up to
     that many stages taking turns on one device), prints them and the best plan."""
-    from autopipe.output.report import render_plan, render_search
-    from autopipe.planning.configuration.config_search import SearchOptions, search
+    from autopipe.output import render_plan, render_search
+    from autopipe.planning import SearchOptions, search
 
     check_precision(args)
     target = check_target_options(args)
@@ -80,11 +79,11 @@ def search_command(args: argparse.Namespace) -> int:
     plans = search(profile, devices, settings, options)
     best = plans[0]
     if args.timeline:
-        from autopipe.output.timeline import draw_timeline
+        from autopipe.output import draw_timeline
 
         draw_timeline(best, args.timeline)
     if args.trace:
-        from autopipe.output.trace_events import write_trace
+        from autopipe.output import write_trace
 
         write_trace(best, args.trace)
     if args.json:

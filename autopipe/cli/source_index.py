@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import profiler
-from profiler.jsonfile import read_json, write_json
+from profiler import read_json, write_json
 
 if TYPE_CHECKING:
     from autopipe.cli.cache import CacheEntry
     from autopipe.cli.model_file import LoadedModel
-    from profiler.profile import Profile
+    from profiler import Profile
 
 __all__: list[str] = []  # internal to the command line
 
@@ -241,7 +241,7 @@ class SourceIndex:
         default the sample's) and its file, when every file, distribution version and
         environment variable the last run of the model file read is unchanged."""
         from autopipe.cli.cache import CacheEntry, cache_dir
-        from autopipe.planning.planner import default_chunks
+        from autopipe.planning import default_chunks
 
         data = self._read()
         if data is None:

@@ -10,10 +10,8 @@ from typing import TYPE_CHECKING
 from autopipe.cli.arguments import positive
 
 if TYPE_CHECKING:
-    from autopipe.planning.hardware.device_catalog import CatalogDevice
-    from autopipe.planning.hardware.estimates import Efficiency
-    from autopipe.planning.model.device_specs import DeviceSpec
-    from profiler.profile import Profile
+    from autopipe.planning import CatalogDevice, DeviceSpec, Efficiency
+    from profiler import Profile
 
 __all__: list[str] = []  # internal to the command line
 
@@ -65,7 +63,7 @@ def check_target_options(args: argparse.Namespace) -> CatalogDevice | None:
         if args.catalog:
             raise ValueError("--catalog goes with --target DEVICE; add --target")
         return None
-    from autopipe.planning.hardware.device_catalog import find_device
+    from autopipe.planning import find_device
 
     return find_device(args.target, extra=args.catalog)
 
@@ -74,9 +72,8 @@ def _fitted(args: argparse.Namespace, target: CatalogDevice) -> Efficiency | Non
     """The efficiencies fitted to ``--fit``'s measured profile, the fit printed on stderr."""
     if not args.fit:
         return None
-    from autopipe.planning.hardware.device_catalog import find_device, measured_device
-    from autopipe.planning.hardware.estimates import fit_efficiency
-    from profiler.profile import Profile
+    from autopipe.planning import find_device, fit_efficiency, measured_device
+    from profiler import Profile
 
     measured = Profile.load(args.fit)
     try:
@@ -87,7 +84,7 @@ def _fitted(args: argparse.Namespace, target: CatalogDevice) -> Efficiency | Non
                 f"--fit {args.fit}: its device {measured.device_name or measured.device!r} is "
                 "not in the catalog; add it with --catalog FILE.toml"
             ) from None
-        from profiler.roofline import measure_peaks
+        from profiler import measure_peaks
 
         # A CPU profile: this host's achievable peaks describe the device it was made on.
         device = measured_device(measure_peaks("cpu"), key="host")
@@ -98,7 +95,7 @@ def _fitted(args: argparse.Namespace, target: CatalogDevice) -> Efficiency | Non
 
 def estimated(profile: Profile, args: argparse.Namespace, target: CatalogDevice) -> Profile:
     """The profile with times estimated for ``target``."""
-    from autopipe.planning.hardware.estimates import estimate_profile
+    from autopipe.planning import estimate_profile
 
     return estimate_profile(profile, target, efficiency=_fitted(args, target))
 
@@ -111,7 +108,7 @@ def target_devices(
     memory: int | list[int] | None,
 ) -> list[DeviceSpec]:
     """One device spec per stage: stage s on device ``s % stages``, links across nodes."""
-    from autopipe.planning.hardware.device_catalog import catalog_devices
+    from autopipe.planning import catalog_devices
 
     per_node = args.per_node or DEFAULT_PER_NODE
     specs = catalog_devices(

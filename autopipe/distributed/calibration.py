@@ -24,22 +24,11 @@ from autopipe.distributed.calibration_cache import current_runtime_key, save_run
 from autopipe.distributed.collectives import rank_device, share_from_rank0
 from autopipe.distributed.replicas import all_reduce_mean
 from autopipe.distributed.runner import PipelineRunner
-from autopipe.microbatching.step_timing import median_seconds, tiny_stages
-from autopipe.planning.model.overhead_fit import overhead_per_clock, unit_clocks
-from profiler.calibrate import store_calibration
-from profiler.devices import synchronize
-from profiler.fit import fit_linear
-from profiler.in_context import measure_compute_scale
-from profiler.profile import Profile
+from autopipe.microbatching import median_seconds, tiny_stages
+from autopipe.planning import overhead_per_clock, unit_clocks
+from profiler import Profile, fit_linear, measure_compute_scale, store_calibration, synchronize
 
-__all__ = [
-    "calibrate_ranks",
-    "measure_allreduce",
-    "measure_compute_together",
-    "measure_p2p",
-    "measure_runner_overhead",
-    "slowest_seconds",
-]
+__all__ = ["calibrate_ranks"]
 
 P2P_SIZES = (4 << 10, 64 << 10, 1 << 20)
 ALLREDUCE_SIZES = (32 << 20,)

@@ -24,18 +24,12 @@ from typing import Any
 
 import torch
 
-from profiler.cache_dir import cache_dir
-from profiler.calibrate import store_calibration
-from profiler.devices import cpu_model
-from profiler.jsonfile import read_json, write_json
-from profiler.profile import Profile
+from profiler import Profile, cache_dir, cpu_model, read_json, store_calibration, write_json
 
 __all__ = [
-    "RUNNER_FIGURES",
     "apply_runner_calibration",
     "cache_file",
     "cached_runner_calibration",
-    "current_runtime_key",
     "runtime_key",
     "save_runner_calibration",
 ]
@@ -46,7 +40,7 @@ _KIND = "autopipe calibration cache"
 
 
 def cache_file() -> Path:
-    """Where the cache lives: ``calibration.json`` in :func:`profiler.cache_dir.cache_dir`
+    """Where the cache lives: ``calibration.json`` in :func:`profiler.cache_folder.cache_dir`
     (``$AUTOPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopipe``, else ``~/.cache/autopipe``)."""
     return cache_dir() / "calibration.json"
 

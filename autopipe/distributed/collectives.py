@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from profiler.devices import default_device
+from profiler import default_device
 
 __all__: list[str] = []  # internal to the distributed runner
 

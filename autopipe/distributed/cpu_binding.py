@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["bind_cpus", "bound_as", "cpu_share"]
+__all__ = ["cpu_share"]
 
 
 def cpu_share(cpus: list[int], local_rank: int, local_size: int) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["Progress", "local_backend", "report_to_launcher", "run_on_local_ranks"]
+__all__: list[str] = []
 
 Progress = Callable[[int, int, str], None]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from autopipe.graph.sequential import SequentialModel, prepare
+from autopipe.graph import SequentialModel, prepare
 
 __all__: list[str] = []  # internal to the distributed runner
 

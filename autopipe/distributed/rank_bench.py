@@ -34,11 +34,10 @@ from autopipe.distributed.local_ranks import (
     run_on_local_ranks,
 )
 from autopipe.distributed.step_trace import StepRecorder, median_stage_seconds, stage_seconds
-from autopipe.microbatching.step_timing import check_steps, mean_output_loss, take_turns
-from autopipe.output.bench_summary import Measured, merge_stage_seconds
-from autopipe.planning.model.plans import Plan
-from profiler.devices import synchronize
-from profiler.live_memory import SavedMemory
+from autopipe.microbatching import check_steps, mean_output_loss, take_turns
+from autopipe.output import Measured, merge_stage_seconds
+from autopipe.planning import Plan
+from profiler import SavedMemory, synchronize
 
 __all__ = ["time_splits_on_ranks"]
 

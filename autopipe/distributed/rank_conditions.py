@@ -27,8 +27,7 @@ from autopipe.distributed.local_ranks import (
     report_to_launcher,
     run_on_local_ranks,
 )
-from profiler.calibrate import store_calibration
-from profiler.profile import Profile
+from profiler import Profile, store_calibration
 
 __all__ = ["calibrate_local_ranks", "profile_on_local_ranks", "with_rank_times"]
 
@@ -98,8 +97,7 @@ def _profile_main(
     messages: Any,
 ) -> None:
     """One rank of :func:`profile_on_local_ranks`: profile the model, every rank at once."""
-    from profiler.in_context import calibrate_in_step
-    from profiler.measure import profile_model
+    from profiler import calibrate_in_step, profile_model
 
     try:
         _join(rank, world, store, options)

@@ -18,20 +18,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from autopipe import PlanningError
 from autopipe.distributed.calibration import calibrate_ranks
 from autopipe.distributed.collectives import rank_device, share_from_rank0
 from autopipe.distributed.prepared import Prepared, prepare_model
 from autopipe.distributed.tied_gradients import written_shared
-from autopipe.errors import PlanningError
-from autopipe.planning.configuration.config_search import SearchOptions, search
-from autopipe.planning.model.cut_rules import keep_together
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
-from profiler.batch_sizes import doubling_batch_sizes, smallest_batch
-from profiler.measure import profile_model
-from profiler.profile import Profile
+from autopipe.planning import (
+    PipelineSettings,
+    Plan,
+    SearchOptions,
+    keep_together,
+    search,
+    with_overrides,
+)
+from profiler import Profile, doubling_batch_sizes, profile_model, smallest_batch
 
-__all__ = ["search_plan"]
+__all__: list[str] = []
 
 
 def _sizes(batch: int, model: nn.Module) -> list[int]:

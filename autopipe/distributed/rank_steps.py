@@ -41,12 +41,10 @@ from autopipe.distributed.setup import (
 from autopipe.distributed.stage import checkpoint_problem, fingerprint
 from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.virtual import stage_indices, virtual_problem
-from autopipe.graph.meta import has_meta_state
-from autopipe.microbatching.assembly import Layers
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.pipeline_settings import PipelineSettings
-from profiler.precision import check_autocast
-from profiler.profile import Profile
+from autopipe.graph import has_meta_state
+from autopipe.microbatching import Layers
+from autopipe.planning import PipelineSettings, Plan
+from profiler import Profile, check_autocast
 
 if TYPE_CHECKING:
     from autopipe.distributed.runner import PipelineRunner

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autopipe.microbatching.batchnorm import DeferredBatchNorm
-from autopipe.planning.model.plans import Plan
+from autopipe.microbatching import DeferredBatchNorm
+from autopipe.planning import Plan
 
 __all__: list[str] = []  # internal to the distributed runner
 

@@ -36,11 +36,10 @@ from autopipe.distributed.stage import LossRecorder, merge_state_dicts
 from autopipe.distributed.step_trace import StepRecorder, track_label
 from autopipe.distributed.tied_gradients import TiedGradients, make_tie_groups, shared_across_stages
 from autopipe.distributed.virtual import build_stages, make_schedule, stage_states
-from autopipe.microbatching.assembly import Assembly, assemble
-from autopipe.output.trace_events import check_trace_path
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.pipeline_settings import PLAN_FIELDS, PipelineSettings, with_overrides
-from profiler.precision import autocast_pass, current_autocast
+from autopipe.microbatching import Assembly, assemble
+from autopipe.output import check_trace_path
+from autopipe.planning import PLAN_FIELDS, PipelineSettings, Plan, with_overrides
+from profiler import autocast_pass, current_autocast
 
 __all__: list[str] = []  # internal: DistributedPipeline is the public class
 

@@ -23,12 +23,12 @@ from autopipe.distributed.calibration_cache import (
     save_runner_calibration,
 )
 from autopipe.distributed.collectives import share_from_rank0
-from profiler.profile import Profile
+from profiler import Profile
 
 if TYPE_CHECKING:
     from autopipe.distributed.runner import PipelineRunner
 
-__all__ = ["measure_uncached_runtime"]
+__all__: list[str] = []
 
 
 def _calibrated(profile: Any) -> bool:

@@ -25,15 +25,11 @@ from autopipe.distributed.prepared import Prepared
 from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
 from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.virtual import check_virtual
-from autopipe.planning.model.cut_rules import keep_together
-from autopipe.planning.model.names import ALL_SCHEDULES
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
-from autopipe.planning.planner import plan as make_plan
-from profiler.measure import profile_model
-from profiler.profile import Profile
+from autopipe.planning import ALL_SCHEDULES, PipelineSettings, Plan, keep_together, with_overrides
+from autopipe.planning import plan as make_plan
+from profiler import Profile, profile_model
 
-__all__ = ["DEFAULT_TIMEOUT", "init_distributed"]  # the rest: internal to the runner
+__all__: list[str] = []
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 

@@ -11,11 +11,11 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from autopipe.microbatching.recomputation import checkpointing, recomputing
-from autopipe.planning.model.names import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
-from profiler.precision import autocast_pass
+from autopipe.microbatching import checkpointing, recomputing
+from autopipe.planning import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
+from profiler import autocast_pass
 
-__all__ = ["merge_state_dicts"]
+__all__: list[str] = []
 
 # (shape, dtype, requires_grad) of one tensor crossing a stage boundary; picklable, so it
 # can be broadcast from the rank that measured it.

@@ -31,15 +31,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from autopipe.distributed.collectives import collective
-from autopipe.output.trace_events import (
-    Track,
-    stages_label,
-    trace_document,
-    write_trace_document,
-)
-from autopipe.planning.model.plans import Plan
+from autopipe.output import Track, stages_label, trace_document, write_trace_document
+from autopipe.planning import Plan
 
-__all__ = ["StepRecorder", "median_stage_seconds", "stage_seconds"]
+__all__: list[str] = []
 
 # torch's calls that post a batch of sends and receives, and that wait for them
 _POST = ("_batch_p2p", "_sorted_batch_p2p")

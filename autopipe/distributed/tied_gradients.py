@@ -17,7 +17,7 @@ from autopipe.distributed.replicas import (
     bucketed,
     group_timeout,
 )
-from profiler.tied import tensor_uses
+from profiler import tensor_uses
 
 __all__: list[str] = []  # internal to the distributed runner
 

@@ -33,10 +33,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from autopipe.distributed.stage import StageModule, TensorSpec, example_tensors
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.schedules.interleaving import spared
+from autopipe.planning import Plan, spared
 
-__all__ = ["SCHEDULES"]
+__all__: list[str] = []
 
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # Multi-stage counterparts: all of a rank's stages in one schedule, in the same spirit

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from autopipe.gpipe.autocast_state import AutocastState
 from autopipe.gpipe.microbatch import Batch, TensorOrTensors
-from autopipe.microbatching.recomputation import checkpointing, recomputing
+from autopipe.microbatching import checkpointing, recomputing
 
 __all__: list[str] = []  # internal to the package
 

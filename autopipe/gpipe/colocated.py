@@ -13,12 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from autopipe.planning.model.colocation import colocated_plan
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.model.quantities import format_time
-from profiler.devices import physical_device
+from autopipe.planning import Plan, colocated_plan, format_time
+from profiler import physical_device
 
-__all__ = ["colocation_mismatch", "device_groups", "physical_names"]
+__all__: list[str] = []
 
 Device = torch.device | str | int
 

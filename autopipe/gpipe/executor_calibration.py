@@ -15,16 +15,21 @@ import torch
 from torch import nn
 
 from autopipe.gpipe import GPipe
-from autopipe.microbatching.step_timing import median_seconds, tiny_stages
-from autopipe.planning.model.overhead_fit import overhead_per_clock, unit_clocks
-from autopipe.planning.split.exact import gpipe_step_time
-from profiler.calibrate import measure_bandwidth, store_calibration
-from profiler.devices import gpu_count, stage_devices, synchronize
-from profiler.in_context import measure_compute_scale
-from profiler.precision import autocast_pass, check_autocast
-from profiler.profile import Profile
+from autopipe.microbatching import median_seconds, tiny_stages
+from autopipe.planning import gpipe_step_time, overhead_per_clock, unit_clocks
+from profiler import (
+    Profile,
+    autocast_pass,
+    check_autocast,
+    gpu_count,
+    measure_bandwidth,
+    measure_compute_scale,
+    stage_devices,
+    store_calibration,
+    synchronize,
+)
 
-__all__ = ["calibrate_executor", "measure_overhead"]
+__all__ = ["calibrate_executor"]
 
 
 def _synchronize(devices: Sequence[torch.device]) -> None:

@@ -31,7 +31,7 @@ from autopipe.gpipe.stream import (
 )
 from autopipe.gpipe.transfer import Route, transfer
 from autopipe.gpipe.worker import ThreadContext, WorkerPool
-from autopipe.microbatching.batchnorm import DeferredBatchNorm
+from autopipe.microbatching import DeferredBatchNorm
 
 __all__: list[str] = []  # internal to the package
 

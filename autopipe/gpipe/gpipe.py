@@ -15,12 +15,12 @@ from autopipe.gpipe.colocated import colocation_mismatch, device_groups
 from autopipe.gpipe.fill_drain import Pipeline
 from autopipe.gpipe.microbatch import TensorOrTensors, check, gather, scatter
 from autopipe.gpipe.tied_copies import Replicas
-from autopipe.microbatching.batchnorm import DeferredBatchNorm
-from autopipe.planning.model.names import FIXED_CHECKPOINT_MODES
-from profiler.devices import resolve_device, stage_devices
+from autopipe.microbatching import DeferredBatchNorm
+from autopipe.planning import FIXED_CHECKPOINT_MODES
+from profiler import resolve_device, stage_devices
 
 if TYPE_CHECKING:
-    from autopipe.planning.model.plans import Plan
+    from autopipe.planning import Plan
 
 __all__ = ["GPipe", "verify_module"]
 

@@ -21,13 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.gpipe.gpipe import GPipe
-from autopipe.microbatching.step_timing import Progress, check_steps, mean_output_loss, take_turns
-from autopipe.output.bench_summary import Measured
-from autopipe.planning.model.plans import Plan
-from profiler.devices import synchronize
-from profiler.live_memory import SavedMemory
+from autopipe.microbatching import Progress, check_steps, mean_output_loss, take_turns
+from autopipe.output import Measured
+from autopipe.planning import Plan
+from profiler import SavedMemory, synchronize
 
-__all__ = ["pipeline_input", "time_splits"]
+__all__ = ["time_splits"]
 
 
 def pipeline_input(layers: nn.Sequential, sample: Tensor | tuple[Tensor, ...]) -> Any:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from profiler.tied import tensor_uses
+from profiler import tensor_uses
 
 __all__: list[str] = []  # internal to the package
 

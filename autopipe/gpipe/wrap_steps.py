@@ -10,20 +10,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from autopipe.graph.layout import Layout, layout_model, stage_of_units
-from autopipe.graph.sequential import SequentialModel, prepare
-from autopipe.graph.sharing import check_placement, copied_written
-from autopipe.graph.units import GRANULARITIES
-from autopipe.microbatching.assembly import Layers
-from autopipe.planning.model.cut_rules import keep_together
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.pipeline_settings import PipelineSettings
-from autopipe.planning.planner import plan as make_plan
-from profiler.batch_sizes import default_batch_sizes, smallest_batch
-from profiler.measure import profile_layers
-from profiler.profile import Profile
+from autopipe.graph import (
+    GRANULARITIES,
+    Layout,
+    SequentialModel,
+    check_placement,
+    copied_written,
+    layout_model,
+    prepare,
+    stage_of_units,
+)
+from autopipe.microbatching import Layers
+from autopipe.planning import PipelineSettings, Plan, keep_together
+from autopipe.planning import plan as make_plan
+from profiler import Profile, default_batch_sizes, profile_layers, smallest_batch
 
-__all__ = ["WrapSteps", "too_few"]  # internal to wrap
+__all__: list[str] = []
 
 
 def too_few(model: nn.Module, layout: Layout, granularity: str, stages: int) -> str:

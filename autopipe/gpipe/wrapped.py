@@ -7,13 +7,12 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from autopipe.gpipe.gpipe import refuse_device_move
-from autopipe.graph.stage_modules import UnitModule
-from autopipe.graph.tracing import PREFIX
+from autopipe.graph import PREFIX, UnitModule
 
 if TYPE_CHECKING:
     from autopipe.gpipe.gpipe import GPipe
-    from autopipe.graph.sequential import ModelIO
-    from autopipe.planning.model.plans import Plan
+    from autopipe.graph import ModelIO
+    from autopipe.planning import Plan
 
 __all__ = ["WrappedPipeline"]
 

@@ -14,16 +14,12 @@ from autopipe.gpipe.colocated import physical_names
 from autopipe.gpipe.gpipe import GPipe
 from autopipe.gpipe.wrap_steps import WrapSteps
 from autopipe.gpipe.wrapped import WrappedPipeline
-from autopipe.graph.flat_io import FlatSpec
-from autopipe.graph.meta import has_meta_state
-from autopipe.graph.sequential import model_inputs, prepare, unit_sequential
-from autopipe.microbatching.assembly import assemble
-from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
-from profiler.devices import stage_devices
-from profiler.precision import check_autocast
-from profiler.profile import Profile
+from autopipe.graph import FlatSpec, has_meta_state, model_inputs, prepare, unit_sequential
+from autopipe.microbatching import assemble
+from autopipe.planning import PipelineSettings, with_overrides
+from profiler import Profile, check_autocast, stage_devices
 
-__all__ = ["WrappedPipeline", "prepare", "unit_sequential", "wrap"]
+__all__ = ["prepare", "unit_sequential", "wrap"]
 
 Device = torch.device | str | int
 

@@ -1,19 +1,42 @@
-"""Graph: any ``nn.Module`` traced (torch.fx or torch.export) and cut into units."""
+"""Graph: any ``nn.Module`` traced (torch.fx or torch.export) and cut into units.
+
+Each name below loads its module on first use.
+"""
 
 from __future__ import annotations
 
-from autopipe.errors import TracingError
-from autopipe.graph.flat_io import FlatSpec
-from autopipe.graph.layout import Layout, layout_model, stage_of_units
-from autopipe.graph.sequential import ModelIO, SequentialModel, prepare, unit_sequential
-from autopipe.graph.shapes import DynamicSpec
-from autopipe.graph.stage_modules import UnitModule, UnitSequential
-from autopipe.graph.tracing import METHODS, Traced, trace
-from autopipe.graph.units import GRANULARITIES
+from typing import TYPE_CHECKING
+
+from profiler import lazy_face
+
+if TYPE_CHECKING:
+    from autopipe import TracingError
+    from autopipe.graph.flat_io import FlatSpec
+    from autopipe.graph.layout import Layout, layout_model, stage_of_units
+    from autopipe.graph.meta import (
+        has_meta_state,
+        materialize_units,
+        meta_bytes,
+        rebind_state,
+        unused_meta,
+    )
+    from autopipe.graph.sequential import (
+        ModelIO,
+        SequentialModel,
+        model_inputs,
+        prepare,
+        unit_sequential,
+    )
+    from autopipe.graph.shapes import DynamicSpec
+    from autopipe.graph.sharing import check_placement, copied_written
+    from autopipe.graph.stage_modules import UnitModule, UnitSequential
+    from autopipe.graph.tracing import METHODS, PREFIX, Traced, trace
+    from autopipe.graph.units import GRANULARITIES
 
 __all__ = [
     "GRANULARITIES",
     "METHODS",
+    "PREFIX",
     "DynamicSpec",
     "FlatSpec",
     "Layout",
@@ -23,9 +46,48 @@ __all__ = [
     "TracingError",
     "UnitModule",
     "UnitSequential",
+    "check_placement",
+    "copied_written",
+    "has_meta_state",
     "layout_model",
+    "materialize_units",
+    "meta_bytes",
+    "model_inputs",
     "prepare",
+    "rebind_state",
     "stage_of_units",
     "trace",
     "unit_sequential",
+    "unused_meta",
 ]
+
+_HOMES = {
+    "GRANULARITIES": "autopipe.graph.units",
+    "METHODS": "autopipe.graph.tracing",
+    "PREFIX": "autopipe.graph.tracing",
+    "DynamicSpec": "autopipe.graph.shapes",
+    "FlatSpec": "autopipe.graph.flat_io",
+    "Layout": "autopipe.graph.layout",
+    "ModelIO": "autopipe.graph.sequential",
+    "SequentialModel": "autopipe.graph.sequential",
+    "Traced": "autopipe.graph.tracing",
+    "TracingError": "autopipe",
+    "UnitModule": "autopipe.graph.stage_modules",
+    "UnitSequential": "autopipe.graph.stage_modules",
+    "check_placement": "autopipe.graph.sharing",
+    "copied_written": "autopipe.graph.sharing",
+    "has_meta_state": "autopipe.graph.meta",
+    "layout_model": "autopipe.graph.layout",
+    "materialize_units": "autopipe.graph.meta",
+    "meta_bytes": "autopipe.graph.meta",
+    "model_inputs": "autopipe.graph.sequential",
+    "prepare": "autopipe.graph.sequential",
+    "rebind_state": "autopipe.graph.meta",
+    "stage_of_units": "autopipe.graph.layout",
+    "trace": "autopipe.graph.tracing",
+    "unit_sequential": "autopipe.graph.sequential",
+    "unused_meta": "autopipe.graph.meta",
+}
+
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["FlatSpec", "check_batch_major"]
+__all__ = ["FlatSpec"]
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -23,7 +23,7 @@ from autopipe.graph.stage_modules import UnitModule, build_graph_module
 from autopipe.graph.tracing import Traced, trace
 from autopipe.graph.units import Unit, merge_units, regroup, split_units, unit_paths
 
-__all__ = ["Layout", "layout_model", "model_mode", "stage_of_units", "trace_modes"]
+__all__ = ["Layout", "layout_model", "stage_of_units"]
 
 
 @contextlib.contextmanager

@@ -9,8 +9,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from profiler.counting import swapped_state
-from profiler.materialize import materialize_part
+from profiler import materialize_part, swapped_state
 
 __all__ = ["has_meta_state", "materialize_units", "meta_bytes", "rebind_state", "unused_meta"]
 

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from autopipe.graph.flat_io import FlatSpec
 
-__all__ = ["DynamicSpec", "InputShapes", "dynamic_dims", "input_names"]
+__all__ = ["DynamicSpec"]
 
 # What wrap(dynamic=) takes: input name (or position) -> the dims that vary.
 DynamicSpec = Mapping[str | int, int | Sequence[int] | Mapping[int, Any]]

@@ -10,18 +10,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from profiler.devices import physical_device
+from profiler import physical_device
 
-__all__ = [
-    "SharedState",
-    "adjacent_boundaries",
-    "check_placement",
-    "copied_written",
-    "find_shared",
-    "find_written",
-    "unit_state",
-    "unit_writes",
-]
+__all__ = ["check_placement", "copied_written"]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from autopipe.graph.grad_modes import insert_grad_modes
 from autopipe.graph.liveness import UnitIO
 from autopipe.graph.tracing import PREFIX, Traced
 
-__all__ = ["UnitModule", "UnitSequential", "build_graph_module"]
+__all__ = ["UnitModule", "UnitSequential"]
 
 
 def _install_owners(module: fx.GraphModule, model: nn.Module) -> None:

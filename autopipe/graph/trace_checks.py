@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopipe.graph.meta import meta_construct
 from autopipe.graph.values import GradModeInterpreter, gradient_flow, run_quietly, same_results
-from profiler.counting import fake_inputs, fake_state, quiet_fakes
+from profiler import fake_inputs, fake_state, quiet_fakes
 
 __all__: list[str] = []  # internal to the package
 

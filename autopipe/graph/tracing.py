@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from autopipe.errors import TracingError
+from autopipe import TracingError
 from autopipe.graph.export import (
     check_symbolic_batch,
     drop_constant_copies,
@@ -30,13 +30,7 @@ from autopipe.graph.values import (
     record_values,
 )
 
-__all__ = [
-    "METHODS",
-    "PREFIX",
-    "Traced",
-    "TracingError",
-    "trace",
-]
+__all__ = ["METHODS", "PREFIX", "Traced", "trace"]
 
 METHODS = ("auto", "fx", "export")
 

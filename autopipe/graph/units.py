@@ -13,15 +13,7 @@ from torch import nn
 from autopipe.graph.tracing import PREFIX
 from autopipe.graph.values import ValueInfo
 
-__all__ = [
-    "GRANULARITIES",
-    "Unit",
-    "merge_units",
-    "module_path",
-    "regroup",
-    "split_units",
-    "unit_paths",
-]
+__all__ = ["GRANULARITIES"]
 
 GRANULARITIES = ("children", "blocks", "leaves")
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

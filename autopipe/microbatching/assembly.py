@@ -18,22 +18,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from autopipe.graph.meta import (
-    has_meta_state,
-    materialize_units,
-    meta_bytes,
-    rebind_state,
-    unused_meta,
-)
+from autopipe.graph import has_meta_state, materialize_units, meta_bytes, rebind_state, unused_meta
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.pipeline_settings import PipelineSettings
-from profiler.devices import physical_device
-from profiler.memory_guard import format_bytes, storage_shortage
-from profiler.profile import Profile
+from autopipe.planning import PipelineSettings, Plan
+from profiler import Profile, format_bytes, physical_device, storage_shortage
 
-__all__ = ["Assembly", "BuildSteps", "Layers", "assemble", "materialize_stages"]
+__all__ = ["Assembly", "Layers", "assemble"]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from autopipe.microbatching.recomputation import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "deferred_copy", "resolve_deferred", "tracks_statistics"]
+__all__ = ["DeferredBatchNorm", "resolve_deferred"]
 
 
 class DeferredBatchNorm(_BatchNorm):

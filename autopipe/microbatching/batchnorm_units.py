@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from autopipe.graph.stage_modules import UnitModule
+from autopipe.graph import UnitModule
 from autopipe.microbatching.batchnorm import deferred_copy, tracks_statistics
 
 __all__ = ["defer_layers"]

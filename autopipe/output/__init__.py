@@ -10,8 +10,9 @@ matplotlib only when a picture is drawn.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from profiler import lazy_face
 
 if TYPE_CHECKING:
     from autopipe.output.bench_report import draw_bench, render_bench
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
         Measured,
         bench_record,
         ideal_step,
+        merge_stage_seconds,
         summarize,
         unit_costs,
     )
@@ -49,6 +51,7 @@ __all__ = [
     "draw_stage_bars",
     "draw_timeline",
     "ideal_step",
+    "merge_stage_seconds",
     "precision_label",
     "render_bench",
     "render_plan",
@@ -74,6 +77,7 @@ _HOMES = {
     "draw_stage_bars": "autopipe.output.timeline",
     "draw_timeline": "autopipe.output.timeline",
     "ideal_step": "autopipe.output.bench_summary",
+    "merge_stage_seconds": "autopipe.output.bench_summary",
     "precision_label": "autopipe.output.report",
     "render_bench": "autopipe.output.bench_report",
     "render_plan": "autopipe.output.report",
@@ -89,14 +93,5 @@ _HOMES = {
     "write_trace_document": "autopipe.output.trace_events",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'autopipe.output' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

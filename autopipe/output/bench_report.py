@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from autopipe.output.bench_summary import SplitSummary, speedups
 from autopipe.output.timeline import check_picture_path, new_figure, save_figure, time_unit
-from autopipe.planning.model.quantities import format_bytes, format_time
+from autopipe.planning import format_bytes, format_time
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

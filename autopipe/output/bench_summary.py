@@ -8,19 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from autopipe.planning.model.plan_settings import PlanSettings, build_model
-from autopipe.planning.model.plans import Plan
-from profiler.profile import Profile
+from autopipe.planning import Plan, PlanSettings, build_model
+from profiler import Profile
 
 __all__ = [
     "Measured",
-    "SplitSummary",
     "bench_record",
-    "bounding_unit",
     "ideal_step",
-    "median_spread",
     "merge_stage_seconds",
-    "speedups",
     "summarize",
     "unit_costs",
 ]

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopipe.planning.model.plans import Plan, StagePlan, TiedPlan
-from autopipe.planning.model.quantities import format_bytes, format_time
+from autopipe.planning import Plan, StagePlan, TiedPlan, format_bytes, format_time
 
-__all__ = ["estimate_label", "precision_label", "render_plan", "render_search", "shared_line"]
+__all__ = ["precision_label", "render_plan", "render_search", "shared_line"]
 
 _BAR_WIDTH = 20
 # Step times closer than this (relative) tie: the cost model is not that exact.

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from autopipe.output.report import schedule_label
 from autopipe.output.trace_events import trace, write_trace
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.model.quantities import format_time
-from autopipe.planning.schedules.simulation import (
+from autopipe.planning import (
     KINDS,
+    Plan,
     checkpointed,
+    format_time,
     makespan,
     simulate,
     stage_times,

@@ -25,13 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from autopipe.planning.model.plans import Plan
-from autopipe.planning.schedules.simulation import makespan, simulate
+from autopipe.planning import Plan, makespan, simulate
 
 __all__ = [
     "Track",
     "check_trace_path",
-    "event_name",
     "stages_label",
     "trace",
     "trace_document",

@@ -17,62 +17,186 @@ search, nor the catalog, nor the estimates.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from profiler import lazy_face
 
 if TYPE_CHECKING:
-    from autopipe.planning.configuration.config_search import search
-    from autopipe.planning.hardware.device_catalog import CatalogDevice, find_device, load_catalog
-    from autopipe.planning.hardware.estimates import estimate_profile, fit_efficiency
+    from autopipe.planning.baseline import compare_plans, profile_devices
+    from autopipe.planning.configuration.config_search import SearchOptions, search
+    from autopipe.planning.hardware.device_catalog import (
+        CatalogDevice,
+        catalog_devices,
+        find_device,
+        load_catalog,
+        measured_device,
+    )
+    from autopipe.planning.hardware.estimates import Efficiency, estimate_profile, fit_efficiency
+    from autopipe.planning.model.colocation import colocated_plan
+    from autopipe.planning.model.cost_model import optimizer_factor
+    from autopipe.planning.model.cut_rules import keep_together
     from autopipe.planning.model.device_specs import DeviceSpec, make_devices
-    from autopipe.planning.model.plans import Plan, StagePlan
-    from autopipe.planning.planner import plan
-    from autopipe.planning.schedules.interleaving import rank_order
-    from autopipe.planning.schedules.simulation import simulate
+    from autopipe.planning.model.in_place_fit import (
+        StageSeconds,
+        fit_layer_scales,
+        fit_update,
+        scaled_profile,
+        stage_param_bytes,
+        uniform_scales,
+    )
+    from autopipe.planning.model.names import (
+        ALL_SCHEDULES,
+        CHECKPOINT_MODES,
+        FIXED_CHECKPOINT_MODES,
+        SCHEDULES,
+        SEARCH_CHECKPOINTS,
+        STRATEGIES,
+    )
+    from autopipe.planning.model.overhead_fit import overhead_per_clock, unit_clocks
+    from autopipe.planning.model.plan_settings import PlanSettings, build_model
+    from autopipe.planning.model.plans import Plan, StagePlan, TiedPlan
+    from autopipe.planning.model.quantities import (
+        format_bytes,
+        format_time,
+        parse_bytes,
+        parse_rate,
+    )
+    from autopipe.planning.pipeline_settings import PLAN_FIELDS, PipelineSettings, with_overrides
+    from autopipe.planning.planner import CHUNKS_PER_STAGE, default_chunks, evaluate, plan
+    from autopipe.planning.runtimes.export_formats import check_export_format
+    from autopipe.planning.schedules.interleaving import rank_order, spared
+    from autopipe.planning.schedules.simulation import (
+        KINDS,
+        checkpointed,
+        makespan,
+        simulate,
+        stage_times,
+    )
     from autopipe.planning.split.balance import partition
+    from autopipe.planning.split.exact import gpipe_step_time
+    from autopipe.planning.split.titan_split import has_titan_shape
 
 __all__ = [
+    "ALL_SCHEDULES",
+    "CHECKPOINT_MODES",
+    "CHUNKS_PER_STAGE",
+    "FIXED_CHECKPOINT_MODES",
+    "KINDS",
+    "PLAN_FIELDS",
+    "SCHEDULES",
+    "SEARCH_CHECKPOINTS",
+    "STRATEGIES",
     "CatalogDevice",
     "DeviceSpec",
+    "Efficiency",
+    "PipelineSettings",
     "Plan",
+    "PlanSettings",
+    "SearchOptions",
     "StagePlan",
+    "StageSeconds",
+    "TiedPlan",
+    "build_model",
+    "catalog_devices",
+    "check_export_format",
+    "checkpointed",
+    "colocated_plan",
+    "compare_plans",
+    "default_chunks",
     "estimate_profile",
+    "evaluate",
     "find_device",
     "fit_efficiency",
+    "fit_layer_scales",
+    "fit_update",
+    "format_bytes",
+    "format_time",
+    "gpipe_step_time",
+    "has_titan_shape",
+    "keep_together",
     "load_catalog",
     "make_devices",
+    "makespan",
+    "measured_device",
+    "optimizer_factor",
+    "overhead_per_clock",
+    "parse_bytes",
+    "parse_rate",
     "partition",
     "plan",
+    "profile_devices",
     "rank_order",
+    "scaled_profile",
     "search",
     "simulate",
+    "spared",
+    "stage_param_bytes",
+    "stage_times",
+    "uniform_scales",
+    "unit_clocks",
+    "with_overrides",
 ]
 
 _HOMES = {
+    "ALL_SCHEDULES": "autopipe.planning.model.names",
+    "CHECKPOINT_MODES": "autopipe.planning.model.names",
+    "CHUNKS_PER_STAGE": "autopipe.planning.planner",
+    "FIXED_CHECKPOINT_MODES": "autopipe.planning.model.names",
+    "KINDS": "autopipe.planning.schedules.simulation",
+    "PLAN_FIELDS": "autopipe.planning.pipeline_settings",
+    "SCHEDULES": "autopipe.planning.model.names",
+    "SEARCH_CHECKPOINTS": "autopipe.planning.model.names",
+    "STRATEGIES": "autopipe.planning.model.names",
     "CatalogDevice": "autopipe.planning.hardware.device_catalog",
     "DeviceSpec": "autopipe.planning.model.device_specs",
+    "Efficiency": "autopipe.planning.hardware.estimates",
+    "PipelineSettings": "autopipe.planning.pipeline_settings",
     "Plan": "autopipe.planning.model.plans",
+    "PlanSettings": "autopipe.planning.model.plan_settings",
+    "SearchOptions": "autopipe.planning.configuration.config_search",
     "StagePlan": "autopipe.planning.model.plans",
+    "StageSeconds": "autopipe.planning.model.in_place_fit",
+    "TiedPlan": "autopipe.planning.model.plans",
+    "build_model": "autopipe.planning.model.plan_settings",
+    "catalog_devices": "autopipe.planning.hardware.device_catalog",
+    "check_export_format": "autopipe.planning.runtimes.export_formats",
+    "checkpointed": "autopipe.planning.schedules.simulation",
+    "colocated_plan": "autopipe.planning.model.colocation",
+    "compare_plans": "autopipe.planning.baseline",
+    "default_chunks": "autopipe.planning.planner",
     "estimate_profile": "autopipe.planning.hardware.estimates",
+    "evaluate": "autopipe.planning.planner",
     "find_device": "autopipe.planning.hardware.device_catalog",
     "fit_efficiency": "autopipe.planning.hardware.estimates",
+    "fit_layer_scales": "autopipe.planning.model.in_place_fit",
+    "fit_update": "autopipe.planning.model.in_place_fit",
+    "format_bytes": "autopipe.planning.model.quantities",
+    "format_time": "autopipe.planning.model.quantities",
+    "gpipe_step_time": "autopipe.planning.split.exact",
+    "has_titan_shape": "autopipe.planning.split.titan_split",
+    "keep_together": "autopipe.planning.model.cut_rules",
     "load_catalog": "autopipe.planning.hardware.device_catalog",
     "make_devices": "autopipe.planning.model.device_specs",
+    "makespan": "autopipe.planning.schedules.simulation",
+    "measured_device": "autopipe.planning.hardware.device_catalog",
+    "optimizer_factor": "autopipe.planning.model.cost_model",
+    "overhead_per_clock": "autopipe.planning.model.overhead_fit",
+    "parse_bytes": "autopipe.planning.model.quantities",
+    "parse_rate": "autopipe.planning.model.quantities",
     "partition": "autopipe.planning.split.balance",
     "plan": "autopipe.planning.planner",
+    "profile_devices": "autopipe.planning.baseline",
     "rank_order": "autopipe.planning.schedules.interleaving",
+    "scaled_profile": "autopipe.planning.model.in_place_fit",
     "search": "autopipe.planning.configuration.config_search",
     "simulate": "autopipe.planning.schedules.simulation",
+    "spared": "autopipe.planning.schedules.interleaving",
+    "stage_param_bytes": "autopipe.planning.model.in_place_fit",
+    "stage_times": "autopipe.planning.schedules.simulation",
+    "uniform_scales": "autopipe.planning.model.in_place_fit",
+    "unit_clocks": "autopipe.planning.model.overhead_fit",
+    "with_overrides": "autopipe.planning.pipeline_settings",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'autopipe.planning' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _HOMES)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.names import STRATEGIES
@@ -18,9 +18,9 @@ from autopipe.planning.model.plan_settings import build_model
 from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
 from autopipe.planning.planner import plan_model
-from profiler.profile import Profile
+from profiler import Profile
 
-__all__ = ["PlanComparison", "baseline_strategy", "compare_plans", "profile_devices"]
+__all__ = ["compare_plans", "profile_devices"]
 
 
 def profile_devices(

@@ -14,16 +14,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "CHUNKS_PER_STAGE",
-    "FIELDS",
-    "PLAN_FIELDS",
-    "MemorySpec",
-    "PipelineSettings",
-    "default_checkpoint",
-    "default_chunks",
-    "with_overrides",
-]
+__all__ = ["PLAN_FIELDS", "PipelineSettings", "with_overrides"]
 
 MemorySpec = int | str | Sequence[int | str | None] | None
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 from autopipe.planning.model.colocation import device_count, shared_step_time
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.cut_rules import crossing
@@ -30,9 +30,9 @@ from autopipe.planning.schedules.interleaving import rank_stages
 from autopipe.planning.split.balance import baseline_balance
 from autopipe.planning.split.exact import check_cuts, gpipe_step_time, memory_split, optimal_split
 from autopipe.planning.split.interleaved_balance import interleaved_split, pipeline_time
-from profiler.profile import Profile
+from profiler import Profile
 
-__all__ = ["CHUNKS_PER_STAGE", "default_chunks", "evaluate", "plan", "plan_model"]
+__all__ = ["CHUNKS_PER_STAGE", "default_chunks", "evaluate", "plan"]
 
 
 def plan(

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 from autopipe.planning.configuration.one_device_search import (
     check_one_device,
     one_device_search,
@@ -64,9 +64,9 @@ from autopipe.planning.split.interleaved_balance import pipeline_time
 from autopipe.planning.split.intervals import IntervalSolver
 from autopipe.planning.split.screening import Relaxation
 from autopipe.planning.split.tolerances import SAME_TIME
-from profiler.profile import Profile
+from profiler import Profile
 
-__all__ = ["SEARCH_SETTINGS", "SearchOptions", "search"]
+__all__ = ["SearchOptions", "search"]
 
 
 @dataclass

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 from autopipe.planning.configuration.search_space import Config, Space, configurations
 from autopipe.planning.model.plans import Plan
 from autopipe.planning.model.quantities import format_bytes, format_time
 from autopipe.planning.planner import describe
 from autopipe.planning.split.exact import memory_split
 from autopipe.planning.split.tolerances import SAME_TIME
-from profiler.profile import Profile
+from profiler import Profile
 
-__all__ = ["check_one_device", "one_device_search"]
+__all__: list[str] = []
 
 
 def check_one_device(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 from autopipe.planning.configuration.search_space import Config, Space
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.quantities import format_time

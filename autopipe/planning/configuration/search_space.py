@@ -12,7 +12,7 @@ from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts, ProfileLines, optimizer_factor
 from autopipe.planning.model.runner_figures import RunnerFigures
 from autopipe.planning.split.screening import MemoryCache
-from profiler.profile import Profile
+from profiler import Profile
 
 __all__ = []
 

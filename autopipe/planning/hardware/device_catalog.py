@@ -21,9 +21,7 @@ from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.quantities import parse_bytes
 
 __all__ = [
-    "DTYPES",
     "CatalogDevice",
-    "Link",
     "Source",
     "catalog_devices",
     "find_device",

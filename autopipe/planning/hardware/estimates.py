@@ -29,16 +29,9 @@ import numpy as np
 from autopipe.planning.hardware.device_catalog import CatalogDevice
 from autopipe.planning.hardware.efficiency_fit import solve
 from autopipe.planning.model.quantities import format_time
-from profiler.profile import LayerProfile, Profile
+from profiler import LayerProfile, Profile
 
-__all__ = [
-    "Efficiency",
-    "EfficiencyFit",
-    "LayerFit",
-    "compute_dtype",
-    "estimate_profile",
-    "fit_efficiency",
-]
+__all__ = ["Efficiency", "estimate_profile", "fit_efficiency"]
 
 # Defaults, for GPUs running PyTorch's eager kernels:
 # - η_f 0.55: large matmuls reach 70-80 % of the dense peak, but a layer's pass also runs

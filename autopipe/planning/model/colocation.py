@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.plans import Plan
 
-__all__ = ["colocated_plan", "device_count", "shared_groups", "shared_step_time"]
+__all__ = ["colocated_plan"]
 
 
 def shared_groups(devices: Sequence[DeviceSpec], colocated: bool) -> list[list[int]]:

@@ -80,7 +80,7 @@ from autopipe.planning.model.spans import prefix_sums
 from autopipe.planning.schedules.interleaving import in_flight
 from autopipe.planning.schedules.schedule_replay import RECOMPUTE_CODES
 
-__all__ = ["CostModel", "CostOptions", "optimizer_factor"]
+__all__ = ["optimizer_factor"]
 
 # Share of a layer's backward that computes its weights' gradients (zero bubble defers
 # it), for profiles that did not time the input's gradient alone: for a linear layer the

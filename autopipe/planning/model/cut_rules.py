@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.planning.model.spans import stage_bounds
-from profiler.profile import Profile, TiedState
+from profiler import Profile, TiedState
 
 __all__ = ["keep_together"]
 

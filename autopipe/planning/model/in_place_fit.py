@@ -29,7 +29,7 @@ from scipy.optimize import nnls
 
 from autopipe.planning.model.layer_costs import ProfileLines
 from autopipe.planning.model.plans import Plan
-from profiler.profile import Profile
+from profiler import Profile
 
 __all__ = [
     "StageSeconds",

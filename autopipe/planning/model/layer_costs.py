@@ -9,10 +9,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from profiler.fit import segments
-from profiler.profile import Profile, TiedState
+from profiler import Profile, TiedState, segments
 
-__all__ = ["LayerCosts"]
+__all__: list[str] = []
 
 # Optimizer state bytes per parameter byte. The ``-mixed`` names are mixed-precision
 # training with 2-byte (bfloat16 or float16) parameters and gradients whose optimizer keeps

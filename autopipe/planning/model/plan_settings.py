@@ -11,7 +11,7 @@ from autopipe.planning.model.device_specs import DeviceSpec, make_devices
 from autopipe.planning.model.layer_costs import ProfileLines, optimizer_factor
 from autopipe.planning.model.runner_figures import RunnerFigures
 from autopipe.planning.pipeline_settings import MemorySpec, PipelineSettings
-from profiler.profile import Profile
+from profiler import Profile
 
 __all__ = ["MemorySpec", "PlanSettings", "build_model"]
 

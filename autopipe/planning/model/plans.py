@@ -9,8 +9,7 @@ from typing import Any
 
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES
-from profiler.jsonfile import read_json, write_json
-from profiler.profile import Profile
+from profiler import Profile, read_json, write_json
 
 __all__ = ["Plan", "StagePlan", "TiedPlan"]
 

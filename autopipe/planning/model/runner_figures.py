@@ -9,7 +9,7 @@ from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts, calibrated_figures
 from autopipe.planning.model.quantities import parse_rate
-from profiler.profile import Profile
+from profiler import Profile
 
 __all__ = []
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from autopipe.planning.model.plans import Plan
 
-__all__ = ["EXPORT_FORMATS", "check_export_format", "export_plan"]
+__all__ = ["check_export_format"]
 
 # The model's own code, outside every module (a unit of no module call).
 _OWN_CODE = "forward"

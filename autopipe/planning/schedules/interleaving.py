@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["rank_order", "spared", "step_time", "step_times"]
+__all__ = ["rank_order", "spared"]
 
 
 def rank_stages(rank: int, ranks: int, virtual: int) -> list[int]:

@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 
 from autopipe.planning.schedules.interleaving import rank_order, spared
 
-__all__ = ["makespans"]
+__all__: list[str] = []
 
 # Which micro-batches a stage re-computes, by checkpoint mode: none, all, or all but the one
 # whose backward the stage runs first (:func:`autopipe.planning.schedules.interleaving.spared`: the

@@ -146,7 +146,7 @@ def _layer_times(plan: Plan) -> tuple[list[float], list[float]] | None:
     if not plan.profile:
         return None
     # Imported here: the profile module is light, but plans loaded without one need none.
-    from profiler.profile import Profile
+    from profiler import Profile
 
     try:
         profile = Profile.from_dict(plan.profile)

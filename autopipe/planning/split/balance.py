@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 from autopipe.planning.model.names import STRATEGIES
 from autopipe.planning.model.quantities import parse_bytes
 from autopipe.planning.model.spans import stage_spans

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.cut_rules import most_stages, refusal
 from autopipe.planning.model.quantities import format_bytes

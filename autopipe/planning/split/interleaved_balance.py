@@ -26,7 +26,7 @@ from autopipe.planning.model.spans import fits_memory, stage_bounds
 from autopipe.planning.schedules.schedule_replay import makespans
 from autopipe.planning.split.tolerances import IMPROVEMENT
 
-__all__ = ["every_split"]
+__all__: list[str] = []
 
 # Splits evaluated exhaustively (vectorized) before falling back to the local search.
 EXHAUSTIVE = 200_000

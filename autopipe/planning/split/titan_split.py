@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from autopipe.errors import PlanningError
+from autopipe import PlanningError
 
 __all__ = ["has_titan_shape"]
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from autopipe.graph import unit_sequential
 from profiler import profile_model
-from profiler.layer_names import layer_names, same_layer_name
+from profiler.layer_naming import layer_names, same_layer_name
 from tests.support.export_models import MLP
 
 
