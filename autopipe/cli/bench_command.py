@@ -311,6 +311,10 @@ def bench_command(args: argparse.Namespace) -> int:
         }
         record = bench_record(summaries, settings)
         # Each plan without its copy of the profile, which `autopipe profile` saves.
+        # What the predictions were fitted on: each split's warm-up steps timed in place.
+        record["in_place"] = {
+            label: found.in_place for label, found in measured.items() if found.in_place
+        }
         record["plans"] = {
             label: {key: value for key, value in plan.to_dict().items() if key != "profile"}
             for label, plan in plans.items()

@@ -332,7 +332,8 @@ def describe(
     )
     tied = _tied(model, balance)
     tied_time = sum(item.time for item in tied)
-    total = pipeline + after + tied_time
+    extra = after - allreduce + model.layers.step_overhead
+    total = pipeline + allreduce + tied_time + extra
     # Idle share of the devices over the pipeline; (K−1)/(M+K−1) for K devices when
     # stages are balanced, 0 for stages that all take turns on one.
     bubble = 1.0 - m * float(times.sum()) / (ranks * pipeline) if pipeline > 0 else 0.0
@@ -358,6 +359,7 @@ def describe(
         virtual_stages=model.virtual_stages,
         tied=tied,
         tied_time=tied_time,
+        step_extra=extra,
         shard_optimizer=model.shard_optimizer and model.data_parallel > 1,
         shared=[list(group) for group in model.shared],
     )

@@ -46,6 +46,7 @@ _CALIBRATED = (
     "alone_fixed_scale",
     "allreduce_bandwidth",
     "update_s_per_byte",
+    "step_overhead_s",
 )
 
 
@@ -59,7 +60,8 @@ def calibrated_figures(profile: Profile) -> dict[str, float]:
     data-parallel gradient sync), and ``compute_scale`` and ``fixed_scale`` (how much
     longer the layers' per-sample and per-micro-batch times are in a whole training
     step than each layer's alone in the profile), and ``update_s_per_byte`` (seconds of
-    the optimizer's step per parameter byte, timed in a pipeline's own steps).
+    the optimizer's step per parameter byte, timed in a pipeline's own steps) and
+    ``step_overhead_s`` (the runner's fixed seconds per step, fitted on them).
     """
     found = calibrated_source(profile)
     out = {}
@@ -180,6 +182,8 @@ class LayerCosts:
     tied: tuple[TiedState, ...] = ()
     # Seconds of the optimizer's step per parameter byte (calibrated, else 0: free).
     update_per_byte: float = 0.0
+    # The runner's fixed seconds per step (calibrated, else 0).
+    step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.shared is None:  # frozen: set once, at construction
@@ -249,6 +253,7 @@ class ProfileLines:
     split_backward: bool = False
     tied: tuple[TiedState, ...] = ()
     update_per_byte: float = 0.0
+    step_overhead: float = 0.0
 
     @classmethod
     def from_profile(cls, profile: Profile, alone: bool = False) -> ProfileLines:
@@ -275,6 +280,7 @@ class ProfileLines:
             split_backward=all(layer.backward_input is not None for layer in profile.layers),
             tied=tuple(profile.tied),
             update_per_byte=calibrated_figures(profile).get("update_s_per_byte", 0.0),
+            step_overhead=calibrated_figures(profile).get("step_overhead_s", 0.0),
         )
 
     def figure(self, name: str, micro_batch: float) -> Array:
@@ -317,4 +323,5 @@ class ProfileLines:
             else None,
             tied=self.tied,
             update_per_byte=self.update_per_byte,
+            step_overhead=self.step_overhead,
         )

@@ -128,6 +128,9 @@ class Plan:
             ``s % K``, and ``step_time`` is the interleaved schedule's (see
             :mod:`autopipe.planning.schedules.interleaving`).
         tied: the tensors several layers use, with the stages holding their copies.
+        step_extra: seconds per step of the optimizer's steps beyond the all-reduce that
+            overlaps them and of the runner's fixed cost per step (both 0 unless
+            calibrated: ``update_s_per_byte``, ``step_overhead_s``).
         tied_time: seconds per step summing tied parameters' gradients between the stages
             holding copies, part of ``step_time``.
         shard_optimizer: the ``data_parallel`` replicas shard each stage's optimizer
@@ -163,12 +166,13 @@ class Plan:
     tied_time: float = 0.0
     shard_optimizer: bool = False
     shared: list[list[int]] = field(default_factory=list)
+    step_extra: float = 0.0
 
     @property
     def pipeline_time(self) -> float:
-        """Seconds per step of the pipeline alone: ``step_time`` less the all-reduce and
-        the tied parameters' gradient sums."""
-        return self.step_time - self.allreduce - self.tied_time
+        """Seconds per step of the pipeline alone: ``step_time`` less the all-reduce, the
+        tied parameters' gradient sums and the optimizer's and runner's costs per step."""
+        return self.step_time - self.allreduce - self.tied_time - self.step_extra
 
     @property
     def num_devices(self) -> int:
@@ -217,6 +221,8 @@ class Plan:
                 del stage["tied"]
         if not self.shared:  # plans for devices of their own read as before
             del data["shared"]
+        if not self.step_extra:
+            del data["step_extra"]
         return data
 
     @classmethod
@@ -270,7 +276,15 @@ def _count(value: object, where: str) -> int:
     return value
 
 
-_PLAN_AMOUNTS = ("bottleneck", "step_time", "bubble", "allreduce", "throughput", "tied_time")
+_PLAN_AMOUNTS = (
+    "bottleneck",
+    "step_time",
+    "bubble",
+    "allreduce",
+    "throughput",
+    "tied_time",
+    "step_extra",
+)
 _STAGE_AMOUNTS = (
     "compute", "transfer", "time", "memory", "param_memory", "activation_memory",
     "recompute", "overhead", "allreduce", "forward", "weight", "tied",
