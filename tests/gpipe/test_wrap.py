@@ -270,7 +270,9 @@ def test_shared_parameter_across_devices_is_replicated() -> None:
     # The first stage keeps the parameter; the last reads a copy on its own device.
     assert list(wrapped.pipeline.replicated.values()) == [(0, 1)]
     assert model.first.weight.device.type == "cpu" and model.last.weight is model.first.weight
-    assert model.mid2.weight.device.type == "meta"
+    # Every other layer is on its stage's device (the split follows the measured times).
+    (holder,) = [stage.index for stage in wrapped.plan.stages if "mid2" in stage.layers]
+    assert model.mid2.weight.device.type == ["cpu", "meta"][holder]
     wrapped.close()
 
 
