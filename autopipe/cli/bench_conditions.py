@@ -211,7 +211,8 @@ def fit_in_place(
         else:
             pairs.append((stage_param_bytes(profile, 0, len(profile)), figures["update"]))
     update = fit_update(pairs)
-    if all(figures["stages"] for figures in timed.values()):
+    on_ranks = all(figures["stages"] for figures in timed.values())
+    if on_ranks:
         observed = [
             StageSeconds(
                 plans[label],
@@ -247,7 +248,7 @@ def fit_in_place(
     fitted = scaled_profile(profile, scales, how, update)
     mib = format_time(update * 2**20)
     line = f"predicted from in-place figures: {how}; the optimizer's step {mib}/MiB"
-    if all(figures["stages"] for figures in timed.values()):
+    if on_ranks:
         # What the stages' figures leave out of a step is the runner's own cost per step
         # (the inputs' split, the ranks' agreement, the schedule's setup and last waits):
         # the mean over the splits of each warm-up step less its prediction.

@@ -213,7 +213,7 @@ def stage_seconds(actions: Sequence[Action], step: float, span: float) -> dict[s
         ``{"stages": {stage: {"forward": s, "backward": s}}, "step": s, "span": s}``: per
         stage the mean seconds per micro-batch of its forward and of its backward (the
         re-computation and zero bubble's two halves included), the step's seconds and
-        the part the schedule ran.
+        the seconds the recorder held (``span``: from the ranks' barrier to its exit).
     """
     sums: dict[int, dict[str, float]] = {}
     counts: dict[int, int] = {}

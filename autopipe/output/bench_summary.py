@@ -40,7 +40,7 @@ class Measured:
 
 def merge_stage_seconds(parts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """Every rank's recorded step as one: each stage's figures from the rank that ran it,
-    the slowest rank's step and schedule span; ``None`` when a rank recorded none."""
+    the slowest rank's step and recorded span; ``None`` when a rank recorded none."""
     if not parts or any(part is None for part in parts):
         return None
     stages: dict[int, dict[str, float]] = {}

@@ -264,6 +264,7 @@ class ProfileLines:
             alone: for a configuration on one device (see :func:`_compute_scale`).
         """
         n, width = len(profile), len(profile.batch_sizes)
+        measured = calibrated_figures(profile)
         values = {}
         for figure in _FIGURES:
             rows = [profile.values(i, figure) for i in range(n)]
@@ -279,8 +280,8 @@ class ProfileLines:
             layer_scale=layer_scales(profile),
             split_backward=all(layer.backward_input is not None for layer in profile.layers),
             tied=tuple(profile.tied),
-            update_per_byte=calibrated_figures(profile).get("update_s_per_byte", 0.0),
-            step_overhead=calibrated_figures(profile).get("step_overhead_s", 0.0),
+            update_per_byte=measured.get("update_s_per_byte", 0.0),
+            step_overhead=measured.get("step_overhead_s", 0.0),
         )
 
     def figure(self, name: str, micro_batch: float) -> Array:
