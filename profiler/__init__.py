@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from profiler.profile import PROFILE_VERSION, LayerProfile, Profile, TiedState
     from profiler.progress import TerminalProgress
     from profiler.roofline import measure_peaks
+    from profiler.shard_counts import ShardCounts
     from profiler.tied import tensor_uses
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "MemoryShortage",
     "Profile",
     "SavedMemory",
+    "ShardCounts",
     "TerminalProgress",
     "TiedState",
     "autocast_pass",
@@ -112,6 +114,7 @@ _HOMES = {
     "Profile": "profiler.profile",
     "SavedMemory": "profiler.live_memory",
     "TerminalProgress": "profiler.progress",
+    "ShardCounts": "profiler.shard_counts",
     "TiedState": "profiler.profile",
     "autocast_pass": "profiler.precision",
     "cache_dir": "profiler.cache_folder",

@@ -15,6 +15,7 @@ import numpy as np
 from profiler.fit import fit_linear, segments
 from profiler.jsonfile import read_json, write_json
 from profiler.precision import check_autocast
+from profiler.shard_counts import ShardCounts
 
 __all__ = ["PROFILE_VERSION", "LayerProfile", "Profile", "TiedState"]
 
@@ -58,6 +59,9 @@ class LayerProfile:
         operations: operations of the forward that move bytes (kernel launches, each with a
             fixed cost that small layers are bound by); ``None``: not counted.
         backward_operations: the same for the backward.
+        shards: what tensor and context parallelism divide of the layer and what they
+            communicate (:class:`profiler.shard_counts.ShardCounts`); ``None``: counted
+            without a tensor-parallel plan.
     """
 
     name: str
@@ -78,6 +82,7 @@ class LayerProfile:
     backward_traffic: list[float] | None = None
     operations: list[float] | None = None
     backward_operations: list[float] | None = None
+    shards: ShardCounts | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -159,6 +164,10 @@ def _check_layer(layer: LayerProfile, where: str, n: int) -> None:
                 _check_figures(values, f"{where}.{what}", n, rule)
     for what in ("param_bytes", "buffer_bytes"):
         _check_amount(getattr(layer, what), f"{where}.{what}", _BYTES)
+    if layer.shards is not None:
+        if not isinstance(layer.shards, ShardCounts):
+            raise ValueError(f"{where}.shards must be a ShardCounts, got {layer.shards!r}")
+        layer.shards.check(f"{where}.shards", n)
 
 
 # What a figure may sum to over the layers. Planning multiplies sums by micro-batch, stage
@@ -356,6 +365,8 @@ class Profile:
             for what in _LAYER_COUNTS:
                 if layer[what] is None:
                     del layer[what]
+            if layer["shards"] is None:  # and layers counted without a TP plan too
+                del layer["shards"]
         data["fits"] = [
             {key: list(value) for key, value in self.fits(i).items()} for i in range(len(self))
         ]
@@ -379,6 +390,14 @@ class Profile:
             if not isinstance(layer, dict):
                 raise ValueError(f"layers[{i}] must be an object, got {layer!r}")
             _check_fields(LayerProfile, layer, f"layers[{i}]")
+            shards = layer.get("shards")
+            if shards is not None:
+                n = len(data.get("batch_sizes") or [])
+                try:
+                    counts = ShardCounts.from_dict(shards, f"layers[{i}].shards", n)
+                except TypeError as exc:
+                    raise ValueError(f"layers[{i}].shards is not valid: {exc}") from None
+                layer = {**layer, "shards": counts}
             layers.append(LayerProfile(**layer))
         tied = given.pop("tied", [])
         if not isinstance(tied, list) or not all(isinstance(t, dict) for t in tied):

@@ -8,15 +8,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopipe.planning.model.device_specs import DeviceSpec
+from autopipe.planning.model.mesh import Mesh
 from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES
 from profiler import Profile, read_json, write_json
 
 __all__ = ["Plan", "StagePlan", "TiedPlan"]
 
-PLAN_VERSION = 3
-# Older plans load too: they lack the fields added since (3: ``shard_optimizer``), whose
-# defaults hold for them.
-_READABLE = (1, 2, 3)
+PLAN_VERSION = 4
+# Older plans load too: they lack the fields added since (3: ``shard_optimizer``; 4:
+# ``mesh``), whose defaults hold for them.
+_READABLE = (1, 2, 3, 4)
 
 
 @dataclass
@@ -139,6 +140,10 @@ class Plan:
         shared: groups of stages that share one device and take turns on it (in one
             process, :mod:`autopipe.planning.model.colocation`); empty when every stage has its
             own.
+        mesh: the tensor, context and sharded data parallelism around the pipeline
+            (:class:`autopipe.planning.model.mesh.Mesh`); the default mesh (``t = c = 1``)
+            is the pipeline with plain data-parallel replicas. With ``mesh.zero >= 1``
+            ``shard_optimizer`` is true.
     """
 
     balance: list[int]
@@ -167,6 +172,7 @@ class Plan:
     shard_optimizer: bool = False
     shared: list[list[int]] = field(default_factory=list)
     step_extra: float = 0.0
+    mesh: Mesh = field(default_factory=Mesh)
 
     @property
     def pipeline_time(self) -> float:
@@ -177,9 +183,10 @@ class Plan:
     @property
     def num_devices(self) -> int:
         """Devices the plan occupies: ranks per pipeline times data-parallel replicas
-        (stages sharing a device count once)."""
+        times the tensor × context group of each stage (stages sharing a device count
+        once)."""
         own = self.num_stages - sum(len(group) - 1 for group in self.shared)
-        return own // self.virtual_stages * self.data_parallel
+        return own // self.virtual_stages * self.data_parallel * self.mesh.inner
 
     @property
     def stage_checkpoints(self) -> list[str]:
@@ -223,6 +230,10 @@ class Plan:
             del data["shared"]
         if not self.step_extra:
             del data["step_extra"]
+        if self.mesh == Mesh():  # plans of the pipeline alone read as before
+            del data["mesh"]
+        else:
+            data["mesh"] = self.mesh.to_dict()
         return data
 
     @classmethod
@@ -233,7 +244,7 @@ class Plan:
                 f"plan format version {version!r} is not supported (expected {PLAN_VERSION}); "
                 "re-create it with `autopipe plan`"
             )
-        skip = ("stages", "devices", "efficiency", "tied")
+        skip = ("stages", "devices", "efficiency", "tied", "mesh")
         fields = {k: v for k, v in data.items() if k not in skip}
         # Version 1 had one checkpoint mode for all stages.
         stages = [{"checkpoint": data["checkpoint"], **s} for s in data["stages"]]
@@ -242,6 +253,7 @@ class Plan:
             stages=[StagePlan(**s) for s in stages],
             devices=[DeviceSpec.from_dict(d) for d in data["devices"]],
             tied=[TiedPlan(**t) for t in data.get("tied", [])],
+            mesh=Mesh.from_dict(data.get("mesh", {})),
             **fields,
         )
         _check_plan(plan)

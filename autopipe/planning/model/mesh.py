@@ -1,0 +1,105 @@
+"""The parallel mesh around the pipeline: tensor, context and sharded data parallelism.
+
+A plan's devices are ``t · c · K · D``: ``K`` pipeline ranks (the plan's stages over its
+virtual stages) times ``D`` data-parallel replicas (``Plan.data_parallel``) times, inside
+each stage, a tensor-parallel group of ``t`` and a context-parallel group of ``c``. The
+mesh's ``order`` (outermost first, torchtitan's names) decides which groups are
+neighbours: the innermost dimensions take consecutive ranks, so with ``per_node``
+devices per node a group whose ranks fit one node runs on the intra-node link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MESH_DIMENSIONS", "ZERO_STAGES", "Mesh"]
+
+# torchtitan's device-mesh dimensions, outermost first (its ParallelDims order).
+MESH_DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# 0: replicas hold everything; 1: optimizer state sharded (ZeRO-1); 2: and gradients
+# (ZeRO-2); 3: and parameters, gathered per unit as they run (ZeRO-3, FSDP).
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """How a plan's devices are laid out beyond the pipeline's stages.
+
+    Attributes:
+        tensor: the tensor-parallel degree ``t`` inside each stage.
+        context: the context-parallel degree ``c`` (each sample's sequence split over
+            ``c`` devices, attention exchanging keys and values in a ring).
+        sequence_parallel: the tensor-parallel group also splits the activations
+            between its sharded regions along the sequence (Megatron's
+            ``--sequence-parallel``).
+        zero: how the ``D`` replicas shard a stage's state (:data:`ZERO_STAGES`).
+        per_node: devices per node; groups inside one node use the intra-node link
+            (0: all devices in one node).
+        order: the mesh's dimensions, outermost first (:data:`MESH_DIMENSIONS`).
+    """
+
+    tensor: int = 1
+    context: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    per_node: int = 0
+    order: tuple[str, ...] = field(default=MESH_DIMENSIONS)
+
+    def __post_init__(self) -> None:
+        for what in ("tensor", "context"):
+            value = getattr(self, what)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"mesh {what} degree is {value!r}; it must be an integer >= 1")
+        per_node = self.per_node
+        if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 0:
+            raise ValueError(f"mesh per_node is {self.per_node!r}; it must be an integer >= 0")
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise ValueError(f"mesh zero is {self.zero!r}; choose one of 0, 1, 2, 3")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(
+                f"mesh sequence_parallel is {self.sequence_parallel!r}; it must be true or false"
+            )
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("sequence parallelism needs a tensor-parallel degree above 1")
+        order = tuple(self.order)
+        if sorted(order) != sorted(MESH_DIMENSIONS):
+            raise ValueError(
+                f"mesh order {list(order)} must name each of {', '.join(MESH_DIMENSIONS)} once"
+            )
+        object.__setattr__(self, "order", order)
+
+    @property
+    def inner(self) -> int:
+        """Devices of one stage's tensor × context group."""
+        return self.tensor * self.context
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "context": self.context,
+            "sequence_parallel": self.sequence_parallel,
+            "zero": self.zero,
+            "per_node": self.per_node,
+            "order": list(self.order),
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> Mesh:
+        """Reads :meth:`to_dict`'s output.
+
+        Raises:
+            ValueError: not an object, an unknown field, or a value out of range.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"mesh must be an object, got {data!r}")
+        known = {"tensor", "context", "sequence_parallel", "zero", "per_node", "order"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"mesh has unknown field {unknown[0]!r}")
+        given = dict(data)
+        if "order" in given:
+            if not isinstance(given["order"], list):
+                raise ValueError(f"mesh order must be a list, got {given['order']!r}")
+            given["order"] = tuple(given["order"])
+        return cls(**given)
