@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []  # internal to the command line
 
+# What the prediction came from when the first run's figures chose a split not yet run.
+_SECOND_RUN = "in-place figures of a second run (the first run's chose another split)"
+
 GIVEN = "given"  # the label of the --balance split
 LOSS = "mean of the output"
 LR = 1e-3  # the SGD learning rate of the benchmark's steps
@@ -261,14 +264,10 @@ def bench_command(args: argparse.Namespace) -> int:
                 _announce(len(distinct_again), args, runner)
                 measured = _measure(args, distinct_again, stages, dtype, in_place)
                 fitted, fitted_line = fit_in_place(
-                    profile, distinct_again, measured, devices, options
+                    profile, distinct_again, measured, devices, options, _SECOND_RUN
                 )
                 again = replan(fitted, again, devices, options, optimal=False)
                 first_again, distinct_again = _distinct(again)
-                fitted_line = fitted_line.replace(
-                    "in-place figures:",
-                    "in-place figures of a second run (the first run's chose another split):",
-                )
             profile, plans, first_of, distinct = fitted, again, first_again, distinct_again
     costs = unit_costs(profile, stages, **options)
     summaries = [

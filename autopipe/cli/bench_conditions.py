@@ -180,9 +180,10 @@ def fit_in_place(
     measured: dict[str, Measured],
     devices: int | list[str],
     options: dict[str, Any],
+    source: str = "in-place figures",
 ) -> tuple[Profile, str]:
     """The profile refined on the splits' warm-up steps timed where they ran, and the line
-    saying how.
+    saying how (``predicted from {source}: ...``).
 
     On ranks every stage's forward and backward were timed in the pipeline
     (:func:`autopipe.planning.model.in_place_fit.fit_layer_scales`); in one process the
@@ -247,7 +248,7 @@ def fit_in_place(
         )
     fitted = scaled_profile(profile, scales, how, update)
     mib = format_time(update * 2**20)
-    line = f"predicted from in-place figures: {how}; the optimizer's step {mib}/MiB"
+    line = f"predicted from {source}: {how}; the optimizer's step {mib}/MiB"
     if on_ranks:
         # What the stages' figures leave out of a step is the runner's own cost per step
         # (the inputs' split, the ranks' agreement, the schedule's setup and last waits):

@@ -95,7 +95,7 @@ def _rank_main(
             optimizer = torch.optim.SGD(pipe.module.parameters(), lr=options["lr"])
             splits[label] = (pipe, optimizer)
 
-        updates: list[float] = []  # this rank's optimizer steps, in the recorded ones
+        last_update = [0.0]  # this rank's optimizer step, of the last step
 
         def step(label: str) -> float:
             pipe, optimizer = splits[label]
@@ -107,7 +107,7 @@ def _rank_main(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             synchronize(device)
-            updates.append(time.perf_counter() - stepped)
+            last_update[0] = time.perf_counter() - stepped
             slowest = torch.tensor([time.perf_counter() - start], device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             return float(slowest.item())
@@ -127,7 +127,7 @@ def _rank_main(
                 seconds = step(label)
             found = stage_seconds(recorder.actions, seconds, recorder.stop)
             for figures in found["stages"].values():  # the rank's one optimizer, once
-                figures["update"] = updates[-1] / len(found["stages"])
+                figures["update"] = last_update[0] / len(found["stages"])
             records[label].append(found)
             return seconds
 
