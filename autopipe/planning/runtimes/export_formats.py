@@ -191,26 +191,43 @@ def _torch_schedule(plan: Plan) -> str:
     return names[plan.schedule]
 
 
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):  # module_fqns_per_model_part: one stage a line
+        return "[\n" + "".join(f"    {json.dumps(names)},\n" for names in value) + "]"
+    return json.dumps(value)
+
+
+def _titan(plan: Plan, fmt: str) -> tuple[dict[str, dict[str, object]], list[str], int]:
+    from autopipe.planning.runtimes.titan_config import titan_sections
+
+    return titan_sections(plan, _titan_parts(plan, fmt), _torch_schedule(plan))
+
+
 def _torchtitan(plan: Plan) -> str:
-    parts = _titan_parts(plan, "torchtitan")
-    lines = [
-        _header(plan, "#"),
-        "[parallelism]",
-        f"pipeline_parallel_degree = {_ranks(plan)}",
-        f'pipeline_parallel_schedule = "{_torch_schedule(plan)}"',
-        "module_fqns_per_model_part = [",
-        *(f"    {json.dumps(names)}," for names in parts),
-        "]",
+    from autopipe.planning.runtimes.titan_config import titan_overrides
+
+    sections, notes, _ = _titan(plan, "torchtitan")
+    lines = [_header(plan, "#"), f"# torchtitan, {notes[0]}"]
+    lines += [f"# note: {note}" for note in notes[1:]]
+    for section, keys in sections.items():
+        lines += ["", f"[{section}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
+    lines += [
+        "",
+        "# torchtitan 0.3.0 (configs in Python) takes the same as command-line overrides:",
+        f"# {titan_overrides(sections)}",
     ]
     return "\n".join(lines) + "\n"
 
 
 def _torchtitan_json(plan: Plan) -> str:
-    data = {
-        "module_fqns_per_model_part": _titan_parts(plan, "torchtitan-json"),
-        "pipeline_parallel_degree": _ranks(plan),
-        "pipeline_parallel_schedule": _torch_schedule(plan),
-    }
+    sections, notes, world = _titan(plan, "torchtitan-json")
+    # The [parallelism] keys at the top level, the other sections as objects.
+    data: dict[str, object] = {**sections.pop("parallelism"), **sections}
+    data["world_size"] = world
+    data["notes"] = notes[1:]
     return _dumps(data)
 
 
@@ -230,14 +247,16 @@ def _deepspeed(plan: Plan) -> str:
 
 def _megatron(plan: Plan) -> str:
     from autopipe.planning.runtimes.megatron_layout import megatron_arguments
+    from autopipe.planning.runtimes.megatron_mesh import megatron_mesh
 
     _check_modules(plan, "megatron")
     stages = [[[call.path for call in _calls(unit)] for unit in units] for units in _units(plan)]
+    flags, comments = megatron_mesh(plan)
     try:
-        arguments = megatron_arguments(stages, _ranks(plan))
+        arguments = megatron_arguments(stages, _ranks(plan), flags)
     except ValueError as exc:
         raise _refuse("megatron", str(exc)) from None
-    return _header(plan, "#") + "\n" + arguments
+    return "\n".join([_header(plan, "#"), *comments, arguments])
 
 
 _EXPORTERS: dict[str, Callable[[Plan], str]] = {
