@@ -191,44 +191,18 @@ def _torch_schedule(plan: Plan) -> str:
     return names[plan.schedule]
 
 
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):  # module_fqns_per_model_part: one stage a line
-        return "[\n" + "".join(f"    {json.dumps(names)},\n" for names in value) + "]"
-    return json.dumps(value)
-
-
-def _titan(plan: Plan, fmt: str) -> tuple[dict[str, dict[str, object]], list[str], int]:
-    from autopipe.planning.runtimes.titan_config import titan_sections
-
-    return titan_sections(plan, _titan_parts(plan, fmt), _torch_schedule(plan))
-
-
 def _torchtitan(plan: Plan) -> str:
-    from autopipe.planning.runtimes.titan_config import titan_overrides
+    from autopipe.planning.runtimes.titan_config import titan_toml
 
-    sections, notes, _ = _titan(plan, "torchtitan")
-    lines = [_header(plan, "#"), f"# torchtitan, {notes[0]}"]
-    lines += [f"# note: {note}" for note in notes[1:]]
-    for section, keys in sections.items():
-        lines += ["", f"[{section}]"]
-        lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
-    lines += [
-        "",
-        "# torchtitan 0.3.0 (configs in Python) takes the same as command-line overrides:",
-        f"# {titan_overrides(sections)}",
-    ]
-    return "\n".join(lines) + "\n"
+    parts = _titan_parts(plan, "torchtitan")
+    return _header(plan, "#") + "\n" + titan_toml(plan, parts, _torch_schedule(plan))
 
 
 def _torchtitan_json(plan: Plan) -> str:
-    sections, notes, world = _titan(plan, "torchtitan-json")
-    # The [parallelism] keys at the top level, the other sections as objects.
-    data: dict[str, object] = {**sections.pop("parallelism"), **sections}
-    data["world_size"] = world
-    data["notes"] = notes[1:]
-    return _dumps(data)
+    from autopipe.planning.runtimes.titan_config import titan_json
+
+    parts = _titan_parts(plan, "torchtitan-json")
+    return _dumps(titan_json(plan, parts, _torch_schedule(plan)))
 
 
 def _deepspeed(plan: Plan) -> str:

@@ -10,6 +10,8 @@ The key names are torchtitan 0.3.0's (``ParallelismConfig``, ``TrainingConfig`` 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shlex
 from typing import TYPE_CHECKING
 
@@ -26,46 +28,37 @@ Sections = dict[str, dict[str, object]]
 def _data_parallel(figures: MeshFigures) -> tuple[dict[str, object], list[str]]:
     """The replicate and shard degrees (and FSDP's resharding) for the plan's ZeRO stage.
 
-    torchtitan replicates (DDP) or shards everything (FSDP); FSDP that keeps the
-    parameters gathered from forward to backward (``never`` resharding) is ZeRO-2, the
-    nearest it runs to ZeRO-1 and 2."""
+    torchtitan replicates (DDP) or shards everything (FSDP, over the shard degree times
+    the context group). FSDP keeping the parameters gathered from forward to backward
+    (``never`` resharding) is the nearest it runs to ZeRO-1 and 2: gradients and
+    optimizer state sharded, whole parameters only while a step runs."""
     replicas, zero = figures.replicas, figures.zero
     sharded = zero >= 1 and replicas > 1
     keys: dict[str, object] = {
         "data_parallel_replicate_degree": 1 if sharded else replicas,
         "data_parallel_shard_degree": replicas if sharded else 1,
     }
+    fsdp = sharded or figures.context > 1
     notes = []
-    if zero in (1, 2) and replicas > 1:
+    if fsdp and zero in (1, 2):
         notes.append(
-            f"ZeRO-{zero} has no torchtitan form: the replicas run FSDP keeping the "
-            "parameters gathered from forward to backward (fsdp_reshard_after_forward "
-            '"never"), which shards the gradients and optimizer state (ZeRO-2)'
+            f"ZeRO-{zero} has no torchtitan form; the nearest it runs: FSDP keeping the "
+            'parameters gathered from forward to backward (fsdp_reshard_after_forward "never"), '
+            "gradients and optimizer state sharded"
         )
-    if figures.context > 1 and not sharded:
+    elif fsdp and zero == 0:
         notes.append(
             "with context parallelism torchtitan shards the parameters over the context "
-            "group (FSDP over data_parallel_shard_degree x context_parallel_degree) "
-            f"where the plan (ZeRO-{zero}) keeps them whole"
+            "group (FSDP over data_parallel_shard_degree x context_parallel_degree) where "
+            "the plan keeps them whole"
         )
-    if sharded or figures.context > 1:  # FSDP runs: gather per unit (ZeRO-3) or keep
+    if fsdp:  # ZeRO-3 gathers each unit as it runs; the others keep them gathered
         keys["fsdp_reshard_after_forward"] = "always" if zero == 3 else "never"
     return keys, notes
 
 
-def titan_sections(
-    plan: Plan, parts: list[list[str]], schedule: str
-) -> tuple[Sections, list[str], int]:
-    """torchtitan's config sections for the plan, the notes and the world size.
-
-    The notes say what the sections write differently from the plan, the first one the
-    world size the degrees multiply to (torchtitan checks it against its ranks).
-
-    Args:
-        plan: the plan.
-        parts: ``module_fqns_per_model_part``, one list of module names per stage.
-        schedule: torch's name of the plan's schedule.
-    """
+def _sections(plan: Plan, parts: list[list[str]], schedule: str) -> tuple[Sections, MeshFigures]:
+    """torchtitan's config sections for the plan (and the figures they come from)."""
     figures = mesh_figures(plan, "torchtitan")
     dp, notes = _data_parallel(figures)
     parallelism: dict[str, object] = {
@@ -92,7 +85,47 @@ def titan_sections(
     }
     if training:
         sections["training"] = training
-    return sections, [world_line(figures), *notes, *figures.notes], figures.world
+    return sections, dataclasses.replace(figures, notes=[*notes, *figures.notes])
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):  # module_fqns_per_model_part: one stage a line
+        return "[\n" + "".join(f"    {json.dumps(names)},\n" for names in value) + "]"
+    return json.dumps(value)
+
+
+def titan_toml(plan: Plan, parts: list[list[str]], schedule: str) -> str:
+    """The TOML: the world size and notes as comments, the sections, the overrides.
+
+    Args:
+        plan: the plan.
+        parts: ``module_fqns_per_model_part``, one list of module names per stage.
+        schedule: torch's name of the plan's schedule.
+    """
+    sections, figures = _sections(plan, parts, schedule)
+    lines = [f"# torchtitan, {world_line(figures)}"]
+    lines += [f"# note: {note}" for note in figures.notes]
+    for section, keys in sections.items():
+        lines += ["", f"[{section}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
+    lines += [
+        "",
+        "# torchtitan 0.3.0 (configs in Python) takes the same as command-line overrides:",
+        f"# {titan_overrides(sections)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def titan_json(plan: Plan, parts: list[list[str]], schedule: str) -> dict[str, object]:
+    """The JSON's object: the ``[parallelism]`` keys at the top level, the other sections
+    as objects, ``world_size`` and the ``notes`` (arguments as :func:`titan_toml`'s)."""
+    sections, figures = _sections(plan, parts, schedule)
+    data: dict[str, object] = {**sections.pop("parallelism"), **sections}
+    data["world_size"] = figures.world
+    data["notes"] = figures.notes
+    return data
 
 
 def _override(section: str, key: str, value: object) -> list[str]:

@@ -87,6 +87,7 @@ CASES = {
     "zero-2, except_last": MeshCase(
         mesh=Mesh(tensor=2, context=2, zero=2), replicas=2, checkpoint="except_last"
     ),
+    "zero-3 over context": MeshCase(mesh=Mesh(context=2, zero=3)),
     "one stage": MeshCase(balance=(9,), mesh=Mesh(tensor=8), replicas=2, chunks=3),
     "pipeline alone": MeshCase(
         chunks=8, micro=1, checkpoint=("always", "always", "never", "never")
@@ -139,11 +140,13 @@ def test_the_json_holds_the_tomls_sections() -> None:
 def test_the_world_size_and_what_torchtitan_runs_differently_are_stated() -> None:
     text = mesh_plan(CASES["zero-2, except_last"]).export("torchtitan")
     assert "# torchtitan, world size 32 = tensor 2 x context 2 x pipeline 4 x data 2" in text
-    assert "ZeRO-2 has no torchtitan form: the replicas run FSDP keeping" in text
+    assert "ZeRO-2 has no torchtitan form; the nearest it runs: FSDP keeping" in text
     assert "checkpoint except_last (every micro-batch but the last recomputes)" in text
     assert "the sequence length is not in the plan" in text
     text = mesh_plan(CASES["ddp, context"]).export("torchtitan")
     assert "torchtitan shards the parameters over the context group" in text
+    text = mesh_plan(CASES["zero-3 over context"]).export("torchtitan")
+    assert "# note: the sequence length" in text and text.count("# note:") == 1  # as planned
     notes = json.loads(mesh_plan(CASES["pipeline alone"]).export("torchtitan-json"))["notes"]
     assert any("stages [2, 3] were planned without recompute" in note for note in notes)
 
