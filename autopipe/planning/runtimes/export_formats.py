@@ -192,26 +192,17 @@ def _torch_schedule(plan: Plan) -> str:
 
 
 def _torchtitan(plan: Plan) -> str:
+    from autopipe.planning.runtimes.titan_config import titan_toml
+
     parts = _titan_parts(plan, "torchtitan")
-    lines = [
-        _header(plan, "#"),
-        "[parallelism]",
-        f"pipeline_parallel_degree = {_ranks(plan)}",
-        f'pipeline_parallel_schedule = "{_torch_schedule(plan)}"',
-        "module_fqns_per_model_part = [",
-        *(f"    {json.dumps(names)}," for names in parts),
-        "]",
-    ]
-    return "\n".join(lines) + "\n"
+    return _header(plan, "#") + "\n" + titan_toml(plan, parts, _torch_schedule(plan))
 
 
 def _torchtitan_json(plan: Plan) -> str:
-    data = {
-        "module_fqns_per_model_part": _titan_parts(plan, "torchtitan-json"),
-        "pipeline_parallel_degree": _ranks(plan),
-        "pipeline_parallel_schedule": _torch_schedule(plan),
-    }
-    return _dumps(data)
+    from autopipe.planning.runtimes.titan_config import titan_json
+
+    parts = _titan_parts(plan, "torchtitan-json")
+    return _dumps(titan_json(plan, parts, _torch_schedule(plan)))
 
 
 def _deepspeed(plan: Plan) -> str:
@@ -230,14 +221,16 @@ def _deepspeed(plan: Plan) -> str:
 
 def _megatron(plan: Plan) -> str:
     from autopipe.planning.runtimes.megatron_layout import megatron_arguments
+    from autopipe.planning.runtimes.megatron_mesh import megatron_mesh
 
     _check_modules(plan, "megatron")
     stages = [[[call.path for call in _calls(unit)] for unit in units] for units in _units(plan)]
+    flags, comments = megatron_mesh(plan)
     try:
-        arguments = megatron_arguments(stages, _ranks(plan))
+        arguments = megatron_arguments(stages, _ranks(plan), flags)
     except ValueError as exc:
         raise _refuse("megatron", str(exc)) from None
-    return _header(plan, "#") + "\n" + arguments
+    return "\n".join([_header(plan, "#"), *comments, arguments])
 
 
 _EXPORTERS: dict[str, Callable[[Plan], str]] = {

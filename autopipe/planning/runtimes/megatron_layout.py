@@ -131,8 +131,13 @@ def first_last_counts(counts: Sequence[int], ranks: int) -> tuple[int, int] | st
     return totals[0], totals[-1]
 
 
-def megatron_arguments(stages: Stages, ranks: int) -> str:
+def megatron_arguments(stages: Stages, ranks: int, mesh: str = "") -> str:
     """Megatron-LM's arguments for the split: the layout, and first/last counts if they can.
+
+    Args:
+        stages: per stage, per unit, the modules it calls.
+        ranks: pipeline ranks.
+        mesh: further flags every command line carries (the mesh, batches, recompute).
 
     Raises:
         ValueError: see :func:`decoder_counts`.
@@ -140,9 +145,10 @@ def megatron_arguments(stages: Stages, ranks: int) -> str:
     counts = decoder_counts(stages)
     virtual = len(stages) // ranks
     total = f"--num-layers {sum(counts)} --pipeline-model-parallel-size {ranks}"
+    rest = f" {mesh}" if mesh else ""
     lines = [
-        f"# Megatron-LM, a decoder-only model of {sum(counts)} layers: the layout",
-        f'{total} --pipeline-model-parallel-layout "{layout_string(counts)}"',
+        f"# a decoder-only model of {sum(counts)} layers: the layout",
+        f'{total} --pipeline-model-parallel-layout "{layout_string(counts)}"{rest}',
     ]
     counted = first_last_counts(counts, ranks)
     if isinstance(counted, str):
@@ -152,6 +158,6 @@ def megatron_arguments(stages: Stages, ranks: int) -> str:
         lines += [
             "# or the same split by the first and last ranks' layer counts",
             f"{total}{vpp} --decoder-first-pipeline-num-layers {counted[0]} "
-            f"--decoder-last-pipeline-num-layers {counted[1]}",
+            f"--decoder-last-pipeline-num-layers {counted[1]}{rest}",
         ]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """The megatron export as Megatron reads it: its layout parser, layer counts and offsets.
 
-Every command line of the export becomes Megatron-core's own ``TransformerConfig``; its
+Every command line of the export, parsed with Megatron-LM's flags
+(:mod:`tests.support.megatron_arguments`), becomes Megatron-core's own ``TransformerConfig``; its
 ``get_num_layers_to_build`` and ``get_transformer_layer_offset`` then place each rank's
 virtual stages, which must hold exactly the plan's decoder layers.
 """
@@ -10,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import random
 import re
-import shlex
-from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -19,22 +18,13 @@ import pytest
 
 from autopipe import Plan
 from tests.support.export_cases import named_plan
+from tests.support.megatron_arguments import command_lines, transformer_config
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None
     or importlib.util.find_spec("megatron.core") is None,
     reason="megatron-core is not installed (pip install megatron-core==0.16.1)",
 )
-
-# The Megatron-LM command-line flags of the export and the config fields they set.
-FIELDS = {
-    "num-layers": "num_layers",
-    "pipeline-model-parallel-size": "pipeline_model_parallel_size",
-    "pipeline-model-parallel-layout": "pipeline_model_parallel_layout",
-    "num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
-    "decoder-first-pipeline-num-layers": "num_layers_in_first_pipeline_stage",
-    "decoder-last-pipeline-num-layers": "num_layers_in_last_pipeline_stage",
-}
 
 
 def _names(layers: int) -> list[str]:
@@ -66,31 +56,13 @@ def _random_counts(rng: random.Random) -> tuple[list[int], int]:
     return counts, virtual
 
 
-def _command_lines(text: str) -> Iterator[dict[str, Any]]:
-    """Each command line of the export as Megatron-LM's flags, read as its parser would."""
-    for line in text.splitlines():
-        if not line.startswith("--"):
-            continue
-        words = shlex.split(line)
-        flags = dict(zip(words[::2], words[1::2], strict=True))
-        yield {
-            FIELDS[flag.removeprefix("--")]: int(value) if value.isdigit() else value
-            for flag, value in flags.items()
-        }
-
-
-def _megatron_placement(arguments: dict[str, Any]) -> list[tuple[int, int]]:
+def _megatron_placement(config: Any) -> list[tuple[int, int]]:
     """(offset, layers) of every stage in the plan's order, stage r + j·K on rank r, as
-    Megatron computes them from these arguments."""
-    import torch
+    Megatron computes them from its ``TransformerConfig``."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    config = TransformerConfig(
-        hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32, **arguments
-    )
     ranks = config.pipeline_model_parallel_size
     virtual = config.virtual_pipeline_model_parallel_size  # set from a layout too
     placement: dict[int, tuple[int, int]] = {}
@@ -130,10 +102,11 @@ def test_megatron_places_every_exported_plans_layers_as_the_plan() -> None:
     for _ in range(80):
         counts, virtual = _random_counts(rng)
         plan = _plan(counts, virtual)
-        lines = list(_command_lines(plan.export("megatron")))
-        assert "pipeline_model_parallel_layout" in lines[0] and len(lines) <= 2
+        lines = command_lines(plan.export("megatron"))
+        assert lines[0].pipeline_model_parallel_layout and len(lines) <= 2
         for arguments in lines:
-            assert _megatron_placement(arguments) == _plan_placement(plan), (counts, arguments)
+            placed = _megatron_placement(transformer_config(arguments))
+            assert placed == _plan_placement(plan), (counts, arguments)
         if len(lines) == 2:
             forms["virtual first/last" if virtual > 1 else "first/last"] += 1
         forms["layout"] += 1
@@ -147,5 +120,5 @@ def test_two_ranks_with_virtual_stages_export_the_layout_only() -> None:
     text = plan.export("megatron")
     assert "--decoder-first-pipeline-num-layers" not in text
     assert "Megatron needs a middle rank" in text
-    (arguments,) = _command_lines(text)
-    assert _megatron_placement(arguments) == [(0, 2), (2, 1), (3, 1), (4, 2)]
+    (arguments,) = command_lines(text)
+    assert _megatron_placement(transformer_config(arguments)) == [(0, 2), (2, 1), (3, 1), (4, 2)]

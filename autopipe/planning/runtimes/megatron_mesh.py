@@ -1,0 +1,64 @@
+"""Megatron-LM's arguments for a plan's mesh, batches and recompute.
+
+The names are Megatron-LM's (``megatron/training/arguments.py``, most of them made from
+megatron-core's ``TransformerConfig`` and ``DistributedDataParallelConfig`` fields): the
+tensor- and context-parallel sizes, sequence parallelism, how the data-parallel group
+shards (the distributed optimizer for ZeRO-1, Megatron-FSDP for ZeRO-2 and 3), the
+micro- and global batch, and full recompute of every layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopipe.planning.runtimes.mesh_figures import MeshFigures, mesh_figures, world_line
+
+if TYPE_CHECKING:
+    from autopipe.planning.model.plans import Plan
+
+__all__: list[str] = []  # autopipe.planning.runtimes.export_formats is the interface
+
+# Megatron-FSDP's sharding strategies: gradients and optimizer state (ZeRO-2), and the
+# parameters too, gathered per module as it runs (ZeRO-3).
+_FSDP_STRATEGIES = {2: "optim_grads", 3: "optim_grads_params"}
+# Every layer's input kept, the layer recomputed in the backward: the plan's ``always``.
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+
+def _sharding(figures: MeshFigures) -> list[str]:
+    """The data-parallel sharding flags of the plan's ZeRO stage."""
+    if figures.zero == 0:
+        return []
+    # The distributed optimizer shards the optimizer state (and fp32 main parameters)
+    # over the data-parallel group; Megatron-FSDP v1 runs on it and shards more.
+    flags = ["--use-distributed-optimizer"]
+    if figures.zero in _FSDP_STRATEGIES:
+        flags += [
+            "--use-megatron-fsdp",
+            f"--data-parallel-sharding-strategy {_FSDP_STRATEGIES[figures.zero]}",
+            "--ckpt-format fsdp_dtensor",  # the checkpoint format Megatron-FSDP requires
+        ]
+    return flags
+
+
+def megatron_mesh(plan: Plan) -> tuple[str, list[str]]:
+    """The mesh, batch and recompute flags, and the comment lines that go with them.
+
+    The comments say the world size the degrees need and what the flags write
+    differently from the plan.
+    """
+    figures = mesh_figures(plan, "Megatron")
+    flags = [f"--tensor-model-parallel-size {figures.tensor}"]
+    if figures.sequence_parallel:
+        flags.append("--sequence-parallel")
+    flags.append(f"--context-parallel-size {figures.context}")
+    flags += _sharding(figures)
+    if figures.micro_batch is not None:
+        # Megatron runs global / (micro · data-parallel size) micro-batches per step.
+        flags.append(f"--micro-batch-size {figures.micro_batch}")
+        flags.append(f"--global-batch-size {figures.global_batch}")
+    if figures.recompute:
+        flags.append(RECOMPUTE)
+    comments = [f"# Megatron-LM, {world_line(figures)}"]
+    comments += [f"# note: {note}" for note in figures.notes]
+    return " ".join(flags), comments
