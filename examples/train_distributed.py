@@ -96,6 +96,29 @@ def calibrated_profile(
     return profile
 
 
+def load_plan(path: Path) -> Plan:
+    """The ``--plan`` file, read on every rank; a bad one stops every rank with one line.
+
+    The ranks first tell each other whether they could read it (a collective): a rank
+    that stopped at once could leave another still joining the process group, which
+    would then fail with the transport's error instead of this message.
+    """
+    plan, problem = None, None
+    try:
+        plan = Plan.load(path)
+    except (OSError, ValueError) as exc:  # unreadable, or not a plan
+        problem = str(exc)
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    if plan is None or any(everyone):
+        found = problem or next(f"rank {k}: {p}" for k, p in enumerate(everyone) if p)
+        sys.stderr.write(f"rank {dist.get_rank()}: {found}\n")  # one write: lines stay whole
+        sys.stderr.flush()
+        dist.destroy_process_group()
+        sys.exit(2)
+    return plan
+
+
 def configured(
     model: nn.Sequential, sample: torch.Tensor, device: torch.device, args: argparse.Namespace
 ) -> DistributedPipeline:
@@ -107,7 +130,7 @@ def configured(
         loss_fn=nn.functional.cross_entropy,
         chunks=args.chunks,
         schedule=args.schedule,
-        plan=Plan.load(args.plan) if args.plan else None,
+        plan=load_plan(args.plan) if args.plan else None,
         device=device,
         data_parallel=args.data_parallel,
         virtual_stages=args.virtual_stages,
@@ -176,8 +199,8 @@ def main() -> None:
         try:
             pipe = configured(model, data[0][0], device, args)
         except (OSError, ValueError) as exc:
-            # A bad --plan (unreadable, not a plan, or not this model's): one line per
-            # rank, no traceback. Every rank loads the same file, so every rank stops here.
+            # A --plan not for this model: one line per rank, no traceback (the runner
+            # refuses it on every rank, after the ranks compared their figures).
             sys.stderr.write(f"rank {dist.get_rank()}: {exc}\n")  # one write: lines stay whole
             sys.stderr.flush()
             dist.destroy_process_group()
