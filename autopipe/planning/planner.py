@@ -362,6 +362,7 @@ def describe(
         step_extra=extra,
         shard_optimizer=model.shard_optimizer and model.data_parallel > 1,
         shared=[list(group) for group in model.shared],
+        mesh=model.options.mesh,
     )
 
 
