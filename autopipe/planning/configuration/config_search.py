@@ -325,10 +325,12 @@ def search(
         )
         for s in settled
     ]
-    fill_mesh_figures(plans, [c for c, _ in ranked], space, opts.sequence)
+    if opts.meshed:
+        fill_mesh_figures(plans, [c for c, _ in ranked], space, opts.sequence)
     ranking.infeasible.sort(key=lambda item: item[0])
     annotate(plans, space, ranking.infeasible, ranking.stats, devices)
-    explain_meshes(plans, [c for c, _ in ranked], space)
+    if opts.meshed:
+        explain_meshes(plans, [c for c, _ in ranked], space)
     # On the best, and on a runner-up only where it shards otherwise than the best.
     for result, s in zip(plans, settled, strict=True):
         if s.note and (result is plans[0] or result.shard_optimizer != plans[0].shard_optimizer):

@@ -106,4 +106,3 @@ def test_the_search_ranks_every_mesh_as_evaluating_each_directly() -> None:
     for key, (step, _) in expected.items():
         assert got[key][0] == pytest.approx(step, rel=1e-12), key
     assert plans[0].step_time == pytest.approx(min(s for s, _ in expected.values()), rel=1e-12)
-

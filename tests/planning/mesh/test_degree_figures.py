@@ -117,7 +117,9 @@ def test_zero_three_gathers_each_unit_and_holds_it_in_flight() -> None:
 
 def test_a_layer_without_shard_counts_is_refused_in_one_line() -> None:
     profile = block_profile(shards=False)
-    with pytest.raises(ValueError, match=r"layer 0 \(Block 'blocks.0'\) has no shard counts.*--tp-plan"):
+    with pytest.raises(
+        ValueError, match=r"layer 0 \(Block 'blocks.0'\) has no shard counts.*--tp-plan"
+    ):
         _costs(profile, Mesh(tensor=2))
     assert _costs(profile, Mesh()).forward.tolist() == [8.0] * 4  # t = c = 1 needs none
 
