@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from autopipe.planning.model.mesh import Mesh
 
-__all__: list[str] = []
+__all__ = ["GroupLink", "MeshLinks"]
 
 
 @dataclass(frozen=True)
