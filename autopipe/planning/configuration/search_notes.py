@@ -130,8 +130,10 @@ def annotate(
             break
         if (config.stages, config.replicas) in named:
             continue
-        named.add((config.stages, config.replicas))
         missing = Relaxation(space.model(config), space.memory_ends).shortfall()
+        if missing <= 0:  # a rank's stages together, not one stage, are over its device
+            continue
+        named.add((config.stages, config.replicas))
         faster = best.step_time / bound if bound > 0 else float("inf")
         best.notes.append(
             f"{config.label()} could be up to {faster:.2f}x faster but needs at least "

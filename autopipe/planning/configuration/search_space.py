@@ -322,7 +322,12 @@ class Space:
         send = basis.boundary / pipe.bandwidth if pipe.bandwidth else 0.0
         total = work + stages * self.virtual_overhead + (stages - 1) * (send + pipe.latency)
         value = max(total, m * total / k) + self._sync(config, stages)
-        return value, self.capacity is None or self.single(config) <= self.capacity
+        if self.capacity is None:
+            return value, True
+        # Summed over the ranks: the state, one micro-batch's activations, one peak.
+        state = float((basis.params * self.state_factor(config) + basis.buffers).sum())
+        need = state + basis.saved + float(basis.costs.peak.max())
+        return value, self.single(config) <= self.capacity and need <= k * self.capacity
 
 
 def configurations(
