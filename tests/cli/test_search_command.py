@@ -118,6 +118,7 @@ def test_search_a_mesh(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
         (["--tensor-parallel", "3"], "has 8 attention heads, which tensor parallelism 3"),
         (["--zero", "1", "--shard-optimizer"], "leave out --shard-optimizer"),
         (["--micro-batch", "3"], "no mesh of 8 devices matches the batch 16"),
+        (["--sequence-parallel"], "sequence parallelism goes with a tensor-parallel degree"),
         (["--global-batch", "8", "--batch", "16", "--micro-batch", "1"], "give one of them"),
     ],
 )

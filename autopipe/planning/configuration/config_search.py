@@ -141,6 +141,8 @@ class SearchOptions:
             or tuple(self.context_parallel) != (1,)
             or bool(self.zero)
             or self.micro_batch is not None
+            or tuple(self.sequence_parallel) != (False,)
+            or bool(self.sequence)
         )
 
 
@@ -480,6 +482,11 @@ def _mesh_choices(space: Space, opts: SearchOptions, shard: bool) -> MeshChoices
             refused = table.refusal(Mesh(tensor=t, context=c))
             if refused:
                 raise ValueError(refused)
+    if True in tuple(opts.sequence_parallel) and max(tensors) == 1:
+        raise ValueError(
+            "sequence parallelism goes with a tensor-parallel degree above 1: add one "
+            "(--tensor-parallel 2,4,8 or auto)"
+        )
     zero = tuple(opts.zero) or ((1,) if shard else (0,))
     if any(z not in ZERO_STAGES or isinstance(z, bool) for z in zero):
         raise ValueError(f"zero stages must be among 0, 1, 2, 3, got {list(zero)!r}")
