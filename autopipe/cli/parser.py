@@ -256,6 +256,77 @@ def _add_search_options(parser: argparse.ArgumentParser) -> None:
         "DeepSpeed stage 1, Megatron-LM's distributed optimizer): a stage holds 1/D of it, "
         "at the same step time",
     )
+    _add_mesh_options(search)
+
+
+def _degrees(text: str) -> tuple[int, ...]:
+    """A comma list of positive integers, or ``auto`` (the empty tuple)."""
+    if text.strip().lower() == "auto":
+        return ()
+    try:
+        return tuple(positive(part) for part in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers such as 1,2,4,8 (or auto), got {text!r}"
+        ) from None
+
+
+def _zero_stages(text: str) -> tuple[int, ...]:
+    """A comma list of ZeRO stages (0 to 3)."""
+    parts = text.split(",")
+    if not all(part.strip() in ("0", "1", "2", "3") for part in parts):
+        raise argparse.ArgumentTypeError(f"expected ZeRO stages among 0,1,2,3, got {text!r}")
+    return tuple(int(part) for part in parts)
+
+
+def _add_mesh_options(search: Any) -> None:
+    """The mesh options of ``--search``: any of them makes every configuration take all
+    ``--devices`` (t x c x K x D = N)."""
+    search.add_argument(
+        "--tensor-parallel",
+        type=_degrees,
+        metavar="T[,T...]",
+        help="tensor-parallel degrees to weigh, or auto: every degree up to --per-node "
+        "that the attention heads divide (needs a profile counted with a tensor-parallel "
+        "plan)",
+    )
+    search.add_argument(
+        "--context-parallel",
+        type=_degrees,
+        metavar="C[,C...]",
+        help="context-parallel degrees to weigh (each sample's sequence split over C)",
+    )
+    search.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="weigh sequence parallelism too, with every tensor-parallel degree above 1",
+    )
+    search.add_argument(
+        "--zero",
+        type=_zero_stages,
+        metavar="Z[,Z...]",
+        help="ZeRO stages to weigh over the replicas: 0 none, 1 optimizer state, 2 and "
+        "gradients, 3 and parameters (e.g. 1,3)",
+    )
+    search.add_argument(
+        "--global-batch",
+        type=positive,
+        metavar="B",
+        help="samples per step across every replica (the same as --batch)",
+    )
+    search.add_argument(
+        "--micro-batch",
+        type=positive,
+        metavar="b",
+        help="samples per micro-batch; M follows: global batch / (D x b)",
+    )
+    search.add_argument(
+        "--sequence",
+        type=positive,
+        metavar="S",
+        help="tokens per sample, for the tokens per second per GPU (the model file's "
+        "sample sets what the profile counted: give its length)",
+    )
 
 
 def _add_calibrate_parser(commands: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Any
 
 from autopipe.cli.inputs import read_profile
 from autopipe.cli.options import (
@@ -13,8 +14,11 @@ from autopipe.cli.options import (
     default_stages,
     save,
 )
-from autopipe.cli.target import check_target_options, estimated, search_links
+from autopipe.cli.target import DEFAULT_PER_NODE, check_target_options, estimated, search_links
 from autopipe.planning import SCHEDULES, SEARCH_CHECKPOINTS, PipelineSettings
+
+if TYPE_CHECKING:
+    from autopipe.planning import CatalogDevice, MeshLinks
 
 __all__: list[str] = []  # internal to the command line
 
@@ -33,6 +37,43 @@ def _check_search_options(args: argparse.Namespace) -> None:
         )
 
 
+def _mesh_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The mesh options of ``--search`` as :class:`autopipe.planning.SearchOptions` fields
+    (none given: the pipeline x data-parallel search of before)."""
+    out: dict[str, Any] = {}
+    if args.tensor_parallel is not None:
+        out["tensor_parallel"] = args.tensor_parallel
+    if args.context_parallel is not None:
+        out["context_parallel"] = args.context_parallel or (1,)
+    if args.sequence_parallel:
+        out["sequence_parallel"] = (False, True)
+    if args.zero is not None:
+        if args.shard_optimizer:
+            raise ValueError("--zero lists the ZeRO stages; leave out --shard-optimizer (ZeRO-1)")
+        out["zero"] = args.zero
+    if args.micro_batch is not None:
+        out["micro_batch"] = args.micro_batch
+    if args.sequence is not None:
+        out["sequence"] = args.sequence
+    if out and args.one_device:
+        raise ValueError("--one-device searches no mesh: leave out the mesh options")
+    return out
+
+
+def _mesh_links(args: argparse.Namespace, target: CatalogDevice | None) -> MeshLinks | None:
+    """The target's intra- and inter-node links for the mesh's groups (``None``: none)."""
+    if target is None:
+        return None
+    from autopipe.planning import GroupLink, MeshLinks
+
+    intra, inter = target.intra_node, target.inter_node
+    return MeshLinks(
+        GroupLink(intra.bandwidth, intra.latency),
+        GroupLink(inter.bandwidth, inter.latency),
+        args.per_node or DEFAULT_PER_NODE,
+    )
+
+
 def search_command(args: argparse.Namespace) -> int:
     """Ranks the configurations of ``--devices`` devices (with ``--one-device``: of up to
     that many stages taking turns on one device), prints them and the best plan."""
@@ -47,6 +88,11 @@ def search_command(args: argparse.Namespace) -> int:
     assert not isinstance(memory, list)  # cost_options refused a list
     devices: int = args.devices or default_stages()
     check_plan_outputs(args)  # --compare is refused above
+    mesh = _mesh_options(args)
+    if args.global_batch is not None:
+        if args.batch is not None and args.batch != args.global_batch:
+            raise ValueError("--global-batch and --batch are the same figure: give one of them")
+        args.batch = args.global_batch
     # --batch is the step's, across replicas: the layers are measured for the sample's.
     inputs = read_profile(args, devices)
     profile = inputs.profile
@@ -75,6 +121,8 @@ def search_command(args: argparse.Namespace) -> int:
         virtual_stages=tuple(range(1, args.virtual_stages + 1)),
         shard_optimizer=args.shard_optimizer,
         one_device=args.one_device,
+        links=_mesh_links(args, target) if mesh else None,
+        **mesh,
     )
     plans = search(profile, devices, settings, options)
     best = plans[0]

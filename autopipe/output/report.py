@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopipe.planning import Plan, StagePlan, TiedPlan, format_bytes, format_time
+from autopipe.planning import Mesh, Plan, StagePlan, TiedPlan, format_bytes, format_time
 
 __all__ = ["precision_label", "render_plan", "render_search", "shared_line"]
 
@@ -355,6 +355,10 @@ def render_search(plans: Sequence[Plan]) -> str:
     the stages per device), predicted step time, throughput, peak memory per device and
     why it is slower than the best; the best plan's tied parameters last.
     """
+    if any(plan.model_flops or plan.sequence or plan.mesh != Mesh() for plan in plans):
+        from autopipe.output.mesh_table import render_mesh_search
+
+        return render_mesh_search(plans)  # a mesh search: per device, every device taken
     headers = ["#", "K", "D", "M", "checkpoint", "schedule", "step", "throughput", "memory"]
     headers.append("vs the best")
     rows = []

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         measured_device,
     )
     from autopipe.planning.hardware.estimates import Efficiency, estimate_profile, fit_efficiency
+    from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks
     from autopipe.planning.model.colocation import colocated_plan
     from autopipe.planning.model.cost_model import optimizer_factor
     from autopipe.planning.model.cut_rules import keep_together
@@ -92,7 +93,9 @@ __all__ = [
     "CatalogDevice",
     "DeviceSpec",
     "Efficiency",
+    "GroupLink",
     "Mesh",
+    "MeshLinks",
     "PipelineSettings",
     "Plan",
     "PlanSettings",
@@ -149,6 +152,8 @@ _HOMES = {
     "KINDS": "autopipe.planning.schedules.simulation",
     "MESH_DIMENSIONS": "autopipe.planning.model.mesh",
     "Mesh": "autopipe.planning.model.mesh",
+    "GroupLink": "autopipe.planning.mesh.mesh_links",
+    "MeshLinks": "autopipe.planning.mesh.mesh_links",
     "ZERO_STAGES": "autopipe.planning.model.mesh",
     "PLAN_FIELDS": "autopipe.planning.pipeline_settings",
     "SCHEDULES": "autopipe.planning.model.names",

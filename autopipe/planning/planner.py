@@ -360,8 +360,9 @@ def describe(
         tied=tied,
         tied_time=tied_time,
         step_extra=extra,
-        shard_optimizer=model.shard_optimizer and model.data_parallel > 1,
+        shard_optimizer=model.shard_optimizer and model.shard_over > 1,
         shared=[list(group) for group in model.shared],
+        mesh=model.options.mesh,
     )
 
 

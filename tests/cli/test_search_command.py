@@ -85,3 +85,69 @@ def test_bad_one_device_search_options(
 ) -> None:
     argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "2", "--one-device"]
     assert_error(*run(capsys, *argv, *args), expected)
+
+
+def _mesh_profile(tmp_path: Path, shards: bool = True) -> Path:
+    from tests.support.mesh_profiles import block_profile, roofline_record
+
+    path = tmp_path / "blocks.json"
+    profile = block_profile(8, batch=16, estimate=roofline_record(), shards=shards)
+    profile.save(path)
+    return path
+
+
+def test_search_a_mesh(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "best.json"
+    argv = ["plan", "--profile", str(_mesh_profile(tmp_path)), "--search", "--devices", "8"]
+    mesh = ["--tensor-parallel", "1,2,4", "--context-parallel", "1,2", "--sequence-parallel"]
+    mesh += ["--zero", "0,1,2,3", "--global-batch", "16", "--micro-batch", "1"]
+    mesh += ["--sequence", "4", "--allreduce-bandwidth", "64", "--top", "4"]
+    code, out, err = run(capsys, *argv, *mesh, "--json", str(out_file))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["#", "mesh", "M"] and "MFU" in lines[0]
+    assert any(line.startswith("- chosen mesh: TP=") for line in lines)
+    best = Plan.load(out_file)
+    assert best.num_devices == 8 and best.sequence == 4
+    assert best.chunks * best.data_parallel * best.micro_batch == 16
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--tensor-parallel", "3"], "has 8 attention heads, which tensor parallelism 3"),
+        (["--zero", "1", "--shard-optimizer"], "leave out --shard-optimizer"),
+        (["--micro-batch", "3"], "no mesh of 8 devices matches the batch 16"),
+        (["--sequence-parallel"], "sequence parallelism goes with a tensor-parallel degree"),
+        (["--global-batch", "8", "--batch", "16", "--micro-batch", "1"], "give one of them"),
+    ],
+)
+def test_bad_mesh_options(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], expected: str
+) -> None:
+    argv = ["plan", "--profile", str(_mesh_profile(tmp_path)), "--search", "--devices", "8"]
+    assert_error(*run(capsys, *argv, *args), expected)
+
+
+def test_a_profile_without_shard_counts_is_told_how_to_count_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = _mesh_profile(tmp_path, shards=False)
+    argv = ["plan", "--profile", str(path), "--search", "--devices", "8", "--tensor-parallel", "2"]
+    assert_error(*run(capsys, *argv), "has no shard counts")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--tensor-parallel", "two"], "argument --tensor-parallel: expected positive integers"),
+        (["--zero", "4"], "argument --zero: expected ZeRO stages among 0,1,2,3"),
+    ],
+)
+def test_mesh_options_that_do_not_parse(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], expected: str
+) -> None:
+    argv = ["plan", "--profile", str(_mesh_profile(tmp_path)), "--search", "--devices", "8"]
+    code, out, err = run(capsys, *argv, *args)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith("autopipe plan: error: ") and expected in err

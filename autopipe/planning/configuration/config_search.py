@@ -44,6 +44,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autopipe import PlanningError
+from autopipe.planning.configuration.mesh_choices import (
+    MeshChoices,
+    mesh_configurations,
+    tensor_degrees,
+)
+from autopipe.planning.configuration.mesh_report import explain_meshes, fill_mesh_figures
 from autopipe.planning.configuration.one_device_search import (
     check_one_device,
     one_device_search,
@@ -51,7 +57,9 @@ from autopipe.planning.configuration.one_device_search import (
 from autopipe.planning.configuration.optimizer_sharding import check_shard_optimizer, settle
 from autopipe.planning.configuration.search_notes import annotate, explain_infeasible
 from autopipe.planning.configuration.search_space import Config, Space, configurations
+from autopipe.planning.mesh.mesh_links import MeshLinks
 from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.mesh import ZERO_STAGES, Mesh
 from autopipe.planning.model.names import CHECKPOINT_MODES, SCHEDULES, SEARCH_CHECKPOINTS
 from autopipe.planning.model.plan_settings import check_profile
 from autopipe.planning.model.plans import Plan
@@ -116,6 +124,26 @@ class SearchOptions:
     virtual_stages: Sequence[int] = (1,)
     shard_optimizer: bool | str = False
     one_device: bool = False
+    tensor_parallel: Sequence[int] = (1,)
+    context_parallel: Sequence[int] = (1,)
+    sequence_parallel: Sequence[bool] = (False,)
+    zero: Sequence[int] = ()
+    micro_batch: int | None = None
+    sequence: int = 0
+    links: MeshLinks | None = None
+
+    @property
+    def meshed(self) -> bool:
+        """Whether the search weighs a mesh (and so takes every device; see
+        :mod:`autopipe.planning.configuration.mesh_choices`)."""
+        return (
+            tuple(self.tensor_parallel) != (1,)
+            or tuple(self.context_parallel) != (1,)
+            or bool(self.zero)
+            or self.micro_batch is not None
+            or tuple(self.sequence_parallel) != (False,)
+            or bool(self.sequence)
+        )
 
 
 # The settings the search reads; the rest (chunks, checkpoint, schedule, ...) it searches.
@@ -173,6 +201,22 @@ def search(
             runs GPipe's fill-drain (only ``gpipe`` of ``schedules`` is weighed), and its
             stages together must fit ``memory``. Virtual stages and a sharded optimizer
             state are refused (``ValueError``).
+        tensor_parallel: tensor-parallel degrees t to weigh; empty: every degree up to
+            one node's devices that the layers' heads divide. Any t > 1, c > 1, a ZeRO
+            list or a micro-batch size makes the search a mesh search: each
+            configuration takes all ``devices`` (``t·c·K·D = N``), see
+            :mod:`autopipe.planning.configuration.mesh_choices` and
+            :mod:`autopipe.planning.mesh.degree_figures`.
+        context_parallel: context-parallel degrees c to weigh.
+        sequence_parallel: sequence parallelism off and/or on (with t > 1).
+        zero: ZeRO stages to weigh (0 to 3); empty: ``shard_optimizer`` decides (ZeRO-1
+            or none).
+        micro_batch: samples per micro-batch; M then follows: ``batch / (D · micro_batch)``.
+        sequence: tokens per sample, for the tokens per second the plans report (0:
+            unknown).
+        links: the intra- and inter-node links the mesh's groups run on
+            (:class:`autopipe.planning.mesh.mesh_links.MeshLinks`); default: every group
+            on the all-reduce link and the stages on ``bandwidth``.
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its
@@ -221,6 +265,11 @@ def search(
         raise TypeError(f"one_device must be True or False, got {opts.one_device!r}")
     if opts.one_device:
         check_one_device(schedules, virtual_stages, shard)
+    if opts.meshed and (opts.one_device or shard == "auto"):
+        raise ValueError(
+            "a mesh search (tensor or context parallelism, ZeRO stages, a micro-batch size) "
+            "goes with neither one_device nor shard_optimizer='auto': list the ZeRO stages"
+        )
     space = Space(
         profile,
         capacity=capacity,
@@ -229,6 +278,7 @@ def search(
         optimizer=optimizer,
         shard_optimizer=shard is not False,
         one_device=opts.one_device,
+        links=opts.links,
     )
     if opts.one_device:
         return one_device_search(
@@ -242,10 +292,22 @@ def search(
             even=even,
             optimizer=optimizer,
         )
-    configs = configurations(
-        devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even,
-        tuple(virtual_stages), shard is not False,
-    )  # fmt: skip
+    if opts.meshed:
+        configs = mesh_configurations(
+            devices, len(profile), total_batch, checkpoints, schedules, max_chunks,
+            tuple(virtual_stages), _mesh_choices(space, opts, shard is True),
+        )  # fmt: skip
+        if not configs:
+            raise ValueError(
+                f"no mesh of {devices} devices matches the batch {total_batch}: t·c·K·D "
+                "must be the devices and D · micro_batch divide the batch; change the "
+                "degrees, the batch or the micro-batch size"
+            )
+    else:
+        configs = configurations(
+            devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even,
+            tuple(virtual_stages), shard is not False,
+        )  # fmt: skip
     ranking = _Ranking(space, top, checkpoints)
     ranking.run(configs)
     ranked = _rank(ranking.found, checkpoints, schedules)[:top]
@@ -265,8 +327,12 @@ def search(
         )
         for s in settled
     ]
+    if opts.meshed:
+        fill_mesh_figures(plans, [c for c, _ in ranked], space, opts.sequence)
     ranking.infeasible.sort(key=lambda item: item[0])
     annotate(plans, space, ranking.infeasible, ranking.stats, devices)
+    if opts.meshed:
+        explain_meshes(plans, [c for c, _ in ranked], space)
     # On the best, and on a runner-up only where it shards otherwise than the best.
     for result, s in zip(plans, settled, strict=True):
         if s.note and (result is plans[0] or result.shard_optimizer != plans[0].shard_optimizer):
@@ -396,6 +462,42 @@ class _Ranking:
         self._settle(config, bound, limit, model, solve_split(model, limit))
 
 
+def _mesh_choices(space: Space, opts: SearchOptions, shard: bool) -> MeshChoices:
+    """The degrees and stages a mesh search weighs, each checked against the profile.
+
+    Raises:
+        ValueError: a degree or stage that cannot be (the message says which and why).
+    """
+    per_node = opts.links.per_node if opts.links is not None else 0
+    given = tuple(opts.tensor_parallel)
+    table = space.table
+    tensors = tensor_degrees(given, table.allowed_tensor, per_node)
+    for what, degrees in (("tensor", tensors), ("context", tuple(opts.context_parallel))):
+        if not degrees or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in degrees
+        ):
+            raise ValueError(f"{what} parallelism degrees must be integers >= 1, got {degrees!r}")
+    for t in tensors:
+        for c in opts.context_parallel:
+            refused = table.refusal(Mesh(tensor=t, context=c))
+            if refused:
+                raise ValueError(refused)
+    if True in tuple(opts.sequence_parallel) and max(tensors) == 1:
+        raise ValueError(
+            "sequence parallelism goes with a tensor-parallel degree above 1: add one "
+            "(--tensor-parallel 2,4,8 or auto)"
+        )
+    zero = tuple(opts.zero) or ((1,) if shard else (0,))
+    if any(z not in ZERO_STAGES or isinstance(z, bool) for z in zero):
+        raise ValueError(f"zero stages must be among 0, 1, 2, 3, got {list(zero)!r}")
+    micro = opts.micro_batch
+    if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
+        raise ValueError(f"micro_batch must be a positive integer, got {micro!r}")
+    return MeshChoices(
+        tensors, tuple(opts.context_parallel), tuple(opts.sequence_parallel), zero, micro
+    )
+
+
 def _allreduce(model: CostModel, balance: list[int]) -> float:
     """The step's gradient all-reduce: the slowest stage's, as the plan charges it."""
     bounds = stage_bounds(balance)
@@ -411,7 +513,7 @@ def _rank(
         config, result = item
         return (
             result.value,
-            config.stages * config.replicas,
+            config.devices,
             _peak_memory(result),
             checkpoints.index(config.checkpoint),
             schedules.index(config.schedule),

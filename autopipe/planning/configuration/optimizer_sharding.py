@@ -93,8 +93,8 @@ def settle(
         auto: return it unsharded when that loses nothing (else it stays sharded, with a
             note only where sharding is needed).
     """
-    if not model.shard_optimizer or config.replicas == 1:
-        return Settled(model, balance)
+    if not model.shard_optimizer or config.replicas == 1 or config.zero >= 0:
+        return Settled(model, balance)  # a ZeRO stage searched as such stays
     value = step_value(model, balance)
     limit = value * (1 + SAME_TIME)
     plain = space.model(config, shard=False)

@@ -115,7 +115,11 @@ def annotate(
         f"interval search and {stats['exact']} by dynamic programming{replayed}, the rest "
         "pruned"
     ]
-    if space.allreduce is None and any(plan.data_parallel > 1 for plan in plans):
+    if (
+        space.allreduce is None
+        and space.links is None
+        and any(plan.data_parallel > 1 for plan in plans)
+    ):
         best.notes.append(
             "gradient all-reduce counted as free: give allreduce_bandwidth (or bandwidth) "
             "to weigh data parallelism"
@@ -126,8 +130,10 @@ def annotate(
             break
         if (config.stages, config.replicas) in named:
             continue
-        named.add((config.stages, config.replicas))
         missing = Relaxation(space.model(config), space.memory_ends).shortfall()
+        if missing <= 0:  # a rank's stages together, not one stage, are over its device
+            continue
+        named.add((config.stages, config.replicas))
         faster = best.step_time / bound if bound > 0 else float("inf")
         best.notes.append(
             f"{config.label()} could be up to {faster:.2f}x faster but needs at least "
@@ -140,6 +146,7 @@ def explain_infeasible(space: Space, configs: Sequence[Config], devices: int) ->
     deepest = max(config.stages for config in configs)
     order = ("always", "except_last", "auto", "never")
     candidates = [c for c in configs if c.stages == deepest and c.replicas == 1]
+    candidates = candidates or [c for c in configs if c.stages == deepest]
     mode = min((c.checkpoint for c in candidates), key=order.index)
     schedule = "1f1b" if any(c.schedule == "1f1b" for c in candidates) else "gpipe"
     chosen = [c for c in candidates if c.checkpoint == mode and c.schedule == schedule]

@@ -3,23 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+from numpy.typing import NDArray
 
-from autopipe.planning.model.cost_model import CostModel, CostOptions
+from autopipe.planning.mesh.degree_figures import GroupLinks, MeshLines, mesh_lines
+from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks, group_link
+from autopipe.planning.mesh.shard_table import ShardTable
+from autopipe.planning.model.cost_model import CostModel, CostOptions, state_factor, sync_factor
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts, ProfileLines, optimizer_factor
+from autopipe.planning.model.mesh import Mesh
 from autopipe.planning.model.runner_figures import RunnerFigures
 from autopipe.planning.split.screening import MemoryCache
 from profiler import Profile
 
 __all__ = []
 
+Array = NDArray[np.float64]
+
 
 @dataclass(frozen=True)
 class Config:
-    """One point of the search space."""
+    """One point of the search space.
+
+    ``tensor``, ``context`` and ``sequence_parallel`` are the stage's mesh
+    (:class:`autopipe.planning.model.mesh.Mesh`); ``zero`` its ZeRO stage, ``-1`` for the
+    space's ``shard_optimizer`` (ZeRO-1 when set, else none).
+    """
 
     stages: int
     replicas: int
@@ -29,11 +41,20 @@ class Config:
     schedule: str
     samples: int = 0  # per replica; 0: ``chunks · micro_batch``
     virtual: int = 1  # stages per device (v): K·v stages, run interleaved
+    tensor: int = 1
+    context: int = 1
+    sequence_parallel: bool = False
+    zero: int = -1
+
+    @property
+    def devices(self) -> int:
+        """Devices the configuration occupies: ``t·c·K·D``."""
+        return self.tensor * self.context * self.stages * self.replicas
 
     @property
     def alone(self) -> bool:
         """Whether the configuration occupies a single device."""
-        return self.stages * self.replicas == 1
+        return self.devices == 1
 
     @property
     def mean_batch(self) -> float:
@@ -42,9 +63,14 @@ class Config:
 
     def label(self) -> str:
         virtual = f" v={self.virtual}" if self.virtual > 1 else ""
+        mesh = ""
+        if self.tensor > 1 or self.context > 1 or self.zero >= 0:
+            sp = " SP" if self.sequence_parallel else ""
+            zero = f" ZeRO-{self.zero}" if self.zero >= 0 else ""
+            mesh = f"TP={self.tensor}{sp} CP={self.context}{zero} "
         return (
-            f"K={self.stages}{virtual} D={self.replicas} M={self.chunks} {self.checkpoint} "
-            f"{self.schedule}"
+            f"{mesh}K={self.stages}{virtual} D={self.replicas} M={self.chunks} "
+            f"{self.checkpoint} {self.schedule}"
         )
 
 
@@ -66,6 +92,17 @@ def chunk_options(batch: int, limit: int) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class _Basis:
+    """One view's figures at one micro-batch size, for bounds and models."""
+
+    costs: LayerCosts
+    boundary: float
+    saved: float
+    params: Array
+    buffers: Array
+
+
 class Space:
     """Shared figures for building and bounding configurations.
 
@@ -73,7 +110,10 @@ class Space:
     state (ZeRO-1: ``opt / D`` state bytes per parameter byte, see
     :mod:`autopipe.planning.model.cost_model`), and the bounds count that share. With
     ``one_device`` every stage is on the profile's one device, in one process, and the
-    cost models price their turns on it (``colocated``).
+    cost models price their turns on it (``colocated``). A configuration with a mesh
+    (``t``, ``c``, ZeRO-2/3) is valued on one device's figures of it
+    (:mod:`autopipe.planning.mesh.degree_figures`), its groups on ``links`` when given
+    (else every group on the runner's all-reduce link, and its stages on the runner's).
     """
 
     def __init__(
@@ -86,6 +126,7 @@ class Space:
         optimizer: str | float,
         shard_optimizer: bool = False,
         one_device: bool = False,
+        links: MeshLinks | None = None,
     ) -> None:
         self.profile = profile
         self.shard_optimizer = shard_optimizer
@@ -104,42 +145,108 @@ class Space:
         self.allreduce = self.runner.allreduce_bandwidth
         self.capacity = capacity
         self.optimizer = optimizer_factor(optimizer)
-        # Tied tensors once (at their first user): sums and maxima from below.
-        self.params, self.buffers = self.lines.at(1.0).first_use()
-        self._at: dict[tuple[int, float, bool], tuple[LayerCosts, float, float]] = {}
-        self._single: dict[tuple[int, float, bool, float], float] = {}
-        self._state: dict[float, float] = {}
-        self._compute: dict[tuple[int, float, bool, float], tuple[float, float]] = {}
+        self.links = links
+        self._table: ShardTable | None = None
+        self._views: dict[tuple[object, ...], MeshLines] = {}
+        self._basis: dict[tuple[object, ...], _Basis] = {}
+        self._compute: dict[tuple[object, ...], tuple[float, float]] = {}
         self.memory_ends: MemoryCache = {}
 
-    def devices(self, stages: int) -> list[DeviceSpec]:
+    @property
+    def table(self) -> ShardTable:
+        """The profile's counts and shard counts (gathered on first use)."""
+        if self._table is None:
+            self._table = ShardTable.from_profile(self.profile)
+        return self._table
+
+    def zero(self, config: Config, shard: bool | None = None) -> int:
+        """The configuration's ZeRO stage (``shard`` overrides the space's ZeRO-1)."""
+        if config.zero >= 0:
+            return config.zero
+        sharded = self.shard_optimizer if shard is None else shard
+        return 1 if sharded else 0
+
+    def mesh(self, config: Config, shard: bool | None = None) -> Mesh:
+        """The configuration's mesh."""
+        per_node = self.links.per_node if self.links is not None else 0
+        zero = self.zero(config, shard) if config.zero >= 0 else 0
+        return Mesh(config.tensor, config.context, config.sequence_parallel, zero, per_node)
+
+    def group_links(self, config: Config) -> tuple[GroupLinks, GroupLink]:
+        """The links of the configuration's tensor, context and data-parallel groups, and
+        of its pipeline (between stages)."""
+        if self.links is None:
+            ring = GroupLink(self.allreduce)
+            return GroupLinks(ring, ring, ring), GroupLink(self.bandwidth, self.latency)
+        mesh, k, d = self.mesh(config), config.stages, config.replicas
+        groups = GroupLinks(
+            group_link(self.links, mesh, k, d, "tp"),
+            group_link(self.links, mesh, k, d, "cp"),
+            group_link(self.links, mesh, k, d, "dp"),
+        )
+        return groups, group_link(self.links, mesh, k, d, "pp")
+
+    def _view(self, config: Config) -> tuple[object, ...] | None:
+        """What of the configuration changes its layers' figures (``None``: nothing)."""
+        zero = self.zero(config)
+        exchanges = zero >= 2 and config.replicas * config.context > 1
+        if config.tensor == 1 and config.context == 1 and not exchanges:
+            return None
+        groups, _ = self.group_links(config)
+        d = config.replicas if exchanges else 0
+        return (config.tensor, config.context, config.sequence_parallel, zero, d, groups)
+
+    def lines_of(self, config: Config) -> ProfileLines | MeshLines:
+        """The lines one device of the configuration sees."""
+        view = self._view(config)
+        if view is None:
+            return self.lines_alone if config.alone else self.lines
+        if view not in self._views:
+            groups, _ = self.group_links(config)
+            mesh = replace(self.mesh(config), zero=self.zero(config))
+            self._views[view] = mesh_lines(self.lines, self.table, mesh, groups, config.replicas)
+        return self._views[view]
+
+    def basis(self, config: Config) -> _Basis:
+        """The configuration's layer costs at its micro-batch size, smallest boundary,
+        total saved activations and (tied tensors once) parameters and buffers."""
+        key = (config.micro_batch, config.mean_batch, config.alone, self._view(config))
+        if key not in self._basis:
+            lines = self.lines_of(config)
+            costs = lines.at(config.micro_batch, time_batch=config.mean_batch)
+            boundary = float(costs.output[:-1].min()) if len(costs) > 1 else 0.0
+            # Shared bytes count once (more when a cut separates them: a lower bound).
+            saved = float((costs.saved - costs.shared_bytes).sum())
+            params, buffers = costs.first_use()
+            self._basis[key] = _Basis(costs, boundary, saved, params, buffers)
+        return self._basis[key]
+
+    def devices(self, stages: int, link: GroupLink | None = None) -> list[DeviceSpec]:
         cuda = self.profile.device.startswith("cuda") and not self.one_device
         names = [f"cuda:{k}" if cuda else self.profile.device for k in range(stages)]
-        return [
-            DeviceSpec(name, self.capacity, 1.0, self.bandwidth, self.latency) for name in names
-        ]
+        bandwidth = self.bandwidth if link is None else link.bandwidth
+        latency = self.latency if link is None else link.latency
+        return [DeviceSpec(name, self.capacity, 1.0, bandwidth, latency) for name in names]
 
-    def state_factor(self, replicas: int, shard: bool | None = None) -> float:
-        """Bytes a stage holds per parameter byte with ``replicas`` copies: weight,
-        gradient and optimizer state (a 1/D share of it when sharded)."""
-        sharded = self.shard_optimizer if shard is None else shard
-        return 2.0 + (self.optimizer / replicas if sharded else self.optimizer)
+    def state_factor(self, config: Config) -> float:
+        """Bytes a device holds per parameter byte of its stage: weight, gradient and
+        optimizer state, as the configuration's ZeRO stage shards them."""
+        return state_factor(self.optimizer, self.zero(config), config.replicas * config.context)
 
-    def state(self, replicas: int) -> float:
-        """All layers' parameters, gradients, optimizer state and buffers with
-        ``replicas`` copies (tied tensors once, at their first user)."""
-        factor = self.state_factor(replicas)
-        if factor not in self._state:
-            self._state[factor] = float((self.params * factor + self.buffers).sum())
-        return self._state[factor]
+    def sync_bandwidth(self, config: Config) -> float | None:
+        """Bytes/s of the configuration's data-parallel exchanges."""
+        return self.group_links(config)[0].data.bandwidth if self.links else self.allreduce
 
     def model(self, config: Config, shard: bool | None = None) -> CostModel:
         """The configuration's cost model; ``shard`` overrides the space's sharding."""
         v = config.virtual
-        sharded = self.shard_optimizer if shard is None else shard
-        devices = self.devices(config.stages)
-        return self.runner.cost_model(
-            self.figures(config.micro_batch, config.mean_batch, config.alone)[0],
+        groups, pipe = self.group_links(config)
+        devices = self.devices(config.stages, pipe if self.links else None)
+        runner = self.runner
+        if self.links is not None:
+            runner = replace(runner, allreduce_bandwidth=groups.data.bandwidth)
+        return runner.cost_model(
+            self.basis(config).costs,
             [devices[k % config.stages] for k in range(config.stages * v)],
             config.chunks,
             config.checkpoint,
@@ -148,62 +255,51 @@ class Space:
             CostOptions(
                 data_parallel=config.replicas,
                 virtual_stages=v,
-                shard_optimizer=sharded,
+                # A configuration without a ZeRO stage of its own: the space's ZeRO-1.
+                shard_optimizer=config.zero < 0 and self.zero(config, shard) == 1,
                 colocated=self.one_device,
+                mesh=self.mesh(config, shard),
             ),
         )
 
-    def figures(
-        self, micro: int, mean: float, alone: bool = False
-    ) -> tuple[LayerCosts, float, float]:
-        """Per micro-batch size (and mean size, for times; ``alone``: on one device): the
-        layer costs, smallest boundary and the total saved activations."""
-        key = (micro, mean, alone)
-        if key not in self._at:
-            lines = self.lines_alone if alone else self.lines
-            costs = lines.at(micro, time_batch=mean)
-            boundary = float(costs.output[:-1].min()) if len(costs) > 1 else 0.0
-            # Shared bytes count once (more when a cut separates them: a lower bound).
-            saved = float((costs.saved - costs.shared_bytes).sum())
-            self._at[key] = (costs, boundary, saved)
-        return self._at[key]
-
     def single(self, config: Config) -> float:
         """The least memory of the configuration's largest layer alone on a stage."""
-        factor = self.state_factor(config.replicas)
-        key = (config.micro_batch, config.mean_batch, config.alone, factor)
-        if key not in self._single:
-            costs = self.figures(config.micro_batch, config.mean_batch, config.alone)[0]
-            state = self.params * factor + self.buffers
-            self._single[key] = float(np.max(state + costs.saved + costs.peak))
-        return self._single[key]
+        basis = self.basis(config)
+        state = basis.params * self.state_factor(config) + basis.buffers
+        return float(np.max(state + basis.costs.saved + basis.costs.peak))
 
-    def compute(self, micro: int, mean: float, alone: bool, r: float) -> tuple[float, float]:
+    def compute(self, config: Config, r: float) -> tuple[float, float]:
         """Total and largest per-layer compute with a re-computed share ``r``."""
-        key = (micro, mean, alone, r)
+        key = (config.micro_batch, config.mean_batch, config.alone, self._view(config), r)
         if key not in self._compute:
-            costs = self.figures(micro, mean, alone)[0]
+            costs = self.basis(config).costs
             layer = costs.forward * (1 + r) + costs.backward
             self._compute[key] = (float(layer.sum()), float(layer.max()))
         return self._compute[key]
+
+    def _sync(self, config: Config, stages: int) -> float:
+        """A lower bound on the exchange after the drain: the largest stage's share."""
+        basis = self.basis(config)
+        alpha = sync_factor(
+            self.zero(config), config.replicas * config.context, self.sync_bandwidth(config)
+        )
+        return alpha * max(float(basis.params.sum()) / stages, float(basis.params.max()))
 
     def bound(self, config: Config) -> tuple[float, bool]:
         """Tier 1: a lower bound on the configuration's value, and whether it may fit."""
         if config.virtual > 1:
             return self._virtual_bound(config)
-        costs, boundary, saved = self.figures(config.micro_batch, config.mean_batch, config.alone)
+        basis = self.basis(config)
+        costs, boundary, saved = basis.costs, basis.boundary, basis.saved
+        _, pipe = self.group_links(config)
         k, m = config.stages, config.chunks
         fastest = "never" if config.checkpoint == "auto" else config.checkpoint
         r = {"always": 1.0, "except_last": (m - 1) / m, "never": 0.0}[fastest]
-        work, largest = self.compute(config.micro_batch, config.mean_batch, config.alone, r)
-        send = boundary / self.bandwidth if self.bandwidth and k > 1 else 0.0
-        total = work + k * self.overhead + (k - 1) * (send + self.latency)
+        work, largest = self.compute(config, r)
+        send = boundary / pipe.bandwidth if pipe.bandwidth and k > 1 else 0.0
+        total = work + k * self.overhead + (k - 1) * (send + pipe.latency)
         bottleneck = max(total / k, largest + self.overhead)
-        alpha = 0.0
-        if config.replicas > 1 and self.allreduce:
-            alpha = 2.0 * (config.replicas - 1) / config.replicas / self.allreduce
-        params = max(float(self.params.sum()) / k, float(self.params.max()))
-        value = total + (m - 1) * bottleneck + alpha * params
+        value = total + (m - 1) * bottleneck + self._sync(config, k)
         if self.capacity is None:
             return value, True
         # Summed over stages: state, kept activations, kept boundary inputs, one peak.
@@ -212,23 +308,26 @@ class Space:
         if config.schedule == "1f1b":
             ck = min(ck, 1)
         inputs = ck * (costs.input + (k - 1) * boundary)
-        need = self.state(config.replicas) + keep * saved + inputs + float(costs.peak.max())
+        state = float((basis.params * self.state_factor(config) + basis.buffers).sum())
+        need = state + keep * saved + inputs + float(costs.peak.max())
         return value, self.single(config) <= self.capacity and need <= k * self.capacity
 
     def _virtual_bound(self, config: Config) -> tuple[float, bool]:
         """Tier 1 for K·v interleaved stages: a device works ``M·C_r`` per step, at least
         the mean ``M·Σc / K``, and one micro-batch passes every stage in turn (``Σc``)."""
-        boundary = self.figures(config.micro_batch, config.mean_batch)[1]
+        basis = self.basis(config)
+        _, pipe = self.group_links(config)
         k, m, stages = config.stages, config.chunks, config.stages * config.virtual
-        work = self.compute(config.micro_batch, config.mean_batch, False, 0.0)[0]
-        send = boundary / self.bandwidth if self.bandwidth else 0.0
-        total = work + stages * self.virtual_overhead + (stages - 1) * (send + self.latency)
-        alpha = 0.0
-        if config.replicas > 1 and self.allreduce:
-            alpha = 2.0 * (config.replicas - 1) / config.replicas / self.allreduce
-        params = max(float(self.params.sum()) / stages, float(self.params.max()))
-        value = max(total, m * total / k) + alpha * params
-        return value, self.capacity is None or self.single(config) <= self.capacity
+        work = self.compute(config, 0.0)[0]
+        send = basis.boundary / pipe.bandwidth if pipe.bandwidth else 0.0
+        total = work + stages * self.virtual_overhead + (stages - 1) * (send + pipe.latency)
+        value = max(total, m * total / k) + self._sync(config, stages)
+        if self.capacity is None:
+            return value, True
+        # Summed over the ranks: the state, one micro-batch's activations, one peak.
+        state = float((basis.params * self.state_factor(config) + basis.buffers).sum())
+        need = state + basis.saved + float(basis.costs.peak.max())
+        return value, self.single(config) <= self.capacity and need <= k * self.capacity
 
 
 def configurations(
@@ -267,16 +366,16 @@ def configurations(
                     if schedule == "1f1b" and m == 1 and "gpipe" in schedules:
                         continue  # one micro-batch: 1F1B is GPipe
                     for mode in checkpoints:
-                        if _redundant(mode, m, checkpoints):
+                        if redundant(mode, m, checkpoints):
                             continue
                         out.append(Config(k, d, m, micro, mode, schedule, replica))
                     for v in virtual_stages:
-                        if _interleaves(k, v, m, layers, schedule, checkpoints):
+                        if interleaves(k, v, m, layers, schedule, checkpoints):
                             out.append(Config(k, d, m, micro, "never", schedule, replica, v))
     return out
 
 
-def _interleaves(
+def interleaves(
     stages: int, virtual: int, chunks: int, layers: int, schedule: str, checkpoints: Sequence[str]
 ) -> bool:
     """Whether ``virtual`` stages per device make a configuration of their own."""
@@ -286,7 +385,7 @@ def _interleaves(
     return schedule == "gpipe" or chunks % per_round == 0
 
 
-def _redundant(mode: str, chunks: int, checkpoints: Sequence[str]) -> bool:
+def redundant(mode: str, chunks: int, checkpoints: Sequence[str]) -> bool:
     """Whether a mode cannot beat another mode that is searched too.
 
     With one micro-batch ``except_last`` and ``auto`` are ``never``; ``always`` never beats

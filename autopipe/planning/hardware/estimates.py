@@ -173,6 +173,9 @@ def estimate_profile(
         "fitted": e.fitted,
         "dtype": used,
         "counted_on": counted or profile.device_name or profile.device,
+        # The roofline's rates, which the mesh's figures re-run on divided counts.
+        "peak_flops": rates[0],
+        "memory_bandwidth": rates[1],
     }
     return dataclasses.replace(
         profile,

@@ -32,6 +32,9 @@ its D copies once per step (ring all-reduce, after the pipeline drains, no overl
 
     a_k(s, e) = 2 · (D − 1) / D · P(s,e) / allreduce_bandwidth
 
+With a context-parallel group of ``c`` (``CostOptions.mesh``) the parameters are
+replicated over it too, and every ring and share below runs over ``S = D·c`` devices.
+
 The stages' rings use disjoint devices and run at once, so a step costs ``max_k a_k``.
 
 With ``shard_optimizer`` (ZeRO stage 1, as DeepSpeed's ``zero_optimization.stage = 1`` and
@@ -43,6 +46,13 @@ all-gather of the updated parameters: ``(D − 1)/D · P`` each (parameters and 
 one dtype), the ring all-reduce's ``2 · (D − 1)/D · P`` in all, so the step time model does
 not change (the optimizer step, which it does not time, only gets shorter). With D = 1 it
 changes nothing.
+
+ZeRO-2 (``mesh.zero = 2``) shards the gradients too: ``P · (1 + (1 + opt) / S)``, each
+unit's gradients reduce-scattered as its backward ends, every micro-batch (the layers'
+times carry what of it is exposed, :mod:`autopipe.planning.mesh.zero_exchange`), and once
+per step only the all-gather of the updated parameters, ``(S − 1)/S · P``. ZeRO-3 shards
+the parameters as well: ``P · (2 + opt) / S``, each unit gathered whole while it runs (the
+layers' transient peaks carry it) and nothing left to exchange after the drain.
 
 A tensor several layers use (tied, :class:`profiler.profile.TiedState`) is counted in each
 user's ``P`` (or ``Buf``); a stage holds one copy of it however many of its layers use
@@ -62,7 +72,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -75,6 +85,7 @@ from autopipe.planning.model.layer_costs import (
     LayerCosts,
     optimizer_factor,
 )
+from autopipe.planning.model.mesh import Mesh
 from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
 from autopipe.planning.model.spans import prefix_sums
 from autopipe.planning.schedules.interleaving import in_flight
@@ -113,6 +124,29 @@ class RangeMax:
         return np.asarray(np.maximum(self.table[level, s], self.table[level, e - (1 << level)]))
 
 
+def state_factor(optimizer: float, zero: int, shard_over: int) -> float:
+    """Bytes a device holds per parameter byte of its stage: weight, gradient and
+    optimizer state, ZeRO stage ``zero`` sharding them over ``shard_over`` devices."""
+    s = max(shard_over, 1)
+    if zero >= 3:
+        return (2.0 + optimizer) / s
+    if zero == 2:
+        return 1.0 + (1.0 + optimizer) / s
+    if zero == 1:
+        return 2.0 + optimizer / s
+    return 2.0 + optimizer
+
+
+def sync_factor(zero: int, shard_over: int, bandwidth: float | None) -> float:
+    """Seconds per parameter byte of a stage's exchange after the pipeline drains: the
+    ring all-reduce (ZeRO-0 and 1: ``2·(S−1)/S``), the parameters' all-gather (ZeRO-2:
+    ``(S−1)/S``) or nothing (ZeRO-3), over ``bandwidth`` bytes/s (``None``: free)."""
+    if shard_over < 2 or bandwidth is None or zero >= 3:
+        return 0.0
+    rings = 1.0 if zero == 2 else 2.0
+    return rings * (shard_over - 1) / shard_over / bandwidth
+
+
 def _finite_non_negative(value: object) -> bool:
     number = float(value) if isinstance(value, numbers.Real) else math.nan
     return not isinstance(value, bool) and math.isfinite(number) and number >= 0
@@ -145,6 +179,9 @@ class CostOptions:
             (:mod:`autopipe.planning.model.colocation`).
         forbidden: positions ``1..L−1`` where no cut may go, besides those of the layers'
             ``unsplit`` tied tensors (:mod:`autopipe.planning.model.cut_rules`).
+        mesh: the tensor, context and sharded data parallelism around the pipeline; the
+            layers must be one device's of it (:mod:`autopipe.planning.mesh`). Its
+            ``zero`` stage (``shard_optimizer`` is ZeRO-1) shards over ``D·c`` devices.
     """
 
     overhead: float = 0.0
@@ -154,6 +191,17 @@ class CostOptions:
     shard_optimizer: bool = False
     colocated: bool = False
     forbidden: Sequence[int] = ()
+    mesh: Mesh = field(default_factory=Mesh)
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage: the mesh's, at least 1 with ``shard_optimizer``."""
+        return max(self.mesh.zero, 1 if self.shard_optimizer else 0)
+
+    @property
+    def shard_over(self) -> int:
+        """Devices a stage's state is sharded (and its gradients summed) over: ``D·c``."""
+        return self.data_parallel * self.mesh.context
 
 
 class CostModel:
@@ -230,7 +278,10 @@ class CostModel:
         self.data_parallel = data_parallel
         self.allreduce_bandwidth = allreduce_bandwidth
         self.virtual_stages = virtual_stages
-        self.shard_optimizer = shard_optimizer
+        self.zero = options.zero
+        self.shard_over = options.shard_over
+        # ZeRO-1 and above shard the optimizer state (what plans record).
+        self.shard_optimizer = self.zero >= 1
         self.shared = shared_groups(self.devices, colocated)
         # Per position 0..L, whether a stage may not start there: every solver honours it.
         self.forbidden = forbidden_cuts(layers.tied, len(layers), forbidden)
@@ -242,8 +293,7 @@ class CostModel:
                 "device or plan for ranks"
             )
         # Bytes a stage holds per parameter byte: weight, gradient and its optimizer state.
-        own = optimizer / data_parallel if shard_optimizer else optimizer
-        self.state_factor = 2.0 + own
+        self.state_factor = state_factor(optimizer, self.zero, self.shard_over)
         # Stage k runs on rank k % K as local stage k // K; one replay of each rank's order.
         ranks = len(self.devices) // virtual_stages
         held = [in_flight(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)]
@@ -449,11 +499,9 @@ class CostModel:
 
     @property
     def allreduce_factor(self) -> float:
-        """All-reduce seconds per parameter byte of a stage: ``2·(D−1)/D / bandwidth``."""
-        d = self.data_parallel
-        if d == 1 or self.allreduce_bandwidth is None:
-            return 0.0
-        return 2.0 * (d - 1) / d / self.allreduce_bandwidth
+        """Seconds per parameter byte of a stage's exchange after the drain:
+        ``2·(S−1)/S / bandwidth`` for the all-reduce (see :func:`sync_factor`)."""
+        return sync_factor(self.zero, self.shard_over, self.allreduce_bandwidth)
 
     def param_bytes(self, s: Index, e: Index) -> Array:
         """Parameter (and so gradient) bytes of layers ``[s, e)``, a tied one once."""

@@ -144,6 +144,15 @@ class Plan:
             (:class:`autopipe.planning.model.mesh.Mesh`); the default mesh (``t = c = 1``)
             is the pipeline with plain data-parallel replicas. With ``mesh.zero >= 1``
             ``shard_optimizer`` is true.
+        model_flops: FLOPs of one step over all devices as the profile counts them (every
+            layer's forward and backward at the batch; no re-computation), 0: not counted.
+        peak_flops: the dense peak FLOP/s per device the times were estimated at (0:
+            unknown), for the model FLOPs utilization.
+        sequence: tokens per sample (0: unknown).
+        mesh_parts: seconds per step the busiest rank spends in the mesh's exposed
+            communication, by kind (``tensor``: the tensor-parallel collectives,
+            ``context``: the ring beyond attention, ``zero``: ZeRO-2/3 exchanges beyond
+            compute); empty without a mesh.
     """
 
     balance: list[int]
@@ -173,6 +182,10 @@ class Plan:
     shared: list[list[int]] = field(default_factory=list)
     step_extra: float = 0.0
     mesh: Mesh = field(default_factory=Mesh)
+    model_flops: float = 0.0
+    peak_flops: float = 0.0
+    sequence: int = 0
+    mesh_parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def pipeline_time(self) -> float:
@@ -187,6 +200,23 @@ class Plan:
         once)."""
         own = self.num_stages - sum(len(group) - 1 for group in self.shared)
         return own // self.virtual_stages * self.data_parallel * self.mesh.inner
+
+    @property
+    def tokens_per_device(self) -> float:
+        """Predicted tokens per second per device (0 when ``sequence`` is unknown)."""
+        devices = self.num_devices
+        return self.throughput * self.sequence / devices if devices else 0.0
+
+    @property
+    def flops_per_device(self) -> float:
+        """Predicted model FLOP/s per device (``model_flops`` over the step; 0: unknown)."""
+        devices = self.num_devices
+        return self.model_flops / self.step_time / devices if self.step_time and devices else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """Model FLOPs utilization: ``flops_per_device / peak_flops`` (0: unknown)."""
+        return self.flops_per_device / self.peak_flops if self.peak_flops else 0.0
 
     @property
     def stage_checkpoints(self) -> list[str]:
@@ -230,6 +260,9 @@ class Plan:
             del data["shared"]
         if not self.step_extra:
             del data["step_extra"]
+        for name in ("model_flops", "peak_flops", "sequence", "mesh_parts"):
+            if not data[name]:  # plans without a mesh search read as before
+                del data[name]
         if self.mesh == Mesh():  # plans of the pipeline alone read as before
             del data["mesh"]
         else:
@@ -296,6 +329,8 @@ _PLAN_AMOUNTS = (
     "throughput",
     "tied_time",
     "step_extra",
+    "model_flops",
+    "peak_flops",
 )
 _STAGE_AMOUNTS = (
     "compute", "transfer", "time", "memory", "param_memory", "activation_memory",

@@ -146,6 +146,8 @@ def test_the_estimate_keeps_counts_and_bytes_and_records_the_target() -> None:
         "fitted": False,
         "dtype": "bfloat16",
         "counted_on": "meta",
+        "peak_flops": H100.peak("bfloat16"),
+        "memory_bandwidth": H100.memory_bandwidth,
     }
     # The calibration is the profiling machine's runner and links, not the target's.
     assert "calibration" not in out.meta and out.meta["pooled"] == [[0, 1]]

@@ -83,3 +83,25 @@ def test_load_refuses_a_plan_that_contradicts_itself(tmp_path, edit, message):
     text = str(caught.value)
     assert text.startswith(f"{path}: ") and "\n" not in text
     assert message in text
+
+
+def test_a_mesh_plan_round_trips_through_json(tmp_path) -> None:
+    from autopipe.planning import SearchOptions, search
+    from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks
+    from tests.support.mesh_profiles import block_profile, roofline_record
+
+    profile = block_profile(4, batch=8, estimate=roofline_record())
+    options = SearchOptions(
+        tensor_parallel=(2,), context_parallel=(2,), sequence_parallel=(True,), zero=(3,),
+        micro_batch=1, links=MeshLinks.uniform(GroupLink(64.0, 0.5)), sequence=16, top=1,
+    )  # fmt: skip
+    best = search(profile, 8, optimizer="adam", options=options)[0]
+    assert best.mesh.tensor == 2 and best.mesh.context == 2 and best.mesh.zero == 3
+    path = tmp_path / "plan.json"
+    best.save(path)
+    again = Plan.load(path)
+    assert again.mesh == best.mesh and again.num_devices == 8
+    assert (again.model_flops, again.peak_flops, again.sequence) == (
+        best.model_flops, best.peak_flops, 16,
+    )  # fmt: skip
+    assert again.mesh_parts == best.mesh_parts and again.to_dict() == best.to_dict()

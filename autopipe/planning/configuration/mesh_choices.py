@@ -1,0 +1,125 @@
+"""The mesh configurations of :func:`autopipe.search`: ``t·c·K·D`` equal to the devices.
+
+Searching tensor (t), context (c) or sharded data parallelism (a ZeRO stage) besides the
+pipeline (K) and its replicas (D), every configuration takes all ``N`` devices (a mesh
+that leaves devices idle is not what a cluster runs), and with a micro-batch size ``b``
+the global batch ``B`` fixes the micro-batches: ``M = B / (D·b)`` (a ``D`` that does not
+divide ``B / b`` is left out). Degrees ``t`` are those every layer's heads allow
+(:meth:`autopipe.planning.mesh.shard_table.ShardTable.refusal`), up to the devices of one
+node unless listed; sequence parallelism goes with ``t > 1``; a ZeRO stage above 0 with
+``D·c > 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from autopipe.planning.configuration.search_space import (
+    Config,
+    chunk_options,
+    interleaves,
+    redundant,
+)
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class MeshChoices:
+    """What the mesh search weighs.
+
+    Attributes:
+        tensor: tensor-parallel degrees.
+        context: context-parallel degrees.
+        sequence_parallel: sequence parallelism off and/or on (with ``t > 1``).
+        zero: ZeRO stages.
+        micro_batch: samples per micro-batch, or ``None``: every size the batch allows.
+    """
+
+    tensor: Sequence[int] = (1,)
+    context: Sequence[int] = (1,)
+    sequence_parallel: Sequence[bool] = (False,)
+    zero: Sequence[int] = (0,)
+    micro_batch: int | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def mesh_configurations(
+    n_devices: int,
+    layers: int,
+    batch: int,
+    checkpoints: Sequence[str],
+    schedules: Sequence[str],
+    max_chunks: int | None,
+    virtual_stages: Sequence[int],
+    choices: MeshChoices,
+) -> list[Config]:
+    """Every configuration of exactly ``n_devices`` devices (see the module docstring)."""
+    out = []
+    for t in choices.tensor:
+        for c in choices.context:
+            if n_devices % (t * c):
+                continue
+            rest = n_devices // (t * c)
+            for k in (k for k in _divisors(rest) if k <= layers):
+                d = rest // k
+                if d > batch:
+                    continue
+                replica = -(-batch // d)
+                if choices.micro_batch is not None:
+                    mb = choices.micro_batch
+                    if batch % (d * mb):
+                        continue
+                    options = [(batch // (d * mb), mb)]
+                else:
+                    options = chunk_options(replica, max_chunks or max(32, 16 * k))
+                for sp in choices.sequence_parallel:
+                    if sp and t == 1:
+                        continue
+                    for zero in choices.zero:
+                        if zero > 0 and d * c == 1:
+                            continue
+                        for m, micro in options:
+                            point = Config(
+                                k, d, m, micro, "never", "gpipe", replica, 1, t, c, sp, zero
+                            )
+                            out.extend(
+                                _schedules(point, layers, checkpoints, schedules, virtual_stages)
+                            )
+    return out
+
+
+def _schedules(
+    point: Config,
+    layers: int,
+    checkpoints: Sequence[str],
+    schedules: Sequence[str],
+    virtual_stages: Sequence[int],
+) -> list[Config]:
+    """The schedule, checkpointing and virtual-stage variants of one mesh point."""
+    k, m = point.stages, point.chunks
+    out = []
+    for schedule in schedules:
+        if schedule == "1f1b" and m == 1 and "gpipe" in schedules:
+            continue  # one micro-batch: 1F1B is GPipe
+        for mode in checkpoints:
+            if not redundant(mode, m, checkpoints):
+                out.append(replace(point, checkpoint=mode, schedule=schedule))
+        for v in virtual_stages:
+            if interleaves(k, v, m, layers, schedule, checkpoints):
+                out.append(replace(point, schedule=schedule, virtual=v))
+    return out
+
+
+def tensor_degrees(
+    given: Sequence[int], allowed: Callable[[int], bool], per_node: int
+) -> list[int]:
+    """The tensor-parallel degrees to search: ``given``, or (empty) every degree up to one
+    node's devices (8 when unknown) that ``allowed`` accepts (the heads divide)."""
+    if given:
+        return list(given)
+    return [t for t in _divisors(per_node or 8) if allowed(t)]

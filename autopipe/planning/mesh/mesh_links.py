@@ -1,0 +1,95 @@
+"""Which link each group of a mesh runs its collectives on.
+
+The mesh's dimensions (:data:`autopipe.planning.model.mesh.MESH_DIMENSIONS`, outermost
+first) take ranks so that the innermost is contiguous: a group of dimension ``X`` spans
+the product of the sizes of ``X`` and of every dimension inside it. A group whose span
+fits one node of ``per_node`` devices runs on the intra-node link, any other on the
+inter-node one (a ring is as slow as the slowest link it crosses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from autopipe.planning.model.mesh import Mesh
+
+__all__ = ["GroupLink", "MeshLinks"]
+
+
+@dataclass(frozen=True)
+class GroupLink:
+    """A link a group's collectives run on: bytes/s per device (``None``: free) and
+    seconds per message."""
+
+    bandwidth: float | None
+    latency: float = 0.0
+
+    def seconds(
+        self, volume: NDArray[np.float64], messages: NDArray[np.float64]
+    ) -> NDArray[np.float64]:
+        """Seconds to move ``volume`` bytes per device in ``messages`` messages."""
+        moved = volume / self.bandwidth if self.bandwidth else np.zeros_like(volume)
+        return np.asarray(moved + messages * self.latency)
+
+
+@dataclass(frozen=True)
+class MeshLinks:
+    """The intra- and inter-node links of a kind of device.
+
+    Attributes:
+        intra: the link between two devices of one node.
+        inter: the link between nodes.
+        per_node: devices per node (0: every device on one node).
+    """
+
+    intra: GroupLink
+    inter: GroupLink
+    per_node: int = 0
+
+    @classmethod
+    def uniform(cls, link: GroupLink) -> MeshLinks:
+        """One link for every group (what a profile's calibration knows)."""
+        return cls(link, link, 0)
+
+
+def dimension_sizes(mesh: Mesh, stages: int, replicas: int) -> dict[str, int]:
+    """The size of each mesh dimension: ``stages`` ranks per pipeline, ``replicas`` on
+    ``dp_shard`` when ZeRO shards over them (FSDP's dimension), else on ``dp_replicate``."""
+    shard = mesh.zero >= 1
+    return {
+        "pp": stages,
+        "dp_replicate": 1 if shard else replicas,
+        "dp_shard": replicas if shard else 1,
+        "cp": mesh.context,
+        "tp": mesh.tensor,
+    }
+
+
+def span(mesh: Mesh, stages: int, replicas: int, dimension: str) -> int:
+    """Ranks a group of ``dimension`` spans: its size times those of the dimensions inside."""
+    sizes = dimension_sizes(mesh, stages, replicas)
+    inner = mesh.order[mesh.order.index(dimension) :]
+    total = 1
+    for name in inner:
+        total *= sizes[name]
+    return total
+
+
+def group_link(
+    links: MeshLinks, mesh: Mesh, stages: int, replicas: int, dimension: str
+) -> GroupLink:
+    """The link of ``dimension``'s groups (``dp``: the data-parallel ring over both
+    ``dp_replicate`` and ``dp_shard``, and ``cp`` inside it, as ZeRO shards over both)."""
+    if dimension == "dp":
+        ranks = max(
+            span(mesh, stages, replicas, "dp_replicate"), span(mesh, stages, replicas, "dp_shard")
+        )
+        ranks = max(ranks, span(mesh, stages, replicas, "cp"))
+    else:
+        ranks = span(mesh, stages, replicas, dimension)
+    if links.per_node == 0 or ranks <= links.per_node:
+        return links.intra
+    return links.inter

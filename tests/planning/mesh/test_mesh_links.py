@@ -1,0 +1,48 @@
+"""Which link a mesh group runs on: its span of consecutive ranks against a node."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks, group_link, span
+from autopipe.planning.model.mesh import Mesh
+
+NVLINK, NETWORK = GroupLink(450e9, 1e-6), GroupLink(50e9, 5e-6)
+NODE = MeshLinks(NVLINK, NETWORK, per_node=8)
+
+
+def test_the_innermost_dimension_takes_consecutive_ranks() -> None:
+    mesh = Mesh(tensor=8, context=2, per_node=8)
+    assert span(mesh, 4, 16, "tp") == 8
+    assert span(mesh, 4, 16, "cp") == 16
+    assert span(mesh, 4, 16, "dp_replicate") == 16 * 16
+    assert span(mesh, 4, 16, "pp") == 4 * 16 * 16
+
+
+def test_a_group_inside_a_node_uses_the_intra_node_link() -> None:
+    mesh = Mesh(tensor=8, per_node=8)
+    assert group_link(NODE, mesh, 2, 2, "tp") == NVLINK
+    assert group_link(NODE, mesh, 2, 2, "dp") == NETWORK
+    small = Mesh(tensor=2, context=2, per_node=8)
+    assert group_link(NODE, small, 4, 2, "tp") == NVLINK
+    assert group_link(NODE, small, 4, 2, "cp") == NVLINK
+    assert group_link(NODE, small, 4, 2, "dp") == NVLINK  # 2 · 2 · 2 = 8 ranks
+    assert group_link(NODE, small, 4, 4, "dp") == NETWORK
+
+
+def test_the_order_decides_which_groups_are_neighbours() -> None:
+    # tp outermost: the tensor-parallel group spans every rank, across nodes.
+    order = ("tp", "pp", "dp_replicate", "dp_shard", "cp")
+    mesh = Mesh(tensor=2, per_node=8, order=order)
+    assert group_link(NODE, mesh, 4, 4, "tp") == NETWORK
+    assert group_link(NODE, mesh, 4, 2, "dp") == NVLINK
+
+
+def test_one_node_of_every_device_is_all_intra_node() -> None:
+    links = MeshLinks(NVLINK, NETWORK, per_node=0)
+    assert group_link(links, Mesh(tensor=8, context=8), 16, 128, "dp") == NVLINK
+
+
+def test_a_free_link_costs_only_its_latency() -> None:
+    free = GroupLink(None, 2.0)
+    assert free.seconds(np.array([1e9]), np.array([3.0])).tolist() == [6.0]
