@@ -71,14 +71,19 @@ def waited_in_vain(error: BaseException) -> bool:
     )
 
 
-def rank_names(stages: int, data_parallel: int) -> list[str]:
+def rank_names(stages: int, data_parallel: int, tensor_parallel: int = 1) -> list[str]:
     """How messages name the ranks of a pipeline group: ``"rank 3 (stage 1 of 2, replica 1)"``
-    (rank r holds stage r % K of replica r // K)."""
-    return [
-        f"rank {r} (stage {r % stages} of {stages}"
-        + (f", replica {r // stages})" if data_parallel > 1 else ")")
-        for r in range(stages * data_parallel)
-    ]
+    (rank r holds stage r % K of replica r // K; with t tensor-parallel ranks per stage,
+    rank r is tensor rank r % t of stage (r // t) % K of replica r // (t·K))."""
+    t = tensor_parallel
+    names = []
+    for r in range(stages * data_parallel * t):
+        slot = r // t
+        name = f"rank {r} (stage {slot % stages} of {stages}"
+        if t > 1:
+            name += f", tensor rank {r % t} of {t}"
+        names.append(name + (f", replica {slot // stages})" if data_parallel > 1 else ")"))
+    return names
 
 
 class FailureBoard:

@@ -39,6 +39,7 @@ from autopipe.distributed.setup import (
     rank0_profile,
 )
 from autopipe.distributed.stage import checkpoint_problem, fingerprint
+from autopipe.distributed.tensor_parallel import tensor_parallel_problem
 from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.virtual import stage_indices, virtual_problem
 from autopipe.graph import has_meta_state
@@ -67,6 +68,7 @@ class RankInputs:
         plan_shared: ``plan`` is the same object on every rank (a search broadcast it).
         calibration: measures the runner's figures on every rank before rank 0 plans
             (``calibrate=True``), returning them, or ``None`` when it measured nothing.
+        tp_plan: the tensor-parallel plan given, or ``None`` for the model's own.
     """
 
     model: nn.Module
@@ -78,6 +80,7 @@ class RankInputs:
     prepared: Prepared | None = None
     plan_shared: bool = False
     calibration: Callable[[PipelineRunner, Any], Mapping[str, float] | None] | None = None
+    tp_plan: Mapping[str, str] | None = None
 
 
 class RankSteps:
@@ -111,6 +114,12 @@ class RankSteps:
         problem = problem or virtual_problem(settings.virtual_stages)
         problem = problem or checkpoint_problem(str(settings.checkpoint))
         problem = problem or init_problem(inputs.model, self.meta, settings.init)
+        problem = problem or tensor_parallel_problem(
+            inputs.model, settings.tensor_parallel, inputs.tp_plan, str(schedule),
+            settings.virtual_stages,
+        )  # fmt: skip
+        if not problem and settings.tensor_parallel > 1 and self.meta:
+            problem = "tensor_parallel > 1 needs a model with values, not on the meta device"
         check_autocast(settings.autocast)
         if problem:
             raise ValueError(problem)
@@ -125,6 +134,8 @@ class RankSteps:
             shown = fingerprint_settings(self.sample, chunks, schedule, self.given, inputs.profile)
         shown["data_parallel"] = runner.data_parallel
         shown["virtual_stages"] = settings.virtual_stages
+        shown["tensor_parallel"] = settings.tensor_parallel
+        shown["tp_plan"] = sorted((inputs.tp_plan or {}).items())
         shown["autocast"] = settings.autocast
         shown["checkpoint"] = settings.checkpoint
         shown["deferred_batch_norm"] = deferred
@@ -133,13 +144,14 @@ class RankSteps:
         agree(runner.rank, self.world, problem, fingerprint(modules, **shown) if modules else {})
         assert layers is not None  # agree raised otherwise
         d, v = runner.data_parallel, settings.virtual_stages
-        k = check_layout(self.world, d, inputs.data_parallel, self.given)
+        t = settings.tensor_parallel
+        k = check_layout(self.world, d, inputs.data_parallel, self.given, t)
         check_sizes(k, len(layers.modules), self.given, schedule, chunks, data_parallel=d,
                     virtual_stages=v)  # fmt: skip
         # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
         runner.batch_size, self.sample = replica_sample(self.sample, d, chunks, self.given)
         self.padding = MicroBatchPadding(runner.batch_size, chunks)
-        runner.layout = layout = make_layout(runner.group, d, runner.device)
+        runner.layout = layout = make_layout(runner.group, d, runner.device, t)
         runner.stage_index, runner.num_stages = layout.stage, k
         runner.replica_index = layout.replica
         batch = runner.batch_size

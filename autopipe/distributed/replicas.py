@@ -11,7 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from autopipe.distributed.tensor_parallel import local
 from autopipe.microbatching import DeferredBatchNorm
 from autopipe.planning import Plan
 
@@ -26,7 +28,9 @@ class ReplicaLayout:
     """Where one rank sits among D replicas of a K-stage pipeline.
 
     Group ranks ``r*K .. r*K+K-1`` form replica r's pipeline: ``stage = rank % K`` and
-    ``replica = rank // K``.
+    ``replica = rank // K``. With t tensor-parallel ranks per stage the tensor dimension
+    is innermost: rank ``(r*K + s)*t + j`` is tensor rank j of stage s of replica r, and
+    the pipeline and replica groups join the ranks of one tensor rank j.
 
     Attributes:
         data_parallel: the number of replicas (D).
@@ -35,6 +39,8 @@ class ReplicaLayout:
         replica: this rank's replica.
         pipeline: the group of this replica's K stages (the whole group when D = 1).
         replicas: the group of the D ranks holding this stage (``None`` when D = 1).
+        tensor_parallel: ranks per stage sharding its layers (t).
+        tensor_mesh: the 1-D device mesh of this stage's t ranks (``None`` when t = 1).
     """
 
     data_parallel: int
@@ -43,6 +49,8 @@ class ReplicaLayout:
     replica: int
     pipeline: dist.ProcessGroup | None
     replicas: dist.ProcessGroup | None
+    tensor_parallel: int = 1
+    tensor_mesh: DeviceMesh | None = None
 
 
 def data_parallel_problem(value: Any) -> str | None:
@@ -67,8 +75,11 @@ def resolve_data_parallel(given: Any, plan: Any, world: int) -> Any:
     return value
 
 
-def check_layout(world: int, data_parallel: int, given: int | None, plan: Plan | None) -> int:
-    """Checks that ``world`` ranks hold ``data_parallel`` replicas; returns the stages (K).
+def check_layout(
+    world: int, data_parallel: int, given: int | None, plan: Plan | None, tensor_parallel: int = 1
+) -> int:
+    """Checks that ``world`` ranks hold ``data_parallel`` replicas of stages of
+    ``tensor_parallel`` ranks each; returns the stages (K).
 
     Args:
         world: ranks in the process group.
@@ -77,7 +88,7 @@ def check_layout(world: int, data_parallel: int, given: int | None, plan: Plan |
         plan: the given plan, if any.
 
     Raises:
-        ValueError: the plan was made for another D, or ``world`` is not a multiple of D.
+        ValueError: the plan was made for another D, or ``world`` is not a multiple of D·t.
     """
     if plan is not None and given is not None and plan.data_parallel != given:
         raise ValueError(
@@ -89,7 +100,13 @@ def check_layout(world: int, data_parallel: int, given: int | None, plan: Plan |
             f"the process group has {world} ranks, not a multiple of data_parallel="
             f"{data_parallel}; launch K·{data_parallel} processes for K stages"
         )
-    return world // data_parallel
+    t = tensor_parallel
+    if t > 1 and world % (data_parallel * t):
+        raise ValueError(
+            f"the process group has {world} ranks, not K·t·D for tensor_parallel={t} and "
+            f"data_parallel={data_parallel}; launch a multiple of {t * data_parallel} processes"
+        )
+    return world // (data_parallel * t)
 
 
 def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> timedelta | None:
@@ -103,15 +120,22 @@ def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> time
 
 
 def make_layout(
-    group: dist.ProcessGroup | None, data_parallel: int, device: torch.device
+    group: dist.ProcessGroup | None,
+    data_parallel: int,
+    device: torch.device,
+    tensor_parallel: int = 1,
 ) -> ReplicaLayout:
     """Creates the pipeline and replica sub-groups of ``group``; a collective.
 
     Every rank of the job creates every sub-group, in the same order (``new_group`` needs
-    all of them), so ``group`` must span the job when D > 1. With D = 1 no group is made.
+    all of them), so ``group`` must span the job when D > 1 or t > 1. With D = 1 and
+    t = 1 no group is made; with t > 1 the groups are those of a (D, K, t) device mesh.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    k = world // data_parallel
+    t = tensor_parallel
+    k = world // (data_parallel * t)
+    if t > 1:
+        return _mesh_layout(data_parallel, k, t, device)
     if data_parallel == 1:
         return ReplicaLayout(1, k, rank, 0, group, None)
     parent: Any = group or dist.group.WORLD
@@ -123,6 +147,21 @@ def make_layout(
     replicas = [dist.new_group(members[s::k], **options) for s in range(k)]
     stage, replica = rank % k, rank // k
     return ReplicaLayout(data_parallel, k, stage, replica, pipelines[replica], replicas[stage])
+
+
+def _mesh_layout(d: int, k: int, t: int, device: torch.device) -> ReplicaLayout:
+    """The layout of a job of D·K·t ranks as a device mesh ("dp", "pp", "tp"), tp innermost."""
+    if dist.get_world_size() != d * k * t:
+        raise ValueError(
+            f"tensor_parallel={t} needs a process group of every process (the job has "
+            f"{dist.get_world_size()}, the pipeline {d * k * t})"
+        )
+    shape = torch.arange(d * k * t).view(d, k, t)
+    mesh = DeviceMesh(device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
+    rank = dist.get_rank()
+    stage, replica = (rank // t) % k, rank // (t * k)
+    replicas = mesh.get_group("dp") if d > 1 else None
+    return ReplicaLayout(d, k, stage, replica, mesh.get_group("pp"), replicas, t, mesh["tp"])
 
 
 def replica_batch(rows: int, data_parallel: int, chunks: int, plan: Plan | None) -> int:
@@ -216,8 +255,12 @@ def add_to_earlier(
 def bucketed(
     tensors: Sequence[Tensor], collective: Callable[[Tensor], Any], limit: int = BUCKET_BYTES
 ) -> None:
-    """Runs ``collective(flat)`` on each bucket flattened, then copies ``flat`` back."""
-    for bucket in _buckets(tensors, limit):
+    """Runs ``collective(flat)`` on each bucket flattened, then copies ``flat`` back.
+
+    A DTensor (a tensor-parallel shard) takes part by its local values: the ranks of a
+    group hold the same shard of it.
+    """
+    for bucket in _buckets([local(t) for t in tensors], limit):
         flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         collective(flat)
         with torch.no_grad():

@@ -32,8 +32,14 @@ from autopipe.distributed.replicas import (
     take_shard,
 )
 from autopipe.distributed.setup import agree_on_step, batch_tensors, check_like_sample
-from autopipe.distributed.stage import LossRecorder, merge_state_dicts
+from autopipe.distributed.stage import LossRecorder, StageModule, merge_state_dicts
 from autopipe.distributed.step_trace import StepRecorder, track_label
+from autopipe.distributed.tensor_parallel import (
+    TensorParallel,
+    full_state,
+    model_plan,
+    module_styles,
+)
 from autopipe.distributed.tied_gradients import TiedGradients, make_tie_groups, shared_across_stages
 from autopipe.distributed.virtual import build_stages, make_schedule, stage_states
 from autopipe.microbatching import Assembly, assemble
@@ -50,6 +56,7 @@ RUNNER_FIELDS = (PLAN_FIELDS - {"batch", "padded", "colocated"}) | {
     "autocast",
     "deferred_batch_norm",
     "init",
+    "tensor_parallel",
 }
 
 
@@ -81,6 +88,7 @@ class PipelineRunner:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         profile: Any = None,
+        tp_plan: Mapping[str, str] | None = None,
         **overrides: Any,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -105,14 +113,19 @@ class PipelineRunner:
         self.schedule_name = str(settings.schedule)
         self.virtual_stages = settings.virtual_stages
         self.autocast = settings.autocast
+        self.tensor_parallel = settings.tensor_parallel
+        self.tensor_index = 0
+        self._tp: TensorParallel | None = None
+        self._tp_plan = tp_plan
         self.stage_indices: list[int] = []
         self.batch_size = 0
         self._steps = 0
         self._broken = False
         prepared, plan_shared = self._handover or (None, False)
         given = RankInputs(
-            model, sample, loss_fn, plan, profile, given_d, prepared, plan_shared, self._calibration
-        )
+            model, sample, loss_fn, plan, profile, given_d, prepared, plan_shared,
+            self._calibration, tp_plan,
+        )  # fmt: skip
         settings = dataclasses.replace(settings, data_parallel=self.data_parallel)
         steps = RankSteps(self, given, settings)
         built = assemble(model, settings, steps)
@@ -149,6 +162,8 @@ class PipelineRunner:
         self._shared = {owners.get(id(t)) for t, _ in shared} - {None}
         self.module.to(self.device)
         ties = [(t, where) for t, where in shared if isinstance(t, nn.Parameter)]
+        if self.layout.tensor_mesh is not None:
+            self._shard(ties, model)
         groups = make_tie_groups(ties, self.layout, self.group, self.device)
         self._tied = TiedGradients(ties, groups, self.stage_index)
         if self._meta:  # each holder initialized its copy: the first one's values win
@@ -164,7 +179,28 @@ class PipelineRunner:
             self.schedule_name, stages, total, self.device, group, self.chunks, self._loss
         )
         self.stage = self.stages[0]
-        self._failures = FailureBoard.for_group(self.group, rank_names(k, self.data_parallel))
+        names = rank_names(k, self.data_parallel, self.tensor_parallel)
+        self._failures = FailureBoard.for_group(self.group, names)
+
+    def _shard(self, ties: list[Any], model: nn.Module) -> None:
+        """Shards this rank's layers over its stage's tensor-parallel ranks.
+
+        Raises:
+            ValueError: a parameter is tied across stages, or a style names a module that
+                is not ``nn.Linear`` or ``nn.Embedding`` (the same on every rank).
+        """
+        if ties:
+            raise ValueError(
+                "tensor_parallel > 1 does not take parameters used by stages on several "
+                "ranks (tied embeddings): untie them or plan their users onto one stage"
+            )
+        mesh = self.layout.tensor_mesh
+        assert mesh is not None
+        self.tensor_index = mesh.get_local_rank()
+        plan = model_plan(model) if self._tp_plan is None else self._tp_plan
+        layers = [layer for stage in self.module.modules() if isinstance(stage, StageModule)
+                  for layer in stage.children()]  # fmt: skip
+        self._tp = TensorParallel(layers, model, module_styles(model, plan), mesh)
 
     # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1.
     @property
@@ -249,11 +285,13 @@ class PipelineRunner:
             # sums the same averaged values, in the same group order on every replica, so the
             # copies stay bitwise equal however many replicas reduce in whichever order.
             tied, sync = self._tied.step(), self._sync.step()
+            # Inside the replicas' average: the shards' partial gradients are completed first.
+            sharded = self._tp.step() if self._tp is not None else contextlib.nullcontext()
             recorder = None
             if trace is not None:  # every rank times its part of the step
                 recorder = StepRecorder(self.stages, self.schedule, self.device, self.group)
             timed = recorder or contextlib.nullcontext()
-            with tied, sync, autocast_pass(self.device.type, self.autocast), timed:
+            with tied, sync, sharded, autocast_pass(self.device.type, self.autocast), timed:
                 self.schedule.step(*args, **kwargs)
             loss = self._sync.mean_loss(self._loss.mean()) if self.is_last else None
         except BaseException as exc:
@@ -316,14 +354,20 @@ class PipelineRunner:
         """The whole model's ``state_dict`` (on the CPU) on rank ``dst``; ``None`` elsewhere.
 
         A collective: call it on every rank. The keys are the original model's; the
-        values are replica 0's stages' (the replicas are kept identical).
+        values are replica 0's stages' (the replicas are kept identical), a tensor-parallel
+        stage's shards gathered whole.
         """
         first = self.replica_index == 0
-        state = stage_states(self.module, self.stage_indices, self._original) if first else []
-        if first and self._unheld:  # tensors of the model no stage holds, as they are here
+        whole = full_state if self._tp is not None else None
+        state = []
+        if first:
+            state = stage_states(self.module, self.stage_indices, self._original, whole)
+        if self.tensor_index:  # the stage's first tensor rank sends it
+            state = []
+        if first and self._unheld and not self.tensor_index:  # tensors no stage holds
             own = OrderedDict((k, t.detach().cpu()) for k, t in self._unheld.items())
             state.append((-1 - self.stage_index, own))  # apart from the stages' indices
-        world = self.num_stages * self.data_parallel
+        world = self.num_stages * self.data_parallel * self.tensor_parallel
         parts: list[Any] | None = [None] * world if self.rank == dst else None
         target = dist.get_global_rank(self.group or dist.group.WORLD, dst)  # type: ignore[arg-type]
         what, gather = "gather the state", dist.gather_object
@@ -331,7 +375,7 @@ class PipelineRunner:
         if parts is None:
             return None
         # In stage order, so that the keys come in the original model's order.
-        pairs = [pair for part in parts[: self.num_stages] for pair in part]
+        pairs = [pair for part in parts[: self.num_stages * self.tensor_parallel] for pair in part]
         everything = sorted(pairs, key=lambda pair: pair[0])
         stages = [pair for pair in everything if pair[0] >= 0]
         unheld = [state for index, state in everything if index < 0]

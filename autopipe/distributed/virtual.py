@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -230,7 +230,10 @@ def _supported(function: Any, name: str) -> bool:
 
 
 def stage_states(
-    module: nn.Module, indices: Sequence[int], original: Mapping[str, str]
+    module: nn.Module,
+    indices: Sequence[int],
+    original: Mapping[str, str],
+    whole: Callable[[Tensor], Tensor] | None = None,
 ) -> list[tuple[int, OrderedDict[str, Tensor]]]:
     """Each stage's ``state_dict`` on the CPU under the original model's keys, by index.
 
@@ -238,6 +241,8 @@ def stage_states(
         module: the rank's module, from :func:`build_stages`.
         indices: its stages.
         original: the module's ``state_dict`` keys to the original model's.
+        whole: makes each value whole before it moves to the CPU (a tensor-parallel
+            shard's gather, a collective), or ``None``.
     """
     if isinstance(module, RankStages):
         modules = [(i, f"stage{i}.", module.get_submodule(f"stage{i}")) for i in indices]
@@ -247,6 +252,7 @@ def stage_states(
     for index, prefix, stage in modules:
         state: OrderedDict[str, Tensor] = OrderedDict()
         for key, value in stage.state_dict(prefix=prefix).items():
+            value = value if whole is None else whole(value)
             state.setdefault(original.get(key, key), value.detach().cpu())
         states.append((index, state))
     return states

@@ -56,6 +56,7 @@ class PipelineSettings:
             and the virtual stages.
         virtual_stages: stages per device (v), run by an interleaved schedule.
         data_parallel: replicas of the pipeline (D). Default: a given plan's, else 1.
+        tensor_parallel: ranks sharding each stage's layers (t; the distributed runner).
         memory: device capacity (bytes, ``"16GiB"``, or one per device).
         strategy: how the split is chosen (``optimal``, ``uniform``, ...).
         optimizer: optimizer whose state is counted (``adam``, ``sgd``, ...) or state bytes
@@ -84,6 +85,7 @@ class PipelineSettings:
     checkpoint: str | None = None
     virtual_stages: int = 1
     data_parallel: int | None = None
+    tensor_parallel: int = 1
     memory: MemorySpec = None
     strategy: str = "optimal"
     optimizer: str | float = "adam"

@@ -98,6 +98,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         pipeline_workers,
         replica_workers,
         tied_workers,
+        tp_workers,
     )
 
     init_distributed(
@@ -120,6 +121,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         "batchnorm-training": batchnorm_workers.batchnorm_training,
         "tied": lambda: tied_workers.tied(world),
         "shared": lambda: [tied_workers.shared_run(run) for run in tied_workers.SHARED_RUNS],
+        "tensor-parallel": lambda: tp_workers.tensor_parallel(world),
     }
     fault = scenario.replace("-", " ")
     if scenario in scenarios:

@@ -1,0 +1,150 @@
+"""Ranks of the tensor-parallel scenarios: a tiny Llama trained on K·t ranks and in one process."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import transformers
+from torch import Tensor, nn
+
+TP_CHUNKS = 2
+TP_STEPS = 3
+LR = 0.1
+# The layout of each run: (K stages, t tensor ranks), by world size.
+RUNS = {4: [(2, 2)], 2: [(1, 2), (2, 1)]}
+
+
+class RMSNorm64(nn.Module):
+    """Llama's RMSNorm computed in the input's dtype.
+
+    Hugging Face's ``LlamaRMSNorm`` normalizes in float32 whatever the model's dtype, so
+    a float64 model agrees with its pipeline only to float32 rounding wherever a sum's
+    order changes (the all-reduces do); this one keeps float64 throughout.
+    """
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.variance_epsilon
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps))
+
+
+def tiny_llama(heads: int = 4, kv_heads: int = 2, hidden: int = 64) -> nn.Module:
+    """A float64 Llama of 2 layers with its default tensor-parallel plan, eager attention
+    and float64 norms (:class:`RMSNorm64`)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=50,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(config).double()
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ == "LlamaRMSNorm":
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, RMSNorm64(module))
+    return model
+
+
+def batch() -> tuple[Tensor, Tensor]:
+    """Token ids (4 × 8) and next-token targets."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (4, 9), generator=generator)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def token_loss(output: Any, target: Tensor) -> Tensor:
+    logits = output.logits if not isinstance(output, Tensor) else output
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def reference() -> dict[str, Any]:
+    """The plain model trained as the pipelines are: losses and final state."""
+    model = tiny_llama()
+    x, y = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(TP_STEPS):
+        # The pipeline's loss: the mean over the micro-batches of each one's mean.
+        parts = [token_loss(model(a), b) for a, b in zip(x.chunk(TP_CHUNKS), y.chunk(TP_CHUNKS))]
+        loss = torch.stack(parts).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "state": copy.deepcopy(model.state_dict())}
+
+
+def tp_run(stages: int, tensor: int) -> dict[str, Any]:
+    """TP_STEPS SGD steps of the pipeline: losses, gradient placements, gathered state."""
+    from torch.distributed.tensor import DTensor
+
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.planning.planner import evaluate
+    from tests.support.planning_cases import linear_profile
+
+    model, (x, y) = tiny_llama(), batch()
+    units = 6  # embedding, rotary, 2 layers, norm, head
+    balance = [units // stages] * stages
+    profile = linear_profile([1.0] * units, batch=len(x), chunks=TP_CHUNKS)
+    given = evaluate(profile, balance, chunks=TP_CHUNKS, schedule="1f1b")
+    pipe = DistributedPipeline(
+        model, x, loss_fn=token_loss, chunks=TP_CHUNKS, plan=given, tensor_parallel=tensor
+    )
+    opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
+    losses, placements = [], {}
+    for step in range(TP_STEPS):
+        losses.append(pipe.step(x, y))
+        if step == 0:
+            placements = {
+                name: (str(p.placements), str(p.grad.placements))
+                for name, p in pipe.named_parameters()
+                if isinstance(p, DTensor) and isinstance(p.grad, DTensor)
+            }
+        opt.step()
+        opt.zero_grad()
+    return {
+        "layout": (stages, tensor),
+        "stage": pipe.stage_index,
+        "tensor_index": pipe.tensor_index,
+        "losses": losses,
+        "placements": placements,
+        "state": pipe.gather_state_dict(),
+    }
+
+
+def refused(world: int) -> str:
+    """The message every rank gets for an unknown style."""
+    from autopipe.distributed import DistributedPipeline
+
+    model, (x, _) = tiny_llama(), batch()
+    try:
+        DistributedPipeline(
+            model,
+            x,
+            loss_fn=token_loss,
+            chunks=2,
+            tensor_parallel=world,
+            tp_plan={"lm_head": "diagonal"},
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def tensor_parallel(world: int) -> dict[str, Any]:
+    """Every run for this world size, the reference, and the refusal."""
+    return {
+        "runs": [tp_run(k, t) for k, t in RUNS[world]],
+        "reference": reference(),
+        "refused": refused(world),
+    }
