@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -145,7 +145,7 @@ def profile_layers(
     )
     warmup, repeats, progress, pool = chosen.warmup, chosen.repeats, chosen.progress, chosen.pool
     cold_cache, autocast, owner = chosen.cold_cache, chosen.autocast, chosen.owner
-    measure, count, styles = chosen.measure, chosen.count, chosen.shard_styles
+    measure = chosen.measure
     layers = list(layers)
     if not layers:
         raise ValueError("cannot profile an empty list of layers")
@@ -181,9 +181,7 @@ def profile_layers(
     ):
         if micro < smallest:
             _check_micro_batch(layers, layer_names, tensors, micro, dev, autocast, packed)
-        counted = _count(
-            layers, layer_names, tensors, sizes, dev, autocast, packed, count, measure, styles
-        )
+        counted = _count(layers, layer_names, tensors, sizes, dev, autocast, packed, chosen)
         if isinstance(counted, str):
             meta["uncounted"] = counted
             counted = None
@@ -316,13 +314,12 @@ def _count(
     device: torch.device,
     autocast: str | None,
     packed: bool,
-    count: bool,
-    measure: bool,
-    styles: Sequence[Mapping[str, str]] | None = None,
+    chosen: ProfileOptions,
 ) -> list[CountedLayer] | str | None:
-    """The count pass; a string says why a layer could not be counted (only when the
-    counts are optional: the layers have real state, are measured, and no tensor-parallel
-    styles ask for shard counts)."""
+    """The count pass, as ``chosen`` asks (``count``, ``measure``, ``shard_styles``); a
+    string says why a layer could not be counted (only when the counts are optional: the
+    layers have real state, are measured, and no tensor-parallel styles ask for shards)."""
+    count, measure, styles = chosen.count, chosen.measure, chosen.shard_styles
     required = not measure or styles is not None or any(has_meta(layer) for layer in layers)
     if not (count or required):
         return None
