@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from profiler.profile import PROFILE_VERSION, LayerProfile, Profile, TiedState
     from profiler.progress import TerminalProgress
     from profiler.roofline import measure_peaks
+    from profiler.shard_counting import SHARD_STYLES
     from profiler.shard_counts import ShardCounts
     from profiler.tied import tensor_uses
 
@@ -54,6 +55,7 @@ __all__ = [
     "DTYPES",
     "ENV_DIR",
     "PROFILE_VERSION",
+    "SHARD_STYLES",
     "LayerProfile",
     "MemoryShortage",
     "Profile",
@@ -114,6 +116,7 @@ _HOMES = {
     "Profile": "profiler.profile",
     "SavedMemory": "profiler.live_memory",
     "TerminalProgress": "profiler.progress",
+    "SHARD_STYLES": "profiler.shard_counting",
     "ShardCounts": "profiler.shard_counts",
     "TiedState": "profiler.profile",
     "autocast_pass": "profiler.precision",

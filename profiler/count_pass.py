@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -13,6 +13,8 @@ from profiler.counting import LayerCounts, count_layer, fresh_like, meta_copy
 from profiler.layer import OneValue
 from profiler.pooling import layer_signature
 from profiler.profile import LayerProfile
+from profiler.shard_counting import check_styles
+from profiler.shard_counts import ShardCounts
 
 __all__: list[str] = []
 
@@ -42,6 +44,7 @@ def count_layers(
     *,
     autocast: str | None = None,
     packed: bool = False,
+    styles: Sequence[Mapping[str, str]] | None = None,
 ) -> list[CountedLayer]:
     """Counts the layers in order, each on the previous one's outputs.
 
@@ -57,6 +60,9 @@ def count_layers(
         device: whose kernels to count (see :func:`profiler.counting.count_layer`).
         autocast: the autocast dtype the layers run under, or ``None``.
         packed: the first layer takes its inputs as one tuple.
+        styles: one map per layer of its parameters' tensor-parallel styles (by name in
+            the layer); given, every layer's counts include its shards
+            (:mod:`profiler.shard_counting`).
 
     Raises:
         ValueError: a layer cannot run without tensor values; the message names it.
@@ -64,8 +70,17 @@ def count_layers(
     results: list[CountedLayer] = []
     seen: dict[str, tuple[int, list[Inputs], bool]] = {}
     current = [tuple(x) for x in inputs]
+    if styles is not None and len(styles) != len(layers):
+        raise ValueError(f"got {len(styles)} style maps for {len(layers)} layers")
+    for given, name in zip(styles or [], names, strict=False):
+        check_styles(given, f"layer {name}")
     for index, (layer, name) in enumerate(zip(layers, names, strict=True)):
+        own = None if styles is None else styles[index]
         signature = layer_signature(layer, current) + f"#packed={packed}"
+        if own is not None:  # by position: each block names its parameters its own way
+            signature += "#styles=" + ",".join(
+                own.get(n, "") for n, _ in layer.named_parameters(remove_duplicate=False)
+            )
         if signature in seen:
             first, outputs, packed = seen[signature]
             results.append(CountedLayer(signature, results[first].counts, first))
@@ -76,9 +91,16 @@ def count_layers(
         returns_tuple = False
         for x in current:
             call = meta_copy(layer)
+            # OneValue holds the layer as ``layer``, which prefixes its parameters' names.
+            named = own if own is None or not packed else {f"layer.{k}": v for k, v in own.items()}
             try:
                 found, out, returns_tuple = count_layer(
-                    OneValue(call) if packed else call, x, device, label=label, autocast=autocast
+                    OneValue(call) if packed else call,
+                    x,
+                    device,
+                    label=label,
+                    autocast=autocast,
+                    styles=named,
                 )
             except Exception as exc:
                 # A size the layer refuses is refused with real weights too.
@@ -129,6 +151,35 @@ def counted_profiles(
     return results
 
 
+def shard_counts(counts: Sequence[LayerCounts]) -> ShardCounts | None:
+    """One layer's shard figures at each batch size as a :class:`ShardCounts`, ``None``
+    when it was counted without a tensor-parallel plan."""
+    figures = [c.shards for c in counts]
+    if not figures or any(f is None for f in figures):
+        return None
+    found = [f for f in figures if f is not None]
+    first = found[0]
+    return ShardCounts(
+        flops=[f.flops for f in found],
+        backward_flops=[f.backward_flops for f in found],
+        backward_input_flops=[f.backward_input_flops for f in found],
+        traffic=[f.traffic for f in found],
+        backward_traffic=[f.backward_traffic for f in found],
+        saved=[f.saved for f in found],
+        param_bytes=first.param_bytes,
+        reduce_forward=[f.reduce_forward for f in found],
+        reduce_backward=[f.reduce_backward for f in found],
+        reductions=max(f.reductions for f in found),
+        replicated_saved=[f.replicated_saved for f in found],
+        attention_flops=[f.attention_flops for f in found],
+        attention_backward_flops=[f.attention_backward_flops for f in found],
+        kv_bytes=[f.kv_bytes for f in found],
+        attention_calls=max(f.attention_calls for f in found),
+        heads=max(f.heads for f in found),
+        kv_heads=max(f.kv_heads for f in found),
+    )
+
+
 def with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
     """The profile with the counts of ``counted`` at each batch size."""
     counts = counted.counts
@@ -141,4 +192,5 @@ def with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
         backward_traffic=[c.backward_traffic for c in counts],
         operations=[float(c.operations) for c in counts],
         backward_operations=[float(c.backward_operations) for c in counts],
+        shards=shard_counts(counts),
     )

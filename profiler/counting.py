@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.layer import Pass, as_tensors, state_storages, storage_key, tensor_bytes
 from profiler.precision import autocast_pass
+from profiler.shard_counting import CPU_ATTENTION_FLOPS, ShardFigures, ShardFlow, saving
 
 __all__ = ["fake_inputs", "fake_state", "quiet_fakes", "swapped_state"]
 
@@ -48,6 +49,7 @@ class LayerCounts:
     input_saved: int  # of ``saved``: the input's storages
     output_saved: int  # of ``saved``: the output's storages
     output: int  # bytes of the output, what crosses a cut after the layer
+    shards: ShardFigures | None = None  # counted with a tensor-parallel plan
 
 
 class Traffic(TorchDispatchMode):
@@ -66,18 +68,29 @@ class Traffic(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        results = tree_leaves(out)
-        moves = any(isinstance(value, Tensor) for value in results)
-        if moves and not getattr(func, "is_view", False) and func not in _NO_TRAFFIC:
+        moved = moved_bytes(func, args, kwargs, out)
+        if moved is not None:
             self.operations += 1
-            seen: set[tuple[Any, ...]] = set()
-            for value in (*tree_leaves((args, kwargs)), *results):
-                if isinstance(value, Tensor):
-                    key = (storage_key(value)[0], value.storage_offset(), tuple(value.shape))
-                    if key not in seen:
-                        seen.add(key)
-                        self.bytes += value.numel() * value.element_size()
+            self.bytes += moved
         return out
+
+
+def moved_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int | None:
+    """The bytes one operation reads and writes (see :class:`Traffic`); ``None`` for one
+    that launches no kernel."""
+    results = tree_leaves(out)
+    moves = any(isinstance(value, Tensor) for value in results)
+    if not moves or getattr(func, "is_view", False) or func in _NO_TRAFFIC:
+        return None
+    total = 0
+    seen: set[tuple[Any, ...]] = set()
+    for value in (*tree_leaves((args, kwargs)), *results):
+        if isinstance(value, Tensor):
+            key = (storage_key(value)[0], value.storage_offset(), tuple(value.shape))
+            if key not in seen:
+                seen.add(key)
+                total += value.numel() * value.element_size()
+    return total
 
 
 # Operations that only describe tensors or alias them; they launch no memory traffic.
@@ -257,6 +270,11 @@ def _flops(counter: FlopCounterMode) -> float:
     return float(counter.get_total_flops())
 
 
+def _counter() -> FlopCounterMode:
+    """torch's flop counter, which also counts the CPU's fused attention."""
+    return FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+
+
 def count_layer(
     layer: nn.Module,
     inputs: tuple[Tensor, ...],
@@ -264,6 +282,7 @@ def count_layer(
     *,
     label: str = "the layer",
     autocast: str | None = None,
+    styles: Mapping[str, str] | None = None,
 ) -> tuple[LayerCounts, tuple[Tensor, ...], bool]:
     """Counts one layer as it would run on ``device``, without storage.
 
@@ -275,6 +294,9 @@ def count_layer(
             ``cuda`` only where CUDA is available).
         label: how error messages name the layer.
         autocast: run the forward and backward under ``torch.autocast`` with this dtype.
+        styles: the tensor-parallel style of the module owning each parameter, by its name
+            in ``layer``; given (even empty), the counts include what the styles shard
+            (:mod:`profiler.shard_counting`), counted in the same forward and backward.
 
     Returns:
         The counts, the layer's outputs on the meta device, and whether they were a tuple.
@@ -289,20 +311,34 @@ def count_layer(
         exclude = state_storages(layer)
         runs = Pass(layer, fakes, device, label, None, autocast)
         saved, fresh, of_output = runs.saved(exclude)
-        forward_flops = FlopCounterMode(display=False)
-        backward_flops = FlopCounterMode(display=False)
+        forward_flops, backward_flops = _counter(), _counter()
         forward_bytes, backward_bytes = Traffic(), Traffic()
+        flow = None if styles is None else ShardFlow(layer, styles, moved_bytes)
+        following = flow or contextlib.nullcontext()
+        kept: list[Tensor] = []
         args = runs.arguments()
-        with forward_flops, forward_bytes:
+        with forward_flops, forward_bytes, following, saving(kept):
             targets = runs.forward(args)
-        with backward_flops, backward_bytes:
+        if flow is not None:
+            flow.leave(targets)
+            flow.saved(kept, exclude)
+            flow.backward = True
+        kept.clear()
+        with backward_flops, backward_bytes, following:
             runs.backward(targets)
-        input_flops = FlopCounterMode(display=False)
+        input_flops = _counter()
+        # The input gradient's sharded part, followed through the pass that counts it.
+        input_flow = None if styles is None else ShardFlow(layer, styles, moved_bytes)
+        following = input_flow or contextlib.nullcontext()
         args = runs.arguments()
-        targets = runs.forward(args)
+        with following:
+            targets = runs.forward(args)
+        if input_flow is not None:
+            input_flow.leave(targets)
+            input_flow.backward = True
         wanted = [a for a in args if a.requires_grad]
         if targets and wanted:
-            with input_flops, autocast_pass(device.type, autocast):
+            with input_flops, following, autocast_pass(device.type, autocast):
                 torch.autograd.grad(targets, wanted, runs.grads, allow_unused=True)
         del targets, args
         # What the next layer gets: the outputs as the model passes them, without autograd,
@@ -326,5 +362,6 @@ def count_layer(
         input_saved=saved - fresh,
         output_saved=of_output,
         output=output_bytes,
+        shards=None if flow is None else flow.finish(input_flow),
     )
     return counts, metas, returns_tuple

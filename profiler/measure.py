@@ -120,6 +120,11 @@ def profile_layers(
         owner: the model whose parameters the layers use (e.g. the model traced into
             them), which names the tensors several layers share in :attr:`Profile.tied`;
             default: ``layer.param`` names.
+        shard_styles: one map per layer from its parameters' names (in the layer) to the
+            tensor-parallel style of the module owning them (``colwise``, ``rowwise``, ...;
+            see :data:`profiler.shard_counting.SHARD_STYLES`); given, each layer's
+            :attr:`LayerProfile.shards` is counted (and the counts are required).
+            ``autopipe.graph.shard_styles`` makes them from a model's plan.
 
     Returns:
         The profile: per-layer forward/backward seconds and saved/output bytes at each
@@ -140,7 +145,7 @@ def profile_layers(
     )
     warmup, repeats, progress, pool = chosen.warmup, chosen.repeats, chosen.progress, chosen.pool
     cold_cache, autocast, owner = chosen.cold_cache, chosen.autocast, chosen.owner
-    measure, count = chosen.measure, chosen.count
+    measure = chosen.measure
     layers = list(layers)
     if not layers:
         raise ValueError("cannot profile an empty list of layers")
@@ -176,7 +181,7 @@ def profile_layers(
     ):
         if micro < smallest:
             _check_micro_batch(layers, layer_names, tensors, micro, dev, autocast, packed)
-        counted = _count(layers, layer_names, tensors, sizes, dev, autocast, packed, count, measure)
+        counted = _count(layers, layer_names, tensors, sizes, dev, autocast, packed, chosen)
         if isinstance(counted, str):
             meta["uncounted"] = counted
             counted = None
@@ -309,17 +314,20 @@ def _count(
     device: torch.device,
     autocast: str | None,
     packed: bool,
-    count: bool,
-    measure: bool,
+    chosen: ProfileOptions,
 ) -> list[CountedLayer] | str | None:
-    """The count pass; a string says why a layer could not be counted (only when the
-    counts are optional: the layers have real state and are measured)."""
-    required = not measure or any(has_meta(layer) for layer in layers)
+    """The count pass, as ``chosen`` asks (``count``, ``measure``, ``shard_styles``); a
+    string says why a layer could not be counted (only when the counts are optional: the
+    layers have real state, are measured, and no tensor-parallel styles ask for shards)."""
+    count, measure, styles = chosen.count, chosen.measure, chosen.shard_styles
+    required = not measure or styles is not None or any(has_meta(layer) for layer in layers)
     if not (count or required):
         return None
     inputs = [resize_sample(tensors, size, META) for size in sizes]
     try:
-        return count_layers(layers, inputs, names, device, autocast=autocast, packed=packed)
+        return count_layers(
+            layers, inputs, names, device, autocast=autocast, packed=packed, styles=styles
+        )
     except ValueError as exc:
         if required:
             raise

@@ -30,6 +30,7 @@ class ProfileOptions:
     owner: nn.Module | None = None
     measure: bool = True
     count: bool = True
+    shard_styles: Sequence[Mapping[str, str]] | None = None
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ProfileOptions))

@@ -75,6 +75,14 @@ def add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> No
         "to this dtype before profiling (default: as model.py defines them)",
     )
     parser.add_argument(
+        "--tp-plan",
+        metavar="FILE",
+        help="a tensor-parallel plan (JSON object of module-name patterns, `*` for one part, "
+        "to styles such as colwise and rowwise) whose sharded FLOPs, bytes and collectives "
+        "are counted per layer (default: a Hugging Face model's own plan with --target, "
+        "else none)",
+    )
+    parser.add_argument(
         "--no-cache",
         action="store_true",
         help="measure again and leave the profile cache alone (default: a model file "

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 import profiler
 from autopipe import __version__
+from autopipe.cli.options import tp_plan_option
 from profiler import ENV_DIR, Profile, cache_dir, cpu_model, read_json, write_json
 
 if TYPE_CHECKING:
@@ -235,6 +236,7 @@ def profile_key(
             "measure": not getattr(args, "target", None),
             "granularity": args.granularity,
             "leaf_modules": list(args.leaf_modules),
+            "tp_plan": tp_plan_option(args),
         },
     }
     text = json.dumps(parts, sort_keys=True, default=str)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopipe.cli.model_output import model_output_to_stderr
-from autopipe.cli.options import default_device
+from autopipe.cli.options import default_device, tp_plan_option
 from autopipe.planning import default_chunks
 from profiler import DTYPES
 
@@ -60,6 +60,12 @@ def _read_profile(
     check_model: Callable[[int], None] | None,
 ) -> Inputs:
     if args.profile:
+        if getattr(args, "tp_plan", None):
+            raise ValueError(
+                "--tp-plan is counted while profiling: profile the model file with it "
+                "(autopipe profile MODEL.py --tp-plan FILE) and plan from that, or leave "
+                "out --profile"
+            )
         profile = _load_profile(args)
         batch = args.batch
         if args.model:  # the plan is for its sample's batch, unless --batch says otherwise
@@ -97,6 +103,7 @@ def measure_model(
     from autopipe.cli.source_index import recording, source_entry
 
     device = args.device or default_device()
+    plan = tp_plan_option(args)  # a bad file fails before the model loads
     index = source_entry(args, device)
     if index is not None:  # the model file need not run when nothing it read changed
         found = index.lookup(stages, batch)
@@ -130,7 +137,7 @@ def measure_model(
         )
         if check_model is not None:
             check_model(len(model))
-        profile = _measure(model, flat, args, chunks, owner, device)
+        profile = _measure(model, flat, args, chunks, owner, device, plan)
         if entry is not None:
             entry.store(profile)
             if index is not None:
@@ -195,12 +202,23 @@ def _measure(
     chunks: int,
     owner: nn.Module | None = None,
     device: str | None = None,
+    plan: dict[str, str] | None = None,
 ) -> Profile:
     """Profiles ``model``, reporting progress on stderr and failures as one line.
 
-    ``owner`` is the model its layers were traced from, which names shared parameters.
+    ``owner`` is the model its layers were traced from, which names shared parameters and
+    the modules of the tensor-parallel ``plan`` (the ``--tp-plan`` file's; without it, with
+    ``--target``, a Hugging Face model's own).
     """
+    from autopipe.graph import shard_styles
     from profiler import MemoryShortage, TerminalProgress, layer_names, profile_model
+
+    counted = getattr(args, "target", None)
+    styles = (
+        shard_styles(owner or model, list(model.children()), plan)
+        if plan is not None or counted
+        else None
+    )
 
     children = list(zip(layer_names(model), model.children()))
     show = TerminalProgress(kinds={name: type(child).__name__ for name, child in children})
@@ -223,7 +241,8 @@ def _measure(
             autocast=args.autocast,
             owner=owner or model,
             # For a catalog device the layers are counted, not timed here.
-            measure=not getattr(args, "target", None),
+            measure=not counted,
+            shard_styles=styles,
         )
     except MemoryShortage as exc:
         _end_line(show, done)

@@ -98,6 +98,21 @@ def _optimizer(text: str) -> str | float:
     return value
 
 
+def tp_plan_option(args: argparse.Namespace) -> dict[str, str] | None:
+    """The ``--tp-plan`` file's plan, ``None`` without the option (and for commands that
+    lack it).
+
+    Raises:
+        ValueError: the file cannot be read or is no plan (one line saying why).
+    """
+    path = getattr(args, "tp_plan", None)
+    if path is None:
+        return None
+    from autopipe.graph import read_tp_plan  # loads torch, which a saved profile needs not
+
+    return read_tp_plan(path)
+
+
 def check_precision(args: argparse.Namespace) -> None:
     """Fails early, before loading the model, on a bad ``--autocast``, ``--dtype`` or
     ``--device`` (checked when the layers are to be measured, not with ``--profile``)."""

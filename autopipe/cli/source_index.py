@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import profiler
+from autopipe.cli.options import tp_plan_option
 from profiler import read_json, write_json
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ def _index_key(
             "measure": not getattr(args, "target", None),
             "granularity": args.granularity,
             "leaf_modules": list(args.leaf_modules),
+            "tp_plan": tp_plan_option(args),
         },
     }
     text = json.dumps(parts, sort_keys=True, default=str)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from autopipe.graph.shapes import DynamicSpec
     from autopipe.graph.sharing import check_placement, copied_written
     from autopipe.graph.stage_modules import UnitModule, UnitSequential
+    from autopipe.graph.tp_plan import check_tp_plan, model_tp_plan, read_tp_plan, shard_styles
     from autopipe.graph.tracing import METHODS, PREFIX, Traced, trace
     from autopipe.graph.units import GRANULARITIES
 
@@ -47,14 +48,18 @@ __all__ = [
     "UnitModule",
     "UnitSequential",
     "check_placement",
+    "check_tp_plan",
     "copied_written",
     "has_meta_state",
     "layout_model",
     "materialize_units",
     "meta_bytes",
     "model_inputs",
+    "model_tp_plan",
     "prepare",
+    "read_tp_plan",
     "rebind_state",
+    "shard_styles",
     "stage_of_units",
     "trace",
     "unit_sequential",
@@ -75,6 +80,10 @@ _HOMES = {
     "UnitModule": "autopipe.graph.stage_modules",
     "UnitSequential": "autopipe.graph.stage_modules",
     "check_placement": "autopipe.graph.sharing",
+    "check_tp_plan": "autopipe.graph.tp_plan",
+    "model_tp_plan": "autopipe.graph.tp_plan",
+    "read_tp_plan": "autopipe.graph.tp_plan",
+    "shard_styles": "autopipe.graph.tp_plan",
     "copied_written": "autopipe.graph.sharing",
     "has_meta_state": "autopipe.graph.meta",
     "layout_model": "autopipe.graph.layout",
