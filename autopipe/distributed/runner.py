@@ -88,9 +88,11 @@ class PipelineRunner:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         profile: Any = None,
-        tp_plan: Mapping[str, str] | None = None,
         **overrides: Any,
     ) -> None:
+        # ``tp_plan``: the tensor-parallel plan (module-name patterns to styles) for
+        # ``tensor_parallel`` above 1; default the model's own Hugging Face plan.
+        tp_plan: Mapping[str, str] | None = overrides.pop("tp_plan", None)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "DistributedPipeline needs an initialised process group: call "
