@@ -96,6 +96,10 @@ def search_command(args: argparse.Namespace) -> int:
     # --batch is the step's, across replicas: the layers are measured for the sample's.
     inputs = read_profile(args, devices)
     profile = inputs.profile
+    counted = all(layer.shards is not None for layer in profile.layers)
+    if args.tensor_parallel is None and counted and not args.one_device and devices > 1:
+        # A profile counted with a tensor-parallel plan weighs every degree its heads allow.
+        mesh["tensor_parallel"] = ()
     bandwidth, allreduce = costs.bandwidth, costs.allreduce_bandwidth
     if target is not None:
         profile = estimated(profile, args, target)

@@ -118,7 +118,10 @@ def test_search_a_mesh(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
         (["--tensor-parallel", "3"], "has 8 attention heads, which tensor parallelism 3"),
         (["--zero", "1", "--shard-optimizer"], "leave out --shard-optimizer"),
         (["--micro-batch", "3"], "no mesh of 8 devices matches the batch 16"),
-        (["--sequence-parallel"], "sequence parallelism goes with a tensor-parallel degree"),
+        (
+            ["--sequence-parallel", "--tensor-parallel", "1"],
+            "sequence parallelism goes with a tensor-parallel degree",
+        ),
         (["--global-batch", "8", "--batch", "16", "--micro-batch", "1"], "give one of them"),
     ],
 )
@@ -151,3 +154,12 @@ def test_mesh_options_that_do_not_parse(
     code, out, err = run(capsys, *argv, *args)
     assert code == 2 and out == "" and len(err.splitlines()) == 1
     assert err.startswith("autopipe plan: error: ") and expected in err
+
+
+def test_a_profile_counted_with_a_tp_plan_weighs_tensor_parallelism_unasked(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["plan", "--profile", str(_mesh_profile(tmp_path)), "--search", "--devices", "8"]
+    code, out, err = run(capsys, *argv, "--top", "40")
+    assert code == 0, err
+    assert any(f"TP={t} " in out for t in (2, 4, 8)), out
