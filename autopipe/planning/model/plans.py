@@ -237,9 +237,12 @@ class Plan:
 
         Formats (:data:`autopipe.planning.runtimes.export_formats.EXPORT_FORMATS`): ``torch`` and
         ``torch-json``, the ``split_spec`` of ``torch.distributed.pipelining.pipeline``;
-        ``torchtitan`` (TOML) and ``torchtitan-json``, its ``module_fqns_per_model_part``;
-        ``megatron``, Megatron-LM's ``--pipeline-model-parallel-layout`` (decoder-only
-        models); ``deepspeed`` (JSON), the layer boundaries of a ``PipelineModule``.
+        ``torchtitan`` (TOML) and ``torchtitan-json``, its ``[parallelism]`` settings
+        (the mesh's degrees, the schedule, ``module_fqns_per_model_part``), activation
+        checkpointing and batch sizes; ``megatron``, Megatron-LM's arguments (the mesh's
+        parallel sizes, ``--pipeline-model-parallel-layout`` for decoder-only models, the
+        distributed optimizer, batch sizes, re-computation); ``deepspeed`` (JSON), the
+        layer boundaries of a ``PipelineModule``.
 
         Raises:
             ValueError: an unknown format, or a split it cannot express (the message
