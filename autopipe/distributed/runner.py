@@ -37,11 +37,11 @@ from autopipe.distributed.step_trace import StepRecorder, track_label
 from autopipe.distributed.tensor_parallel import (
     TensorParallel,
     full_state,
-    model_plan,
     module_styles,
 )
 from autopipe.distributed.tied_gradients import TiedGradients, make_tie_groups, shared_across_stages
 from autopipe.distributed.virtual import build_stages, make_schedule, stage_states
+from autopipe.graph import model_tp_plan
 from autopipe.microbatching import Assembly, assemble
 from autopipe.output import check_trace_path
 from autopipe.planning import PLAN_FIELDS, PipelineSettings, Plan, with_overrides
@@ -199,7 +199,7 @@ class PipelineRunner:
         mesh = self.layout.tensor_mesh
         assert mesh is not None
         self.tensor_index = mesh.get_local_rank()
-        plan = model_plan(model) if self._tp_plan is None else self._tp_plan
+        plan = (model_tp_plan(model) or {}) if self._tp_plan is None else self._tp_plan
         layers = [layer for stage in self.module.modules() if isinstance(stage, StageModule)
                   for layer in stage.children()]  # fmt: skip
         self._tp = TensorParallel(layers, model, module_styles(model, plan), mesh)

@@ -32,6 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from autopipe.graph import model_tp_plan
+
 __all__: list[str] = []  # internal to the distributed runner
 
 # The plan styles taken (Hugging Face's names) and the torch style whose placements they use.
@@ -40,26 +42,6 @@ COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise
 ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise")
 REPLICATED = ("replicate", "replicated_with_grad_allreduce")
 STYLES = (*COLWISE, *ROWWISE, *REPLICATED)
-
-
-def model_plan(model: nn.Module) -> dict[str, str]:
-    """The model's own tensor-parallel plan, by full module names with ``*``.
-
-    A Hugging Face model's ``_tp_plan`` (full names), else its
-    ``config.base_model_tp_plan`` under the base model's prefix (``model.``); empty when
-    it has neither.
-    """
-    own = getattr(model, "_tp_plan", None)
-    if isinstance(own, Mapping) and own:
-        return dict(own)
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None)
-    if not isinstance(base, Mapping) or not base:
-        return {}
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
-        return {f"{prefix}.{name}": style for name, style in base.items()}
-    return dict(base)
 
 
 def plan_problem(plan: Any, tensor_parallel: int) -> str | None:
@@ -241,14 +223,15 @@ def tensor_parallel_problem(
     Args:
         model: the model (its plan and attention heads).
         tensor_parallel: the degree (t).
-        tp_plan: the given plan, or ``None`` for the model's own (:func:`model_plan`).
+        tp_plan: the given plan, or ``None`` for the model's own
+            (:func:`autopipe.graph.model_tp_plan`).
         schedule: the pipeline schedule.
         virtual_stages: stages per rank.
     """
     problem = plan_problem(tp_plan, tensor_parallel)
     if problem or tensor_parallel == 1:
         return problem
-    plan = model_plan(model) if tp_plan is None else tp_plan
+    plan = (model_tp_plan(model) or {}) if tp_plan is None else tp_plan
     if not module_styles(model, plan):
         return (
             f"tensor_parallel={tensor_parallel} needs a plan naming the model's modules: the "

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from autopipe.distributed.replicas import check_layout
-from autopipe.distributed.tensor_parallel import _matches, model_plan, tensor_parallel_problem
+from autopipe.distributed.tensor_parallel import _matches, tensor_parallel_problem
+from autopipe.graph import model_tp_plan
 from tests.support.dist_workers import scenario_results
 from tests.support.tp_workers import RUNS, tiny_llama
 
@@ -19,7 +20,7 @@ TOLERANCE = {"rtol": 1e-12, "atol": 1e-12}
 
 def test_refusals() -> None:
     model = tiny_llama()
-    assert "model.layers.*.self_attn.q_proj" in model_plan(model)
+    assert "model.layers.*.self_attn.q_proj" in (model_tp_plan(model) or {})
     assert _matches("model.layers.*.mlp.up_proj", "model.layers.1.mlp.up_proj")
     problem = tensor_parallel_problem(model, 2, {"lm_head": "diagonal"}, "1f1b", 1)
     assert problem is not None and "unknown tensor-parallel style 'diagonal'" in problem
