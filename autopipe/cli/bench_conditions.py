@@ -223,10 +223,7 @@ def fit_in_place(
             for label, figures in timed.items()
         ]
         scales = fit_layer_scales(profile, observed)
-        how = (
-            "each stage's forward and backward timed on its rank in the warm-up steps "
-            "after the first"
-        )
+        how = "each stage's forward and backward timed on its rank in the later warm-up steps"
     else:
         # The step is linear in a factor g on every layer's time as long as the bottleneck
         # does not move: step(g) = p1 + (p2 - p1)(g - 1), with p2 the step at g = 2.
@@ -243,8 +240,8 @@ def fit_in_place(
         factor = 1.0 + num / den if den > 0 else 1.0
         scales = uniform_scales(profile, max(factor, 0.05))
         how = (
-            f"every layer's time x{max(factor, 0.05):.2f}, fitted on the splits' warm-up "
-            "steps after the first"
+            f"every layer's time x{max(factor, 0.05):.2f}, fitted on the splits' later warm-up "
+            "steps"
         )
     fitted = scaled_profile(profile, scales, how, update)
     mib = format_time(update * 2**20)

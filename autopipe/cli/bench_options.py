@@ -63,11 +63,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--warmup",
         type=non_negative,
-        default=3,
+        default=4,
         metavar="W",
-        help="untimed steps per split before timing (default: 3); those after the first "
-        "are timed in place and the predictions made from them (2 or more; see "
-        "--no-calibrate)",
+        help="untimed steps per split before timing (default: 4); the later half (the "
+        "first always left out) are timed in place and the predictions made from them "
+        "(2 or more; see --no-calibrate)",
     )
     parser.add_argument(
         "--memory",

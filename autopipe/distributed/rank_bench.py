@@ -6,17 +6,20 @@ model itself (``build``, a picklable function) and runs every split as a
 :class:`autopipe.distributed.DistributedPipeline` of the given plan, the splits taking turns
 one step each. A step is forward and backward through the pipeline with the loss the mean
 of the output, then an SGD step of the rank's stage; its time is the slowest rank's, each
-rank timing from a common barrier. With ``in_place`` the warm-up steps after the first are
-recorded (:class:`autopipe.distributed.step_trace.StepRecorder`): every stage's forward and
-backward per micro-batch, timed on the rank that runs it, which ``autopipe bench`` predicts
-the timed steps from. After the timed steps one untimed step per split counts
-the bytes each rank's stage saves for backward (:class:`profiler.live_memory.SavedMemory`).
+rank timing from a common barrier. With ``in_place`` the later warm-up steps
+(:func:`autopipe.microbatching.step_timing.kept_warmup_rounds`) are recorded in turn with
+:class:`autopipe.distributed.step_trace.StepRecorder` and without it: every stage's forward
+and backward per micro-batch, timed on the rank that runs it, and the whole step without the
+recorder's cost, which ``autopipe bench`` predicts the timed steps from. After the timed
+steps one untimed step per split counts the bytes each rank's stage saves for backward
+(:class:`profiler.live_memory.SavedMemory`).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -34,7 +37,12 @@ from autopipe.distributed.local_ranks import (
     run_on_local_ranks,
 )
 from autopipe.distributed.step_trace import StepRecorder, median_stage_seconds, stage_seconds
-from autopipe.microbatching import check_steps, mean_output_loss, take_turns
+from autopipe.microbatching import (
+    check_steps,
+    kept_warmup_rounds,
+    mean_output_loss,
+    take_turns,
+)
 from autopipe.output import Measured, merge_stage_seconds
 from autopipe.planning import Plan
 from profiler import SavedMemory, synchronize
@@ -116,12 +124,20 @@ def _rank_main(
             messages.put(("progress", done, total, label))
 
         records: dict[str, list[dict[str, Any]]] = {label: [] for label in splits}
+        plain: dict[str, list[float]] = {label: [] for label in splits}
+        kept_rounds = kept_warmup_rounds(options["warmup"])
 
         def warm_step(label: str, round_: int) -> float:
-            """A warm-up step; after the first (which sets up torch's stages) each stage's
-            forwards and backwards are timed where they run, for the predictions."""
-            if round_ < 1 or not options["in_place"]:
+            """A warm-up step; in the later ones (the first sets up torch's stages) each
+            stage's forwards and backwards are timed where they run, for the predictions,
+            every other one: the steps between run unrecorded and give the step's seconds
+            without the recorder's own cost."""
+            if round_ not in kept_rounds or not options["in_place"]:
                 return step(label)
+            if (round_ - kept_rounds.start) % 2 == 1:
+                seconds = step(label)
+                plain[label].append(seconds)
+                return seconds
             pipe = splits[label][0]
             with StepRecorder(pipe.stages, pipe.schedule, device, pipe.group) as recorder:
                 seconds = step(label)
@@ -140,6 +156,9 @@ def _rank_main(
             warmup_step=warm_step,
         )
         in_place = {label: median_stage_seconds(found) for label, found in records.items() if found}
+        for label, found in in_place.items():
+            if plain[label]:
+                found["step"] = statistics.median(plain[label])
         peaks = {}
         for label, (pipe, _) in splits.items():
             with SavedMemory.of_modules(pipe.module) as saved:
@@ -178,8 +197,9 @@ def time_splits_on_ranks(
         cuda: run on GPUs with nccl (one per rank), or on the CPU with gloo; default:
             on GPUs when there are any.
         progress: called with (steps done, steps in all, label) after every step.
-        in_place: record the warm-up steps after the first and return their medians per
-            stage (``in_place`` of :class:`~autopipe.output.bench_summary.Measured`).
+        in_place: record the later warm-up steps (every other one; those between give the
+            step's seconds) and return their medians per stage (``in_place`` of
+            :class:`~autopipe.output.bench_summary.Measured`).
 
     Returns:
         Per label, the timed steps' seconds (the slowest rank's) and each stage's peak

@@ -21,7 +21,13 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.gpipe.gpipe import GPipe
-from autopipe.microbatching import Progress, check_steps, mean_output_loss, take_turns
+from autopipe.microbatching import (
+    Progress,
+    check_steps,
+    kept_warmup_rounds,
+    mean_output_loss,
+    take_turns,
+)
 from autopipe.output import Measured
 from autopipe.planning import Plan
 from profiler import SavedMemory, synchronize
@@ -142,10 +148,11 @@ def time_splits(
         devices: one device per stage (default: each plan's own devices).
         lr: the SGD learning rate.
         progress: called with (steps done, steps in all, label) after every step.
-        in_place: keep the median seconds of each split's warm-up steps after the first
-            (``in_place`` of :class:`~autopipe.output.bench_summary.Measured`:
+        in_place: keep the median seconds of each split's later warm-up steps
+            (:func:`~autopipe.microbatching.step_timing.kept_warmup_rounds`) as
+            ``in_place`` of :class:`~autopipe.output.bench_summary.Measured`:
             ``{"stages": [], "step": s}``; the stages share the process, so only the whole
-            step is timed); none with fewer than two warm-up steps.
+            step is timed; none with fewer than two warm-up steps.
 
     Returns:
         Per label, the timed steps' seconds and each stage's peak saved bytes.
@@ -162,9 +169,11 @@ def time_splits(
     kept: dict[str, list[float]] = {label: [] for label in splits}
     updates: dict[str, list[float]] = {label: [] for label in splits}
 
+    kept_rounds = kept_warmup_rounds(warmup)
+
     def warm_step(label: str, round_: int) -> float:
         seconds = splits[label].step(value)
-        if round_ >= 1:  # the first round sets things up; the later ones are kept
+        if round_ in kept_rounds:
             kept[label].append(seconds)
             updates[label].append(splits[label].update)
         return seconds

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from autopipe.microbatching.step_timing import (
         Progress,
         check_steps,
+        kept_warmup_rounds,
         mean_output_loss,
         median_seconds,
         take_turns,
@@ -39,6 +40,7 @@ __all__ = [
     "defer_layers",
     "is_checkpointing",
     "is_recomputing",
+    "kept_warmup_rounds",
     "mean_output_loss",
     "median_seconds",
     "recomputing",
@@ -58,6 +60,7 @@ _HOMES = {
     "defer_layers": "autopipe.microbatching.batchnorm_units",
     "is_checkpointing": "autopipe.microbatching.recomputation",
     "is_recomputing": "autopipe.microbatching.recomputation",
+    "kept_warmup_rounds": "autopipe.microbatching.step_timing",
     "mean_output_loss": "autopipe.microbatching.step_timing",
     "median_seconds": "autopipe.microbatching.step_timing",
     "recomputing": "autopipe.microbatching.recomputation",

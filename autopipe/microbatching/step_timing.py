@@ -21,6 +21,7 @@ from torch import Tensor, nn
 __all__ = [
     "Progress",
     "check_steps",
+    "kept_warmup_rounds",
     "mean_output_loss",
     "median_seconds",
     "take_turns",
@@ -53,6 +54,16 @@ def check_steps(steps: int, warmup: int) -> None:
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need at least one timed step and no negative warm-up, got {steps}")
+
+
+def kept_warmup_rounds(warmup: int) -> range:
+    """The warm-up rounds whose steps are recorded for the predictions: the second half.
+
+    The first round sets things up (threads, allocator pools, torch's stages) and the next
+    ones still run slower than the timed steps do; so the first half of the warm-up (at
+    least its first round) is left out and the rest kept.
+    """
+    return range(min(max(1, warmup // 2), warmup), warmup)
 
 
 def take_turns(

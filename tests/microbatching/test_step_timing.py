@@ -8,6 +8,7 @@ from torch import nn
 
 from autopipe.microbatching.step_timing import (
     check_steps,
+    kept_warmup_rounds,
     mean_output_loss,
     median_seconds,
     take_turns,
@@ -62,3 +63,10 @@ def test_median_after_the_warmup_and_the_tiny_model() -> None:
     assert median_seconds(lambda: next(samples), repeats=3, warmup=1) == 2.0
     model = tiny_stages(3, 4)
     assert [type(m) for m in model] == [nn.Linear] * 3 and model[0].in_features == 4
+
+
+@pytest.mark.parametrize(
+    ("warmup", "kept"), [(0, []), (1, []), (2, [1]), (3, [1, 2]), (4, [2, 3]), (5, [2, 3, 4])]
+)
+def test_the_later_half_of_the_warm_up_is_kept(warmup: int, kept: list[int]) -> None:
+    assert list(kept_warmup_rounds(warmup)) == kept
