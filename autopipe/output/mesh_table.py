@@ -89,6 +89,9 @@ def render_mesh_search(plans: Sequence[Plan]) -> str:
     if plans:
         out.append(f"- chosen mesh: {mesh_label(plans[0])}, bottleneck {bottleneck(plans[0])}")
         if len(plans) > 1 and plans[1].notes:
-            out.append(f"- the runner-up ({mesh_label(plans[1])}) loses: {plans[1].notes[0]}")
+            note = plans[1].notes[0]
+            # A tie is no loss: the note then says what told the two apart.
+            verb = "" if note.startswith("ties with") else "loses: "
+            out.append(f"- the runner-up ({mesh_label(plans[1])}) {verb}{note}")
         out += [f"- {note}" for note in plans[0].notes]
     return "\n".join(out)

@@ -58,3 +58,13 @@ def test_the_label_counts_ranks_not_virtual_stages() -> None:
     label = mesh_label(plan)
     assert f"PP={plan.num_stages // plan.virtual_stages}" in label
     assert f"DP={plan.data_parallel}" in label
+
+
+def test_a_runner_up_that_ties_is_not_said_to_lose() -> None:
+    plans = _plans()[:2]
+    plans[1].notes.insert(0, "ties with the best; peak memory 2 KiB vs 1 KiB")
+    text = render_search(plans)
+    assert "ties with the best; peak memory 2 KiB vs 1 KiB" in text
+    assert "loses: ties" not in text
+    plans[1].notes[0] = "1.20x the best step: bubble 20% vs 10%"
+    assert "loses: 1.20x the best step" in render_search(plans)
