@@ -46,9 +46,9 @@ if TYPE_CHECKING:
     from profiler.profile import PROFILE_VERSION, LayerProfile, Profile, TiedState
     from profiler.progress import TerminalProgress
     from profiler.roofline import measure_peaks
-    from profiler.shard_counting import SHARD_STYLES
     from profiler.shard_counts import ShardCounts
     from profiler.tied import tensor_uses
+    from profiler.tp_styles import SHARD_STYLES
 
 __all__ = [
     "AUTOCAST_DTYPES",
@@ -111,7 +111,7 @@ _HOMES = {
     "DTYPES": "profiler.precision",
     "ENV_DIR": "profiler.cache_folder",
     "PROFILE_VERSION": "profiler.profile",
-    "SHARD_STYLES": "profiler.shard_counting",
+    "SHARD_STYLES": "profiler.tp_styles",
     "LayerProfile": "profiler.profile",
     "MemoryShortage": "profiler.memory_guard",
     "Profile": "profiler.profile",

@@ -13,8 +13,8 @@ from profiler.counting import LayerCounts, count_layer, fresh_like, meta_copy
 from profiler.layer import OneValue
 from profiler.pooling import layer_signature
 from profiler.profile import LayerProfile
-from profiler.shard_counting import check_styles
 from profiler.shard_counts import ShardCounts
+from profiler.tp_styles import check_styles
 
 __all__: list[str] = []
 

@@ -26,8 +26,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.layer import Pass, as_tensors, state_storages, storage_key, tensor_bytes
+from profiler.op_flops import CPU_ATTENTION_FLOPS
 from profiler.precision import autocast_pass
-from profiler.shard_counting import CPU_ATTENTION_FLOPS, ShardFigures, ShardFlow, saving
+from profiler.shard_counting import ShardFigures, ShardFlow, saving
 
 __all__ = ["fake_inputs", "fake_state", "quiet_fakes", "swapped_state"]
 

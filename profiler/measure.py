@@ -122,7 +122,7 @@ def profile_layers(
             default: ``layer.param`` names.
         shard_styles: one map per layer from its parameters' names (in the layer) to the
             tensor-parallel style of the module owning them (``colwise``, ``rowwise``, ...;
-            see :data:`profiler.shard_counting.SHARD_STYLES`); given, each layer's
+            see :data:`profiler.tp_styles.SHARD_STYLES`); given, each layer's
             :attr:`LayerProfile.shards` is counted (and the counts are required).
             ``autopipe.graph.shard_styles`` makes them from a model's plan.
 

@@ -41,37 +41,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from profiler.layer import storage_key
+from profiler.op_flops import ATTENTION, ATTENTION_BACKWARD, op_flops
+from profiler.tp_styles import COLUMN, EMBEDDING, GATHERED, SHARD_STYLES, sharded_roles
 
-__all__ = ["SHARD_STYLES"]
+__all__: list[str] = []
 
 aten = torch.ops.aten
-
-# Each style the counting knows, with what it does (the names of Hugging Face's plans).
-SHARD_STYLES: dict[str, str] = {
-    "colwise": "column-wise: weight and bias sharded on the output features",
-    "packed_colwise": "column-wise on a packed weight (gate and up in one)",
-    "colwise_rep": "column-wise, the output all-gathered",
-    "colwise_gather_output": "column-wise, the output all-gathered",
-    "rowwise": "row-wise: weight sharded on the input features, the output all-reduced",
-    "packed_rowwise": "row-wise on a packed weight",
-    "rowwise_rep": "row-wise on a replicated input (split locally), the output all-reduced",
-    "rowwise_split_input": "row-wise on a replicated input (split locally)",
-    "embedding_rowwise": "embedding sharded on the vocabulary, the output all-reduced",
-    "local_colwise": "column-wise, no collective",
-    "local_rowwise": "row-wise, the output left partial for a later gather",
-    "local": "every parameter sharded, no collective",
-    "sequence_parallel": "replicated parameters on sequence-sharded activations",
-    "replicate": "replicated",
-    "gather": "replicated parameters; a partial output is all-reduced where it is used",
-}
-
-_COLUMN = {"colwise", "packed_colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
-_ROW = {"rowwise", "packed_rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise"}
-_GATHERED = {"colwise_rep", "colwise_gather_output"}
-_EMBEDDING = {"embedding_rowwise"}
 
 # Labels besides a sharded parameter's style; replicated activations have none.
 SHARDED, PARTIAL, STATE = "sharded", "partial", "state"
@@ -103,48 +80,6 @@ _KEEP_PARTIAL = {
     aten.clone.default,
     aten.copy_.default,
 }
-_ATTENTION = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-}
-_ATTENTION_BACKWARD = {
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._scaled_dot_product_flash_attention_backward.default,
-    aten._scaled_dot_product_efficient_attention_backward.default,
-    aten._scaled_dot_product_cudnn_attention_backward.default,
-}
-
-
-def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
-
-
-def _cpu_attention_backward_flops(
-    grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
-) -> int:
-    return int(sdpa_backward_flop_count(grad.shape, query.shape, key.shape, value.shape))
-
-
-# The CPU's fused attention, which torch's flop counter lacks, counted as its CUDA kernels
-# are; both take tensors (``_get_raw``), so FlopCounterMode passes them as they are.
-_cpu_attention_flops._get_raw = True  # type: ignore[attr-defined]
-_cpu_attention_backward_flops._get_raw = True  # type: ignore[attr-defined]
-CPU_ATTENTION_FLOPS: dict[Any, Any] = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
-}
-
-
-def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
-    """One operation's FLOPs as torch's flop counter (with the CPU's attention) counts them."""
-    packet = func._overloadpacket
-    formula = CPU_ATTENTION_FLOPS.get(packet)
-    if formula is not None:
-        return formula(*args, **kwargs)
-    formula = flop_registry.get(packet)
-    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 
 @dataclass
@@ -170,25 +105,6 @@ class ShardFigures:
     kv_heads: int = 0
     # Storages whose gradient the backward all-reduces, with their bytes.
     reduced_inputs: dict[int, int] = field(default_factory=dict)
-
-
-def check_styles(styles: Mapping[str, str], where: str) -> None:
-    """Refuses a style the counting does not know, in one line naming it."""
-    for name, style in styles.items():
-        if style not in SHARD_STYLES:
-            raise ValueError(
-                f"unknown tensor-parallel style {style!r} for {name} of {where}; use one of "
-                + ", ".join(SHARD_STYLES)
-            )
-
-
-def _sharded_roles(style: str, name: str) -> bool:
-    """Whether a parameter (``name`` in its module) of a module of ``style`` is sharded."""
-    if style in _COLUMN or style in _EMBEDDING or style == "local":
-        return True
-    if style in _ROW:
-        return not name.rsplit(".", 1)[-1].startswith("bias")  # added after the reduction
-    return False
 
 
 class ShardFlow(TorchDispatchMode):
@@ -226,7 +142,7 @@ class ShardFlow(TorchDispatchMode):
         for name, tensor in (*layer.named_parameters(), *layer.named_buffers()):
             key = storage_key(tensor)[0]
             style = styles.get(name)
-            if style is not None and _sharded_roles(style, name):
+            if style is not None and sharded_roles(style, name):
                 self.labels[key] = style
                 if key not in seen:
                     self.figures.param_bytes += tensor.numel() * tensor.element_size()
@@ -260,7 +176,7 @@ class ShardFlow(TorchDispatchMode):
             return out
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         label, sharded = self._flow(func, args, inputs, outputs)
-        if func in _ATTENTION or func in _ATTENTION_BACKWARD:
+        if func in ATTENTION or func in ATTENTION_BACKWARD:
             self._attention(func, args, kwargs, out)
         if sharded:
             flops = op_flops(func, args, kwargs, out)
@@ -309,7 +225,7 @@ class ShardFlow(TorchDispatchMode):
         styles = [(t, s) for t, s in zip(inputs, labels, strict=True) if s in SHARD_STYLES]
         if func in _MATMULS and styles:
             return self._matmul(inputs, labels, styles[0][1], outputs[0])
-        if func is aten.embedding.default and labels[0] in _EMBEDDING:
+        if func is aten.embedding.default and labels[0] in EMBEDDING:
             self.embeddings.add(inputs[0].shape[0])
             self._reduce(outputs[0])  # each device looks up its rows: partial, all-reduced
             return "", True
@@ -328,7 +244,7 @@ class ShardFlow(TorchDispatchMode):
     def _matmul(
         self, inputs: list[Tensor], labels: list[str | None], style: str, output: Tensor
     ) -> tuple[str, bool]:
-        column = style in _COLUMN or style == "local"
+        column = style in COLUMN or style == "local"
         if self.backward:
             # grad_input = grad @ W sums over the sharded features for a column-wise W
             # (the all-reduce counted from the forward's inputs); a row-wise W's gives the
@@ -341,7 +257,7 @@ class ShardFlow(TorchDispatchMode):
                         key = storage_key(tensor)[0]
                         nbytes = tensor.numel() * tensor.element_size()
                         self.figures.reduced_inputs[self.origin.get(key, key)] = nbytes
-            if style in _GATHERED:
+            if style in GATHERED:
                 self._reduce(output)
                 return "", True
             return SHARDED, True
@@ -352,7 +268,7 @@ class ShardFlow(TorchDispatchMode):
 
     def _attention(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         figures = self.figures
-        if func in _ATTENTION_BACKWARD:
+        if func in ATTENTION_BACKWARD:
             figures.attention_backward_flops += op_flops(func, args, kwargs, out)
             return
         query, key, value = args[0], args[1], args[2]
