@@ -88,3 +88,21 @@ def test_refuses_a_sample_without_a_sequence(
     argv = ["plan", str(path), "--target", "h100", "--stages", "2", "--no-cache"]
     expected = "is not token ids of shape (batch, sequence); leave out --sequence"
     assert_error(*run(capsys, *argv, "--sequence", "16"), expected)
+
+
+def test_inputs_of_the_samples_length_are_rebuilt_with_it(tmp_path: Path) -> None:
+    import torch
+
+    from autopipe.cli.model_file import LoadedModel
+    from autopipe.cli.sequence_length import at_sequence
+
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    loaded = LoadedModel(tmp_path, torch.nn.Identity(), ids, None, {"mask": mask, "n": 3})  # type: ignore[arg-type]
+    longer = at_sequence(loaded, 5)
+    assert longer.sample.tolist() == [[3, 4, 5, 5, 5], [6, 7, 8, 8, 8]]  # type: ignore[union-attr]
+    assert longer.kwargs == {"mask": longer.kwargs["mask"], "n": 3}
+    assert longer.kwargs["mask"].tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
+    shorter = at_sequence(loaded, 2)
+    assert shorter.sample.tolist() == [[3, 4], [6, 7]]  # type: ignore[union-attr]
+    assert at_sequence(loaded, 3) is loaded
