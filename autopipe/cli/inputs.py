@@ -116,6 +116,10 @@ def measure_model(
     with model_output_to_stderr():  # the model's prints are not the command's output
         with recording() as reads:
             loaded = load_model_file(args.model)
+        if getattr(args, "sequence", None) is not None:
+            from autopipe.cli.sequence_length import at_sequence
+
+            loaded = at_sequence(loaded, args.sequence)
         owner, sample, kwargs = cast_loaded(loaded, args.dtype)
         chunks: int = args.chunks or default_chunks(stages, batch or loaded.batch_size)
         entry = cache_entry(loaded, owner, sample, kwargs, args, chunks=chunks, device=device)

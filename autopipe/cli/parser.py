@@ -324,8 +324,8 @@ def _add_mesh_options(search: Any) -> None:
         "--sequence",
         type=positive,
         metavar="S",
-        help="tokens per sample, for the tokens per second per GPU (the model file's "
-        "sample sets what the profile counted: give its length)",
+        help="tokens per sample: the model file's sample of token ids is rebuilt at S "
+        "tokens before it is counted, and the tokens per second per GPU follow",
     )
 
 

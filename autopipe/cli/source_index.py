@@ -205,6 +205,7 @@ def _index_key(
             "granularity": args.granularity,
             "leaf_modules": list(args.leaf_modules),
             "tp_plan": tp_plan_option(args),
+            "sequence": getattr(args, "sequence", None),
         },
     }
     text = json.dumps(parts, sort_keys=True, default=str)

@@ -57,6 +57,8 @@ def megatron_mesh(plan: Plan) -> tuple[str, list[str]]:
         # Megatron runs global / (micro · data-parallel size) micro-batches per step.
         flags.append(f"--micro-batch-size {figures.micro_batch}")
         flags.append(f"--global-batch-size {figures.global_batch}")
+    if plan.sequence:  # the length the plan was counted at
+        flags.append(f"--seq-length {plan.sequence}")
     if figures.recompute:
         flags.append(RECOMPUTE)
     comments = [f"# Megatron-LM, {world_line(figures)}"]

@@ -78,6 +78,8 @@ def _sections(plan: Plan, parts: list[list[str]], schedule: str) -> tuple[Sectio
         pipelined = figures.ranks > 1
         local = figures.micro_batch * (figures.chunks if pipelined else 1)
         training = {"local_batch_size": local, "global_batch_size": figures.global_batch}
+    if plan.sequence:  # the length the plan was counted at
+        training["seq_len"] = plan.sequence
     parallelism["module_fqns_per_model_part"] = parts
     sections: Sections = {
         "parallelism": parallelism,

@@ -3,6 +3,7 @@ flags into megatron-core's own TransformerConfig and DistributedDataParallelConf
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import re
@@ -120,3 +121,12 @@ def test_an_unknown_batch_writes_no_batch_sizes() -> None:
     text = mesh_plan(MeshCase(balance=(5, 4, 4, 3), micro=0), GPT2).export("megatron")
     assert "# note: the plan's batch size is unknown: no batch sizes are written" in text
     assert all(a.micro_batch_size is None for a in command_lines(text))
+
+
+def test_the_plans_sequence_length_is_the_seq_length() -> None:
+    case = MeshCase(balance=(4, 3, 3, 2, 2, 2), mesh=Mesh(tensor=2), replicas=2, micro=1)
+    plan = dataclasses.replace(mesh_plan(case, GPT2), sequence=8192)
+    assert all(a.seq_length == 8192 for a in command_lines(plan.export("megatron")))
+    assert all(
+        a.seq_length is None for a in command_lines(mesh_plan(case, GPT2).export("megatron"))
+    )

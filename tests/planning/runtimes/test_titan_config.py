@@ -8,6 +8,7 @@ the loaded config must hold the plan's degrees, batches and recompute.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -157,3 +158,14 @@ def test_an_unknown_batch_writes_no_batch_sizes() -> None:
     assert "training" not in data and "pipeline_parallel_microbatch_size" not in data
     assert config.training.local_batch_size == 8  # torchtitan's default stays
     assert any("batch size is unknown" in note for note in data["notes"])
+
+
+def test_the_plans_sequence_length_is_the_training_seq_len() -> None:
+    plan = dataclasses.replace(mesh_plan(MeshCase()), sequence=2048)
+    config, data = _loaded(plan)
+    assert data["training"]["seq_len"] == 2048
+    assert config.training.seq_len == 2048
+    from tests.support.titan_registry import plan_config
+
+    unknown, _ = _loaded(mesh_plan(MeshCase()))
+    assert unknown.training.seq_len == plan_config().training.seq_len
