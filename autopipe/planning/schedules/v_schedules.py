@@ -21,7 +21,7 @@ its no-op slots left out. Assumptions:
 
 from __future__ import annotations
 
-__all__ = ["v_order", "v_rank", "v_stages"]
+__all__: list[str] = []
 
 # One operation of a rank: (op, stage, micro-batch); op in F, B, I, W.
 Action = tuple[str, int, int]
