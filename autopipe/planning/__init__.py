@@ -51,9 +51,9 @@ if TYPE_CHECKING:
         CHECKPOINT_MODES,
         FIXED_CHECKPOINT_MODES,
         SCHEDULES,
-        V_SCHEDULES,
         SEARCH_CHECKPOINTS,
         STRATEGIES,
+        V_SCHEDULES,
     )
     from autopipe.planning.model.overhead_fit import overhead_per_clock, unit_clocks
     from autopipe.planning.model.plan_settings import PlanSettings, build_model
@@ -93,9 +93,9 @@ __all__ = [
     "MESH_DIMENSIONS",
     "PLAN_FIELDS",
     "SCHEDULES",
-    "V_SCHEDULES",
     "SEARCH_CHECKPOINTS",
     "STRATEGIES",
+    "V_SCHEDULES",
     "ZERO_STAGES",
     "CatalogDevice",
     "DeviceSpec",
@@ -145,8 +145,8 @@ __all__ = [
     "search",
     "simulate",
     "spared",
-    "stage_placement",
     "stage_param_bytes",
+    "stage_placement",
     "stage_times",
     "uniform_scales",
     "unit_clocks",

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from os import PathLike
 
 from autopipe.planning.model.cost_model import CostModel, CostOptions
-from autopipe.planning.model.names import V_SCHEDULES
 from autopipe.planning.model.device_specs import DeviceSpec, make_devices
 from autopipe.planning.model.layer_costs import ProfileLines, optimizer_factor
+from autopipe.planning.model.names import V_SCHEDULES
 from autopipe.planning.model.runner_figures import RunnerFigures
 from autopipe.planning.pipeline_settings import MemorySpec, PipelineSettings
 from profiler import Profile

@@ -223,7 +223,9 @@ def test_a_split_the_format_cannot_hold_is_refused(
         plan.export(fmt)
 
 
-@pytest.mark.parametrize(("schedule", "name"), [("zbv", "ZBVZeroBubble"), ("dualpipev", "DualPipeV")])
+@pytest.mark.parametrize(
+    ("schedule", "name"), [("zbv", "ZBVZeroBubble"), ("dualpipev", "DualPipeV")]
+)
 def test_torchtitan_v_schedules_list_the_parts_in_stage_order(schedule: str, name: str) -> None:
     plan = dataclasses.replace(named_plan(LLAMA, [2, 1, 2, 4], 2), schedule=schedule)
     text = plan.export("torchtitan")

@@ -38,14 +38,14 @@ def test_order_equals_torchs(schedule: str, ranks: int, chunks: int) -> None:
             v_order(0, ranks, chunks, schedule)
         return
     for rank in range(ranks):
-        assert v_order(rank, ranks, chunks, schedule) == _torch_order(
-            schedule, rank, ranks, chunks
-        )
+        assert v_order(rank, ranks, chunks, schedule) == _torch_order(schedule, rank, ranks, chunks)
 
 
 def test_placement_matches_torchs_v_style() -> None:
     for ranks in (1, 2, 3, 5):
         mapping = torch_schedules.generate_stage_to_rank_mapping(ranks, 2 * ranks, style="v")
-        assert [v_rank(s, ranks) for s in range(2 * ranks)] == [mapping[s] for s in range(2 * ranks)]
+        assert [v_rank(s, ranks) for s in range(2 * ranks)] == [
+            mapping[s] for s in range(2 * ranks)
+        ]
         for r in range(ranks):
             assert all(v_rank(s, ranks) == r for s in v_stages(r, ranks))
