@@ -135,7 +135,9 @@ def _add_plan_parser(commands: Any) -> None:
         "--schedule",
         choices=ALL_SCHEDULES,
         help="pipeline schedule (default: gpipe; with --search: gpipe and 1f1b); zb is "
-        "torch's zero-bubble schedule (the distributed runner; checkpoint never)",
+        "torch's zero-bubble schedule, zbv and dualpipev its V-shaped ones (2 stages per "
+        "device: device r holds stages r and 2K-1-r) (the distributed runner; checkpoint "
+        "never)",
     )
     parser.add_argument(
         "--virtual-stages",

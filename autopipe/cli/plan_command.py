@@ -28,7 +28,7 @@ __all__: list[str] = []  # internal to the command line
 def plan_command(args: argparse.Namespace) -> int:
     """``autopipe plan``: profile (or load) and print the best split, with pictures."""
     from autopipe.output import render_plan
-    from autopipe.planning import compare_plans, profile_devices
+    from autopipe.planning import V_SCHEDULES, compare_plans, profile_devices, stage_placement
 
     check_precision(args)
     target = check_target_options(args)
@@ -50,8 +50,16 @@ def plan_command(args: argparse.Namespace) -> int:
             "size for all or one per stage"
         )
     virtual: int = args.virtual_stages
+    if args.schedule in V_SCHEDULES:  # 2 stages per device in a V
+        if virtual not in (1, 2):
+            raise ValueError(
+                f"--schedule {args.schedule} runs 2 stages per device; leave out "
+                f"--virtual-stages {virtual} or give 2"
+            )
+        virtual = 2
     if isinstance(memory, list) and virtual > 1:  # one size per device: each of its stages
-        memory = [memory[k % stages] for k in range(stages * virtual)]
+        where = stage_placement(stages * virtual, stages, args.schedule or "1f1b")
+        memory = [memory[r] for r in where]
     check_plan_outputs(args)
     exports = parse_exports(args.export)
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopipe.planning import Mesh, Plan, StagePlan, TiedPlan, format_bytes, format_time
+from autopipe.planning import (
+    Mesh,
+    Plan,
+    StagePlan,
+    TiedPlan,
+    format_bytes,
+    format_time,
+    rank_stages,
+)
 
 __all__ = ["precision_label", "render_plan", "render_search", "shared_line"]
 
@@ -213,8 +221,12 @@ def render_stages(plan: Plan) -> str:
 def _device_memory(plan: Plan) -> list[float]:
     """Each device's predicted peak bytes: with virtual stages, or stages sharing a
     device (``plan.shared``), its stages' together."""
-    ranks = plan.num_stages // max(plan.virtual_stages, 1)
-    held = [sum(s.memory for s in plan.stages[r::ranks]) for r in range(ranks)]
+    virtual = max(plan.virtual_stages, 1)
+    ranks = plan.num_stages // virtual
+    held = [
+        sum(plan.stages[k].memory for k in rank_stages(r, ranks, virtual, plan.schedule))
+        for r in range(ranks)
+    ]
     grouped = {k for group in plan.shared for k in group}
     shared = [sum(plan.stages[k].memory for k in group) for group in plan.shared]
     return [m for r, m in enumerate(held) if r not in grouped] + shared
@@ -338,6 +350,8 @@ def format_rate(samples_per_second: float) -> str:
 
 def schedule_label(plan: Plan) -> str:
     """The schedule as torch names it, with the stages per device when there are several."""
+    if plan.schedule in ("zbv", "dualpipev"):
+        return f"{'zero bubble V' if plan.schedule == 'zbv' else 'DualPipeV'}, 2 stages per device"
     if plan.schedule == "zb":
         per = f", {plan.virtual_stages} stages per device" if plan.virtual_stages > 1 else ""
         return f"zero bubble{per}"

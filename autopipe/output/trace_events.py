@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from autopipe.planning import Plan, makespan, simulate
+from autopipe.planning import Plan, makespan, rank_stages, simulate, stage_placement
 
 __all__ = [
     "Track",
@@ -172,13 +172,16 @@ def trace(plan: Plan) -> dict[str, Any]:
         ValueError: as :func:`autopipe.planning.schedules.simulation.simulate`.
     """
     events = simulate(plan)
-    ranks = plan.num_stages // max(plan.virtual_stages, 1)
+    virtual = max(plan.virtual_stages, 1)
+    ranks = plan.num_stages // virtual
+    where = stage_placement(plan.num_stages, ranks, plan.schedule)
     rows: list[list[Timed]] = [[] for _ in range(ranks)]
     for e in events:
-        kind = "input" if e.kind == "backward" and plan.schedule == "zb" else e.kind
-        rows[e.stage % ranks].append(_Op(e.stage, e.micro_batch, kind, e.start, e.end))
+        split = plan.schedule in ("zb", "zbv", "dualpipev")
+        kind = "input" if e.kind == "backward" and split else e.kind
+        rows[where[e.stage]].append(_Op(e.stage, e.micro_batch, kind, e.start, e.end))
     tracks = [
-        Track(f"device {r}", stages_label(range(r, plan.num_stages, ranks)), rows[r])
+        Track(f"device {r}", stages_label(rank_stages(r, ranks, virtual, plan.schedule)), rows[r])
         for r in range(ranks)
     ]
     metadata = {

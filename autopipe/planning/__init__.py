@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         SCHEDULES,
         SEARCH_CHECKPOINTS,
         STRATEGIES,
+        V_SCHEDULES,
     )
     from autopipe.planning.model.overhead_fit import overhead_per_clock, unit_clocks
     from autopipe.planning.model.plan_settings import PlanSettings, build_model
@@ -66,7 +67,12 @@ if TYPE_CHECKING:
     from autopipe.planning.pipeline_settings import PLAN_FIELDS, PipelineSettings, with_overrides
     from autopipe.planning.planner import CHUNKS_PER_STAGE, default_chunks, evaluate, plan
     from autopipe.planning.runtimes.export_formats import check_export_format
-    from autopipe.planning.schedules.interleaving import rank_order, spared
+    from autopipe.planning.schedules.interleaving import (
+        rank_order,
+        rank_stages,
+        spared,
+        stage_placement,
+    )
     from autopipe.planning.schedules.simulation import (
         KINDS,
         checkpointed,
@@ -89,6 +95,7 @@ __all__ = [
     "SCHEDULES",
     "SEARCH_CHECKPOINTS",
     "STRATEGIES",
+    "V_SCHEDULES",
     "ZERO_STAGES",
     "CatalogDevice",
     "DeviceSpec",
@@ -133,11 +140,13 @@ __all__ = [
     "plan",
     "profile_devices",
     "rank_order",
+    "rank_stages",
     "scaled_profile",
     "search",
     "simulate",
     "spared",
     "stage_param_bytes",
+    "stage_placement",
     "stage_times",
     "uniform_scales",
     "unit_clocks",
@@ -153,6 +162,7 @@ _HOMES = {
     "MESH_DIMENSIONS": "autopipe.planning.model.mesh",
     "PLAN_FIELDS": "autopipe.planning.pipeline_settings",
     "SCHEDULES": "autopipe.planning.model.names",
+    "V_SCHEDULES": "autopipe.planning.model.names",
     "SEARCH_CHECKPOINTS": "autopipe.planning.model.names",
     "STRATEGIES": "autopipe.planning.model.names",
     "ZERO_STAGES": "autopipe.planning.model.mesh",
@@ -199,6 +209,8 @@ _HOMES = {
     "plan": "autopipe.planning.planner",
     "profile_devices": "autopipe.planning.baseline",
     "rank_order": "autopipe.planning.schedules.interleaving",
+    "rank_stages": "autopipe.planning.schedules.interleaving",
+    "stage_placement": "autopipe.planning.schedules.interleaving",
     "scaled_profile": "autopipe.planning.model.in_place_fit",
     "search": "autopipe.planning.configuration.config_search",
     "simulate": "autopipe.planning.schedules.simulation",

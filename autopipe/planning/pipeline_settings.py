@@ -35,11 +35,13 @@ def default_checkpoint(schedule: str, virtual_stages: int = 1) -> str:
     ``except_last`` for one stage per device under ``gpipe`` or ``1f1b``: their stages hold
     many micro-batches' activations at once, and re-computing all but the micro-batch
     whose backward comes first costs one forward per stage and spares most of them.
-    ``never`` for interleaved stages (``virtual_stages`` > 1) and zero bubble (``zb``):
+    ``never`` for interleaved stages (``virtual_stages`` > 1) and zero bubble (``zb``,
+    ``zbv``, ``dualpipev``):
     torch's schedules for them keep every activation (zero bubble cannot re-compute, its
     weight gradients run after the input's).
     """
-    return "never" if virtual_stages > 1 or schedule == "zb" else "except_last"
+    replayed = virtual_stages > 1 or schedule in ("zb", "zbv", "dualpipev")
+    return "never" if replayed else "except_last"
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ _MICROSECONDS = 1_000_000
 def _replayed(model: CostModel) -> bool:
     """Whether the model's step is its schedule's order replayed (virtual stages, zero
     bubble) rather than GPipe's formula."""
-    return model.virtual_stages > 1 or model.schedule == "zb"
+    return model.virtual_stages > 1 or model.schedule == "zb"  # (V schedules: v = 2)
 
 
 def interleaved_balance(model: CostModel) -> list[int]:
@@ -215,7 +215,7 @@ def _check_fits(model: CostModel, result: Plan, strategy: str) -> None:
     over = np.flatnonzero(rank_over > 0)
     if len(over):
         r = int(over[0])
-        held = rank_stages(r, len(rank_over), result.virtual_stages)
+        held = rank_stages(r, len(rank_over), result.virtual_stages, result.schedule)
         capacity = result.stages[r].capacity or 0
         raise PlanningError(
             f"the {strategy} split {result.balance} does not fit: rank {r} holds stages "

@@ -217,6 +217,27 @@ def test_virtual_stages(
     assert "interleaved by replayed schedules" in out
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules(
+    capsys: pytest.CaptureFixture[str], profile_file: Path, tmp_path: Path, schedule: str
+) -> None:
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", "--profile", str(profile_file), "--stages", "2", "--schedule", schedule]
+    argv += ["--chunks", "4", "--memory", "1GiB,2GiB"]
+    code, out, err = run(capsys, *argv, "--json", str(out_file))
+    assert code == 0, err
+    result = Plan.load(out_file)
+    assert (result.schedule, result.virtual_stages, result.num_stages) == (schedule, 2, 4)
+    # Device 0 holds stages 0 and 3, device 1 stages 1 and 2.
+    assert [s.capacity for s in result.stages] == [2**30, 2**31, 2**31, 2**30]
+    code, _, err = run(capsys, *argv, "--virtual-stages", "3")
+    assert code == 2 and "runs 2 stages per device" in err
+    search = ["plan", "--profile", str(profile_file), "--search", "--devices", "2"]
+    code, out, err = run(capsys, *search, "--schedule", schedule, "--top", "5")
+    assert code == 0, err
+    assert schedule in out
+
+
 def test_wrap_defaults_to_the_command_lines_chunks() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))

@@ -60,7 +60,12 @@ from autopipe.planning.configuration.search_space import Config, Space, configur
 from autopipe.planning.mesh.mesh_links import MeshLinks
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.mesh import ZERO_STAGES, Mesh
-from autopipe.planning.model.names import CHECKPOINT_MODES, SCHEDULES, SEARCH_CHECKPOINTS
+from autopipe.planning.model.names import (
+    CHECKPOINT_MODES,
+    SCHEDULES,
+    SEARCH_CHECKPOINTS,
+    V_SCHEDULES,
+)
 from autopipe.planning.model.plan_settings import check_profile
 from autopipe.planning.model.plans import Plan
 from autopipe.planning.model.quantities import parse_bytes
@@ -101,8 +106,10 @@ def _check(devices: int, top: int, schedules: Sequence[str], checkpoints: Sequen
                 "the search weighs gpipe and 1f1b; plan zero bubble with "
                 "autopipe.plan(..., schedule='zb')"
             )
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(SCHEDULES)}")
+        if schedule not in (*SCHEDULES, *V_SCHEDULES):
+            raise ValueError(
+                f"unknown schedule {schedule!r}: choose {', '.join((*SCHEDULES, *V_SCHEDULES))}"
+            )
     for mode in checkpoints:
         if mode not in CHECKPOINT_MODES:
             raise ValueError(

@@ -40,6 +40,11 @@ def check_one_device(
             "stages that take turns on one device run GPipe's fill-drain in one process; "
             "search the schedule gpipe"
         )
+    if any(schedule in ("zbv", "dualpipev") for schedule in schedules):
+        raise ValueError(
+            "stages that take turns on one device run GPipe's fill-drain in one process, not "
+            "zbv or dualpipev (the distributed runner's); search the schedule gpipe"
+        )
     if any(v != 1 for v in virtual_stages):
         raise ValueError(
             "stages that take turns on one device run no interleaved virtual stages; leave "

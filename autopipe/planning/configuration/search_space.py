@@ -16,6 +16,7 @@ from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts, ProfileLines, optimizer_factor
 from autopipe.planning.model.mesh import Mesh
 from autopipe.planning.model.runner_figures import RunnerFigures
+from autopipe.planning.schedules.interleaving import stage_rank
 from autopipe.planning.split.screening import MemoryCache
 from profiler import Profile
 
@@ -247,7 +248,11 @@ class Space:
             runner = replace(runner, allreduce_bandwidth=groups.data.bandwidth)
         return runner.cost_model(
             self.basis(config).costs,
-            [devices[k % config.stages] for k in range(config.stages * v)],
+            # Each stage on its rank's device (k mod K, or the V placement's rank).
+            [
+                devices[stage_rank(k, config.stages, config.schedule)]
+                for k in range(config.stages * v)
+            ],
             config.chunks,
             config.checkpoint,
             config.schedule,
@@ -348,7 +353,9 @@ def configurations(
     whose share per device more replicas make smaller). With ``even``, only replica and
     micro-batch counts that divide the batch exactly. Virtual stages (v > 1) go with K >= 2,
     K·v layers at most, ``never`` checkpointing (torch's interleaved schedules keep every
-    activation) and, for 1F1B, M a multiple of its rounds' micro-batches.
+    activation) and, for 1F1B, M a multiple of its rounds' micro-batches. The V schedules
+    (``zbv``, ``dualpipev``, searched only when listed) give one configuration of 2K
+    stages per K, M and D (:func:`v_shaped`).
     """
     out = []
     for k in range(1, min(n_devices, layers) + 1):
@@ -363,6 +370,10 @@ def configurations(
                 if even and m * micro != replica:
                     continue
                 for schedule in schedules:
+                    if schedule in ("zbv", "dualpipev"):  # 2 stages per rank in a V
+                        if v_shaped(k, m, layers, schedule, checkpoints):
+                            out.append(Config(k, d, m, micro, "never", schedule, replica, 2))
+                        continue
                     if schedule == "1f1b" and m == 1 and "gpipe" in schedules:
                         continue  # one micro-batch: 1F1B is GPipe
                     for mode in checkpoints:
@@ -383,6 +394,16 @@ def interleaves(
         return False
     per_round = chunks // max(1, chunks // stages)  # interleaved 1F1B's rounds
     return schedule == "gpipe" or chunks % per_round == 0
+
+
+def v_shaped(
+    ranks: int, chunks: int, layers: int, schedule: str, checkpoints: Sequence[str]
+) -> bool:
+    """Whether a V schedule (2K stages, ``never`` checkpointing) makes a configuration of
+    ``ranks`` ranks: K >= 2, 2K layers at least, and for ``dualpipev`` 2K micro-batches."""
+    if ranks < 2 or 2 * ranks > layers or "never" not in checkpoints:
+        return False
+    return schedule == "zbv" or chunks >= 2 * ranks
 
 
 def redundant(mode: str, chunks: int, checkpoints: Sequence[str]) -> bool:

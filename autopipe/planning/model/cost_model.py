@@ -72,7 +72,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -86,9 +86,14 @@ from autopipe.planning.model.layer_costs import (
     optimizer_factor,
 )
 from autopipe.planning.model.mesh import Mesh
-from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
+from autopipe.planning.model.names import (
+    ALL_SCHEDULES,
+    CHECKPOINT_MODES,
+    FIXED_CHECKPOINT_MODES,
+    V_SCHEDULES,
+)
 from autopipe.planning.model.spans import prefix_sums
-from autopipe.planning.schedules.interleaving import in_flight
+from autopipe.planning.schedules.interleaving import in_flight, rank_stages, stage_placement
 from autopipe.planning.schedules.schedule_replay import RECOMPUTE_CODES
 
 __all__ = ["optimizer_factor"]
@@ -242,7 +247,7 @@ class CostModel:
             )
         if schedule not in ALL_SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(ALL_SCHEDULES)}")
-        if schedule == "zb" and checkpoint != "never":
+        if schedule in ("zb", *V_SCHEDULES) and checkpoint != "never":
             raise ValueError(
                 f"zero bubble keeps every activation until its weights' gradients: plan it "
                 f"with checkpoint never, not {checkpoint!r}"
@@ -260,6 +265,13 @@ class CostModel:
             raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
         if not isinstance(shard_optimizer, bool):  # "no" would read as True
             raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+        if schedule in V_SCHEDULES:  # 2 stages per rank, whether given or left at 1
+            if virtual_stages not in (1, 2):
+                raise ValueError(
+                    f"{schedule} runs 2 stages per rank in a V, not {virtual_stages}: leave "
+                    "virtual_stages unset or give 2"
+                )
+            virtual_stages = 2
         if virtual_stages < 1 or len(devices) % virtual_stages:
             raise ValueError(
                 f"{len(devices)} stages do not split into {virtual_stages} virtual stages per "
@@ -267,7 +279,7 @@ class CostModel:
             )
         if allreduce_bandwidth is not None and not allreduce_bandwidth > 0:
             raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
-        self.options = options
+        self.options = replace(options, virtual_stages=virtual_stages)
         self.layers = layers
         self.devices = list(devices)
         self.chunks = chunks
@@ -294,10 +306,15 @@ class CostModel:
             )
         # Bytes a stage holds per parameter byte: weight, gradient and its optimizer state.
         self.state_factor = state_factor(optimizer, self.zero, self.shard_over)
-        # Stage k runs on rank k % K as local stage k // K; one replay of each rank's order.
+        # Stage k runs on rank k % K as local stage k // K (or in a V: rank r holds r and
+        # 2K−1−r); one replay of each rank's order.
         ranks = len(self.devices) // virtual_stages
+        self.placement = stage_placement(len(self.devices), ranks, schedule)
         held = [in_flight(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)]
-        self._in_flight = [held[k % ranks][k // ranks] for k in range(len(self.devices))]
+        self._in_flight = [0] * len(self.devices)
+        for r in range(ranks):
+            for local, k in enumerate(rank_stages(r, ranks, virtual_stages, schedule)):
+                self._in_flight[k] = held[r][local]
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = prefix_sums(layers.forward)
         self._bwd = prefix_sums(layers.backward)
@@ -519,7 +536,7 @@ class CostModel:
         for item, held in zip(self.tied, self.holds_tied(starts, ends), strict=True):
             holders = [self.devices[k] for k in np.flatnonzero(held)]
             # A rank's virtual stages share one tensor: the ring runs between ranks.
-            n = len({int(k) % self.num_ranks for k in np.flatnonzero(held)})
+            n = len({self.placement[int(k)] for k in np.flatnonzero(held)})
             if item.buffer or n < 2:
                 times.append(0.0)
                 continue

@@ -9,6 +9,7 @@ __all__ = [
     "SCHEDULES",
     "SEARCH_CHECKPOINTS",
     "STRATEGIES",
+    "V_SCHEDULES",
 ]
 
 # The modes a stage can checkpoint by, fastest first; ``auto`` chooses from the first two.
@@ -23,7 +24,10 @@ SEARCH_CHECKPOINTS = (*FIXED_CHECKPOINT_MODES, "auto")
 SCHEDULES = ("gpipe", "1f1b")
 # Every schedule a plan can be made for: ``zb`` (torch's ScheduleInterleavedZeroBubble)
 # runs on the distributed runner only and is valued by its replayed order.
-ALL_SCHEDULES = (*SCHEDULES, "zb")
+# ``zbv`` and ``dualpipev`` (torch's ScheduleZBVZeroBubble and ScheduleDualPipeV) hold two
+# stages per rank in the V placement (rank r: stages r and 2K−1−r); distributed runner only.
+V_SCHEDULES = ("zbv", "dualpipev")
+ALL_SCHEDULES = (*SCHEDULES, "zb", *V_SCHEDULES)
 
 # How :func:`autopipe.plan` may choose a split: exact, or a peer's, computed as the peer
 # does (``torchtitan`` only for decoder-only models).

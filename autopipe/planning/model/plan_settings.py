@@ -9,6 +9,7 @@ from os import PathLike
 from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec, make_devices
 from autopipe.planning.model.layer_costs import ProfileLines, optimizer_factor
+from autopipe.planning.model.names import V_SCHEDULES
 from autopipe.planning.model.runner_figures import RunnerFigures
 from autopipe.planning.pipeline_settings import MemorySpec, PipelineSettings
 from profiler import Profile
@@ -87,6 +88,18 @@ def build_model(
     v = settings.virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+    if settings.schedule in V_SCHEDULES:  # two stages per rank in a V: devices count 2K
+        if v not in (1, 2):
+            raise ValueError(
+                f"{settings.schedule} runs 2 stages per rank, not virtual_stages={v}; "
+                "leave virtual_stages unset or give 2"
+            )
+        if len(specs) % 2:
+            raise ValueError(
+                f"{settings.schedule} needs an even number of stages (2 per rank), got "
+                f"{len(specs)}; give 2K devices' stages"
+            )
+        v = 2
     d = 1 if settings.data_parallel is None else settings.data_parallel
     settings = settings.resolved(
         max(1, len(specs) // v), profile.batch_size, profile_chunks=profile.chunks

@@ -24,6 +24,9 @@ class StageMemoryModel(Protocol):
     @property
     def num_ranks(self) -> int: ...
 
+    @property
+    def placement(self) -> list[int]: ...
+
     def stage_costs(self, k: int, s: Any, e: Any) -> tuple[Any, Any, Any]: ...
 
     def capacity(self, k: int) -> float: ...
@@ -74,14 +77,17 @@ def overflows(
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Bytes over capacity, per row of stage memories (rows: splits, columns: stages):
     of each stage on its device, and, with virtual stages, of each rank's stages together
-    on the rank's device (stage s runs on rank ``s % K``; no columns without virtual
-    stages). A split fits where no entry is above 0."""
+    on the rank's device (stage s runs on rank ``model.placement[s]``: ``s % K``, or in a
+    V rank r holds r and 2K−1−r; no columns without virtual stages). A split fits where
+    no entry is above 0."""
     capacities = np.array([model.capacity(k) for k in range(model.num_stages)])
     stages = memory - capacities
     ranks = model.num_ranks
     if ranks == model.num_stages:
         return stages, np.empty((len(memory), 0))
-    held = np.stack([memory[:, r::ranks].sum(axis=1) for r in range(ranks)], axis=1)
+    where = np.asarray(model.placement)
+    held = np.stack([memory[:, where == r].sum(axis=1) for r in range(ranks)], axis=1)
+    # Each rank's device: that of its first stage (stage r in both placements).
     return stages, held - capacities[:ranks]
 
 

@@ -87,6 +87,8 @@ def _dumps(data: dict[str, object]) -> str:
 def _header(plan: Plan, comment: str) -> str:
     ranks, v = _ranks(plan), plan.virtual_stages
     placed = f", {v} per rank: rank r runs stages r, r+{ranks}, ..." if v > 1 else ""
+    if plan.schedule in _V_SCHEDULES:
+        placed = f", 2 per rank in a V: rank r runs stages r and {2 * ranks - 1}-r"
     return (
         f"{comment} autopipe plan: {plan.num_stages} stages on {ranks} ranks{placed}; "
         f"balance {plan.balance}, {plan.chunks} micro-batch{'es' if plan.chunks > 1 else ''}, "
@@ -182,11 +184,16 @@ def _titan_parts(plan: Plan, fmt: str) -> list[list[str]]:
 
 
 _TORCH_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb": "InterleavedZeroBubble"}
+# The V schedules: torch and torchtitan place stage i on its V rank themselves, so the parts
+# stay in stage order.
+_V_SCHEDULES = {"zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 _LOOPED_SCHEDULES = {"gpipe": "LoopedBFS", "1f1b": "Interleaved1F1B", "zb": "InterleavedZeroBubble"}
 
 
 def _torch_schedule(plan: Plan) -> str:
     """The name torch's ``get_schedule_class`` knows the plan's schedule by."""
+    if plan.schedule in _V_SCHEDULES:
+        return _V_SCHEDULES[plan.schedule]
     names = _LOOPED_SCHEDULES if plan.virtual_stages > 1 else _TORCH_SCHEDULES
     return names[plan.schedule]
 
@@ -223,6 +230,12 @@ def _megatron(plan: Plan) -> str:
     from autopipe.planning.runtimes.megatron_layout import megatron_arguments
     from autopipe.planning.runtimes.megatron_mesh import megatron_mesh
 
+    if plan.schedule in _V_SCHEDULES:
+        raise _refuse(
+            "megatron",
+            f"Megatron-LM has no V schedule to run {plan.schedule}; plan with --schedule "
+            "1f1b (and --virtual-stages 2 for its interleaved schedule)",
+        )
     _check_modules(plan, "megatron")
     stages = [[[call.path for call in _calls(unit)] for unit in units] for units in _units(plan)]
     flags, comments = megatron_mesh(plan)

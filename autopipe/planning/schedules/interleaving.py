@@ -32,12 +32,30 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["rank_order", "spared"]
+from autopipe.planning.schedules.v_schedules import v_order, v_rank, v_stages
+
+__all__ = ["rank_order", "rank_stages", "spared", "stage_placement"]
+
+# The schedules that place two stages per rank in a V (rank r: stages r and 2K−1−r).
+V_PLACED = ("zbv", "dualpipev")
 
 
-def rank_stages(rank: int, ranks: int, virtual: int) -> list[int]:
-    """The stages rank ``rank`` of ``ranks`` holds: ``rank + j·ranks`` for j < ``virtual``."""
+def rank_stages(rank: int, ranks: int, virtual: int, schedule: str = "1f1b") -> list[int]:
+    """The stages rank ``rank`` of ``ranks`` holds, in its local order: ``rank + j·ranks``
+    for j < ``virtual`` (looped), or ``[r, 2K−1−r]`` under a V schedule."""
+    if schedule in V_PLACED:
+        return v_stages(rank, ranks)
     return [rank + j * ranks for j in range(virtual)]
+
+
+def stage_rank(stage: int, ranks: int, schedule: str = "1f1b") -> int:
+    """The rank that holds ``stage``: ``stage mod K``, or its V placement's rank."""
+    return v_rank(stage, ranks) if schedule in V_PLACED else stage % ranks
+
+
+def stage_placement(stages: int, ranks: int, schedule: str = "1f1b") -> list[int]:
+    """Each of ``stages`` stages' rank, in stage order."""
+    return [stage_rank(s, ranks, schedule) for s in range(stages)]
 
 
 def _rank_of(stage: int, ranks: int) -> int:
@@ -186,7 +204,9 @@ def rank_order(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) 
 
     ``op`` is ``"F"`` (forward) or ``"B"`` (backward), or under ``zb`` (torch's
     ``ScheduleInterleavedZeroBubble``, any v) ``"I"`` and ``"W"``: the backward split into
-    the input's gradient and the weights', which waits for idle time. One stage per rank: GPipe's
+    the input's gradient and the weights', which waits for idle time; ``zbv`` and
+    ``dualpipev`` (v = 2, V placement) as :func:`~autopipe.planning.schedules.v_schedules.v_order`
+    (``"B"`` there: a whole backward). One stage per rank: GPipe's
     fill–drain (backwards in reverse, as autograd runs them) or 1F1B (``K−1−r`` warm-up
     forwards, then a forward and a backward in turn). Virtual stages: ``gpipe`` is torch's
     ``ScheduleLoopedBFS`` (every forward of each local stage in turn, then the backwards
@@ -199,6 +219,10 @@ def rank_order(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) 
         ValueError: an unknown schedule, or interleaved 1F1B with M not a multiple of the
             rounds' count.
     """
+    if schedule in V_PLACED:
+        if virtual != 2:
+            raise ValueError(f"{schedule} runs 2 stages per rank, not {virtual}")
+        return v_order(rank, ranks, chunks, schedule)
     if schedule not in ("gpipe", "1f1b", "zb"):
         raise ValueError(f"unknown schedule {schedule!r}")
     if schedule == "zb":
@@ -244,9 +268,11 @@ def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -
     """
     held = [0] * virtual
     peak = [0] * virtual
+    local_of = {s: j for j, s in enumerate(rank_stages(rank, ranks, virtual, schedule))}
     for op, stage, _ in rank_order(rank, ranks, virtual, chunks, schedule):
-        local = stage // ranks
+        local = local_of[stage]
         # A stage holds a micro-batch's activations until its weights' gradients are done.
+        # (A whole backward, ``"B"``, frees it at once.)
         held[local] += {"F": 1, "B": -1, "W": -1}.get(op, 0)
         peak[local] = max(peak[local], held[local])
     return peak

@@ -214,20 +214,24 @@ def simulate(plan: Plan) -> list[Event]:
     the plan's ``step_time``.
 
     Args:
-        plan: the plan; its ``schedule`` (``gpipe`` or ``1f1b``), ``chunks``,
+        plan: the plan; its ``schedule`` (``gpipe``, ``1f1b``, ``zb``, ``zbv`` or
+            ``dualpipev``), ``chunks``,
             ``virtual_stages`` and ``checkpoint`` set the order of operations, its stage
             times their lengths.
 
     Returns:
         Every event of the step, ordered by start time then stage. Zero-length transfers
-        are left out. Stage ``s`` runs on device ``s mod K``.
+        are left out. Stage ``s`` runs on device ``s mod K`` (``zbv``, ``dualpipev``: rank r
+        runs stages r and 2K−1−r).
 
     Raises:
         ValueError: the plan's schedule is unknown, or its virtual stages do not divide
             its stages.
     """
-    if plan.schedule not in ("gpipe", "1f1b", "zb"):
-        raise ValueError(f"unknown schedule {plan.schedule!r}: choose gpipe, 1f1b or zb")
+    if plan.schedule not in ("gpipe", "1f1b", "zb", "zbv", "dualpipev"):
+        raise ValueError(
+            f"unknown schedule {plan.schedule!r}: choose gpipe, 1f1b, zb, zbv or dualpipev"
+        )
     virtual = max(plan.virtual_stages, 1)
     if plan.num_stages % virtual:
         raise ValueError(f"{plan.num_stages} stages do not divide into {virtual} per device")

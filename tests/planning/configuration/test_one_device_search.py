@@ -79,3 +79,10 @@ def test_dimensions_one_device_does_not_have_are_refused(
     profile = random_profile(np.random.default_rng(0), 4)
     with pytest.raises(ValueError, match=expected):
         search(profile, 2, one_device=True, **options)
+
+
+def test_one_device_refuses_the_v_schedules() -> None:
+    from autopipe.planning.configuration.one_device_search import check_one_device
+
+    with pytest.raises(ValueError, match="not zbv or dualpipev"):
+        check_one_device(["gpipe", "zbv"], [1], False)

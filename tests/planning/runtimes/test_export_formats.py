@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -220,3 +221,19 @@ def test_a_split_the_format_cannot_hold_is_refused(
     plan = named_plan(names, balance, virtual)
     with pytest.raises(ValueError, match=rf"cannot export the plan as {fmt}: .*{message}"):
         plan.export(fmt)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "name"), [("zbv", "ZBVZeroBubble"), ("dualpipev", "DualPipeV")]
+)
+def test_torchtitan_v_schedules_list_the_parts_in_stage_order(schedule: str, name: str) -> None:
+    plan = dataclasses.replace(named_plan(LLAMA, [2, 1, 2, 4], 2), schedule=schedule)
+    text = plan.export("torchtitan")
+    config = read_toml(text)["parallelism"]
+    # torchtitan maps part i to stage i and stage i to its V rank (rank r: r and 2K-1-r).
+    assert config["module_fqns_per_model_part"] == _stage_names(plan)
+    assert config["pipeline_parallel_schedule"] == name
+    assert config["pipeline_parallel_degree"] == 2
+    assert "rank r runs stages r and 3-r" in text
+    with pytest.raises(ValueError, match="no V schedule"):
+        plan.export("megatron")

@@ -1,0 +1,53 @@
+"""plan and evaluate for the V schedules (zbv, dualpipev): 2K stages, two per rank, the
+step replayed, the plan's JSON, trace and report."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopipe.output.trace_events import trace
+from autopipe.planning import Plan, evaluate, plan, simulate
+from autopipe.planning.model.cost_model import CostModel
+from autopipe.planning.model.plan_settings import build_model
+from autopipe.planning.pipeline_settings import PipelineSettings
+from autopipe.planning.split.interleaved_balance import pipeline_time
+from tests.support.planning_cases import linear_profile, splits
+
+PROFILE = linear_profile([1.0, 2, 3, 1, 2, 3, 1, 2, 1, 1])
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_plan_is_the_fastest_v_split(schedule: str) -> None:
+    made = plan(PROFILE, 4, schedule=schedule, chunks=4)
+    assert (made.schedule, made.virtual_stages, made.checkpoint) == (schedule, 2, "never")
+    assert len(made.balance) == 4 and sum(made.balance) == 10
+    model: CostModel = build_model(
+        PROFILE, 4, PipelineSettings(schedule=schedule, chunks=4, checkpoint="never")
+    )
+    best = min(pipeline_time(model, b) for b in splits(10, 4))
+    assert made.step_time == pytest.approx(best, rel=1e-9)
+    assert evaluate(PROFILE, made.balance, 4, schedule=schedule, chunks=4).step_time == (
+        pytest.approx(made.step_time, rel=1e-12)
+    )
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_plan_json_round_trips_and_traces(schedule: str, tmp_path) -> None:
+    made = plan(PROFILE, 4, schedule=schedule, chunks=4)
+    path = tmp_path / "plan.json"
+    made.save(path)
+    loaded = Plan.load(path)
+    assert loaded.schedule == schedule and loaded.balance == made.balance
+    events = simulate(loaded)
+    assert max(e.end for e in events) == pytest.approx(made.step_time, rel=1e-9)
+    threads = {
+        e.get("args", {}).get("name") for e in trace(loaded)["traceEvents"] if e.get("ph") == "M"
+    }
+    assert "stages 0, 3" in threads and "stages 1, 2" in threads
+
+
+def test_v_schedules_refuse_other_virtual_stage_counts() -> None:
+    with pytest.raises(ValueError, match="2 stages per rank"):
+        plan(PROFILE, 6, schedule="zbv", virtual_stages=3)
+    with pytest.raises(ValueError, match="even number of stages"):
+        plan(PROFILE, 3, schedule="dualpipev", chunks=6)
