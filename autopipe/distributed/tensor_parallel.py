@@ -77,11 +77,13 @@ def _divisors(count: int) -> str:
     return ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
 
 
-def placed_styles(model: nn.Module, plan: Mapping[str, str], tensor_parallel: int) -> dict[str, str]:
-    """Each styled module of ``model`` (graph's :func:`~autopipe.graph.module_styles`), with
-    the key/value projections replicated when the model's key/value heads are fewer than,
-    or do not divide by, ``tensor_parallel``: each rank then computes every key/value head
-    (Megatron's rule, which the planner prices) while the query heads stay split."""
+def placed_styles(
+    model: nn.Module, plan: Mapping[str, str], tensor_parallel: int
+) -> dict[str, str]:
+    """Each styled module of ``model`` (:func:`autopipe.graph.module_styles`), the
+    key/value projections replicated when ``tensor_parallel`` does not divide the model's
+    key/value heads: each rank then computes every key/value head (Megatron's rule, which
+    the planner prices) while the query heads stay split."""
     styles = module_styles(model, plan)
     heads = getattr(getattr(model, "config", None), "num_key_value_heads", None)
     if isinstance(heads, int) and heads % tensor_parallel:

@@ -99,8 +99,15 @@ def tp_run(stages: int, tensor: int, kv_heads: int = 2) -> dict[str, Any]:
     balance = [units // stages] * stages
     profile = linear_profile([1.0] * units, batch=len(x), chunks=TP_CHUNKS)
     given = evaluate(profile, balance, chunks=TP_CHUNKS, schedule="1f1b")
+    replicas = torch.distributed.get_world_size() // (stages * tensor)
     pipe = DistributedPipeline(
-        model, x, loss_fn=token_loss, chunks=TP_CHUNKS, plan=given, tensor_parallel=tensor
+        model,
+        x,
+        loss_fn=token_loss,
+        chunks=TP_CHUNKS,
+        plan=given,
+        tensor_parallel=tensor,
+        data_parallel=replicas,
     )
     opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
     losses, placements = [], {}
