@@ -98,8 +98,8 @@ def tp_run(stages: int, tensor: int, kv_heads: int = 2) -> dict[str, Any]:
     units = 6  # embedding, rotary, 2 layers, norm, head
     balance = [units // stages] * stages
     profile = linear_profile([1.0] * units, batch=len(x), chunks=TP_CHUNKS)
-    given = evaluate(profile, balance, chunks=TP_CHUNKS, schedule="1f1b")
     replicas = torch.distributed.get_world_size() // (stages * tensor)
+    given = evaluate(profile, balance, chunks=TP_CHUNKS, schedule="1f1b", data_parallel=replicas)
     pipe = DistributedPipeline(
         model,
         x,
