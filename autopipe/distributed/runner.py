@@ -37,7 +37,7 @@ from autopipe.distributed.step_trace import StepRecorder, track_label
 from autopipe.distributed.tensor_parallel import (
     TensorParallel,
     full_state,
-    module_styles,
+    placed_styles,
 )
 from autopipe.distributed.tied_gradients import TiedGradients, make_tie_groups, shared_across_stages
 from autopipe.distributed.virtual import build_stages, make_schedule, stage_states
@@ -202,7 +202,7 @@ class PipelineRunner:
         plan = (model_tp_plan(model) or {}) if self._tp_plan is None else self._tp_plan
         layers = [layer for stage in self.module.modules() if isinstance(stage, StageModule)
                   for layer in stage.children()]  # fmt: skip
-        self._tp = TensorParallel(layers, model, module_styles(model, plan), mesh)
+        self._tp = TensorParallel(layers, model, placed_styles(model, plan, mesh.size()), mesh)
 
     # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1.
     @property

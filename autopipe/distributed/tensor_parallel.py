@@ -5,6 +5,10 @@ parameters of plain holder modules), not the model's ``nn.Linear`` modules, so
 ``parallelize_module`` finds nothing to hook in them, and the graphs' ``view``/``reshape``
 calls hold the global shapes. So the stage runs on DTensors at global shapes:
 
+* the plan is read by graph's reader (:func:`autopipe.graph.check_tp_plan`, its style list,
+  and :func:`autopipe.graph.module_styles`, its matching rule), the one the shard counting
+  uses, so the runner shards what the planner priced; key/value projections whose heads
+  the degree cannot split are replicated, as Megatron replicates them;
 * each planned parameter is distributed on the tensor mesh by the partition functions of
   torch's own styles (``ColwiseParallel``: weight and bias ``Shard(0)``, an embedding
   ``Shard(1)``; ``RowwiseParallel``: weight ``Shard(1)``, bias ``Replicate()``, an embedding
@@ -32,16 +36,20 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from autopipe.graph import model_tp_plan
+from autopipe.graph import check_tp_plan, model_tp_plan, module_styles
 
 __all__: list[str] = []  # internal to the distributed runner
 
-# The plan styles taken (Hugging Face's names) and the torch style whose placements they use.
-# Their input/output layouts do not matter here: DTensor computes every op at global shapes.
-COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise")
-ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise")
-REPLICATED = ("replicate", "replicated_with_grad_allreduce")
-STYLES = (*COLWISE, *ROWWISE, *REPLICATED)
+# The plan's styles (graph's list, Hugging Face's names) this runner places, by the torch
+# style whose placements they use. Their input/output layouts do not matter here: DTensor
+# computes every op at global shapes, so a gathered or local output needs nothing more.
+COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise")
+ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise", "local_rowwise")
+REPLICATED = ("replicate", "gather", "sequence_parallel")
+PLACED = (*COLWISE, *ROWWISE, *REPLICATED)
+
+# The projections whose outputs hold the key/value heads (Hugging Face's names, fused or not).
+KV_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "query_key_value")
 
 
 def plan_problem(plan: Any, tensor_parallel: int) -> str | None:
@@ -52,48 +60,53 @@ def plan_problem(plan: Any, tensor_parallel: int) -> str | None:
         return f"tensor_parallel must be a positive integer, got {tensor_parallel!r}"
     if plan is None:
         return None
-    if not isinstance(plan, Mapping) or not all(isinstance(k, str) for k in plan):
-        return "tp_plan must map module names (with *) to styles, as a model's _tp_plan"
-    for name, style in plan.items():
-        if style not in STYLES:
+    try:
+        checked = check_tp_plan(plan)
+    except ValueError as exc:
+        return str(exc)
+    for name, style in checked.items():
+        if style not in PLACED:
             return (
-                f"unknown tensor-parallel style {style!r} for {name!r}: choose one of "
-                f"{', '.join(STYLES)}"
+                f"the distributed runner cannot place the tensor-parallel style {style!r} of "
+                f"{name!r}; use one of {', '.join(PLACED)}"
             )
     return None
 
 
-def _matches(pattern: str, name: str) -> bool:
-    # "*" stands for one dotted component (a layer index), as in Hugging Face's plans.
-    parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))
+def _divisors(count: int) -> str:
+    return ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
 
 
-def module_styles(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
-    """Each module of ``model`` that ``plan`` names, with its style (an exact name before
-    a pattern)."""
-    styles: dict[str, str] = {}
-    for name, _ in model.named_modules():
-        if name in plan:
-            styles[name] = plan[name]
-            continue
-        found = [style for pattern, style in plan.items() if _matches(pattern, name)]
-        if found:
-            styles[name] = found[0]
+def placed_styles(
+    model: nn.Module, plan: Mapping[str, str], tensor_parallel: int
+) -> dict[str, str]:
+    """Each styled module of ``model`` (:func:`autopipe.graph.module_styles`), the
+    key/value projections replicated when ``tensor_parallel`` does not divide the model's
+    key/value heads: each rank then computes every key/value head (Megatron's rule, which
+    the planner prices) while the query heads stay split."""
+    styles = module_styles(model, plan)
+    heads = getattr(getattr(model, "config", None), "num_key_value_heads", None)
+    if isinstance(heads, int) and heads % tensor_parallel:
+        for name, style in styles.items():
+            if name.rpartition(".")[2] in KV_PROJECTIONS and style in COLWISE:
+                styles[name] = "replicate"
     return styles
 
 
-def heads_problem(model: nn.Module, tensor_parallel: int) -> str | None:
-    """Why the model's attention heads cannot be split ``tensor_parallel`` ways, or ``None``."""
-    config = getattr(model, "config", None)
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, field, None)
-        if isinstance(heads, int) and heads % tensor_parallel:
-            return (
-                f"{field}={heads} is not divisible by tensor_parallel={tensor_parallel}: "
-                "each rank must hold whole heads; use a degree that divides it"
-            )
-    return None
+def heads_problem(model: nn.Module, plan: Mapping[str, str], tensor_parallel: int) -> str | None:
+    """Why the model's query heads cannot be split ``tensor_parallel`` ways, or ``None``
+    (key/value heads that cannot be split are replicated: :func:`placed_styles`)."""
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    if not isinstance(heads, int) or not heads % tensor_parallel:
+        return None
+    styles = module_styles(model, plan)
+    query = next((n for n, s in styles.items() if n.endswith("q_proj") and s in COLWISE), None)
+    where = query or "the attention"
+    return (
+        f"{where} has num_attention_heads={heads}, which tensor_parallel={tensor_parallel} "
+        f"cannot split into whole heads per rank; use a degree dividing {heads} "
+        f"({_divisors(heads)})"
+    )
 
 
 def _partition(style: str, module: nn.Module, holder: nn.Module, mesh: DeviceMesh) -> None:
@@ -150,7 +163,7 @@ class TensorParallel:
     Args:
         layers: the stages' layers (units) on this rank, their parameters the model's.
         model: the original model, whose module names the plan uses.
-        styles: each planned module name with its style (:func:`module_styles`).
+        styles: each planned module name with its style (:func:`placed_styles`).
         mesh: the tensor-parallel device mesh (1-D, this rank's group of t ranks).
 
     Raises:
@@ -232,6 +245,9 @@ def tensor_parallel_problem(
     if problem or tensor_parallel == 1:
         return problem
     plan = (model_tp_plan(model) or {}) if tp_plan is None else tp_plan
+    problem = plan_problem(plan, tensor_parallel)
+    if problem:
+        return problem
     if not module_styles(model, plan):
         return (
             f"tensor_parallel={tensor_parallel} needs a plan naming the model's modules: the "
@@ -242,4 +258,4 @@ def tensor_parallel_problem(
             "tensor_parallel > 1 runs with one stage per rank under gpipe or 1f1b; "
             "use virtual_stages=1 and schedule='gpipe' or '1f1b'"
         )
-    return heads_problem(model, tensor_parallel)
+    return heads_problem(model, plan, tensor_parallel)

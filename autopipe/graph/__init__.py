@@ -30,7 +30,13 @@ if TYPE_CHECKING:
     from autopipe.graph.shapes import DynamicSpec
     from autopipe.graph.sharing import check_placement, copied_written
     from autopipe.graph.stage_modules import UnitModule, UnitSequential
-    from autopipe.graph.tp_plan import check_tp_plan, model_tp_plan, read_tp_plan, shard_styles
+    from autopipe.graph.tp_plan import (
+        check_tp_plan,
+        model_tp_plan,
+        module_styles,
+        read_tp_plan,
+        shard_styles,
+    )
     from autopipe.graph.tracing import METHODS, PREFIX, Traced, trace
     from autopipe.graph.units import GRANULARITIES
 
@@ -56,6 +62,7 @@ __all__ = [
     "meta_bytes",
     "model_inputs",
     "model_tp_plan",
+    "module_styles",
     "prepare",
     "read_tp_plan",
     "rebind_state",
@@ -88,6 +95,7 @@ _HOMES = {
     "meta_bytes": "autopipe.graph.meta",
     "model_inputs": "autopipe.graph.sequential",
     "model_tp_plan": "autopipe.graph.tp_plan",
+    "module_styles": "autopipe.graph.tp_plan",
     "prepare": "autopipe.graph.sequential",
     "read_tp_plan": "autopipe.graph.tp_plan",
     "rebind_state": "autopipe.graph.meta",

@@ -10,6 +10,16 @@ The plan used is, in order: the one given (``tp_plan=``, the command line's
 its config's ``base_model_tp_plan`` under the base model's prefix), else none. Units are
 traced modules holding the model's own parameter objects, so each unit parameter finds its
 full name, and with it its module's style, by identity.
+
+The matching rule, one for the counter and the distributed runner: a module takes the
+style of the pattern naming it, else that of its nearest named ancestor (a style on a
+block, such as ``gather``, covers the modules inside it); at one depth an exact name wins
+over a pattern with ``*`` (fewer ``*`` first, then the plan's order). Transformers' own
+matcher replaces a name's layer numbers by ``*`` and looks the result up, for a parameter
+its own name then its module's: a Hugging Face plan (patterns whose ``*`` stand for layer
+numbers) never has two matching keys at one depth, so it styles every ``nn.Linear`` and
+``nn.Embedding`` as transformers does; the ancestor rule and exact numbered names only add
+to it (a block's style, one layer styled apart from the others).
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from torch import nn
 
 from profiler import SHARD_STYLES
 
-__all__ = ["check_tp_plan", "model_tp_plan", "read_tp_plan", "shard_styles"]
+__all__ = ["check_tp_plan", "model_tp_plan", "module_styles", "read_tp_plan", "shard_styles"]
 
 _EXAMPLE = 'e.g. {"model.layers.*.mlp.down_proj": "rowwise"}'
 
@@ -88,15 +98,52 @@ def _matches(pattern: list[str], name: list[str]) -> bool:
     )
 
 
+def _patterns(plan: Mapping[str, str]) -> list[tuple[list[str], str]]:
+    """The plan's patterns split into parts, exact names before patterns (fewer ``*``
+    first; a stable sort keeps the plan's order among equals)."""
+    split = [(pattern.split("."), style) for pattern, style in plan.items()]
+    return sorted(split, key=lambda item: item[0].count("*"))
+
+
 def _style(plan: list[tuple[list[str], str]], module: str) -> str | None:
-    """The style of ``module``: its own pattern's, else its nearest ancestor's (a style on
-    a block, such as ``gather``, covers the modules inside it)."""
+    """The style of ``module``: its own pattern's, else its nearest ancestor's."""
     parts = module.split(".") if module else []
     for end in range(len(parts), 0, -1):
         for pattern, style in plan:
             if _matches(pattern, parts[:end]):
                 return style
     return None
+
+
+def _check_matches(owner: nn.Module, plan: Mapping[str, str]) -> None:
+    modules = [name.split(".") for name, _ in owner.named_modules(remove_duplicate=False)]
+    for pattern in plan:
+        parts = pattern.split(".")
+        if not any(_matches(parts, name) for name in modules):
+            raise ValueError(
+                f"the tensor-parallel plan's pattern {pattern!r} matches no module of "
+                f"{type(owner).__name__}; name modules by their full dotted path, `*` for "
+                "one part (e.g. model.layers.*.mlp.down_proj), or remove it"
+            )
+
+
+def module_styles(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """Each module of ``model`` (by its full name) that ``plan`` styles, with its style.
+
+    The module-level rule of this module's docstring: its own pattern, else its nearest
+    ancestor's; an exact name before a pattern at one depth. Modules without a style are
+    left out.
+
+    Raises:
+        ValueError: an unknown style (:func:`check_tp_plan`).
+    """
+    patterns = _patterns(check_tp_plan(plan))
+    styles: dict[str, str] = {}
+    for name, _ in model.named_modules(remove_duplicate=False):
+        style = _style(patterns, name)
+        if style is not None:
+            styles[name] = style
+    return styles
 
 
 def shard_styles(
@@ -123,15 +170,8 @@ def shard_styles(
     if found is None:
         return None
     plan = check_tp_plan(found)
-    modules = [name.split(".") for name, _ in owner.named_modules(remove_duplicate=False)]
-    patterns = [(pattern.split("."), style) for pattern, style in plan.items()]
-    for (parts, _), pattern in zip(patterns, plan, strict=True):
-        if not any(_matches(parts, name) for name in modules):
-            raise ValueError(
-                f"the tensor-parallel plan's pattern {pattern!r} matches no module of "
-                f"{type(owner).__name__}; name modules by their full dotted path, `*` for "
-                "one part (e.g. model.layers.*.mlp.down_proj), or remove it"
-            )
+    _check_matches(owner, plan)
+    patterns = _patterns(plan)
     names: dict[int, list[str]] = {}
     for name, tensor in owner.named_parameters(remove_duplicate=False):
         names.setdefault(id(tensor), []).append(name)

@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from autopipe.graph.sequential import unit_sequential
-from autopipe.graph.tp_plan import check_tp_plan, model_tp_plan, read_tp_plan, shard_styles
+from autopipe.graph.tp_plan import (
+    check_tp_plan,
+    model_tp_plan,
+    module_styles,
+    read_tp_plan,
+    shard_styles,
+)
 from profiler.measure import profile_layers
 
 
@@ -80,6 +86,19 @@ def test_a_block_style_covers_the_modules_inside() -> None:
             "norm.bias": "replicate",
         }
     ]
+
+
+def test_an_exact_name_wins_over_a_pattern_at_one_depth() -> None:
+    model = Net()
+    plan = {"blocks.*.up": "colwise", "blocks.1.up": "replicate", "blocks.1": "gather"}
+    styles = module_styles(model, plan)
+    assert styles["blocks.0.up"] == "colwise"
+    assert styles["blocks.1.up"] == "replicate"  # whatever the plan's order
+    assert styles["blocks.1.down"] == "gather"  # the nearest named ancestor's
+    assert "blocks.0.down" not in styles and "head" not in styles
+    (counted,) = shard_styles(model, [model], plan) or [{}]
+    assert counted["blocks.1.up.weight"] == "replicate"
+    assert counted["blocks.0.up.weight"] == "colwise"
 
 
 def test_without_a_plan_there_are_no_styles() -> None:

@@ -12,8 +12,10 @@ from torch import Tensor, nn
 TP_CHUNKS = 2
 TP_STEPS = 3
 LR = 0.1
-# The layout of each run: (K stages, t tensor ranks), by world size.
-RUNS = {4: [(2, 2)], 2: [(1, 2), (2, 1)]}
+# The layout of each run: (K stages, t tensor ranks, key/value heads), by world size; the
+# ranks left over are data-parallel replicas (4 ranks at K=1, t=2: D=2). One key/value head
+# cannot be split over t=2: its projections run replicated.
+RUNS = {4: [(2, 2, 2), (1, 2, 2)], 2: [(1, 2, 2), (2, 1, 2), (1, 2, 1)]}
 
 
 class RMSNorm64(nn.Module):
@@ -67,9 +69,9 @@ def token_loss(output: Any, target: Tensor) -> Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def reference() -> dict[str, Any]:
+def reference(kv_heads: int = 2) -> dict[str, Any]:
     """The plain model trained as the pipelines are: losses and final state."""
-    model = tiny_llama()
+    model = tiny_llama(kv_heads=kv_heads)
     x, y = batch()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -84,7 +86,7 @@ def reference() -> dict[str, Any]:
     return {"losses": losses, "state": copy.deepcopy(model.state_dict())}
 
 
-def tp_run(stages: int, tensor: int) -> dict[str, Any]:
+def tp_run(stages: int, tensor: int, kv_heads: int = 2) -> dict[str, Any]:
     """TP_STEPS SGD steps of the pipeline: losses, gradient placements, gathered state."""
     from torch.distributed.tensor import DTensor
 
@@ -92,13 +94,20 @@ def tp_run(stages: int, tensor: int) -> dict[str, Any]:
     from autopipe.planning.planner import evaluate
     from tests.support.planning_cases import linear_profile
 
-    model, (x, y) = tiny_llama(), batch()
+    model, (x, y) = tiny_llama(kv_heads=kv_heads), batch()
     units = 6  # embedding, rotary, 2 layers, norm, head
     balance = [units // stages] * stages
     profile = linear_profile([1.0] * units, batch=len(x), chunks=TP_CHUNKS)
-    given = evaluate(profile, balance, chunks=TP_CHUNKS, schedule="1f1b")
+    replicas = torch.distributed.get_world_size() // (stages * tensor)
+    given = evaluate(profile, balance, chunks=TP_CHUNKS, schedule="1f1b", data_parallel=replicas)
     pipe = DistributedPipeline(
-        model, x, loss_fn=token_loss, chunks=TP_CHUNKS, plan=given, tensor_parallel=tensor
+        model,
+        x,
+        loss_fn=token_loss,
+        chunks=TP_CHUNKS,
+        plan=given,
+        tensor_parallel=tensor,
+        data_parallel=replicas,
     )
     opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
     losses, placements = [], {}
@@ -113,7 +122,7 @@ def tp_run(stages: int, tensor: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     return {
-        "layout": (stages, tensor),
+        "layout": (stages, tensor, kv_heads),
         "stage": pipe.stage_index,
         "tensor_index": pipe.tensor_index,
         "losses": losses,
@@ -144,7 +153,7 @@ def refused(world: int) -> str:
 def tensor_parallel(world: int) -> dict[str, Any]:
     """Every run for this world size, the reference, and the refusal."""
     return {
-        "runs": [tp_run(k, t) for k, t in RUNS[world]],
-        "reference": reference(),
+        "runs": [tp_run(k, t, kv) for k, t, kv in RUNS[world]],
+        "reference": {kv: reference(kv) for kv in {kv for _, _, kv in RUNS[world]}},
         "refused": refused(world),
     }
