@@ -10,10 +10,14 @@ constraints on it, as plain functions the runner and its checks call.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+from autopipe.planning import Plan, evaluate
 
 __all__: list[str] = []
 
@@ -48,6 +52,50 @@ def v_stage_ranks(ranks: int) -> list[int]:
     return [v_stage_rank(stage, ranks) for stage in range(2 * ranks)]
 
 
+def v_settings(settings: Any, balance: Sequence[int] | None) -> Any:
+    """``settings`` as a V schedule runs them: two stages per rank and no re-computation
+    unless set otherwise (refused then by :func:`check_v_sizes`); others as they are.
+
+    Raises:
+        ValueError: ``balance`` is given for a schedule that is not a V schedule.
+    """
+    if not is_v_schedule(settings.schedule):
+        if balance is not None:
+            raise ValueError(
+                f"balance= splits the stages of a V schedule (zbv, dualpipev), not of "
+                f"{settings.schedule or '1f1b'!r}; pass plan= instead"
+            )
+        return settings
+    virtual = settings.virtual_stages if settings.virtual_stages != 1 else 2
+    checkpoint = settings.checkpoint or "never"
+    return dataclasses.replace(settings, virtual_stages=virtual, checkpoint=checkpoint)
+
+
+def stage_positions(schedule: str, ranks: int) -> int | list[int]:
+    """Where a pipeline's stages run, as :mod:`autopipe.distributed.tied_gradients` takes it:
+    every stage's position under a V schedule, else K (stage s on position s % K)."""
+    return v_stage_ranks(ranks) if is_v_schedule(schedule) else ranks
+
+
+def v_plan(profile: Any, balance: Sequence[int], chunks: int, optimizer: Any = None) -> Plan:
+    """The plan of a V pipeline: the given split of its 2K stages, in stage order.
+
+    The planner has no cost model of the V schedules here; the plan's predictions are
+    those of the interleaved zero-bubble schedule of the same 2K stages (``zb`` with two
+    stages per rank), whose backwards are split alike, and no activations re-computed.
+    """
+    options: dict[str, Any] = {} if optimizer is None else {"optimizer": optimizer}
+    return evaluate(
+        profile,
+        list(balance),
+        chunks=chunks,
+        schedule="zb",
+        virtual_stages=2,
+        checkpoint="never",
+        **options,
+    )
+
+
 def even_balance(layers: int, stages: int) -> list[int]:
     """Layers per stage of an even split by layer count, larger stages first.
 
@@ -70,6 +118,7 @@ def check_v_sizes(
     data_parallel: int = 1,
     tensor_parallel: int = 1,
     virtual_stages: int = 1,
+    checkpoint: str = "never",
 ) -> None:
     """Checks that a V schedule can run this pipeline; one line per refusal.
 
@@ -86,6 +135,9 @@ def check_v_sizes(
         data_parallel: replicas (D); only 1.
         tensor_parallel: tensor-parallel ranks per stage; only 1.
         virtual_stages: stages per rank as given; 1 (unset) or 2.
+        checkpoint: re-materialization; only ``never`` (the split backwards of torch's
+            V schedules run the weights' gradients apart from the inputs', after a
+            re-computed forward's graph is gone).
 
     Raises:
         ValueError: the schedule cannot run these sizes.
@@ -97,6 +149,11 @@ def check_v_sizes(
         raise ValueError(
             f"{name} runs exactly 2 stages per rank, not virtual_stages={virtual_stages}; "
             "leave virtual_stages unset"
+        )
+    if checkpoint != "never":
+        raise ValueError(
+            f"{name} keeps every activation: checkpoint={checkpoint!r} is not supported; "
+            "use checkpoint='never' (the default for V schedules)"
         )
     if data_parallel != 1 or tensor_parallel != 1:
         raise ValueError(
