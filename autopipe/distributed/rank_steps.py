@@ -158,13 +158,13 @@ class RankSteps:
         check_sizes(k, len(layers.modules), self.given, schedule, chunks, data_parallel=d,
                     virtual_stages=v)  # fmt: skip
         if is_v_schedule(schedule):
-            given = self.given.balance if self.given is not None else runner._balance
-            modes = {str(settings.checkpoint)}
-            if self.given is not None:  # its own modes are used instead
-                modes = set(self.given.stage_checkpoints)
-            check_v_sizes(schedule, k, len(layers.modules), chunks, given, data_parallel=d,
-                          tensor_parallel=t, virtual_stages=v,
-                          checkpoint="never" if modes == {"never"} else "/".join(sorted(modes)))  # fmt: skip
+            given = self.given
+            balance = given.balance if given is not None else runner._balance
+            # A given plan's own modes are used instead of the setting.
+            modes = set(given.stage_checkpoints) if given is not None else {settings.checkpoint}
+            mode = "/".join(sorted(str(m) for m in modes))
+            check_v_sizes(schedule, k, len(layers.modules), chunks, balance, data_parallel=d,
+                          tensor_parallel=t, virtual_stages=v, checkpoint=mode)  # fmt: skip
         # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
         runner.batch_size, self.sample = replica_sample(self.sample, d, chunks, self.given)
         self.padding = MicroBatchPadding(runner.batch_size, chunks)
@@ -244,7 +244,9 @@ class RankSteps:
         if is_v_schedule(self.settings.schedule):
             mine = v_stage_indices(runner.stage_index, runner.num_stages)
         else:
-            mine = stage_indices(runner.stage_index, runner.num_stages, self.settings.virtual_stages)
+            mine = stage_indices(
+                runner.stage_index, runner.num_stages, self.settings.virtual_stages
+            )
         return {stage: runner.device for stage in mine}
 
     def materialized(self, error: ValueError | None) -> None:

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 def v_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     world = request.param
     workdir = tmp_path_factory.mktemp(f"v{world}")
-    return world, workdir, scenario_results("v", world, workdir, limit=300)
+    return world, workdir, scenario_results("v", world, workdir, limit=150 * world)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:

@@ -31,7 +31,7 @@ def test_v_placement() -> None:
 def test_v_schedules_are_torch_s() -> None:
     from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
-    assert V_SCHEDULES == {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+    assert {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV} == V_SCHEDULES
     assert is_v_schedule("zbv") and is_v_schedule("dualpipev")
     assert not is_v_schedule("1f1b") and not is_v_schedule(None)
 

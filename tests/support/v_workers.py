@@ -65,7 +65,9 @@ def reference(kind: str, batch: int, chunks: int) -> list[dict[str, Any]]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     steps = []
     for _ in range(V_STEPS):
-        losses = [loss_fn(model(a), b) for a, b in zip(x.chunk(chunks), y.chunk(chunks), strict=True)]
+        losses = [
+            loss_fn(model(a), b) for a, b in zip(x.chunk(chunks), y.chunk(chunks), strict=True)
+        ]
         loss = torch.stack(losses).mean()
         loss.backward()
         opt.step()
@@ -118,6 +120,7 @@ def v_runs(world: int, workdir: str) -> dict[str, Any]:
         for schedule in ("zbv", "dualpipev"):
             trace = f"{workdir}/trace.json" if (kind, schedule) == ("mlp", "zbv") else None
             results[kind, schedule] = _train(kind, schedule, world, trace)
+            print(f"trained {kind} with {schedule}", flush=True)
     k2 = 2 * world
     results["errors"] = {
         "chunks": _refusal(world, chunks=k2 - 1, schedule="dualpipev"),
@@ -130,6 +133,8 @@ def v_runs(world: int, workdir: str) -> dict[str, Any]:
 
     model, loss_fn, x, _ = v_case("mlp", 2 * k2)
     balance = [16 - (k2 - 1)] + [1] * (k2 - 1)
-    pipe = DistributedPipeline(model, x, loss_fn=loss_fn, chunks=k2, schedule="zbv", balance=balance)
+    pipe = DistributedPipeline(
+        model, x, loss_fn=loss_fn, chunks=k2, schedule="zbv", balance=balance
+    )
     results["given"] = pipe.plan.balance
     return results
