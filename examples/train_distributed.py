@@ -144,13 +144,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64, help="global, across replicas")
     parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "zb"], default="1f1b")
+    parser.add_argument(
+        "--schedule",
+        choices=["1f1b", "gpipe", "zb", "zbv", "dualpipev"],
+        default="1f1b",
+        help="zbv, dualpipev: V schedules, 2 stages per rank (needs --chunks >= 2 x ranks)",
+    )
     parser.add_argument(
         "--checkpoint",
         choices=["never", "always", "except_last", "auto"],
         default=None,
         help="re-compute activations in backward instead of keeping them (default: "
-        "except_last, never with zb)",
+        "except_last, never with zb, zbv and dualpipev)",
     )
     parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -41,6 +41,14 @@ from autopipe.distributed.setup import (
 from autopipe.distributed.stage import checkpoint_problem, fingerprint
 from autopipe.distributed.tensor_parallel import tensor_parallel_problem
 from autopipe.distributed.tied_gradients import shared_state, written_shared
+from autopipe.distributed.v_stages import (
+    check_v_sizes,
+    even_balance,
+    is_v_schedule,
+    stage_positions,
+    v_plan,
+    v_stage_indices,
+)
 from autopipe.distributed.virtual import stage_indices, virtual_problem
 from autopipe.graph import has_meta_state
 from autopipe.microbatching import Layers
@@ -134,6 +142,7 @@ class RankSteps:
             shown = fingerprint_settings(self.sample, chunks, schedule, self.given, inputs.profile)
         shown["data_parallel"] = runner.data_parallel
         shown["virtual_stages"] = settings.virtual_stages
+        shown["balance"] = runner._balance
         shown["tensor_parallel"] = settings.tensor_parallel
         shown["tp_plan"] = sorted((inputs.tp_plan or {}).items())
         shown["autocast"] = settings.autocast
@@ -148,6 +157,14 @@ class RankSteps:
         k = check_layout(self.world, d, inputs.data_parallel, self.given, t)
         check_sizes(k, len(layers.modules), self.given, schedule, chunks, data_parallel=d,
                     virtual_stages=v)  # fmt: skip
+        if is_v_schedule(schedule):
+            given = self.given
+            balance = given.balance if given is not None else runner._balance
+            # A given plan's own modes are used instead of the setting.
+            modes = set(given.stage_checkpoints) if given is not None else {settings.checkpoint}
+            mode = "/".join(sorted(str(m) for m in modes))
+            check_v_sizes(schedule, k, len(layers.modules), chunks, balance, data_parallel=d,
+                          tensor_parallel=t, virtual_stages=v, checkpoint=mode)  # fmt: skip
         # Rank 0 profiles one replica's rows and plans D replicas of the global batch.
         runner.batch_size, self.sample = replica_sample(self.sample, d, chunks, self.given)
         self.padding = MicroBatchPadding(runner.batch_size, chunks)
@@ -205,6 +222,9 @@ class RankSteps:
         assert self.prepared is not None
         runner, prepared = self.runner, self.prepared
         stages = runner.num_stages * self.settings.virtual_stages
+        if is_v_schedule(self.settings.schedule):  # the given split, or an even one
+            balance = runner._balance or even_balance(len(layers.modules), stages)
+            return v_plan(profile, balance, int(self.settings.chunks or 1), self.settings.optimizer)
         named = prepared.owner if prepared.owner is not None else prepared.sequential
         unsplit = written_shared(list(prepared.sequential), layers.written, named)
         return rank0_plan(
@@ -214,15 +234,19 @@ class RankSteps:
     def check_placement(self, layers: Layers, plan: Plan) -> None:
         assert self.prepared is not None
         sequential = self.prepared.sequential
-        shared = shared_state(
-            list(sequential), plan.balance, self.runner.num_stages, layers.written
-        )
+        where = stage_positions(str(self.settings.schedule), self.runner.num_stages)
+        shared = shared_state(list(sequential), plan.balance, where, layers.written)
         if shared:
             raise ValueError(shared)
 
     def stage_devices(self, plan: Plan) -> dict[int, str | torch.device]:
         runner = self.runner
-        mine = stage_indices(runner.stage_index, runner.num_stages, self.settings.virtual_stages)
+        if is_v_schedule(self.settings.schedule):
+            mine = v_stage_indices(runner.stage_index, runner.num_stages)
+        else:
+            mine = stage_indices(
+                runner.stage_index, runner.num_stages, self.settings.virtual_stages
+            )
         return {stage: runner.device for stage in mine}
 
     def materialized(self, error: ValueError | None) -> None:

@@ -40,6 +40,7 @@ from autopipe.distributed.tensor_parallel import (
     placed_styles,
 )
 from autopipe.distributed.tied_gradients import TiedGradients, make_tie_groups, shared_across_stages
+from autopipe.distributed.v_stages import is_v_schedule, stage_positions, v_settings
 from autopipe.distributed.virtual import build_stages, make_schedule, stage_states
 from autopipe.graph import model_tp_plan
 from autopipe.microbatching import Assembly, assemble
@@ -93,6 +94,8 @@ class PipelineRunner:
         # ``tp_plan``: the tensor-parallel plan (module-name patterns to styles) for
         # ``tensor_parallel`` above 1; default the model's own Hugging Face plan.
         tp_plan: Mapping[str, str] | None = overrides.pop("tp_plan", None)
+        # ``balance``: layers per stage of a V schedule's 2K stages, instead of an even split.
+        self._balance: list[int] | None = overrides.pop("balance", None)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "DistributedPipeline needs an initialised process group: call "
@@ -102,7 +105,7 @@ class PipelineRunner:
         extra = dict(overrides.pop("plan_options", None) or {})
         settings = with_overrides(settings, overrides, "DistributedPipeline", RUNNER_FIELDS)
         settings = with_overrides(settings, extra, "DistributedPipeline (plan_options)")
-        settings = settings.resolved(distributed=True)
+        settings = v_settings(settings, self._balance).resolved(distributed=True)
         self.group = group
         self.rank = dist.get_rank(group)
         world = dist.get_world_size(group)
@@ -157,7 +160,8 @@ class PipelineRunner:
         self._original = original_names(self.module, model)  # before moving replaces buffers
         # Tensors of several stages, found by identity before moving replaces buffers; the
         # parameters among them have a copy on each rank using them (TiedGradients).
-        shared = shared_across_stages(list(layers.values()), self.plan.balance, k)
+        where = stage_positions(self.schedule_name, k)
+        shared = shared_across_stages(list(layers.values()), self.plan.balance, where)
         self._keys = state_keys(model)
         self._unheld = unheld_state(model, [*layers.values(), *built.layers.originals])
         owners = tensor_names(model)
@@ -204,7 +208,8 @@ class PipelineRunner:
                   for layer in stage.children()]  # fmt: skip
         self._tp = TensorParallel(layers, model, placed_styles(model, plan, mesh.size()), mesh)
 
-    # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1.
+    # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1;
+    # under a V schedule position 0 holds both.
     @property
     def is_first(self) -> bool:
         """Whether this rank holds the first stage (and reads the inputs)."""
@@ -213,6 +218,8 @@ class PipelineRunner:
     @property
     def is_last(self) -> bool:
         """Whether this rank holds the last stage (reads the targets, returns the loss)."""
+        if is_v_schedule(self.schedule_name):
+            return self.stage_index == 0
         return self.stage_index == self.num_stages - 1
 
     def step(

@@ -24,6 +24,7 @@ from autopipe.distributed.padding import rows_mixing_layer
 from autopipe.distributed.prepared import Prepared
 from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
 from autopipe.distributed.tied_gradients import shared_state, written_shared
+from autopipe.distributed.v_stages import V_SCHEDULES, is_v_schedule
 from autopipe.distributed.virtual import check_virtual
 from autopipe.planning import ALL_SCHEDULES, PipelineSettings, Plan, keep_together, with_overrides
 from autopipe.planning import plan as make_plan
@@ -213,8 +214,9 @@ def check_arguments(
     plan: Any,
 ) -> str | None:
     """What is wrong with one rank's arguments, or ``None``."""
-    if schedule not in ALL_SCHEDULES:
-        return f"unknown schedule {schedule!r}: choose one of {', '.join(ALL_SCHEDULES)}"
+    if schedule not in ALL_SCHEDULES and not is_v_schedule(schedule):
+        known = (*ALL_SCHEDULES, *(name for name in V_SCHEDULES if name not in ALL_SCHEDULES))
+        return f"unknown schedule {schedule!r}: choose one of {', '.join(known)}"
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         return f"chunks must be a positive integer, got {chunks!r}"
     if not callable(loss_fn):
@@ -282,6 +284,8 @@ def check_sizes(
         )
     if plan is not None and sum(plan.balance) != layers:
         raise ValueError(f"the plan splits {sum(plan.balance)} layers; the model has {layers}")
+    if is_v_schedule(schedule):  # checked whole by v_stages.check_v_sizes
+        return
     if layers < k * v:
         per = "one per rank" if v == 1 else f"{v} per rank"
         raise ValueError(f"cannot split {layers} layers into {k * v} stages ({per})")

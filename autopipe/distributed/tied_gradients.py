@@ -34,10 +34,14 @@ class _Use:
     positions: set[int]
 
 
-def _uses(layers: Sequence[nn.Module], balance: Sequence[int], ranks: int) -> list[_Use]:
+def _uses(
+    layers: Sequence[nn.Module], balance: Sequence[int], ranks: int | Sequence[int]
+) -> list[_Use]:
     """Every parameter and buffer of the layers, in order of first use, with its stages and
-    pipeline positions (stage ``s`` runs on position ``s % ranks``, torch's looped mapping)."""
+    pipeline positions: stage ``s`` runs on position ``s % ranks`` (torch's looped mapping),
+    or ``ranks[s]`` when ``ranks`` gives every stage's position (the V schedules')."""
     stage_of = [stage for stage, size in enumerate(balance) for _ in range(size)]
+    where = list(ranks) if isinstance(ranks, Sequence) else [s % ranks for s in range(len(balance))]
     found = []
     for use in tensor_uses(layers[: len(stage_of)]):
         stages = {stage_of[k] for k in use.layers}
@@ -48,7 +52,7 @@ def _uses(layers: Sequence[nn.Module], balance: Sequence[int], ranks: int) -> li
                 use.layers[0],
                 not use.buffer,
                 stages,
-                {stage % ranks for stage in stages},
+                {where[stage] for stage in stages},
             )
         )
     return found
@@ -57,7 +61,7 @@ def _uses(layers: Sequence[nn.Module], balance: Sequence[int], ranks: int) -> li
 def shared_state(
     layers: Sequence[nn.Module],
     balance: Sequence[int],
-    ranks: int | None = None,
+    ranks: int | Sequence[int] | None = None,
     written: Collection[int] | None = None,
 ) -> str | None:
     """Names a buffer that layers on two ranks use and may write, or ``None``.
@@ -70,11 +74,12 @@ def shared_state(
     Args:
         layers: the model's layers.
         balance: layers per stage.
-        ranks: ranks per pipeline (K; default: one stage per rank).
+        ranks: ranks per pipeline (K; default: one stage per rank), or every stage's
+            pipeline position.
         written: ``id`` of the buffers some layer may write (default: every buffer, when
             the model's code is not known).
     """
-    for use in _uses(layers, balance, ranks or len(balance)):
+    for use in _uses(layers, balance, len(balance) if ranks is None else ranks):
         if use.parameter or len(use.positions) < 2:
             continue
         if written is None or id(use.tensor) in written:
@@ -113,9 +118,10 @@ def written_shared(
 
 
 def shared_across_stages(
-    layers: Sequence[nn.Module], balance: Sequence[int], ranks: int
+    layers: Sequence[nn.Module], balance: Sequence[int], ranks: int | Sequence[int]
 ) -> list[tuple[Tensor, tuple[int, ...]]]:
-    """The tensors that several stages use, with their pipeline positions, in first use."""
+    """The tensors that several stages use, with their pipeline positions, in first use
+    (``ranks``: K, or every stage's position)."""
     return [
         (use.tensor, tuple(sorted(use.positions)))
         for use in _uses(layers, balance, ranks)

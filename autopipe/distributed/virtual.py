@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from autopipe.distributed.stage import StageModule, TensorSpec, example_tensors
+from autopipe.distributed.v_stages import V_SCHEDULES, is_v_schedule
 from autopipe.planning import Plan, spared
 
 __all__: list[str] = []
@@ -133,8 +134,8 @@ def _stage_module(
 def _first_backward(ranks: int, virtual: int, chunks: int, schedule: str, stage: int) -> int:
     """The micro-batch whose backward torch's schedule runs first on ``stage``: the first
     under ScheduleGPipe, Schedule1F1B and interleaved 1F1B, the last under looped BFS."""
-    if virtual == 1 and schedule in SCHEDULES:
-        return 0
+    if (virtual == 1 and schedule in SCHEDULES) or is_v_schedule(schedule):
+        return 0  # V schedules re-compute nothing (v_stages.check_v_sizes)
     return spared(ranks, virtual, chunks, schedule)[stage]
 
 
@@ -215,7 +216,8 @@ def make_schedule(
         for index, module, inputs, outputs in stages
     ]
     single = len(pipeline_stages) == 1 and name in SCHEDULES
-    cls: type[Any] = (SCHEDULES if single else VIRTUAL_SCHEDULES)[name]
+    tables: dict[str, Any] = SCHEDULES if single else {**VIRTUAL_SCHEDULES, **V_SCHEDULES}
+    cls: type[Any] = tables[name]
     # Scaling by 1/M in the loss rather than dividing .grad after the step keeps
     # gradients that were accumulated before the step untouched.
     extra: dict[str, Any] = {"scale_grads": False} if _supported(cls, "scale_grads") else {}
