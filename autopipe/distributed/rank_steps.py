@@ -43,7 +43,6 @@ from autopipe.distributed.tensor_parallel import tensor_parallel_problem
 from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.v_stages import (
     check_v_sizes,
-    even_balance,
     is_v_schedule,
     stage_positions,
     v_plan,
@@ -222,9 +221,14 @@ class RankSteps:
         assert self.prepared is not None
         runner, prepared = self.runner, self.prepared
         stages = runner.num_stages * self.settings.virtual_stages
-        if is_v_schedule(self.settings.schedule):  # the given split, or an even one
-            balance = runner._balance or even_balance(len(layers.modules), stages)
-            return v_plan(profile, balance, int(self.settings.chunks or 1), self.settings.optimizer)
+        if is_v_schedule(self.settings.schedule):  # the given split, or the optimal V one
+            chunks = int(self.settings.chunks or 1)
+            return v_plan(
+                profile,
+                runner._balance,
+                2 * runner.num_stages,
+                (self.settings.schedule, chunks, self.settings.optimizer),
+            )
         named = prepared.owner if prepared.owner is not None else prepared.sequential
         unsplit = written_shared(list(prepared.sequential), layers.written, named)
         return rank0_plan(

@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from autopipe.planning import Plan, evaluate
+from autopipe.planning import Plan, evaluate, plan
 
 __all__: list[str] = []
 
@@ -77,35 +77,33 @@ def stage_positions(schedule: str, ranks: int) -> int | list[int]:
     return v_stage_ranks(ranks) if is_v_schedule(schedule) else ranks
 
 
-def v_plan(profile: Any, balance: Sequence[int], chunks: int, optimizer: Any = None) -> Plan:
-    """The plan of a V pipeline: the given split of its 2K stages, in stage order.
+def v_plan(
+    profile: Any,
+    balance: Sequence[int] | None,
+    stages: int,
+    settings: tuple[Any, int, Any],
+) -> Plan:
+    """The plan of a V pipeline of ``stages`` (2K) stages, in stage order.
 
-    The planner has no cost model of the V schedules here; the plan's predictions are
-    those of the interleaved zero-bubble schedule of the same 2K stages (``zb`` with two
-    stages per rank), whose backwards are split alike, and no activations re-computed.
+    Args:
+        profile: the pipeline's profile.
+        balance: the given split of the 2K stages, or ``None`` for the planner's optimal
+            split for the V placement (rank r's time that of stages r and 2K−1−r).
+        stages: 2K.
+        settings: the schedule's name, the micro-batches and the optimizer (or ``None``).
     """
-    options: dict[str, Any] = {} if optimizer is None else {"optimizer": optimizer}
-    return evaluate(
-        profile,
-        list(balance),
-        chunks=chunks,
-        schedule="zb",
-        virtual_stages=2,
-        checkpoint="never",
-        **options,
-    )
-
-
-def even_balance(layers: int, stages: int) -> list[int]:
-    """Layers per stage of an even split by layer count, larger stages first.
-
-    Raises:
-        ValueError: fewer layers than stages.
-    """
-    if stages < 1 or layers < stages:
-        raise ValueError(f"cannot split {layers} layers into {stages} stages")
-    size, extra = divmod(layers, stages)
-    return [size + (index < extra) for index in range(stages)]
+    schedule, chunks, optimizer = settings
+    options: dict[str, Any] = {
+        "chunks": chunks,
+        "schedule": schedule,
+        "virtual_stages": 2,
+        "checkpoint": "never",
+    }
+    if optimizer is not None:
+        options["optimizer"] = optimizer
+    if balance is not None:
+        return evaluate(profile, list(balance), **options)
+    return plan(profile, stages, **options)
 
 
 def check_v_sizes(
@@ -131,7 +129,8 @@ def check_v_sizes(
         ranks: the ranks of one pipeline (K).
         layers: the model's layers.
         chunks: micro-batches per mini-batch (M).
-        balance: layers per stage in stage order 0..2K−1, or ``None`` for an even split.
+        balance: layers per stage in stage order 0..2K−1, or ``None`` for the planner's
+            optimal V split.
         data_parallel: replicas (D); only 1.
         tensor_parallel: tensor-parallel ranks per stage; only 1.
         virtual_stages: stages per rank as given; 1 (unset) or 2.

@@ -7,7 +7,6 @@ import pytest
 from autopipe.distributed.v_stages import (
     V_SCHEDULES,
     check_v_sizes,
-    even_balance,
     is_v_schedule,
     v_stage_indices,
     v_stage_rank,
@@ -34,13 +33,6 @@ def test_v_schedules_are_torch_s() -> None:
     assert {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV} == V_SCHEDULES
     assert is_v_schedule("zbv") and is_v_schedule("dualpipev")
     assert not is_v_schedule("1f1b") and not is_v_schedule(None)
-
-
-def test_even_balance() -> None:
-    assert even_balance(8, 4) == [2, 2, 2, 2]
-    assert even_balance(10, 4) == [3, 3, 2, 2]
-    with pytest.raises(ValueError, match="cannot split 3 layers into 4 stages"):
-        even_balance(3, 4)
 
 
 def test_v_size_checks() -> None:
