@@ -99,6 +99,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         replica_workers,
         tied_workers,
         tp_workers,
+        zero_workers,
     )
 
     init_distributed(
@@ -122,6 +123,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         "tied": lambda: tied_workers.tied(world),
         "shared": lambda: [tied_workers.shared_run(run) for run in tied_workers.SHARED_RUNS],
         "tensor-parallel": lambda: tp_workers.tensor_parallel(world),
+        "zero": lambda: zero_workers.sharded(world),
     }
     fault = scenario.replace("-", " ")
     if scenario in scenarios:
