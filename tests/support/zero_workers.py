@@ -106,8 +106,11 @@ def zero_run(name: str, stages: int, zero: int, from_plan: bool) -> dict[str, An
 
 # (model, stages, zero, from the plan), by world size: K = world / D.
 RUNS = {
-    world: [(name, world // REPLICAS, zero, zero == 3 and name == "mlp")
-            for name in MODELS for zero in (2, 3)]  # fmt: skip
+    world: [
+        (name, world // REPLICAS, zero, zero == 3 and name == "mlp")
+        for name in MODELS
+        for zero in (2, 3)
+    ]
     for world in (2, 4)
 }
 
