@@ -33,7 +33,6 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from autopipe.distributed.stage import StageModule
@@ -82,6 +81,9 @@ def shard_stages(module: nn.Module, mesh: DeviceMesh, zero: int) -> int:
     Returns:
         The FSDP units made (the units and the stage roots).
     """
+    # Imported here: plain pipelines do not load FSDP's modules.
+    from torch.distributed.fsdp import fully_shard
+
     reshard = zero == 3
     stages = [m for m in module.modules() if isinstance(m, StageModule)]
     units = 0
