@@ -100,6 +100,10 @@ class DistributedPipeline(PipelineRunner):
             ``bandwidth``).
         data_parallel: pipeline replicas (D; default: the plan's ``data_parallel`` when a
             plan is given, else 1). Rank 0 plans for D replicas and the global batch.
+        zero: 2 or 3 to shard each stage over its D replicas with torch's
+            ``fully_shard``, one FSDP unit per traced unit (ZeRO-2/3,
+            :mod:`autopipe.distributed.sharded_replicas`); default: a given plan's
+            ``mesh.zero``, else 0. 0 and 1 run plain replicas.
         virtual_stages: stages per rank (v; default 1). With v > 1 rank 0 plans K·v
             stages (``plan(..., virtual_stages=v)``) and the interleaved schedules run
             them; a given plan has K·v stages (made with ``virtual_stages=v`` or not).

@@ -345,12 +345,17 @@ class ReplicaSync:
     Args:
         module: this rank's stage.
         layout: the rank layout.
+        reduce_gradients: average the gradients over the replicas; ``False`` where the
+            stage's sharding reduces them itself (ZeRO-2/3,
+            :mod:`autopipe.distributed.sharded_replicas`).
     """
 
-    def __init__(self, module: nn.Module, layout: ReplicaLayout) -> None:
+    def __init__(
+        self, module: nn.Module, layout: ReplicaLayout, reduce_gradients: bool = True
+    ) -> None:
         self.group = layout.replicas
         self.size = layout.data_parallel
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad and reduce_gradients]
         self.state = [*module.parameters(), *module.buffers()]
         self.norms = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         merged = {id(b) for norm in self.norms for b in norm.buffers()}

@@ -32,6 +32,13 @@ from autopipe.distributed.replicas import (
     take_shard,
 )
 from autopipe.distributed.setup import agree_on_step, batch_tensors, check_like_sample
+from autopipe.distributed.sharded_replicas import (
+    replica_mesh,
+    resolve_zero,
+    shard_stages,
+    whole,
+    zero_problem,
+)
 from autopipe.distributed.stage import LossRecorder, StageModule, merge_state_dicts
 from autopipe.distributed.step_trace import StepRecorder, track_label
 from autopipe.distributed.tensor_parallel import (
@@ -94,8 +101,9 @@ class PipelineRunner:
         # ``tp_plan``: the tensor-parallel plan (module-name patterns to styles) for
         # ``tensor_parallel`` above 1; default the model's own Hugging Face plan.
         tp_plan: Mapping[str, str] | None = overrides.pop("tp_plan", None)
-        # ``balance``: layers per stage of a V schedule's 2K stages, instead of an even split.
+        # ``balance``: layers per stage of a V schedule's 2K stages, instead of the planned split.
         self._balance: list[int] | None = overrides.pop("balance", None)
+        zero = resolve_zero(overrides.pop("zero", None), plan)  # sharded_replicas
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "DistributedPipeline needs an initialised process group: call "
@@ -120,6 +128,10 @@ class PipelineRunner:
         self.autocast = settings.autocast
         self.tensor_parallel = settings.tensor_parallel
         self.tensor_index = 0
+        problem = zero_problem(zero, self.data_parallel, self.tensor_parallel)
+        if problem is not None:  # the same arguments on every rank: refused on every rank
+            raise ValueError(problem)
+        self.zero: int = zero if self.data_parallel > 1 else 0
         self._tp: TensorParallel | None = None
         self._tp_plan = tp_plan
         self.stage_indices: list[int] = []
@@ -174,8 +186,11 @@ class PipelineRunner:
         self._tied = TiedGradients(ties, groups, self.stage_index)
         if self._meta:  # each holder initialized its copy: the first one's values win
             collective(self.rank, "share the tied parameters", broadcast_ties, self._tied.parts)
-        self._sync = ReplicaSync(self.module, self.layout)
+        sharded = self.zero >= 2
+        self._sync = ReplicaSync(self.module, self.layout, reduce_gradients=not sharded)
         collective(self.rank, "receive replica 0's state", self._sync.broadcast_state)
+        if sharded:  # from equal replicas: each keeps its shard of the same values
+            self._shard_replicas(ties)
         if self._model.wrapped:  # the loss sees the model's outputs, not the flat tensors
             rebuild, inner = self._model.rebuild, loss_fn
             loss_fn = lambda out, tgt: inner(rebuild(out, self.module.training), tgt)  # noqa: E731
@@ -207,6 +222,20 @@ class PipelineRunner:
         layers = [layer for stage in self.module.modules() if isinstance(stage, StageModule)
                   for layer in stage.children()]  # fmt: skip
         self._tp = TensorParallel(layers, model, placed_styles(model, plan, mesh.size()), mesh)
+
+    def _shard_replicas(self, ties: list[Any]) -> None:
+        """Shards this rank's stages over its replicas (ZeRO-2/3, ``fully_shard`` per unit).
+
+        Raises:
+            ValueError: a parameter is tied across stages (the same on every rank).
+        """
+        if ties:
+            raise ValueError(
+                f"zero={self.zero} does not take parameters used by stages on several ranks "
+                "(tied embeddings): untie them, plan their users onto one stage, or pass zero=0"
+            )
+        assert self.layout.replicas is not None
+        shard_stages(self.module, replica_mesh(self.layout.replicas, self.device.type), self.zero)
 
     # With virtual stages, position 0 holds stage 0 and position K−1 the last stage, K·v−1;
     # under a V schedule position 0 holds both.
@@ -350,13 +379,15 @@ class PipelineRunner:
     def state_dict(self) -> OrderedDict[str, Tensor]:
         """This rank's part of the original model's ``state_dict`` (its keys): what its
         stages hold of it, without the constants a trace lifted out of the code and the
-        model's non-persistent buffers, which the model's ``state_dict`` leaves out too."""
+        model's non-persistent buffers, which the model's ``state_dict`` leaves out too.
+        With ``zero`` 2 or 3 the values are gathered whole over the replicas: a collective
+        of the stage's replicas then."""
         names = {name for _, name in self._keys}
         state: OrderedDict[str, Tensor] = OrderedDict()
         for key, value in self.module.state_dict().items():
             name = self._original.get(key, key)
             if name in names:
-                state.setdefault(name, value)
+                state.setdefault(name, whole(value) if self.zero >= 2 else value)
         return state
 
     def gather_state_dict(self, dst: int = 0) -> OrderedDict[str, Tensor] | None:
@@ -367,10 +398,13 @@ class PipelineRunner:
         stage's shards gathered whole.
         """
         first = self.replica_index == 0
-        whole = full_state if self._tp is not None else None
+        tp_whole = full_state if self._tp is not None else None
         state = []
-        if first:
+        if self.zero >= 2:  # every replica takes part in gathering the shards
             state = stage_states(self.module, self.stage_indices, self._original, whole)
+            state = state if first else []
+        elif first:
+            state = stage_states(self.module, self.stage_indices, self._original, tp_whole)
         if self.tensor_index:  # the stage's first tensor rank sends it
             state = []
         if first and self._unheld and not self.tensor_index:  # tensors no stage holds

@@ -100,6 +100,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         tied_workers,
         tp_workers,
         v_workers,
+        zero_workers,
     )
 
     init_distributed(
@@ -124,6 +125,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         "shared": lambda: [tied_workers.shared_run(run) for run in tied_workers.SHARED_RUNS],
         "tensor-parallel": lambda: tp_workers.tensor_parallel(world),
         "v": lambda: v_workers.v_runs(world, str(workdir)),
+        "zero": lambda: zero_workers.sharded(world),
     }
     fault = scenario.replace("-", " ")
     if scenario in scenarios:
