@@ -141,9 +141,7 @@ def _seconds(
         compute = total / (e.compute * rates.peak)
     else:
         part = np.minimum(np.asarray(attention, dtype=float), total)
-        compute = (total - part) / (e.compute * rates.peak) + part / (
-            e.compute * rates.attention
-        )
+        compute = (total - part) / (e.compute * rates.peak) + part / (e.compute * rates.attention)
     memory = np.asarray(traffic, dtype=float) / (e.memory * rates.bandwidth)
     return np.maximum(compute, memory) + e.overhead
 
@@ -155,9 +153,7 @@ def _estimated(layer: LayerProfile, rates: _Rates, e: Efficiency) -> LayerProfil
     forward_attention = shards.attention_flops if shards else None
     # The attention backward is input-gradient work (attention has no weights).
     backward_attention = shards.attention_backward_flops if shards else None
-    backward = _seconds(
-        layer.backward_flops, layer.backward_traffic, rates, e, backward_attention
-    )
+    backward = _seconds(layer.backward_flops, layer.backward_traffic, rates, e, backward_attention)
     part = None
     if layer.backward_input_flops is not None:
         flops = np.asarray(layer.backward_input_flops, dtype=float)
@@ -165,9 +161,7 @@ def _estimated(layer: LayerProfile, rates: _Rates, e: Efficiency) -> LayerProfil
         # Without weights the input's gradient is the whole backward.
         share = np.divide(flops, total, out=np.ones_like(total), where=total > 0)
         traffic = np.asarray(layer.backward_traffic, dtype=float) * np.minimum(share, 1.0)
-        part = np.minimum(
-            _seconds(flops, traffic, rates, e, backward_attention), backward
-        ).tolist()
+        part = np.minimum(_seconds(flops, traffic, rates, e, backward_attention), backward).tolist()
     return dataclasses.replace(
         layer,
         forward=_seconds(layer.flops, layer.traffic, rates, e, forward_attention).tolist(),
