@@ -17,6 +17,9 @@ __all__: list[str] = []  # internal to the command line
 
 # Nodes of the reference systems (DGX/HGX) hold 8 GPUs.
 DEFAULT_PER_NODE = 8
+# The catalog's peaks (autopipe.planning.hardware.catalog_entries.DTYPES), kept here so
+# that building the parser imports no planning module.
+PEAK_DTYPES = ("float32", "tf32", "bfloat16", "float16", "float8", "float64")
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +49,16 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
         f"intra-node link, between nodes its inter-node link (default: {DEFAULT_PER_NODE})",
     )
     group.add_argument(
+        "--peak-dtype",
+        choices=PEAK_DTYPES,
+        metavar="DTYPE",
+        help="with --target: price the counted FLOPs at this dtype's peak ("
+        + ", ".join(PEAK_DTYPES)
+        + "; default: the --autocast dtype, else the model's); float8: linear GEMMs at "
+        "the FP8 peak, attention at bfloat16 (Megatron's FP8 recipe), which needs the "
+        "shard counts of --tp-plan to tell attention apart",
+    )
+    group.add_argument(
         "--fit",
         metavar="PROFILE.json",
         help="with --target: fit the estimate's efficiencies to this measured profile (made "
@@ -57,7 +70,12 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
 def check_target_options(args: argparse.Namespace) -> CatalogDevice | None:
     """The ``--target`` device, found before any long work; ``None`` without it."""
     if args.target is None:
-        for option, given in (("--per-node", args.per_node), ("--fit", args.fit)):
+        options = (
+            ("--per-node", args.per_node),
+            ("--fit", args.fit),
+            ("--peak-dtype", args.peak_dtype),
+        )
+        for option, given in options:
             if given:
                 raise ValueError(f"{option} goes with --target DEVICE; add --target")
         if args.catalog:
@@ -97,7 +115,9 @@ def estimated(profile: Profile, args: argparse.Namespace, target: CatalogDevice)
     """The profile with times estimated for ``target``."""
     from autopipe.planning import estimate_profile
 
-    return estimate_profile(profile, target, efficiency=_fitted(args, target))
+    return estimate_profile(
+        profile, target, efficiency=_fitted(args, target), dtype=args.peak_dtype
+    )
 
 
 def target_devices(

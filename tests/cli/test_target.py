@@ -55,6 +55,20 @@ def test_a_meta_model_is_planned_for_a_catalog_device(
     assert sum(plan.balance) == 7 and max(plan.balance) - min(plan.balance) <= 1
 
 
+def test_peak_dtype_float8_prices_the_target_at_its_fp8_peak(
+    capsys: pytest.CaptureFixture[str], meta_model: Path, tmp_path: Path
+) -> None:
+    out_file = tmp_path / "plan.json"
+    code, _, err = run(
+        capsys, "plan", str(meta_model), "--target", "h100", "--peak-dtype", "float8",
+        "--stages", "2", "--json", str(out_file),
+    )  # fmt: skip
+    assert code == 0, err
+    estimate = Plan.load(out_file).profile["meta"]["estimate"]
+    assert (estimate["dtype"], estimate["attention_peak_flops"]) == ("float8", 989.4e12)
+    assert "no shard counts" in estimate["note"]  # counted without --tp-plan
+
+
 def test_a_real_model_is_counted_not_timed_for_a_target(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -123,6 +137,7 @@ def test_fit_to_a_measured_profile(
         (["--per-node", "4"], "--target"),
         (["--fit", "x.json"], "--target"),
         (["--catalog", "x.toml"], "--target"),
+        (["--peak-dtype", "float8"], "--target"),
         (["--target", "h100", "--catalog", "missing.toml"], "missing.toml"),
     ],
 )

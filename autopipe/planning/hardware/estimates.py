@@ -11,7 +11,21 @@ set, else in its ``dtype``; ``bandwidth`` is the device's memory bandwidth; ``η
 ``η_m`` are the shares of those peaks that layers reach, and ``overhead`` the fixed seconds
 of a layer pass (its kernels' launches). The input-gradient part of the backward
 (``backward_input``, which zero-bubble schedules run apart) gets the FLOPs counted for it
-and the backward's traffic in proportion to those FLOPs. :func:`fit_efficiency` fits
+and the backward's traffic in proportion to those FLOPs.
+
+``dtype="float8"`` prices as Megatron's FP8 recipe runs: the linear layers' GEMMs in
+float8, attention's scores and weighted sum in bfloat16 (weights and activations stay
+bfloat16 in memory, so the traffic is unchanged). Of a pass's FLOPs ``F``, the attention
+FLOPs ``A`` of the layer's shard counts (forward ``attention_flops``, backward and its
+input-gradient part ``attention_backward_flops``) take the bfloat16 peak::
+
+    t = max((F − A) / (η_f · peak[float8]) + A / (η_f · peak[bfloat16]),
+            traffic / (η_m · bandwidth)) + overhead
+
+and ``meta["estimate"]["attention_peak_flops"]`` records that bfloat16 peak. Layers
+counted without shard counts (no ``--tp-plan``) tell no attention apart: all their FLOPs
+take the float8 peak, and ``meta["estimate"]["note"]`` says how many such layers there
+are. :func:`fit_efficiency` fits
 ``η_f``, ``η_m`` and ``overhead`` to a profile that was both measured and counted, so that a
 device one owns calibrates the model for another.
 """
@@ -48,6 +62,18 @@ DEFAULT_OVERHEAD = 5e-6
 # left out of the fit and of its error, where it would weigh without bound.
 NEGLIGIBLE = 1e-7
 _COUNTS = ("flops", "backward_flops", "traffic", "backward_traffic")
+# The dtype whose GEMMs run at its own peak while attention runs at ATTENTION_DTYPE's.
+FP8 = "float8"
+ATTENTION_DTYPE = "bfloat16"
+
+
+@dataclass(frozen=True)
+class _Rates:
+    """The roofline's peak FLOP/s, bytes/s and, for float8, attention's peak FLOP/s."""
+
+    peak: float
+    bandwidth: float
+    attention: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,19 +131,29 @@ def _check_counted(profile: Profile) -> None:
 def _seconds(
     flops: Sequence[float] | np.ndarray,
     traffic: Sequence[float] | np.ndarray,
-    rates: tuple[float, float],
+    rates: _Rates,
     e: Efficiency,
+    attention: Sequence[float] | np.ndarray | None = None,
 ) -> np.ndarray:
-    """The formula, per batch size; ``rates`` are the peak FLOP/s and bytes/s."""
-    compute = np.asarray(flops, dtype=float) / (e.compute * rates[0])
-    memory = np.asarray(traffic, dtype=float) / (e.memory * rates[1])
+    """The formula, per batch size; ``attention``: of ``flops``, those at attention's peak."""
+    total = np.asarray(flops, dtype=float)
+    if rates.attention is None or attention is None:
+        compute = total / (e.compute * rates.peak)
+    else:
+        part = np.minimum(np.asarray(attention, dtype=float), total)
+        compute = (total - part) / (e.compute * rates.peak) + part / (e.compute * rates.attention)
+    memory = np.asarray(traffic, dtype=float) / (e.memory * rates.bandwidth)
     return np.maximum(compute, memory) + e.overhead
 
 
-def _estimated(layer: LayerProfile, rates: tuple[float, float], e: Efficiency) -> LayerProfile:
+def _estimated(layer: LayerProfile, rates: _Rates, e: Efficiency) -> LayerProfile:
     assert layer.flops is not None and layer.backward_flops is not None
     assert layer.traffic is not None and layer.backward_traffic is not None
-    backward = _seconds(layer.backward_flops, layer.backward_traffic, rates, e)
+    shards = layer.shards
+    forward_attention = shards.attention_flops if shards else None
+    # The attention backward is input-gradient work (attention has no weights).
+    backward_attention = shards.attention_backward_flops if shards else None
+    backward = _seconds(layer.backward_flops, layer.backward_traffic, rates, e, backward_attention)
     part = None
     if layer.backward_input_flops is not None:
         flops = np.asarray(layer.backward_input_flops, dtype=float)
@@ -125,10 +161,10 @@ def _estimated(layer: LayerProfile, rates: tuple[float, float], e: Efficiency) -
         # Without weights the input's gradient is the whole backward.
         share = np.divide(flops, total, out=np.ones_like(total), where=total > 0)
         traffic = np.asarray(layer.backward_traffic, dtype=float) * np.minimum(share, 1.0)
-        part = np.minimum(_seconds(flops, traffic, rates, e), backward).tolist()
+        part = np.minimum(_seconds(flops, traffic, rates, e, backward_attention), backward).tolist()
     return dataclasses.replace(
         layer,
-        forward=_seconds(layer.flops, layer.traffic, rates, e).tolist(),
+        forward=_seconds(layer.flops, layer.traffic, rates, e, forward_attention).tolist(),
         backward=backward.tolist(),
         backward_input=part,
     )
@@ -152,17 +188,23 @@ def estimate_profile(
         profile: a profile with counted FLOPs and traffic in every layer.
         device: the device to estimate for.
         efficiency: the model's efficiencies; default: :class:`Efficiency`'s.
-        dtype: the peak to use, e.g. ``tf32`` for float32 matmuls on tensor cores;
-            default: :func:`compute_dtype`.
+        dtype: the peak to use, e.g. ``tf32`` for float32 matmuls on tensor cores, or
+            ``float8`` for Megatron's FP8 recipe (attention at the bfloat16 peak, see the
+            module's docstring); default: :func:`compute_dtype`.
 
     Raises:
         ValueError: a layer was not counted (the message names the first), or the device
-            has no peak for the dtype.
+            has no peak for the dtype (for ``float8``: nor for bfloat16).
     """
     _check_counted(profile)
     e = efficiency or Efficiency()
     used = dtype or compute_dtype(profile)
-    rates = (device.peak(used), device.memory_bandwidth)
+    fp8 = used == FP8
+    rates = _Rates(
+        device.peak(used),
+        device.memory_bandwidth,
+        device.peak(ATTENTION_DTYPE) if fp8 else None,
+    )
     earlier = profile.meta.get("estimate")  # re-estimated: the counts are still the first's
     counted = earlier.get("counted_on") if isinstance(earlier, dict) else None
     meta = {k: copy.deepcopy(v) for k, v in profile.meta.items() if k != "calibration"}
@@ -174,9 +216,19 @@ def estimate_profile(
         "dtype": used,
         "counted_on": counted or profile.device_name or profile.device,
         # The roofline's rates, which the mesh's figures re-run on divided counts.
-        "peak_flops": rates[0],
-        "memory_bandwidth": rates[1],
+        "peak_flops": rates.peak,
+        "memory_bandwidth": rates.bandwidth,
     }
+    if fp8:
+        meta["estimate"]["attention_peak_flops"] = rates.attention
+        unsharded = sum(layer.shards is None for layer in profile.layers)
+        if unsharded:
+            meta["estimate"]["note"] = (
+                f"{unsharded} of {len(profile.layers)} layers have no shard counts, so "
+                "their attention FLOPs are priced at the float8 peak too; count the "
+                "profile with the model's tensor-parallel plan (--tp-plan) to price "
+                "attention at the bfloat16 peak"
+            )
     return dataclasses.replace(
         profile,
         layers=[_estimated(layer, rates, e) for layer in profile.layers],

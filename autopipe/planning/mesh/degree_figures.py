@@ -7,7 +7,8 @@ lines of one device, which the cost model reads as it reads a profile's:
 
 - **Compute.** Of a layer's FLOPs and traffic, the sharded part divides by ``t``, the rest
   is replicated (divided by ``t`` too under sequence parallelism), and every token-wise
-  figure divides by ``c``. Estimated profiles re-run their roofline on the divided counts;
+  figure divides by ``c``. Estimated profiles re-run their roofline on the divided counts
+  (float8 ones price the divided attention FLOPs at the bfloat16 peak);
   measured ones split each time by the FLOP share of the sharded part (a measured time
   does not say which of its operations took it).
 - **Tensor-parallel collectives**, exposed (Megatron without communication overlap): per
@@ -124,11 +125,17 @@ def mesh_lines(
 
     roof = table.roofline
     if roof is not None:
+        # Attention is sharded by heads (1/t) and by tokens (1/c); float8 estimates price
+        # it at the bfloat16 peak, the rest at the float8 one.
+        attention = sh["attention_flops"] / (t * c)
+        attention_bwd = sh["attention_backward_flops"] / (t * c)
         forward = roof.seconds(
-            divided(cnt["flops"], sh["flops"]), divided(cnt["traffic"], sh["traffic"])
+            divided(cnt["flops"], sh["flops"]), divided(cnt["traffic"], sh["traffic"]), attention
         )
         bwd_traffic = divided(cnt["backward_traffic"], sh["backward_traffic"])
-        backward = roof.seconds(divided(cnt["backward_flops"], sh["backward_flops"]), bwd_traffic)
+        backward = roof.seconds(
+            divided(cnt["backward_flops"], sh["backward_flops"]), bwd_traffic, attention_bwd
+        )
         share = np.where(
             cnt["backward_flops"] > 0,
             _share(cnt["backward_input_flops"], cnt["backward_flops"]),
@@ -138,6 +145,7 @@ def mesh_lines(
             roof.seconds(
                 divided(cnt["backward_input_flops"], sh["backward_input_flops"]),
                 bwd_traffic * share,
+                attention_bwd,
             ),
             backward,
         )

@@ -35,16 +35,27 @@ _HOW = (
 @dataclass(frozen=True)
 class Roofline:
     """The estimate a profile's times came from: ``max(F / (η_f·peak), T / (η_m·bw)) + o``
-    per layer pass (:mod:`autopipe.planning.hardware.estimates`)."""
+    per layer pass (:mod:`autopipe.planning.hardware.estimates`); a float8 estimate prices
+    the attention FLOPs ``A`` of ``F`` at ``attention_peak_flops`` (bfloat16) instead:
+    ``(F − A) / (η_f·peak) + A / (η_f·attention_peak)``."""
 
     peak_flops: float
     memory_bandwidth: float
     compute: float
     memory: float
     overhead: float
+    # None: all FLOPs at peak_flops (estimates other than float8, and older records).
+    attention_peak_flops: float | None = None
 
-    def seconds(self, flops: Array, traffic: Array) -> Array:
-        compute = flops / (self.compute * self.peak_flops)
+    def seconds(self, flops: Array, traffic: Array, attention: Array | None = None) -> Array:
+        """Seconds per layer pass; ``attention``: of ``flops``, those at attention's peak."""
+        if self.attention_peak_flops is None or attention is None:
+            compute = flops / (self.compute * self.peak_flops)
+        else:
+            part = np.minimum(attention, flops)
+            compute = (flops - part) / (self.compute * self.peak_flops) + part / (
+                self.compute * self.attention_peak_flops
+            )
         moved = traffic / (self.memory * self.memory_bandwidth)
         return np.asarray(np.maximum(compute, moved) + self.overhead)
 
@@ -61,6 +72,7 @@ def roofline_of(profile: Profile) -> Roofline | None:
         isinstance(v, (int, float)) and v > 0 for v in figures
     ):
         return None
+    attention = found.get("attention_peak_flops")
     try:
         return Roofline(
             float(figures[0]),  # type: ignore[arg-type]
@@ -68,6 +80,7 @@ def roofline_of(profile: Profile) -> Roofline | None:
             float(efficiency["compute"]),
             float(efficiency["memory"]),
             float(efficiency["overhead"]),
+            float(attention) if isinstance(attention, (int, float)) and attention > 0 else None,
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -15,6 +15,7 @@ from autopipe.planning.hardware.device_catalog import measured_device
 from autopipe.planning.hardware.estimates import Efficiency, EfficiencyFit
 from autopipe.planning.model.plans import Plan
 from profiler.profile import LayerProfile, Profile
+from tests.support.mesh_profiles import block_profile
 
 SIZES = [1, 2, 4, 8]
 H100 = find_device("h100")
@@ -309,3 +310,41 @@ def test_a_re_estimate_keeps_where_the_counts_come_from() -> None:
     again = estimate_profile(estimate_profile(counted_profile(), H100), find_device("l40s"))
     assert again.meta["estimate"]["target"] == "l40s"
     assert again.meta["estimate"]["counted_on"] == "meta"
+
+
+# Peaks and bandwidth of powers of two keep the float8 hand counts exact.
+FP8_BOX = measured_device(
+    {"peak_flops": {"float8": 4.0, "bfloat16": 2.0}, "memory_bandwidth": 16.0, "memory": 1e9},
+    key="fp8-box",
+)
+EXACT = Efficiency(1.0, 1.0, 0.0)
+
+
+def test_float8_prices_the_gemms_at_the_fp8_peak_and_attention_at_bfloat16() -> None:
+    # A block at one sample: 64 FLOPs forward of which 16 attention, 128 backward (32
+    # attention), 64 for the input's gradient; 32 and 64 bytes moved.
+    out = estimate_profile(block_profile(2), FP8_BOX, efficiency=EXACT, dtype="float8")
+    for layer in out.layers:
+        # (64 − 16)/4 + 16/2 = 20 s against 32/16 = 2 s of traffic.
+        assert layer.forward == [20.0, 40.0]
+        # (128 − 32)/4 + 32/2 = 40 s.
+        assert layer.backward == [40.0, 80.0]
+        # (64 − 32)/4 + 32/2 = 24 s: attention's backward is input-gradient work.
+        assert layer.backward_input == [24.0, 48.0]
+    estimate = out.meta["estimate"]
+    assert (estimate["dtype"], estimate["peak_flops"]) == ("float8", 4.0)
+    assert estimate["attention_peak_flops"] == 2.0 and "note" not in estimate
+
+
+def test_float8_without_shard_counts_prices_everything_at_fp8_and_says_so() -> None:
+    profile = block_profile(2, shards=False)
+    out = estimate_profile(profile, FP8_BOX, efficiency=EXACT, dtype="float8")
+    assert out.layers[0].forward == [16.0, 32.0]  # 64/4
+    note = out.meta["estimate"]["note"]
+    assert note.startswith("2 of 2 layers have no shard counts") and "--tp-plan" in note
+
+
+def test_other_dtypes_record_no_attention_peak() -> None:
+    out = estimate_profile(block_profile(2), FP8_BOX, efficiency=EXACT, dtype="bfloat16")
+    assert out.layers[0].forward == [32.0, 64.0]  # 64/2
+    assert "attention_peak_flops" not in out.meta["estimate"]

@@ -12,6 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from autopipe.planning import estimate_profile
+from autopipe.planning.hardware.device_catalog import measured_device
+from autopipe.planning.hardware.estimates import Efficiency
 from autopipe.planning.mesh.degree_figures import GroupLinks, mesh_lines
 from autopipe.planning.mesh.mesh_links import GroupLink
 from autopipe.planning.mesh.shard_table import ShardTable
@@ -129,3 +132,33 @@ def test_heads_that_t_does_not_divide_are_refused() -> None:
         _costs(block_profile(heads=6, kv_heads=6), Mesh(tensor=4))
     with pytest.raises(ValueError, match="3 key/value heads"):
         _costs(block_profile(heads=12, kv_heads=3), Mesh(tensor=4))
+
+
+def _fp8_block_profile() -> Profile:
+    box = measured_device(
+        {"peak_flops": {"float8": 4.0, "bfloat16": 2.0}, "memory_bandwidth": 16.0, "memory": 1e9},
+        key="fp8-box",
+    )
+    return estimate_profile(
+        block_profile(), box, efficiency=Efficiency(1.0, 1.0, 0.0), dtype="float8"
+    )
+
+
+def test_float8_estimates_price_the_divided_attention_at_the_bfloat16_peak() -> None:
+    costs = _costs(_fp8_block_profile(), Mesh(tensor=2))
+    # FLOPs 16 + 48/2 = 40, of which attention 16/2 = 8: (40 − 8)/4 + 8/2 = 12 s, against
+    # (16 + 16/2)/16 = 1.5 s of traffic; plus the 5 s all-reduce.
+    _each(costs.forward, 12.0 + 5.0)
+    # backward: 32 + 96/2 = 80 FLOPs, attention 32/2 = 16: 64/4 + 16/2 = 24 s; plus 9 s.
+    _each(costs.backward, 24.0 + 9.0)
+    # input gradient: 16 + 48/2 = 40 FLOPs, attention 16: 24/4 + 16/2 = 14 s; plus 9 s.
+    assert costs.backward_input is not None
+    _each(costs.backward_input, 14.0 + 9.0)
+
+
+def test_a_record_without_the_attention_peak_prices_all_flops_at_its_peak() -> None:
+    profile = _fp8_block_profile()
+    del profile.meta["estimate"]["attention_peak_flops"]
+    costs = _costs(profile, Mesh(tensor=2))
+    _each(costs.forward, 40.0 / 4 + 5.0)  # 10 s of FLOPs at the one peak
+    _each(costs.backward, 80.0 / 4 + 9.0)

@@ -19,6 +19,10 @@ def test_the_roofline_is_read_from_the_estimate_only_when_it_records_its_rates()
     assert roofline_of(block_profile()) is None
     found = roofline_of(block_profile(estimate=roofline_record(peak=16.0, bandwidth=4.0)))
     assert found is not None and (found.peak_flops, found.memory_bandwidth) == (16.0, 4.0)
+    assert found.attention_peak_flops is None  # all FLOPs at the one peak, as before
+    fp8 = {**roofline_record(peak=16.0), "attention_peak_flops": 8.0}
+    found = roofline_of(block_profile(estimate=fp8))
+    assert found is not None and found.attention_peak_flops == 8.0
     older = roofline_record()
     del older["peak_flops"]
     assert roofline_of(block_profile(estimate=older)) is None
