@@ -142,6 +142,7 @@ class RankSteps:
         shown["data_parallel"] = runner.data_parallel
         shown["virtual_stages"] = settings.virtual_stages
         shown["balance"] = runner._balance
+        shown["zero"] = runner.zero
         shown["tensor_parallel"] = settings.tensor_parallel
         shown["tp_plan"] = sorted((inputs.tp_plan or {}).items())
         shown["autocast"] = settings.autocast
