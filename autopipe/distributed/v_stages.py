@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from autopipe.planning import Plan, evaluate, plan
+from autopipe.planning import Plan, evaluate
 
 __all__: list[str] = []
 
@@ -87,8 +87,8 @@ def v_plan(
 
     Args:
         profile: the pipeline's profile.
-        balance: the given split of the 2K stages, or ``None`` for the planner's optimal
-            split for the V placement (rank r's time that of stages r and 2K−1−r).
+        balance: the given split of the 2K stages, or ``None`` for an even split by layer
+            count, larger stages first (torch's).
         stages: 2K.
         settings: the schedule's name, the micro-batches and the optimizer (or ``None``).
     """
@@ -101,9 +101,15 @@ def v_plan(
     }
     if optimizer is not None:
         options["optimizer"] = optimizer
-    if balance is not None:
-        return evaluate(profile, list(balance), **options)
-    return plan(profile, stages, **options)
+    # The optimal V split can cut where a stage sends a non-contiguous tensor, which torch's
+    # V schedules refuse to send; until the stages make their outputs contiguous, the
+    # default is torch's own even split, priced by the V schedule's replay.
+    layers = len(profile.layers)
+    if stages < 1 or layers < stages:
+        raise ValueError(f"cannot split {layers} layers into {stages} stages")
+    size, extra = divmod(layers, stages)
+    even = [size + (index < extra) for index in range(stages)]
+    return evaluate(profile, list(balance) if balance is not None else even, **options)
 
 
 def check_v_sizes(
@@ -129,8 +135,7 @@ def check_v_sizes(
         ranks: the ranks of one pipeline (K).
         layers: the model's layers.
         chunks: micro-batches per mini-batch (M).
-        balance: layers per stage in stage order 0..2K−1, or ``None`` for the planner's
-            optimal V split.
+        balance: layers per stage in stage order 0..2K−1, or ``None`` for an even split.
         data_parallel: replicas (D); only 1.
         tensor_parallel: tensor-parallel ranks per stage; only 1.
         virtual_stages: stages per rank as given; 1 (unset) or 2.
