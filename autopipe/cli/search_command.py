@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autopipe.cli.inputs import read_profile
@@ -18,7 +19,8 @@ from autopipe.cli.target import DEFAULT_PER_NODE, check_target_options, estimate
 from autopipe.planning import SCHEDULES, SEARCH_CHECKPOINTS, PipelineSettings
 
 if TYPE_CHECKING:
-    from autopipe.planning import CatalogDevice, MeshLinks
+    from autopipe.planning import CatalogDevice, MeshLinks, SearchOptions
+    from profiler import Profile
 
 __all__: list[str] = []  # internal to the command line
 
@@ -74,11 +76,21 @@ def _mesh_links(args: argparse.Namespace, target: CatalogDevice | None) -> MeshL
     )
 
 
-def search_command(args: argparse.Namespace) -> int:
-    """Ranks the configurations of ``--devices`` devices (with ``--one-device``: of up to
-    that many stages taking turns on one device), prints them and the best plan."""
-    from autopipe.output import render_plan, render_search
-    from autopipe.planning import SearchOptions, search
+@dataclass(frozen=True)
+class SearchInputs:
+    """What ``--search`` weighs: the (estimated) profile, the devices, the settings and
+    the search's options, as the command line states them."""
+
+    profile: Profile
+    devices: int
+    settings: PipelineSettings
+    options: SearchOptions
+
+
+def search_inputs(args: argparse.Namespace) -> SearchInputs:
+    """The checked inputs of ``autopipe plan --search`` (the model file counted or
+    measured, its times estimated for ``--target``), for :func:`autopipe.planning.search`."""
+    from autopipe.planning import SearchOptions
 
     check_precision(args)
     target = check_target_options(args)
@@ -128,7 +140,17 @@ def search_command(args: argparse.Namespace) -> int:
         links=_mesh_links(args, target) if mesh else None,
         **mesh,
     )
-    plans = search(profile, devices, settings, options)
+    return SearchInputs(profile, devices, settings, options)
+
+
+def search_command(args: argparse.Namespace) -> int:
+    """Ranks the configurations of ``--devices`` devices (with ``--one-device``: of up to
+    that many stages taking turns on one device), prints them and the best plan."""
+    from autopipe.output import render_plan, render_search
+    from autopipe.planning import search
+
+    inputs = search_inputs(args)
+    plans = search(inputs.profile, inputs.devices, inputs.settings, inputs.options)
     best = plans[0]
     if args.timeline:
         from autopipe.output import draw_timeline

@@ -223,6 +223,8 @@ def _device_memory(plan: Plan) -> list[float]:
     device (``plan.shared``), its stages' together."""
     virtual = max(plan.virtual_stages, 1)
     ranks = plan.num_stages // virtual
+    if plan.device_memory and not plan.shared:  # the ranks' peaks, as the planner holds them
+        return list(plan.device_memory)
     held = [
         sum(plan.stages[k].memory for k in rank_stages(r, ranks, virtual, plan.schedule))
         for r in range(ranks)

@@ -18,7 +18,7 @@ from autopipe.planning.model.names import STRATEGIES
 from autopipe.planning.model.plan_settings import PlanSettings, build_model, check_profile
 from autopipe.planning.model.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.model.quantities import format_bytes
-from autopipe.planning.model.spans import overflows, stage_bounds
+from autopipe.planning.model.spans import overflows, rank_memory, stage_bounds, stage_saved
 from autopipe.planning.pipeline_settings import (
     CHUNKS_PER_STAGE,
     PLAN_FIELDS,
@@ -203,7 +203,8 @@ def _check_fits(model: CostModel, result: Plan, strategy: str) -> None:
     """Refuses a split with a stage over its device (naming the one most over) or, with
     virtual stages, a rank whose stages together are over its device."""
     memory = np.array([[stage.memory for stage in result.stages]])
-    stage_over, rank_over = (over[0] for over in overflows(model, memory))
+    saved = stage_saved(model, result.balance)[None, :]
+    stage_over, rank_over = (over[0] for over in overflows(model, memory, saved))
     if np.any(stage_over > 0):
         worst = result.stages[int(np.argmax(stage_over))]
         raise PlanningError(
@@ -363,7 +364,18 @@ def describe(
         shard_optimizer=model.shard_optimizer and model.shard_over > 1,
         shared=[list(group) for group in model.shared],
         mesh=model.options.mesh,
+        device_memory=_device_memory(model, balance, stages),
     )
+
+
+def _device_memory(model: CostModel, balance: list[int], stages: list[StagePlan]) -> list[float]:
+    """Each rank's peak bytes with virtual stages (its stages do not all peak at once,
+    :func:`autopipe.planning.model.spans.rank_memory`); empty with one stage per rank."""
+    if model.num_ranks == model.num_stages:
+        return []
+    memory = np.array([[stage.memory for stage in stages]])
+    saved = stage_saved(model, balance)[None, :]
+    return [float(m) for m in rank_memory(model, memory, saved)[0]]
 
 
 def _tied(model: CostModel, balance: list[int]) -> list[TiedPlan]:

@@ -93,7 +93,12 @@ from autopipe.planning.model.names import (
     V_SCHEDULES,
 )
 from autopipe.planning.model.spans import prefix_sums
-from autopipe.planning.schedules.interleaving import in_flight, rank_stages, stage_placement
+from autopipe.planning.schedules.interleaving import (
+    held_shares,
+    in_flight,
+    rank_stages,
+    stage_placement,
+)
 from autopipe.planning.schedules.schedule_replay import RECOMPUTE_CODES
 
 __all__ = ["optimizer_factor"]
@@ -315,6 +320,11 @@ class CostModel:
         for r in range(ranks):
             for local, k in enumerate(rank_stages(r, ranks, virtual_stages, schedule)):
                 self._in_flight[k] = held[r][local]
+        # Per rank, the shares of its stages' peaks it holds at once (its stages do not
+        # peak together); one stage per rank: that stage's peak.
+        self._shares = [
+            held_shares(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)
+        ]
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = prefix_sums(layers.forward)
         self._bwd = prefix_sums(layers.backward)
@@ -501,6 +511,20 @@ class CostModel:
         choice = self.stage_costs(k, s, e)[2]
         fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
         return fractions * (self._fwd[e] - self._fwd[s]) / self.devices[k].speed
+
+    def rank_shares(self, rank: int) -> NDArray[np.float64]:
+        """Rows of the shares of ``rank``'s stages' saved sets it holds at once, its
+        stages in :func:`~autopipe.planning.schedules.interleaving.rank_stages` order (see
+        :func:`~autopipe.planning.schedules.interleaving.held_shares`)."""
+        return self._shares[rank]
+
+    def saved_memory(self, k: int, s: Index, e: Index) -> Array:
+        """Of stage ``k``'s peak with layers ``[s, e)``, the micro-batches' saved sets
+        (and inputs kept for re-computation): what its in-flight micro-batches hold."""
+        state = self.state_memory(s, e)
+        if self._peak is not None:
+            state = state + self._peak.query(s, e)
+        return self.stage_memory(k, s, e) - state
 
     def activation_memory(self, k: int, s: Index, e: Index) -> Array:
         """Activations stage ``k`` holds at its peak with layers ``[s, e)``."""

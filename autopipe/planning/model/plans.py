@@ -153,6 +153,9 @@ class Plan:
             communication, by kind (``tensor``: the tensor-parallel collectives,
             ``context``: the ring beyond attention, ``zero``: ZeRO-2/3 exchanges beyond
             compute); empty without a mesh.
+        device_memory: with virtual stages, each rank's predicted peak bytes: its stages'
+            parameters and state, and the most their in-flight micro-batches hold at once
+            (its stages do not all peak together); empty with one stage per device.
     """
 
     balance: list[int]
@@ -186,6 +189,7 @@ class Plan:
     peak_flops: float = 0.0
     sequence: int = 0
     mesh_parts: dict[str, float] = field(default_factory=dict)
+    device_memory: list[float] = field(default_factory=list)
 
     @property
     def pipeline_time(self) -> float:
@@ -263,7 +267,7 @@ class Plan:
             del data["shared"]
         if not self.step_extra:
             del data["step_extra"]
-        for name in ("model_flops", "peak_flops", "sequence", "mesh_parts"):
+        for name in ("model_flops", "peak_flops", "sequence", "mesh_parts", "device_memory"):
             if not data[name]:  # plans without a mesh search read as before
                 del data[name]
         if self.mesh == Mesh():  # plans of the pipeline alone read as before
@@ -364,6 +368,12 @@ def _check_plan(plan: Plan) -> None:
     _check_amounts(plan, "", _PLAN_AMOUNTS)
     for k, stage in enumerate(plan.stages):
         _check_amounts(stage, f"stages[{k}].", _STAGE_AMOUNTS)
+    memory = plan.device_memory
+    if not isinstance(memory, list) or not all(
+        isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m >= 0
+        for m in memory
+    ):
+        raise ValueError(f"device_memory is {memory!r}; it must list finite numbers >= 0")
     if len(plan.stages) != len(plan.balance):
         raise ValueError(
             f"balance {plan.balance} has {len(plan.balance)} stages but stages lists "

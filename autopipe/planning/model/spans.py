@@ -31,6 +31,10 @@ class StageMemoryModel(Protocol):
 
     def capacity(self, k: int) -> float: ...
 
+    def saved_memory(self, k: int, s: Any, e: Any) -> Any: ...
+
+    def rank_shares(self, rank: int) -> NDArray[np.float64]: ...
+
     @property
     def restricted(self) -> bool: ...
 
@@ -72,28 +76,68 @@ def stage_memory(model: StageMemoryModel, balance: Sequence[int]) -> NDArray[np.
     )
 
 
+def stage_saved(model: StageMemoryModel, balance: Sequence[int]) -> NDArray[np.float64]:
+    """Of each stage's peak, what its in-flight micro-batches hold (its saved sets)."""
+    bounds = stage_bounds(balance)
+    return np.array(
+        [
+            float(model.saved_memory(k, np.array(bounds[k]), np.array(bounds[k + 1])))
+            for k in range(len(balance))
+        ]
+    )
+
+
+def rank_memory(
+    model: StageMemoryModel, memory: NDArray[np.float64], saved: NDArray[np.float64]
+) -> NDArray[np.float64]:
+    """Each rank's peak bytes, per row of stage memories and their saved sets (rows:
+    splits, columns: stages): its stages' memory less their saved sets, plus the most the
+    rank's saved sets hold at once (:meth:`rank_shares`: its stages do not all peak at the
+    same moment). At most the sum of its stages' peaks."""
+    where = np.asarray(model.placement)
+    out = np.empty((len(memory), model.num_ranks))
+    for r in range(model.num_ranks):
+        stages = [int(k) for k in np.flatnonzero(where == r)]
+        # ``rank_shares`` lists a rank's stages in its local order; placement gives
+        # them in stage order: the local order of a V rank (r, 2K−1−r) is that order too.
+        fixed = (memory[:, stages] - saved[:, stages]).sum(axis=1)
+        held = (saved[:, stages] @ model.rank_shares(r).T).max(axis=1)
+        out[:, r] = fixed + held
+    return out
+
+
 def overflows(
-    model: StageMemoryModel, memory: NDArray[np.float64]
+    model: StageMemoryModel,
+    memory: NDArray[np.float64],
+    saved: NDArray[np.float64] | None = None,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Bytes over capacity, per row of stage memories (rows: splits, columns: stages):
     of each stage on its device, and, with virtual stages, of each rank's stages together
     on the rank's device (stage s runs on rank ``model.placement[s]``: ``s % K``, or in a
-    V rank r holds r and 2K−1−r; no columns without virtual stages). A split fits where
-    no entry is above 0."""
+    V rank r holds r and 2K−1−r; no columns without virtual stages): with the stages'
+    ``saved`` sets, as :func:`rank_memory` holds them, else their peaks summed. A split
+    fits where no entry is above 0."""
     capacities = np.array([model.capacity(k) for k in range(model.num_stages)])
     stages = memory - capacities
     ranks = model.num_ranks
     if ranks == model.num_stages:
         return stages, np.empty((len(memory), 0))
-    where = np.asarray(model.placement)
-    held = np.stack([memory[:, where == r].sum(axis=1) for r in range(ranks)], axis=1)
+    if saved is not None:
+        held = rank_memory(model, memory, saved)
+    else:
+        where = np.asarray(model.placement)
+        held = np.stack([memory[:, where == r].sum(axis=1) for r in range(ranks)], axis=1)
     # Each rank's device: that of its first stage (stage r in both placements).
     return stages, held - capacities[:ranks]
 
 
-def fits_memory(model: StageMemoryModel, memory: NDArray[np.float64]) -> NDArray[np.bool_]:
+def fits_memory(
+    model: StageMemoryModel,
+    memory: NDArray[np.float64],
+    saved: NDArray[np.float64] | None = None,
+) -> NDArray[np.bool_]:
     """Per row of stage memories (see :func:`overflows`), whether the split fits."""
-    stages, ranks = overflows(model, memory)
+    stages, ranks = overflows(model, memory, saved)
     return np.all(stages <= 0, axis=1) & np.all(ranks <= 0, axis=1)
 
 
@@ -102,4 +146,5 @@ def split_fits(model: StageMemoryModel, balance: Sequence[int]) -> bool:
     no cut lies where none may go (:attr:`CostModel.forbidden`)."""
     if model.restricted and model.forbidden[stage_bounds(balance)[1:-1]].any():
         return False
-    return bool(fits_memory(model, stage_memory(model, balance)[None, :])[0])
+    memory = stage_memory(model, balance)[None, :]
+    return bool(fits_memory(model, memory, stage_saved(model, balance)[None, :])[0])

@@ -34,7 +34,7 @@ from numpy.typing import NDArray
 
 from autopipe.planning.schedules.v_schedules import v_order, v_rank, v_stages
 
-__all__ = ["rank_order", "rank_stages", "spared", "stage_placement"]
+__all__ = ["held_shares", "rank_order", "rank_stages", "spared", "stage_placement"]
 
 # The schedules that place two stages per rank in a V (rank r: stages r and 2K−1−r).
 V_PLACED = ("zbv", "dualpipev")
@@ -276,3 +276,39 @@ def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -
         held[local] += {"F": 1, "B": -1, "W": -1}.get(op, 0)
         peak[local] = max(peak[local], held[local])
     return peak
+
+
+@functools.lru_cache(maxsize=256)
+def held_shares(
+    rank: int, ranks: int, virtual: int, chunks: int, schedule: str
+) -> NDArray[np.float64]:
+    """What share of each of its stages' peak activations ``rank`` holds at once.
+
+    Rows: the moments just after a forward of the replayed order (only a forward adds
+    activations), with the rows that another row bounds in every column dropped; columns:
+    the rank's stages in :func:`rank_stages` order, each its held micro-batches over its
+    own peak (:func:`in_flight`). A rank's activations at its peak are the largest
+    ``row · a`` for its stages' peak activations ``a``: its stages do not all peak at the
+    same moment (under interleaved 1F1B the first local stage peaks after the warm-up,
+    when the last has already freed most of its own), so the sum of their peaks
+    overstates what the device holds.
+
+    Raises:
+        ValueError: as :func:`rank_order`.
+    """
+    peak = in_flight(rank, ranks, virtual, chunks, schedule)
+    local_of = {s: j for j, s in enumerate(rank_stages(rank, ranks, virtual, schedule))}
+    held = [0] * virtual
+    moments: set[tuple[int, ...]] = set()
+    for op, stage, _ in rank_order(rank, ranks, virtual, chunks, schedule):
+        local = local_of[stage]
+        held[local] += {"F": 1, "B": -1, "W": -1}.get(op, 0)
+        if op == "F":
+            moments.add(tuple(held))
+    rows = sorted(moments, reverse=True)
+    kept: list[tuple[int, ...]] = []
+    for row in rows:  # a row bounded by a kept one in every column never sets the peak
+        if not any(all(a >= b for a, b in zip(other, row, strict=True)) for other in kept):
+            kept.append(row)
+    shares = np.array(kept, dtype=np.float64)
+    return shares / np.maximum(np.array(peak, dtype=np.float64), 1.0)

@@ -43,6 +43,7 @@ def _replayed(
     forward, backward, transfer = np.empty(shape), np.empty(shape), np.empty(shape)
     codes = np.empty(shape, dtype=np.int64)
     memory = np.empty(shape)
+    saved = np.empty(shape)
     weight = np.empty(shape)
     for k in range(stages):
         s, e = bounds[:, k], bounds[:, k + 1]
@@ -53,9 +54,10 @@ def _replayed(
             parts.transfer,
         )
         codes[:, k], memory[:, k] = parts.recompute, parts.memory
+        saved[:, k] = model.saved_memory(k, s, e)
         weight[:, k] = model.weight_share(s, e)
     ranks = model.num_ranks
-    fits = fits_memory(model, memory) if memory_limits else np.ones(len(bounds), dtype=bool)
+    fits = fits_memory(model, memory, saved) if memory_limits else np.ones(len(bounds), dtype=bool)
     if memory_limits and model.restricted:  # and no cut where none may go
         fits &= ~model.forbidden[bounds[:, 1:-1]].any(axis=1)
     times = np.full(len(bounds), np.inf)
