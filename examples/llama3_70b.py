@@ -23,8 +23,11 @@ SEQUENCE = 4096
 BATCH = 64
 
 
-def llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int) -> torch.nn.Module:
-    """A Llama-3-shaped causal LM on the meta device, in bfloat16."""
+def llama(
+    layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, positions: int = 8192
+) -> torch.nn.Module:
+    """A Llama-3-shaped causal LM on the meta device, in bfloat16, for sequences of up to
+    ``positions`` tokens."""
     config = transformers.LlamaConfig(
         hidden_size=hidden,
         intermediate_size=ffn,
@@ -32,7 +35,7 @@ def llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int) -> torc
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         vocab_size=128256,
-        max_position_embeddings=8192,
+        max_position_embeddings=positions,
         rope_theta=500000.0,
         tie_word_embeddings=False,
         use_cache=False,

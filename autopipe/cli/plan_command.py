@@ -41,6 +41,23 @@ def plan_command(args: argparse.Namespace) -> int:
         raise ValueError(
             "--devices, --allreduce-bandwidth and --even go with --search; use --stages"
         )
+    meshed = [
+        option
+        for option, given in (
+            ("--tensor-parallel", args.tensor_parallel is not None),
+            ("--context-parallel", args.context_parallel is not None),
+            ("--sequence-parallel", args.sequence_parallel),
+            ("--zero", args.zero is not None),
+            ("--global-batch", args.global_batch is not None),
+            ("--micro-batch", args.micro_batch is not None),
+        )
+        if given
+    ]
+    if meshed:  # the mesh around the pipeline is what --search weighs
+        raise ValueError(
+            f"{', '.join(meshed)} plan the mesh around the pipeline: add --search --devices N "
+            "(list one degree to fix it, e.g. --tensor-parallel 4)"
+        )
     costs = cost_options(args)
     memory = costs.memory
     stages: int = args.stages or default_stages()

@@ -29,3 +29,20 @@ def test_every_mesh_fills_its_gpus() -> None:
     for run in RUNS:
         assert run.tp * run.pp * run.cp * run.dp == run.gpus, run.name
         assert run.global_batch % (run.dp * run.micro_batch) == 0, run.name
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
+def test_every_run_is_stated_as_published_on_the_command_line(run, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from autopipe.cli.parser import build_parser
+    from benchmarks.planning.published_comparison import command_line, model_file
+
+    path = model_file(run, tmp_path, fused=True)
+    args = build_parser().parse_args(command_line(run, path))
+    assert (args.devices, args.global_batch, args.micro_batch) == (
+        run.gpus,
+        run.global_batch,
+        run.micro_batch,
+    )
+    assert args.sequence == run.sequence and args.peak_dtype == run.dtype
+    assert run.tp in args.tensor_parallel and run.cp in args.context_parallel
+    assert f"positions={max(8192, run.sequence)}" in path.read_text()

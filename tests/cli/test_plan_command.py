@@ -258,6 +258,8 @@ def test_wrap_defaults_to_the_command_lines_chunks() -> None:
         (["--bandwidth", "fast"], "cannot parse bandwidth 'fast'"),
         (["--optimizer", "lion"], "unknown optimizer 'lion'"),
         (["--one-device", "--virtual-stages", "2"], "leave out --virtual-stages"),
+        (["--tensor-parallel", "2"], "plan the mesh around the pipeline: add --search"),
+        (["--zero", "1", "--micro-batch", "1"], "--zero, --micro-batch plan the mesh"),
     ],
 )
 def test_bad_plan_options(

@@ -34,7 +34,7 @@ from numpy.typing import NDArray
 
 from autopipe.planning.schedules.v_schedules import v_order, v_rank, v_stages
 
-__all__ = ["held_shares", "rank_order", "rank_stages", "spared", "stage_placement"]
+__all__ = ["rank_order", "rank_stages", "spared", "stage_placement"]
 
 # The schedules that place two stages per rank in a V (rank r: stages r and 2K−1−r).
 V_PLACED = ("zbv", "dualpipev")
