@@ -99,6 +99,29 @@ def reference_step(
     return value.detach()
 
 
+def sgd_steps(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss: Callable[[Any, Tensor], Tensor],
+    chunks: int,
+    steps: int,
+    lr: float,
+) -> list[dict[str, Any]]:
+    """The plain model's reference: ``steps`` SGD steps of :func:`reference_step` (the mean
+    of the ``chunks`` micro-batches' losses, as a pipeline's step takes it), each step's
+    loss and parameters after its update."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(steps):
+        value = reference_step(model, x, y, chunks, loss)
+        opt.step()
+        opt.zero_grad()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append({"loss": value, "params": params})
+    return out
+
+
 @functools.cache
 def reference_steps() -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
     """Loss and gradients after one reference step, gradients and state after two."""
