@@ -177,8 +177,8 @@ class Space:
         """The links of the configuration's tensor, context and data-parallel groups, and
         of its pipeline (between stages)."""
         if self.links is None:
-            ring = GroupLink(self.allreduce)
-            return GroupLinks(ring, ring, ring), GroupLink(self.bandwidth, self.latency)
+            ring = GroupLinks.uniform(GroupLink(self.allreduce))
+            return ring, GroupLink(self.bandwidth, self.latency)
         mesh, k, d = self.mesh(config), config.stages, config.replicas
         groups = GroupLinks(
             group_link(self.links, mesh, k, d, "tp"),

@@ -42,7 +42,7 @@ from autopipe.planning.mesh.shard_table import ShardTable
 from autopipe.planning.mesh.zero_exchange import zero_exposed
 from autopipe.planning.model.layer_costs import LayerCosts, ProfileLines
 from autopipe.planning.model.mesh import Mesh
-from profiler import segments
+from profiler import Profile, segments
 
 __all__: list[str] = []
 
@@ -58,6 +58,11 @@ class GroupLinks:
     tensor: GroupLink
     context: GroupLink
     data: GroupLink
+
+    @classmethod
+    def uniform(cls, link: GroupLink) -> GroupLinks:
+        """Every group on one link (what a profile's calibration knows: its all-reduce)."""
+        return cls(link, link, link)
 
 
 def _share(part: Array, total: Array) -> Array:
@@ -228,3 +233,18 @@ def _collectives(
         out["cp_forward"] = np.maximum(ring_forward - attention, 0.0)
         out["cp_backward"] = np.maximum(ring_backward - attention_bwd, 0.0)
     return out
+
+
+def uniform_mesh_lines(
+    profile: Profile, lines: ProfileLines, mesh: Mesh, replicas: int, bandwidth: float | None
+) -> MeshLines:
+    """:func:`mesh_lines` of the profile's own shard counts with every group on one link of
+    ``bandwidth`` bytes/s (``None``: free), as :func:`autopipe.search` prices a mesh
+    without a target's links: what :func:`autopipe.plan` prices ``tensor_parallel`` with.
+
+    Raises:
+        ValueError: the mesh cannot run the profile (no shard counts, heads ``t`` does not
+            divide).
+    """
+    table = ShardTable.from_profile(profile)
+    return mesh_lines(lines, table, mesh, GroupLinks.uniform(GroupLink(bandwidth)), replicas)
