@@ -99,6 +99,14 @@ def reference_step(
     return value.detach()
 
 
+def titan_position(rank: int, stages: int, replicas: int, tensor: int = 1) -> tuple[int, int, int]:
+    """``(stage, replica, tensor rank)`` of ``rank`` in torchtitan's device mesh of
+    ``pp, dp, tp`` (the ranks laid out as ``arange(K·D·t).view(K, D, t)``)."""
+    grid = torch.arange(stages * replicas * tensor).view(stages, replicas, tensor)
+    found = (grid == rank).nonzero()[0].tolist()
+    return found[0], found[1], found[2]
+
+
 def sgd_steps(
     model: nn.Module,
     x: Tensor,
