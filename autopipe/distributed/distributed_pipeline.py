@@ -24,9 +24,12 @@ class DistributedPipeline(PipelineRunner):
     """This rank's stage of a planned pipeline, trained with a torch pipelining schedule.
 
     Construct it on every rank of an initialised process group with the same arguments.
-    The group's K·D ranks run D replicas of a K-stage pipeline: ranks ``r*K .. r*K+K-1``
-    are replica r's stages (:attr:`stage_index` = rank % K, :attr:`replica_index` =
-    rank // K); with D = 1 (the default) every rank is one stage. Rank 0 profiles the
+    The group's K·D ranks run D replicas of a K-stage pipeline, laid out in torchtitan's
+    mesh order, the pipeline outermost: rank ``s*D + r`` is stage s of replica r
+    (:attr:`stage_index` = rank // D, :attr:`replica_index` = rank % D; with t
+    tensor-parallel ranks per stage rank ``(s*D + r)*t + j`` is tensor rank j, see
+    :func:`autopipe.distributed.replicas.rank_position`); with D = 1 (the default) every
+    rank is one stage. Rank 0 profiles the
     model (unless ``plan`` or ``profile`` is given), plans the split for the schedule's
     memory model, measures the tensors crossing every stage boundary on one micro-batch,
     and broadcasts plan and shapes; every rank then keeps its slice of the model as

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from autopipe.distributed.replicas import rank_position
+
 __all__: list[str] = []  # internal to the distributed runner
 
 # How long a rank whose wait failed looks for the cause: a killed peer's process may take a
@@ -73,16 +75,17 @@ def waited_in_vain(error: BaseException) -> bool:
 
 def rank_names(stages: int, data_parallel: int, tensor_parallel: int = 1) -> list[str]:
     """How messages name the ranks of a pipeline group: ``"rank 3 (stage 1 of 2, replica 1)"``
-    (rank r holds stage r % K of replica r // K; with t tensor-parallel ranks per stage,
-    rank r is tensor rank r % t of stage (r // t) % K of replica r // (t·K))."""
+    (rank r at :func:`autopipe.distributed.replicas.rank_position`: stage r // D of replica
+    r % D; with t tensor-parallel ranks per stage, tensor rank r % t of stage r // (D·t) of
+    replica (r // t) % D)."""
     t = tensor_parallel
     names = []
     for r in range(stages * data_parallel * t):
-        slot = r // t
-        name = f"rank {r} (stage {slot % stages} of {stages}"
+        stage, replica, tensor = rank_position(r, data_parallel, t)
+        name = f"rank {r} (stage {stage} of {stages}"
         if t > 1:
-            name += f", tensor rank {r % t} of {t}"
-        names.append(name + (f", replica {slot // stages})" if data_parallel > 1 else ")"))
+            name += f", tensor rank {tensor} of {t}"
+        names.append(name + (f", replica {replica})" if data_parallel > 1 else ")"))
     return names
 
 

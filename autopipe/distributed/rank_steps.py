@@ -216,6 +216,7 @@ class RankSteps:
             self.inputs.profile,
             self.settings,
             owner=prepared.owner,
+            tp_plan=self.inputs.tp_plan,
         )
 
     def make_plan(self, layers: Layers, profile: Profile) -> Plan:

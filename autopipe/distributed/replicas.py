@@ -27,10 +27,10 @@ BUCKET_BYTES = 25 * 2**20
 class ReplicaLayout:
     """Where one rank sits among D replicas of a K-stage pipeline.
 
-    Group ranks ``r*K .. r*K+K-1`` form replica r's pipeline: ``stage = rank % K`` and
-    ``replica = rank // K``. With t tensor-parallel ranks per stage the tensor dimension
-    is innermost: rank ``(r*K + s)*t + j`` is tensor rank j of stage s of replica r, and
-    the pipeline and replica groups join the ranks of one tensor rank j.
+    The ranks are laid out in torchtitan's mesh order, pipeline outermost and the tensor
+    dimension innermost (:func:`rank_position`): rank ``(s*D + r)*t + j`` is tensor rank j
+    of stage s of replica r, so a stage's D·t ranks are consecutive; the pipeline and
+    replica groups join the ranks of one tensor rank j.
 
     Attributes:
         data_parallel: the number of replicas (D).
@@ -51,6 +51,23 @@ class ReplicaLayout:
     replicas: dist.ProcessGroup | None
     tensor_parallel: int = 1
     tensor_mesh: DeviceMesh | None = None
+
+
+def rank_position(rank: int, data_parallel: int, tensor_parallel: int = 1) -> tuple[int, int, int]:
+    """``(stage, replica, tensor rank)`` of a group rank: torchtitan's mesh order
+    (``pp, dp_replicate, dp_shard, cp, tp``, :data:`autopipe.planning.MESH_DIMENSIONS`),
+    the pipeline outermost and the tensor dimension innermost, as the planner places the
+    groups on nodes (:mod:`autopipe.planning.mesh.mesh_links`)."""
+    slot, tensor = divmod(rank, tensor_parallel)
+    stage, replica = divmod(slot, data_parallel)
+    return stage, replica, tensor
+
+
+def position_rank(
+    stage: int, replica: int, data_parallel: int, tensor: int = 0, tensor_parallel: int = 1
+) -> int:
+    """The group rank at a position: :func:`rank_position`'s inverse."""
+    return (stage * data_parallel + replica) * tensor_parallel + tensor
 
 
 def data_parallel_problem(value: Any) -> str | None:
@@ -141,25 +158,23 @@ def make_layout(
     parent: Any = group or dist.group.WORLD
     members = [dist.get_global_rank(parent, i) for i in range(world)]
     options: dict[str, Any] = {"timeout": group_timeout(group, device)}
-    pipelines = [
-        dist.new_group(members[r * k : (r + 1) * k], **options) for r in range(data_parallel)
-    ]
-    replicas = [dist.new_group(members[s::k], **options) for s in range(k)]
-    stage, replica = rank % k, rank // k
-    return ReplicaLayout(data_parallel, k, stage, replica, pipelines[replica], replicas[stage])
+    d = data_parallel
+    pipelines = [dist.new_group(members[r::d], **options) for r in range(d)]
+    replicas = [dist.new_group(members[s * d : (s + 1) * d], **options) for s in range(k)]
+    stage, replica, _ = rank_position(rank, d)
+    return ReplicaLayout(d, k, stage, replica, pipelines[replica], replicas[stage])
 
 
 def _mesh_layout(d: int, k: int, t: int, device: torch.device) -> ReplicaLayout:
-    """The layout of a job of D·K·t ranks as a device mesh ("dp", "pp", "tp"), tp innermost."""
+    """The layout of a job of K·D·t ranks as a device mesh ("pp", "dp", "tp"), tp innermost."""
     if dist.get_world_size() != d * k * t:
         raise ValueError(
             f"tensor_parallel={t} needs a process group of every process (the job has "
             f"{dist.get_world_size()}, the pipeline {d * k * t})"
         )
-    shape = torch.arange(d * k * t).view(d, k, t)
-    mesh = DeviceMesh(device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
-    rank = dist.get_rank()
-    stage, replica = (rank // t) % k, rank // (t * k)
+    shape = torch.arange(k * d * t).view(k, d, t)
+    mesh = DeviceMesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
+    stage, replica, _ = rank_position(dist.get_rank(), d, t)
     replicas = mesh.get_group("dp") if d > 1 else None
     return ReplicaLayout(d, k, stage, replica, mesh.get_group("pp"), replicas, t, mesh["tp"])
 

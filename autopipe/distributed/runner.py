@@ -417,8 +417,9 @@ class PipelineRunner:
         collective(self.rank, what, gather, state, parts, dst=target, group=self.group)
         if parts is None:
             return None
-        # In stage order, so that the keys come in the original model's order.
-        pairs = [pair for part in parts[: self.num_stages * self.tensor_parallel] for pair in part]
+        # In stage order, so that the keys come in the original model's order (only replica
+        # 0's first tensor ranks sent stages).
+        pairs = [pair for part in parts for pair in part]
         everything = sorted(pairs, key=lambda pair: pair[0])
         stages = [pair for pair in everything if pair[0] >= 0]
         unheld = [state for index, state in everything if index < 0]

@@ -26,6 +26,7 @@ from autopipe.distributed.stage import compare_fingerprints, layer_output_specs
 from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.v_stages import V_SCHEDULES, is_v_schedule
 from autopipe.distributed.virtual import check_virtual
+from autopipe.graph import shard_styles
 from autopipe.planning import ALL_SCHEDULES, PipelineSettings, Plan, keep_together, with_overrides
 from autopipe.planning import plan as make_plan
 from profiler import Profile, profile_model
@@ -329,16 +330,23 @@ def rank0_profile(
     profile: Profile | Mapping[str, Any] | None,
     settings: PipelineSettings,
     owner: nn.Module | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> Profile:
     """The profile rank 0 plans from: the given one, checked, or the layers measured on
     ``device`` under ``settings.autocast``, ``settings.chunks`` micro-batches of ``sample``
-    (one pipeline's mini-batch).
+    (one pipeline's mini-batch). With ``settings.tensor_parallel`` > 1 the measured layers
+    are counted with their shards under ``tp_plan`` (default: the model's own), which the
+    plan prices the tensor-parallel stages from.
 
     Raises:
         ValueError: the profile does not fit the model or the autocast.
     """
     autocast = settings.autocast
     if profile is None:
+        named = owner if owner is not None else sequential
+        styles = None
+        if settings.tensor_parallel > 1:
+            styles = shard_styles(named, list(sequential), tp_plan)
         # The sample is the first layer's one argument: a tensor, or a tuple.
         return profile_model(
             sequential,
@@ -346,7 +354,8 @@ def rank0_profile(
             device=device,
             chunks=settings.chunks,
             autocast=autocast,
-            owner=owner if owner is not None else sequential,
+            owner=named,
+            shard_styles=styles,
         )
     if not isinstance(profile, Profile):
         profile = Profile.from_dict(dict(profile))
@@ -419,6 +428,7 @@ def setup_on_rank0(
     profile: Profile | Mapping[str, Any] | None,
     settings: PipelineSettings,
     ranks: int | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> tuple[Plan, list[Any]]:
     """Profiles (if needed), plans (if needed) and measures the boundary tensors, as the
     runner's build path does on rank 0 (:func:`rank0_profile`, :func:`rank0_plan`,
@@ -437,6 +447,8 @@ def setup_on_rank0(
         settings: what to plan under, ``chunks`` and ``schedule`` given; its ``autocast``
             is the one the pipeline runs under.
         ranks: the ranks of one pipeline (K; default ``num_stages``).
+        tp_plan: the tensor-parallel plan the profile counts shards under with
+            ``settings.tensor_parallel`` > 1 (default: the model's own).
 
     Returns:
         The plan and the specs of the tensors leaving every layer, for one micro-batch.
@@ -453,7 +465,7 @@ def setup_on_rank0(
     settings = settings.resolved(distributed=True)
     sequential, written, owner = prepared.sequential, prepared.written, prepared.owner
     if plan is None:
-        found = rank0_profile(sequential, sample, device, profile, settings, owner)
+        found = rank0_profile(sequential, sample, device, profile, settings, owner, tp_plan)
         named = owner if owner is not None else sequential
         unsplit = written_shared(list(sequential), written, named)
         plan = rank0_plan(found, num_stages, ranks or num_stages, settings, unsplit)

@@ -16,6 +16,7 @@ from autopipe.distributed.replicas import (
     add_to_earlier,
     bucketed,
     group_timeout,
+    position_rank,
 )
 from profiler import tensor_uses
 
@@ -165,7 +166,7 @@ def make_tie_groups(
                 "process of the job; pass the world group"
             )
         for replica in range(d):
-            ranks = [members[replica * k + p] for p in positions]
+            ranks = [members[position_rank(p, replica, d)] for p in positions]
             made = dist.new_group(ranks, **options)
             if replica == layout.replica and layout.stage in positions:
                 mine[positions] = made

@@ -188,7 +188,8 @@ def _check_gpipe(settings: PipelineSettings) -> None:
     """Refuses settings that GPipe in one process does not run.
 
     Raises:
-        ValueError: another schedule than ``gpipe``, virtual stages or replicas.
+        ValueError: another schedule than ``gpipe``, virtual stages, replicas or tensor
+            parallelism.
     """
     if settings.schedule not in (None, "gpipe"):
         raise ValueError(
@@ -199,4 +200,9 @@ def _check_gpipe(settings: PipelineSettings) -> None:
         raise ValueError(
             "wrap() runs one pipeline with one stage per device; leave out virtual_stages= "
             "and data_parallel=, or use autopipe.distributed.DistributedPipeline"
+        )
+    if settings.tensor_parallel != 1:
+        raise ValueError(
+            "wrap() runs each stage on one device; leave out tensor_parallel=, or use "
+            "autopipe.distributed.DistributedPipeline"
         )

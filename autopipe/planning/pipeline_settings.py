@@ -58,7 +58,9 @@ class PipelineSettings:
             and the virtual stages.
         virtual_stages: stages per device (v), run by an interleaved schedule.
         data_parallel: replicas of the pipeline (D). Default: a given plan's, else 1.
-        tensor_parallel: ranks sharding each stage's layers (t; the distributed runner).
+        tensor_parallel: ranks sharding each stage's layers (t): the plan prices one device
+            of each stage's tensor-parallel group (``Plan.mesh.tensor``; the profile needs
+            shard counts), and the distributed runner shards the stages so.
         memory: device capacity (bytes, ``"16GiB"``, or one per device).
         strategy: how the split is chosen (``optimal``, ``uniform``, ...).
         optimizer: optimizer whose state is counted (``adam``, ``sgd``, ...) or state bytes
@@ -150,6 +152,7 @@ PLAN_FIELDS = frozenset(
         "checkpoint",
         "virtual_stages",
         "data_parallel",
+        "tensor_parallel",
         "memory",
         "strategy",
         "optimizer",

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from autopipe import PlanningError
+from autopipe.planning.mesh.degree_figures import uniform_mesh_lines
 from autopipe.planning.model.colocation import device_count, shared_step_time
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.cut_rules import crossing
@@ -71,6 +72,13 @@ def plan(
         data_parallel: replicas of the pipeline (D); each runs ``ceil(batch / D)`` samples
             and all-reduces its stages' gradients with the others once per step.
         batch: samples per step across all replicas (default: the profile's batch size).
+        tensor_parallel: devices sharding each stage's layers (t, default 1): every stage
+            is priced on one device of its t, its layers' figures those of
+            :mod:`autopipe.planning.mesh.degree_figures` (sharded compute and memory divided
+            by t, the tensor-parallel all-reduces exposed on the all-reduce bandwidth), as
+            :func:`autopipe.search` prices ``Mesh(tensor=t)`` without a target's links;
+            the plan's ``mesh`` records it. Needs a profile with shard counts (profiled
+            with a tensor-parallel plan) whose heads t divide.
         allreduce_bandwidth: bytes/s of the gradient all-reduce (default: the profile's
             calibrated one, else ``bandwidth``; free when none is known).
         overhead: executor seconds per stage and micro-batch (default: calibrated, else 0).
@@ -103,7 +111,9 @@ def plan(
             :meth:`Profile.load`), or another argument is of the wrong kind.
     """
     settings = with_overrides(settings, overrides, "plan", PLAN_FIELDS)
-    return plan_model(build_model(profile, devices, settings), profile, settings)
+    return plan_model(
+        build_model(profile, devices, settings, uniform_mesh_lines), profile, settings
+    )
 
 
 def plan_model(model: CostModel, profile: Profile, settings: PipelineSettings) -> Plan:
@@ -246,7 +256,8 @@ def evaluate(
     ):
         raise ValueError(f"balance must be a list of layer counts per stage, got {balance!r}")
     settings = PlanSettings(optimizer=optimizer, **kwargs)
-    model = build_model(profile, len(balance) if devices is None else devices, settings)
+    stages = len(balance) if devices is None else devices
+    model = build_model(profile, stages, settings, uniform_mesh_lines)
     if len(balance) != model.num_stages:
         raise ValueError(f"balance has {len(balance)} stages but there are {model.num_stages}")
     if sum(balance) != model.num_layers or min(balance) < 1:

@@ -3,65 +3,36 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-import profiler
-from profiler.profile import Profile
-from tests.support.cli_support import assert_error, run
-
-HIDDEN, FFN, HEADS, KV_HEADS = 32, 64, 4, 2
-
-LLAMA_MODEL = f"""
-import torch
-import transformers
-
-config = transformers.LlamaConfig(
-    hidden_size={HIDDEN}, intermediate_size={FFN}, num_hidden_layers=2,
-    num_attention_heads={HEADS}, num_key_value_heads={KV_HEADS}, vocab_size=50,
-    max_position_embeddings=32,
+from tests.support.cli_support import (
+    LLAMA_FFN,
+    LLAMA_HEADS,
+    LLAMA_HIDDEN,
+    LLAMA_KV_HEADS,
+    ON_TARGET,
+    assert_error,
+    counted_profiles,
+    llama_file,
+    run,
 )
-with torch.device("meta"):
-    model = transformers.LlamaForCausalLM(config)
-sample = torch.randint(0, 50, (4, 8))
-"""
-
-
-def _counted(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, path: Path, length: int
-) -> Profile:
-    made: list[Profile] = []
-    profile_model = profiler.profile_model
-
-    def recorded(*args: Any, **kwargs: Any) -> Profile:
-        made.append(profile_model(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(profiler, "profile_model", recorded)
-    argv = ["plan", str(path), "--target", "h100", "--stages", "2", "--no-cache"]
-    code, _, err = run(capsys, *argv, "--sequence", str(length))
-    assert code == 0, err
-    return made[-1]
 
 
 def test_counts_grow_as_the_hand_count_says(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("transformers")
-    path = tmp_path / "llama.py"
-    path.write_text(LLAMA_MODEL)
-    kv = HIDDEN * KV_HEADS // HEADS
-    weights = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * kv + 3 * HIDDEN * FFN  # q, o; k, v; MLP
+    path = llama_file(tmp_path)
+    hidden, ffn = LLAMA_HIDDEN, LLAMA_FFN
+    kv = hidden * LLAMA_KV_HEADS // LLAMA_HEADS
+    weights = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn  # q, o; k, v; MLP
     for length in (16, 32):
-        block = next(
-            layer
-            for layer in _counted(capsys, monkeypatch, path, length).layers
-            if layer.name == "model.layers.0"
-        )
+        made = counted_profiles(capsys, monkeypatch, path, "--sequence", str(length))
+        block = next(layer for layer in made[-1].layers if layer.name == "model.layers.0")
         assert block.flops is not None and block.shards is not None
         # One sample (batch size 1): scores and weighted sum, 2·S²·hidden each (the s² part).
-        attention = 4 * length * length * HIDDEN
+        attention = 4 * length * length * hidden
         assert block.shards.attention_flops[0] == attention
         assert block.flops[0] - attention == 2 * length * weights  # the linear part, as S
 
@@ -70,9 +41,7 @@ def test_refuses_a_length_past_the_position_limit(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     pytest.importorskip("transformers")
-    path = tmp_path / "llama.py"
-    path.write_text(LLAMA_MODEL)
-    argv = ["plan", str(path), "--target", "h100", "--stages", "2", "--no-cache"]
+    argv = ["plan", str(llama_file(tmp_path)), *ON_TARGET]
     expected = "--sequence 64 exceeds the model's max_position_embeddings 32: give at most 32"
     assert_error(*run(capsys, *argv, "--sequence", "64"), expected)
 
@@ -85,7 +54,7 @@ def test_refuses_a_sample_without_a_sequence(
         "import torch\nmodel = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\n"
         "sample = torch.randn(8, 4)\n"
     )
-    argv = ["plan", str(path), "--target", "h100", "--stages", "2", "--no-cache"]
+    argv = ["plan", str(path), *ON_TARGET]
     expected = "is not token ids of shape (batch, sequence); leave out --sequence"
     assert_error(*run(capsys, *argv, "--sequence", "16"), expected)
 

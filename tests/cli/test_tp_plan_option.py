@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-import profiler
 from profiler.profile import Profile
-from tests.support.cli_support import FAST, SMALL_MODEL, assert_error, run
+from tests.support.cli_support import (
+    FAST,
+    SMALL_MODEL,
+    assert_error,
+    counted_profiles,
+    llama_file,
+    run,
+)
 
 PLAN = {"0": "colwise", "2": "rowwise"}
 
@@ -77,37 +82,11 @@ def test_a_saved_profile_takes_no_plan(capsys: pytest.CaptureFixture[str], tmp_p
     assert_error(*run(capsys, *argv), "--tp-plan is counted while profiling")
 
 
-LLAMA_MODEL = """
-import torch
-import transformers
-
-config = transformers.LlamaConfig(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=50, max_position_embeddings=32,
-)
-with torch.device("meta"):
-    model = transformers.LlamaForCausalLM(config)
-sample = torch.randint(0, 50, (4, 8))
-"""
-
-
 def test_target_counts_a_hugging_face_models_own_plan(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("transformers")
-    path = tmp_path / "llama.py"
-    path.write_text(LLAMA_MODEL)
-    made: list[Profile] = []
-    profile_model = profiler.profile_model
-
-    def recorded(*args: Any, **kwargs: Any) -> Profile:
-        made.append(profile_model(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(profiler, "profile_model", recorded)
-    argv = ["plan", str(path), "--target", "h100", "--stages", "2", "--no-cache"]
-    code, _, err = run(capsys, *argv)
-    assert code == 0, err
+    made = counted_profiles(capsys, monkeypatch, llama_file(tmp_path))
     blocks = [layer.shards for layer in made[0].layers if "layers" in layer.name]
     assert len(blocks) == 2
     assert all(s is not None and (s.heads, s.kv_heads, s.reductions) == (4, 2, 2) for s in blocks)

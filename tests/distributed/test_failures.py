@@ -19,7 +19,15 @@ def _board(rank: int, store: dist.Store, names: list[str]) -> FailureBoard:
 
 def test_rank_names_give_stage_and_replica() -> None:
     assert rank_names(2, 1) == ["rank 0 (stage 0 of 2)", "rank 1 (stage 1 of 2)"]
-    assert rank_names(2, 2)[3] == "rank 3 (stage 1 of 2, replica 1)"
+    # torchtitan's order: a stage's replicas on consecutive ranks, the tensor ranks inside.
+    assert rank_names(2, 2) == [
+        "rank 0 (stage 0 of 2, replica 0)",
+        "rank 1 (stage 0 of 2, replica 1)",
+        "rank 2 (stage 1 of 2, replica 0)",
+        "rank 3 (stage 1 of 2, replica 1)",
+    ]
+    assert rank_names(1, 2, 2)[1] == "rank 1 (stage 0 of 1, tensor rank 1 of 2, replica 0)"
+    assert rank_names(2, 1, 2)[2] == "rank 2 (stage 1 of 2, tensor rank 0 of 2)"
 
 
 def test_only_the_backends_failed_waits_count_as_another_ranks() -> None:

@@ -13,6 +13,8 @@ from autopipe.distributed.replicas import (
     ReplicaLayout,
     _buckets,
     check_layout,
+    position_rank,
+    rank_position,
     replica_batch,
     take_shard,
 )
@@ -25,6 +27,7 @@ from tests.support.dist_models import (
     make_batch,
     make_model,
     tiny_plan,
+    titan_position,
     whole_batch_statistics,
 )
 from tests.support.dist_workers import scenario_results
@@ -40,6 +43,15 @@ def test_replica_checks() -> None:
     with pytest.raises(ValueError, match="plan was made for data_parallel=1"):
         check_layout(4, 2, 2, tiny_plan())
     assert check_layout(4, 2, None, tiny_plan(data_parallel=2)) == 2  # D from the plan
+
+
+@pytest.mark.parametrize(("k", "d", "t"), [(2, 2, 1), (3, 2, 1), (2, 3, 2), (1, 2, 2), (4, 1, 1)])
+def test_ranks_take_torchtitans_mesh_order(k: int, d: int, t: int) -> None:
+    # pp outermost, tp innermost: a stage's D·t ranks are consecutive, its t tensor ranks too.
+    for rank in range(k * d * t):
+        stage, replica, tensor = rank_position(rank, d, t)
+        assert (stage, replica, tensor) == titan_position(rank, k, d, t)
+        assert position_rank(stage, replica, d, tensor, t) == rank
 
 
 def test_replica_batch_and_shards() -> None:
@@ -103,8 +115,9 @@ def test_replicas_equal_one_process(replica_run: list[dict[str, Any]], schedule:
     loss, once, twice, state = _replica_reference()
     seen: dict[int, set[str]] = {0: set(), 1: set()}
     for rank, result in enumerate(replica_run):
-        run, replica = result[schedule], rank // 2
-        if rank % 2:  # the last stage of each replica: the loss of all replicas
+        stage, replica, _ = titan_position(rank, 2, 2)  # K=2 x D=2, torchtitan's order
+        run = result[schedule]
+        if stage == 1:  # the last stage of each replica: the loss of all replicas
             assert_close(run["loss"], loss)
             # Each replica's shard instead of the global batch:
             assert_close(run["shard loss"], loss)
@@ -130,7 +143,8 @@ def test_replica_layout_and_plan(replica_run: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(replica_run):
         data_parallel, global_batch, batch, text = result["layout"]
         assert (data_parallel, global_batch, batch) == (2, BATCH, BATCH // 2)
-        assert f"stage {rank % 2}/2, replica {rank // 2}/2" in text
+        stage, replica, _ = titan_position(rank, 2, 2)
+        assert f"stage {stage}/2, replica {replica}/2" in text
 
 
 def test_replica_mismatches_are_reported_on_every_rank(replica_run: list[dict[str, Any]]) -> None:

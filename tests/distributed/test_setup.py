@@ -47,3 +47,53 @@ def test_mismatches_are_reported_on_every_rank(equal_run: Any) -> None:
         assert f"process group has {world} ranks" in errors["stages"]
         assert "multiple of chunks=3" in errors["argument"]
         assert errors["argument"].startswith("rank 0: ") == (rank != 0)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Any) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_rank0_plans_tensor_parallel_stages_as_the_search_prices_their_mesh() -> None:
+    # tensor_parallel=2: rank 0 counts the shards of the model's own plan and plans
+    # Mesh(tensor=2), the plan the search makes of t=2 x K=2 x D=1 from that profile.
+    pytest.importorskip("transformers")
+    from autopipe.distributed.prepared import prepare_model
+    from autopipe.distributed.setup import setup_on_rank0
+    from autopipe.planning import Mesh, PipelineSettings, SearchOptions, search
+    from profiler import Profile
+    from tests.support.tp_workers import batch, tiny_llama
+
+    x, _ = batch()
+    prepared = prepare_model(tiny_llama(), x)
+    settings = PipelineSettings(chunks=2, schedule="1f1b", tensor_parallel=2)
+    made, _ = setup_on_rank0(
+        prepared, prepared.sample, 2, torch.device("cpu"), None, None, settings
+    )
+    assert made.mesh == Mesh(tensor=2)
+    profile = Profile.from_dict(made.profile)
+    assert all(layer.shards is not None for layer in profile.layers)
+    options = SearchOptions(
+        schedules=("1f1b",), checkpoints=(made.checkpoint,), top=1000, tensor_parallel=(2,),
+        micro_batch=made.micro_batch,
+    )  # fmt: skip
+    found = [
+        p for p in search(profile, 4, options=options) if (p.num_stages, p.data_parallel) == (2, 1)
+    ]
+    assert len(found) == 1 and found[0].mesh == made.mesh
+    assert (found[0].balance, found[0].chunks) == (made.balance, made.chunks)
+    assert made.step_time == pytest.approx(found[0].step_time, rel=1e-12)
+    assert [s.memory for s in made.stages] == pytest.approx([s.memory for s in found[0].stages])
+    # The unsharded plan of the same profile prices other stages.
+    whole, _ = setup_on_rank0(
+        prepared, prepared.sample, 2, torch.device("cpu"), None, profile,
+        PipelineSettings(chunks=2, schedule="1f1b"),
+    )  # fmt: skip
+    assert whole.mesh == Mesh() and whole.step_time != made.step_time

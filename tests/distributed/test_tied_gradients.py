@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.distributed.tied_gradients import shared_across_stages, shared_state, written_shared
-from tests.support.dist_models import reference_step
+from tests.support.dist_models import reference_step, titan_position
 from tests.support.dist_workers import scenario_results
 from tests.support.tied_workers import (
     SHARED_CHUNKS,
@@ -102,13 +102,15 @@ def check_tied(results: list[dict[str, Any]], world: int) -> None:
             if "balance" in run:
                 assert ranks[0]["balance"] == run["balance"] and ranks[0]["stages"] == [0, 2]
             holders = [r for r, part in enumerate(ranks) if tied[run["kind"]] in part["twice"]]
-            replica0 = [r for r in holders if r < k]
-            assert replica0 == [0, k - 1], key  # the tied weight lives on first and last rank
+            d = run["d"]
+            where = [titan_position(r, k, d) for r in range(k * d)]
+            replica0 = [where[r][0] for r in holders if where[r][1] == 0]
+            assert replica0 == [0, k - 1], key  # the tied weight: on the first and last stage
             for rank, part in enumerate(ranks):
                 for name, grad in part["twice"].items():
                     close(grad, ref["twice"][name], f"{key} rank {rank} {name}")
                 for step, (mine, theirs) in enumerate(zip(part["steps"], ref["steps"])):
-                    if rank % k == k - 1:
+                    if where[rank][0] == k - 1:
                         close(mine["loss"], theirs["loss"], f"{key} step {step} loss")
                     for name, value in mine["params"].items():
                         close(value, theirs["params"][name], f"{key} step {step} {name}")

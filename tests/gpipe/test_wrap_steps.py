@@ -48,6 +48,7 @@ def test_unknown_keyword_is_refused_before_tracing() -> None:
         ({"schedule": "1f1b"}, "wrap\\(\\) runs GPipe's schedule, not '1f1b'"),
         ({"virtual_stages": 2}, "one stage per device"),
         ({"data_parallel": 2}, "one stage per device"),
+        ({"tensor_parallel": 2}, "runs each stage on one device; leave out tensor_parallel="),
     ],
 )
 def test_what_gpipe_does_not_run_is_refused(given: dict[str, object], expected: str) -> None:

@@ -391,3 +391,46 @@ def test_padded_micro_batches_take_the_largest_size() -> None:
     assert [s.compute for s in padded.stages] == pytest.approx([s.compute for s in full.stages])
     assert padded.step_time > mean.step_time
     assert plan(profile, 2, padded=True, **options).step_time == pytest.approx(padded.step_time)
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_tensor_parallel_plans_as_the_search_prices_that_mesh(tensor: int) -> None:
+    # plan(tensor_parallel=t) is the mesh search's configuration t x K=2 x D=1, M=8:
+    # the same split, stages, step and mesh, and not the unsharded t=1's.
+    from autopipe.planning import Mesh, SearchOptions, search
+    from tests.support.mesh_profiles import block_profile
+
+    profile = block_profile(4, batch=8)
+    fixed = {"memory": 60_000, "optimizer": "adam", "allreduce_bandwidth": 64.0}
+    made = plan(profile, 2, tensor_parallel=tensor, chunks=8, checkpoint="never", **fixed)
+    options = SearchOptions(
+        schedules=("gpipe",), checkpoints=("never",), top=1000, tensor_parallel=(tensor,),
+        micro_batch=1,
+    )  # fmt: skip
+    found = [
+        p
+        for p in search(profile, 2 * tensor, options=options, **fixed)
+        if (p.num_stages, p.data_parallel) == (2, 1)
+    ]
+    assert len(found) == 1 and made.mesh == found[0].mesh == Mesh(tensor=tensor)
+    assert made.balance == found[0].balance
+    assert made.step_time == pytest.approx(found[0].step_time, rel=1e-12)
+    for ours, theirs in zip(made.stages, found[0].stages, strict=True):
+        assert ours.memory == pytest.approx(theirs.memory, rel=1e-12)
+        assert ours.time == pytest.approx(theirs.time, rel=1e-12)
+    whole = plan(profile, 2, chunks=8, checkpoint="never", **fixed)
+    assert whole.mesh == Mesh() and made.step_time != whole.step_time
+    assert max(s.memory for s in made.stages) < max(s.memory for s in whole.stages)
+
+
+def test_tensor_parallel_needs_shard_counts_and_dividing_heads() -> None:
+    from tests.support.mesh_profiles import block_profile
+
+    with pytest.raises(ValueError, match="has no shard counts"):
+        plan(linear_profile([1.0] * 4), 2, tensor_parallel=2)
+    with pytest.raises(ValueError, match="tensor parallelism 3 does not divide"):
+        plan(block_profile(4), 2, tensor_parallel=3)
+    with pytest.raises(ValueError, match="tensor_parallel must be a positive integer"):
+        plan(block_profile(4), 2, tensor_parallel=0)
+    with pytest.raises(ValueError, match="priced by autopipe.plan"):
+        build_model(block_profile(4), 2, PlanSettings(tensor_parallel=2))

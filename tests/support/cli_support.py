@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from autopipe.cli import main
+from profiler import Profile
 from tests.support.paths import ROOT
 
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -22,6 +24,55 @@ from torch import nn
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 sample = torch.randn(8, 4)
 """
+
+# A tiny Hugging Face Llama built on the meta device, as a model file (the sizes for hand
+# counts); tests using it skip without transformers.
+LLAMA_HIDDEN, LLAMA_FFN, LLAMA_HEADS, LLAMA_KV_HEADS = 32, 64, 4, 2
+LLAMA_MODEL = f"""
+import torch
+import transformers
+
+config = transformers.LlamaConfig(
+    hidden_size={LLAMA_HIDDEN}, intermediate_size={LLAMA_FFN}, num_hidden_layers=2,
+    num_attention_heads={LLAMA_HEADS}, num_key_value_heads={LLAMA_KV_HEADS}, vocab_size=50,
+    max_position_embeddings=32,
+)
+with torch.device("meta"):
+    model = transformers.LlamaForCausalLM(config)
+sample = torch.randint(0, 50, (4, 8))
+"""
+# Plans the model file for a catalog device, counting its layers afresh.
+ON_TARGET = ["--target", "h100", "--stages", "2", "--no-cache"]
+
+
+def llama_file(folder: Path) -> Path:
+    """``folder/llama.py`` of :data:`LLAMA_MODEL`."""
+    path = folder / "llama.py"
+    path.write_text(LLAMA_MODEL)
+    return path
+
+
+def counted_profiles(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    path: Path,
+    *options: str,
+) -> list[Profile]:
+    """The profiles ``autopipe plan PATH`` with :data:`ON_TARGET` and ``options`` counts
+    (the run must succeed)."""
+    import profiler
+
+    made: list[Profile] = []
+    profile_model = profiler.profile_model
+
+    def recorded(*args: Any, **kwargs: Any) -> Profile:
+        made.append(profile_model(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(profiler, "profile_model", recorded)
+    code, _, err = run(capsys, "plan", str(path), *ON_TARGET, *options)
+    assert code == 0, err
+    return made
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

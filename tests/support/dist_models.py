@@ -99,6 +99,37 @@ def reference_step(
     return value.detach()
 
 
+def titan_position(rank: int, stages: int, replicas: int, tensor: int = 1) -> tuple[int, int, int]:
+    """``(stage, replica, tensor rank)`` of ``rank`` in torchtitan's device mesh of
+    ``pp, dp, tp`` (the ranks laid out as ``arange(K·D·t).view(K, D, t)``)."""
+    grid = torch.arange(stages * replicas * tensor).view(stages, replicas, tensor)
+    found = (grid == rank).nonzero()[0].tolist()
+    return found[0], found[1], found[2]
+
+
+def sgd_steps(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss: Callable[[Any, Tensor], Tensor],
+    chunks: int,
+    steps: int,
+    lr: float,
+) -> list[dict[str, Any]]:
+    """The plain model's reference: ``steps`` SGD steps of :func:`reference_step` (the mean
+    of the ``chunks`` micro-batches' losses, as a pipeline's step takes it), each step's
+    loss and parameters after its update."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(steps):
+        value = reference_step(model, x, y, chunks, loss)
+        opt.step()
+        opt.zero_grad()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append({"loss": value, "params": params})
+    return out
+
+
 @functools.cache
 def reference_steps() -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
     """Loss and gradients after one reference step, gradients and state after two."""

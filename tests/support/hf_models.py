@@ -45,11 +45,13 @@ def gpt2() -> Built:
     return transformers.GPT2LMHeadModel(config), (ids(),), {}
 
 
-def llama() -> Built:
-    config = transformers.LlamaConfig(
-        **_SMALL, **_HEADS, num_key_value_heads=2, vocab_size=50, max_position_embeddings=32
-    )
-    return transformers.LlamaForCausalLM(config), (ids(),), {}
+def llama(**config: Any) -> Built:
+    """A small Llama; ``config`` overrides its fields."""
+    fields = {
+        **_SMALL, **_HEADS, "num_key_value_heads": 2, "vocab_size": 50,
+        "max_position_embeddings": 32, **config,
+    }  # fmt: skip
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)), (ids(),), {}
 
 
 def gpt_neox() -> Built:

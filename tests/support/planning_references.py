@@ -14,7 +14,9 @@ from autopipe import PlanningError, plan
 from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import ProfileLines
+from autopipe.planning.model.spans import split_fits
 from autopipe.planning.planner import evaluate
+from autopipe.planning.split.interleaved_balance import interleaved_split, pipeline_time
 from tests.support.planning_cases import random_profile, splits
 
 
@@ -113,3 +115,23 @@ def fitting_splits(model: CostModel, extra: float = 0.0) -> list[list[int]]:
         ):
             found.append(balance)
     return found
+
+
+def fitting_rank_splits(model: CostModel) -> list[list[int]]:
+    """Every split whose stages fit their devices and whose ranks (a rank's virtual
+    stages together) fit theirs: :func:`autopipe.planning.model.spans.split_fits`."""
+    return [b for b in splits(model.num_layers, model.num_stages) if split_fits(model, b)]
+
+
+def check_replayed_split(model: CostModel) -> bool:
+    """Checks that the replayed split (:func:`interleaved_split` of every split when few)
+    is the fastest of every split that fits, or ``None`` when none fits; whether one fits."""
+    fitting = fitting_rank_splits(model)
+    found = interleaved_split(model, [])
+    if not fitting:
+        assert found is None
+        return False
+    assert found in fitting
+    best = min(pipeline_time(model, b) for b in fitting)
+    assert pipeline_time(model, found) == pytest.approx(best, rel=1e-12)
+    return True

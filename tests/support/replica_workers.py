@@ -15,6 +15,7 @@ from tests.support.dist_models import (
     make_batch,
     make_model,
     param_grads,
+    titan_position,
     train_twice,
 )
 
@@ -44,7 +45,8 @@ def replicas(rank: int, world: int) -> dict[str, Any]:
     d, k = 2, world // 2
     x, y = make_batch()
     b = BATCH // d
-    rows = slice(rank // k * b, (rank // k + 1) * b)
+    _, replica, _ = titan_position(rank, k, d)
+    rows = slice(replica * b, (replica + 1) * b)
     results: dict[str, Any] = {}
     options: dict[str, Any] = {"loss_fn": loss_fn, "chunks": REPLICA_CHUNKS}
     pipe = DistributedPipeline(make_model(), x, schedule="gpipe", data_parallel=d, **options)

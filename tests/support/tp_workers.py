@@ -9,6 +9,8 @@ import torch
 import transformers
 from torch import Tensor, nn
 
+from tests.support.dist_models import sgd_steps
+
 TP_CHUNKS = 2
 TP_STEPS = 3
 LR = 0.1
@@ -73,17 +75,8 @@ def reference(kv_heads: int = 2) -> dict[str, Any]:
     """The plain model trained as the pipelines are: losses and final state."""
     model = tiny_llama(kv_heads=kv_heads)
     x, y = batch()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(TP_STEPS):
-        # The pipeline's loss: the mean over the micro-batches of each one's mean.
-        parts = [token_loss(model(a), b) for a, b in zip(x.chunk(TP_CHUNKS), y.chunk(TP_CHUNKS))]
-        loss = torch.stack(parts).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return {"losses": losses, "state": copy.deepcopy(model.state_dict())}
+    steps = sgd_steps(model, x, y, token_loss, TP_CHUNKS, TP_STEPS, LR)
+    return {"losses": [s["loss"] for s in steps], "state": copy.deepcopy(model.state_dict())}
 
 
 def tp_run(stages: int, tensor: int, kv_heads: int = 2) -> dict[str, Any]:

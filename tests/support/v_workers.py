@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tests.support.dist_models import sgd_steps
+
 V_STEPS = 3
 LR = 0.1
 VOCAB = 32
@@ -23,21 +25,15 @@ def make_mlp(seed: int = 0) -> nn.Sequential:
 
 def make_llama(seed: int = 0) -> nn.Module:
     """A tiny Hugging Face Llama in float64, its head tied to the embedding."""
-    import transformers
+    from tests.support.hf_models import llama
 
-    config = transformers.LlamaConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=6,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=VOCAB,
-        max_position_embeddings=16,
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).double()
+    model, _, _ = llama(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=6, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=16,
+        tie_word_embeddings=True, use_cache=False,
+    )  # fmt: skip
+    return model.double()
 
 
 def mse(output: Tensor, target: Tensor) -> Tensor:
@@ -62,19 +58,7 @@ def v_case(kind: str, batch: int) -> tuple[nn.Module, Any, Tensor, Tensor]:
 def reference(kind: str, batch: int, chunks: int) -> list[dict[str, Any]]:
     """The plain model's V_STEPS SGD steps on the mean of the micro-batches' losses."""
     model, loss_fn, x, y = v_case(kind, batch)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    steps = []
-    for _ in range(V_STEPS):
-        losses = [
-            loss_fn(model(a), b) for a, b in zip(x.chunk(chunks), y.chunk(chunks), strict=True)
-        ]
-        loss = torch.stack(losses).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        steps.append({"loss": loss.detach(), "params": params})
-    return steps
+    return sgd_steps(model, x, y, loss_fn, chunks, V_STEPS, LR)
 
 
 def _train(kind: str, schedule: str, world: int, trace: str | None) -> dict[str, Any]:

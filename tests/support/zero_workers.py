@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tests.support.dist_models import sgd_steps
 from tests.support.tp_workers import batch as token_batch
 from tests.support.tp_workers import tiny_llama, token_loss
 
@@ -50,17 +51,8 @@ def reference(name: str) -> dict[str, Any]:
     averaged, as the replicas' pipelines split it."""
     make, data, loss_fn, _ = MODELS[name]
     model, (x, y) = make(), data()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        pieces = REPLICAS * CHUNKS
-        parts = [loss_fn(model(a), b) for a, b in zip(x.chunk(pieces), y.chunk(pieces))]
-        loss = torch.stack(parts).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return {"losses": losses, "state": copy.deepcopy(model.state_dict())}
+    steps = sgd_steps(model, x, y, loss_fn, REPLICAS * CHUNKS, STEPS, LR)
+    return {"losses": [s["loss"] for s in steps], "state": copy.deepcopy(model.state_dict())}
 
 
 def zero_run(name: str, stages: int, zero: int, from_plan: bool) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from autopipe.planning.configuration.one_device_search import (
 )
 from autopipe.planning.configuration.optimizer_sharding import check_shard_optimizer, settle
 from autopipe.planning.configuration.search_notes import annotate, explain_infeasible
-from autopipe.planning.configuration.search_space import Config, Space, configurations
+from autopipe.planning.configuration.search_space import Bounds, Config, Space, configurations
 from autopipe.planning.mesh.mesh_links import MeshLinks
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.mesh import ZERO_STAGES, Mesh
@@ -299,11 +299,12 @@ def search(
             even=even,
             optimizer=optimizer,
         )
+    bounds = Bounds(
+        devices, len(profile), total_batch, checkpoints, schedules, max_chunks,
+        tuple(virtual_stages),
+    )  # fmt: skip
     if opts.meshed:
-        configs = mesh_configurations(
-            devices, len(profile), total_batch, checkpoints, schedules, max_chunks,
-            tuple(virtual_stages), _mesh_choices(space, opts, shard is True),
-        )  # fmt: skip
+        configs = mesh_configurations(bounds, _mesh_choices(space, opts, shard is True))
         if not configs:
             raise ValueError(
                 f"no mesh of {devices} devices matches the batch {total_batch}: t·c·K·D "
@@ -311,10 +312,7 @@ def search(
                 "degrees, the batch or the micro-batch size"
             )
     else:
-        configs = configurations(
-            devices, len(profile), total_batch, checkpoints, schedules, max_chunks, even,
-            tuple(virtual_stages), shard is not False,
-        )  # fmt: skip
+        configs = configurations(bounds, even, shard is not False)
     ranking = _Ranking(space, top, checkpoints)
     ranking.run(configs)
     ranked = _rank(ranking.found, checkpoints, schedules)[:top]

@@ -13,14 +13,9 @@ node unless listed; sequence parallelism goes with ``t > 1``; a ZeRO stage above
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from autopipe.planning.configuration.search_space import (
-    Config,
-    chunk_options,
-    interleaves,
-    redundant,
-)
+from autopipe.planning.configuration.search_space import Bounds, Config, variants
 
 __all__: list[str] = []
 
@@ -48,24 +43,15 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def mesh_configurations(
-    n_devices: int,
-    layers: int,
-    batch: int,
-    checkpoints: Sequence[str],
-    schedules: Sequence[str],
-    max_chunks: int | None,
-    virtual_stages: Sequence[int],
-    choices: MeshChoices,
-) -> list[Config]:
-    """Every configuration of exactly ``n_devices`` devices (see the module docstring)."""
-    out = []
+def mesh_configurations(bounds: Bounds, choices: MeshChoices) -> list[Config]:
+    """Every configuration of exactly ``bounds.devices`` devices (see the module docstring)."""
+    n_devices, batch, out = bounds.devices, bounds.batch, []
     for t in choices.tensor:
         for c in choices.context:
             if n_devices % (t * c):
                 continue
             rest = n_devices // (t * c)
-            for k in (k for k in _divisors(rest) if k <= layers):
+            for k in (k for k in _divisors(rest) if k <= bounds.layers):
                 d = rest // k
                 if d > batch:
                     continue
@@ -76,7 +62,7 @@ def mesh_configurations(
                         continue
                     options = [(batch // (d * mb), mb)]
                 else:
-                    options = chunk_options(replica, max_chunks or max(32, 16 * k))
+                    options = bounds.chunks(replica, k)
                 for sp in choices.sequence_parallel:
                     if sp and t == 1:
                         continue
@@ -87,31 +73,7 @@ def mesh_configurations(
                             point = Config(
                                 k, d, m, micro, "never", "gpipe", replica, 1, t, c, sp, zero
                             )
-                            out.extend(
-                                _schedules(point, layers, checkpoints, schedules, virtual_stages)
-                            )
-    return out
-
-
-def _schedules(
-    point: Config,
-    layers: int,
-    checkpoints: Sequence[str],
-    schedules: Sequence[str],
-    virtual_stages: Sequence[int],
-) -> list[Config]:
-    """The schedule, checkpointing and virtual-stage variants of one mesh point."""
-    k, m = point.stages, point.chunks
-    out = []
-    for schedule in schedules:
-        if schedule == "1f1b" and m == 1 and "gpipe" in schedules:
-            continue  # one micro-batch: 1F1B is GPipe
-        for mode in checkpoints:
-            if not redundant(mode, m, checkpoints):
-                out.append(replace(point, checkpoint=mode, schedule=schedule))
-        for v in virtual_stages:
-            if interleaves(k, v, m, layers, schedule, checkpoints):
-                out.append(replace(point, schedule=schedule, virtual=v))
+                            out.extend(variants(point, bounds))
     return out
 
 

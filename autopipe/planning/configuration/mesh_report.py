@@ -44,17 +44,21 @@ def mesh_parts(space: Space, config: Config, plan: Plan) -> dict[str, float]:
     k = plan.num_stages // plan.virtual_stages
     rank = plan.bottleneck_stage % k
     m, size = plan.chunks, config.mean_batch
+    exposure = lines.at(config.micro_batch, time_batch=size).exposure
     out = {}
     for kind, prefix in _KINDS.items():
-        forward, backward = (
-            lines.part(f"{prefix}_forward", size),
-            lines.part(f"{prefix}_backward", size),
-        )
         total = 0.0
         for stage in plan.stages[rank::k]:
-            span = slice(stage.start, stage.stop)
+            if kind == "zero":  # by where the stage starts and ends
+                if exposure is None:
+                    continue
+                forward, backward = map(float, exposure.exposed(stage.start, stage.stop))
+            else:
+                span = slice(stage.start, stage.stop)
+                forward = float(lines.part(f"{prefix}_forward", size)[span].sum())
+                backward = float(lines.part(f"{prefix}_backward", size)[span].sum())
             forward_share = stage.recompute / stage.forward if stage.forward > 0 else 0.0
-            total += float(forward[span].sum() * (1 + forward_share) + backward[span].sum())
+            total += forward * (1 + forward_share) + backward
         if total > 0:
             out[kind] = m * total
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autopipe import PlanningError
-from autopipe.planning.configuration.search_space import Config, Space, configurations
+from autopipe.planning.configuration.search_space import Bounds, Config, Space, configurations
 from autopipe.planning.model.plans import Plan
 from autopipe.planning.model.quantities import format_bytes, format_time
 from autopipe.planning.planner import describe
@@ -79,7 +79,7 @@ def one_device_search(
     configs = [
         c
         for c in configurations(
-            devices, len(profile), batch, checkpoints, ("gpipe",), max_chunks, even
+            Bounds(devices, len(profile), batch, checkpoints, ("gpipe",), max_chunks), even
         )
         if c.replicas == 1
     ]

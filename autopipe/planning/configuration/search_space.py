@@ -177,8 +177,8 @@ class Space:
         """The links of the configuration's tensor, context and data-parallel groups, and
         of its pipeline (between stages)."""
         if self.links is None:
-            ring = GroupLink(self.allreduce)
-            return GroupLinks(ring, ring, ring), GroupLink(self.bandwidth, self.latency)
+            ring = GroupLinks.uniform(GroupLink(self.allreduce))
+            return ring, GroupLink(self.bandwidth, self.latency)
         mesh, k, d = self.mesh(config), config.stages, config.replicas
         groups = GroupLinks(
             group_link(self.links, mesh, k, d, "tp"),
@@ -335,54 +335,82 @@ class Space:
         return value, self.single(config) <= self.capacity and need <= k * self.capacity
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """What bounds every configuration of a search, plain or mesh.
+
+    Attributes:
+        devices: the devices a configuration may take (N).
+        layers: the profile's layers (at most one stage each).
+        batch: samples per step across every replica.
+        checkpoints: the checkpoint modes to weigh.
+        schedules: the schedules to weigh.
+        max_chunks: the most micro-batches per replica (``None``: ``max(32, 16·K)``).
+        virtual_stages: the stages per device to weigh besides 1.
+    """
+
+    devices: int
+    layers: int
+    batch: int
+    checkpoints: Sequence[str]
+    schedules: Sequence[str]
+    max_chunks: int | None = None
+    virtual_stages: Sequence[int] = (1,)
+
+    def chunks(self, replica: int, stages: int) -> list[tuple[int, int]]:
+        """The ``(M, micro_batch)`` options of ``replica`` samples on ``stages`` stages."""
+        return chunk_options(replica, self.max_chunks or max(32, 16 * stages))
+
+
 def configurations(
-    n_devices: int,
-    layers: int,
-    batch: int,
-    checkpoints: Sequence[str],
-    schedules: Sequence[str],
-    max_chunks: int | None,
-    even: bool = False,
-    virtual_stages: Sequence[int] = (1,),
-    shard_optimizer: bool = False,
+    bounds: Bounds, even: bool = False, shard_optimizer: bool = False
 ) -> list[Config]:
-    """Every configuration of at most ``n_devices`` devices (see :func:`autopipe.search`).
+    """Every configuration of at most ``bounds.devices`` devices (see :func:`autopipe.search`).
 
     Replica counts that leave each replica as many samples as one replica fewer does are
     left out: they only add all-reduce work (unless the replicas shard the optimizer state,
     whose share per device more replicas make smaller). With ``even``, only replica and
-    micro-batch counts that divide the batch exactly. Virtual stages (v > 1) go with K >= 2,
-    K·v layers at most, ``never`` checkpointing (torch's interleaved schedules keep every
-    activation) and, for 1F1B, M a multiple of its rounds' micro-batches. The V schedules
-    (``zbv``, ``dualpipev``, searched only when listed) give one configuration of 2K
-    stages per K, M and D (:func:`v_shaped`).
+    micro-batch counts that divide the batch exactly. Each point's schedules, modes and
+    virtual stages are :func:`variants`.
     """
-    out = []
-    for k in range(1, min(n_devices, layers) + 1):
-        for d in range(1, min(n_devices // k, batch) + 1):
+    batch, out = bounds.batch, []
+    for k in range(1, min(bounds.devices, bounds.layers) + 1):
+        for d in range(1, min(bounds.devices // k, batch) + 1):
             replica = -(-batch // d)
             if d > 1 and replica == -(-batch // (d - 1)) and not shard_optimizer:
                 continue
             if even and batch % d:
                 continue
-            limit = max_chunks or max(32, 16 * k)
-            for m, micro in chunk_options(replica, limit):
+            for m, micro in bounds.chunks(replica, k):
                 if even and m * micro != replica:
                     continue
-                for schedule in schedules:
-                    if schedule in ("zbv", "dualpipev"):  # 2 stages per rank in a V
-                        if v_shaped(k, m, layers, schedule, checkpoints):
-                            out.append(Config(k, d, m, micro, "never", schedule, replica, 2))
-                        continue
-                    if schedule == "1f1b" and m == 1 and "gpipe" in schedules:
-                        continue  # one micro-batch: 1F1B is GPipe
-                    for mode in checkpoints:
-                        if redundant(mode, m, checkpoints):
-                            continue
-                        out.append(Config(k, d, m, micro, mode, schedule, replica))
-                    for v in virtual_stages:
-                        if interleaves(k, v, m, layers, schedule, checkpoints):
-                            out.append(Config(k, d, m, micro, "never", schedule, replica, v))
+                out.extend(variants(Config(k, d, m, micro, "never", "gpipe", replica), bounds))
+    return out
+
+
+def variants(point: Config, bounds: Bounds) -> list[Config]:
+    """The schedule, checkpointing and virtual-stage variants of one point (its K, D, M).
+
+    Virtual stages (v > 1) go with K >= 2, K·v layers at most, ``never`` checkpointing
+    (torch's interleaved schedules keep every activation) and, for 1F1B, M a multiple of
+    its rounds' micro-batches. The V schedules (``zbv``, ``dualpipev``, weighed only when
+    listed) give one variant of 2K stages (:func:`v_shaped`).
+    """
+    k, m, layers, checkpoints = point.stages, point.chunks, bounds.layers, bounds.checkpoints
+    out = []
+    for schedule in bounds.schedules:
+        if schedule in ("zbv", "dualpipev"):  # 2 stages per rank in a V
+            if v_shaped(k, m, layers, schedule, checkpoints):
+                out.append(replace(point, checkpoint="never", schedule=schedule, virtual=2))
+            continue
+        if schedule == "1f1b" and m == 1 and "gpipe" in bounds.schedules:
+            continue  # one micro-batch: 1F1B is GPipe
+        for mode in checkpoints:
+            if not redundant(mode, m, checkpoints):
+                out.append(replace(point, checkpoint=mode, schedule=schedule))
+        for v in bounds.virtual_stages:
+            if interleaves(k, v, m, layers, schedule, checkpoints):
+                out.append(replace(point, checkpoint="never", schedule=schedule, virtual=v))
     return out
 
 

@@ -20,7 +20,8 @@ lines of one device, which the cost model reads as it reads a profile's:
   device's key/value heads (``1/t`` of them, one whole head per device when there are
   fewer than ``t``), overlapped with the layer's attention (its FLOP share of the pass):
   only what outlasts it is exposed.
-- **ZeRO-2/3** over ``S = D·c`` devices (:mod:`autopipe.planning.mesh.zero_exchange`).
+- **ZeRO-2/3** over ``S = D·c`` devices: each unit's exchange, exposed per stage beside
+  the compute of the stage's own units (:mod:`autopipe.planning.mesh.zero_exchange`).
 - **Memory.** Sharded saved bytes and parameters divide by ``t``; ``replicated_saved``
   too under sequence parallelism; saved, output and input bytes divide by ``c``; the
   boundary sent to the next stage by ``t`` too under sequence parallelism; transient
@@ -39,16 +40,16 @@ from numpy.typing import NDArray
 
 from autopipe.planning.mesh.mesh_links import GroupLink
 from autopipe.planning.mesh.shard_table import ShardTable
-from autopipe.planning.mesh.zero_exchange import zero_exposed
+from autopipe.planning.mesh.zero_exchange import StageExchanges, unit_exchange
 from autopipe.planning.model.layer_costs import LayerCosts, ProfileLines
 from autopipe.planning.model.mesh import Mesh
-from profiler import segments
+from profiler import Profile, segments
 
 __all__: list[str] = []
 
 Array = NDArray[np.float64]
 # The exposed communication a layer's pass adds, by kind (the report names them).
-PARTS = ("tp_forward", "tp_backward", "cp_forward", "cp_backward", "zero_forward", "zero_backward")
+PARTS = ("tp_forward", "tp_backward", "cp_forward", "cp_backward")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class GroupLinks:
     context: GroupLink
     data: GroupLink
 
+    @classmethod
+    def uniform(cls, link: GroupLink) -> GroupLinks:
+        """Every group on one link (what a profile's calibration knows: its all-reduce)."""
+        return cls(link, link, link)
+
 
 def _share(part: Array, total: Array) -> Array:
     """``part / total``, within [0, 1], 0 where nothing was counted."""
@@ -68,14 +74,17 @@ def _share(part: Array, total: Array) -> Array:
 
 @dataclass(frozen=True)
 class MeshLines:
-    """One device's lines: compute and memory in ``lines``, exposed communication by kind
-    in ``parts`` (seconds per layer and measured size, :data:`PARTS`), and under ZeRO-3 the
-    bytes of the gathered units in flight while each layer runs (``gathered``)."""
+    """One device's lines: compute and memory in ``lines``, the exposed tensor- and
+    context-parallel collectives by kind in ``parts`` (seconds per layer and measured size,
+    :data:`PARTS`), under ZeRO-2/3 each unit's exchange (``units``, seconds; exposed per
+    stage, :mod:`autopipe.planning.mesh.zero_exchange`), and under ZeRO-3 the bytes of the
+    gathered units in flight while each layer runs (``gathered``)."""
 
     lines: ProfileLines
     parts: dict[str, Array]
     mesh: Mesh
     gathered: Array
+    units: Array | None = None
 
     def part(self, name: str, micro_batch: float) -> Array:
         """One kind of exposed communication of every layer at ``micro_batch`` samples."""
@@ -87,8 +96,11 @@ class MeshLines:
         costs = self.lines.at(micro_batch, time_batch)
         when = micro_batch if time_batch is None else time_batch
         p = {name: self.part(name, when) for name in PARTS}
-        forward = costs.forward + p["tp_forward"] + p["cp_forward"] + p["zero_forward"]
-        backward = costs.backward + p["tp_backward"] + p["cp_backward"] + p["zero_backward"]
+        exposure = None
+        if self.units is not None:  # beside the compute of the stage's other units
+            exposure = StageExchanges(self.mesh.zero, self.units, costs.forward, costs.backward)
+        forward = costs.forward + p["tp_forward"] + p["cp_forward"]
+        backward = costs.backward + p["tp_backward"] + p["cp_backward"]
         bwd_input = costs.backward_input
         if bwd_input is not None:  # the input's gradients carry the collectives
             bwd_input = np.minimum(bwd_input + p["tp_backward"] + p["cp_backward"], backward)
@@ -98,6 +110,7 @@ class MeshLines:
             backward=backward,
             backward_input=bwd_input,
             peak=costs.peak + self.gathered,
+            exposure=exposure,
         )
 
 
@@ -157,8 +170,10 @@ def mesh_lines(
         )
     parts = _collectives(table, mesh, links, forward, backward)
     params = lines.params - table.sharded_params + table.sharded_params / t
-    zero = zero_exposed(mesh.zero, params, replicas * c, links.data, forward, backward)
-    parts["zero_forward"], parts["zero_backward"] = zero
+    shard_over = replicas * c
+    units = None
+    if mesh.zero >= 2 and shard_over >= 2 and len(params):
+        units = unit_exchange(params, shard_over, links.data)
     saved_rep = np.maximum(
         values["saved"] - sh["saved"] - (sh["replicated_saved"] if sp else 0.0), 0.0
     )
@@ -186,7 +201,7 @@ def mesh_lines(
     own = dataclasses.replace(
         lines, values=new_values, input=lines.input / c, params=params, tied=tied
     )
-    return MeshLines(own, parts, mesh, gathered_units(mesh.zero, params, replicas * c))
+    return MeshLines(own, parts, mesh, gathered_units(mesh.zero, params, shard_over), units)
 
 
 def gathered_units(zero: int, params: Array, shard_over: int) -> Array:
@@ -228,3 +243,18 @@ def _collectives(
         out["cp_forward"] = np.maximum(ring_forward - attention, 0.0)
         out["cp_backward"] = np.maximum(ring_backward - attention_bwd, 0.0)
     return out
+
+
+def uniform_mesh_lines(
+    profile: Profile, lines: ProfileLines, mesh: Mesh, replicas: int, bandwidth: float | None
+) -> MeshLines:
+    """:func:`mesh_lines` of the profile's own shard counts with every group on one link of
+    ``bandwidth`` bytes/s (``None``: free), as :func:`autopipe.search` prices a mesh
+    without a target's links: what :func:`autopipe.plan` prices ``tensor_parallel`` with.
+
+    Raises:
+        ValueError: the mesh cannot run the profile (no shard counts, heads ``t`` does not
+            divide).
+    """
+    table = ShardTable.from_profile(profile)
+    return mesh_lines(lines, table, mesh, GroupLinks.uniform(GroupLink(bandwidth)), replicas)

@@ -4,23 +4,33 @@ Over ``S`` devices (the ``D`` replicas times the context-parallel group, over wh
 parameters are replicated) a unit's exchange moves ``(S−1)/S · P`` bytes per device
 (``P``: its parameter bytes on the device, gradients in the same dtype), plus one
 latency. Every unit is one layer of the profile; each exchange runs beside the compute of
-the neighbouring unit in the model's order, and only what outlasts that compute is
-exposed (added to the layer's pass):
+the neighbouring unit *of the same stage* in the model's order (the units of the next
+stage run on another device, which hides nothing here), and only what outlasts that
+compute is exposed. For a stage of layers ``[s, e)``:
 
 - **ZeRO-2** reduce-scatters each unit's gradients as its backward ends, every
   micro-batch (each device keeps only its share): layer ``j``'s backward overlaps the
-  reduce-scatter of layer ``j+1``; the first layer's comes after the last compute, whole.
+  reduce-scatter of layer ``j+1``; the stage's first layer's comes after its last
+  compute, whole.
 - **ZeRO-3** also all-gathers each unit's parameters before its forward and its
   backward: layer ``j``'s forward overlaps the gather of ``j+1``, its backward the gather
-  of ``j−1`` and the reduce-scatter of ``j+1``; the first layer's forward gather, the
-  last layer's backward gather and the first layer's reduce-scatter are whole.
+  of ``j−1`` and the reduce-scatter of ``j+1`` (both in one window on the one link);
+  the stage's first forward gather (of ``s``), first backward gather (of ``e−1``) and
+  last reduce-scatter (of ``s``) are whole: before them the device runs other
+  micro-batches' passes of its own, whose units' exchanges are not done yet, so
+  nothing hides them.
 
-ZeRO-0 and 1 exchange nothing per micro-batch (their gradients are all-reduced, or
-reduce-scattered and the parameters gathered, once per step after the pipeline drains;
-the cost model's ``allreduce_time``).
+A stage's exposure depends on where it starts and ends, so it is not a sum of per-layer
+figures: :class:`StageExchanges` gives it per span, and the cost model adds it to the
+stage's passes (:class:`autopipe.planning.model.cost_model.CostModel`), which the replayed
+schedules then place as any other compute. ZeRO-0 and 1 exchange nothing per micro-batch
+(their gradients are all-reduced, or reduce-scattered and the parameters gathered, once
+per step after the pipeline drains; the cost model's ``allreduce_time``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
@@ -30,6 +40,7 @@ from autopipe.planning.mesh.mesh_links import GroupLink
 __all__: list[str] = []
 
 Array = NDArray[np.float64]
+Index = NDArray[np.int64] | int
 
 
 def unit_exchange(params: Array, shard_over: int, link: GroupLink) -> Array:
@@ -40,44 +51,54 @@ def unit_exchange(params: Array, shard_over: int, link: GroupLink) -> Array:
     return np.where(params > 0, link.seconds(moved, np.ones_like(moved)), 0.0)
 
 
-def _next(values: Array) -> Array:
-    """Row ``j`` holds row ``j+1`` (0 past the last)."""
-    out = np.zeros_like(values)
-    out[:-1] = values[1:]
-    return out
+def _windows(exchanged: Array, compute: Array) -> Array:
+    """Prefix sums (length L + 1) of what outlasts each layer's compute of the exchange
+    beside it, ``max(exchanged[j] − compute[j], 0)``."""
+    return np.concatenate([[0.0], np.cumsum(np.maximum(exchanged - compute, 0.0))])
 
 
-def _previous(values: Array) -> Array:
-    """Row ``j`` holds row ``j−1`` (0 before the first)."""
-    out = np.zeros_like(values)
-    out[1:] = values[:-1]
-    return out
+@dataclass(frozen=True)
+class StageExchanges:
+    """ZeRO-2/3's exposed exchanges of a stage at one micro-batch size (see the module
+    docstring).
 
-
-def zero_exposed(
-    zero: int, params: Array, shard_over: int, link: GroupLink, forward: Array, backward: Array
-) -> tuple[Array, Array]:
-    """The exposed seconds ZeRO adds to each layer's forward and backward (layers × sizes).
-
-    Args:
-        zero: the ZeRO stage (0 to 3).
-        params: parameter bytes per layer on one device.
-        shard_over: devices the state is sharded over (``S``).
-        link: the data-parallel group's link.
-        forward: each layer's forward compute, seconds (layers × sizes).
+    Attributes:
+        zero: the ZeRO stage (2 or 3).
+        unit: each layer's exchange, seconds (:func:`unit_exchange`).
+        forward: each layer's forward compute at this size, seconds.
         backward: its backward compute.
     """
-    zeros = np.zeros_like(forward)
-    if zero < 2 or shard_over < 2 or not len(params):
-        return zeros, zeros
-    unit = unit_exchange(params, shard_over, link)[:, None] * np.ones_like(forward)
-    if zero == 2:
-        exposed_bwd = np.maximum(_next(unit) - backward, 0.0)
-        exposed_bwd[0] += unit[0]
-        return zeros, exposed_bwd
-    exposed_fwd = np.maximum(_next(unit) - forward, 0.0)
-    exposed_fwd[0] += unit[0]
-    exposed_bwd = np.maximum(_previous(unit) + _next(unit) - backward, 0.0)
-    exposed_bwd[0] += unit[0]
-    exposed_bwd[-1] += unit[-1]
-    return exposed_fwd, exposed_bwd
+
+    zero: int
+    unit: Array
+    forward: Array
+    backward: Array
+
+    def exposed(self, s: Index, e: Index) -> tuple[Array, Array]:
+        """Seconds the exchanges add to the forward and to the backward of one
+        micro-batch of a stage of layers ``[s, e)`` (``s < e``; arrays broadcast)."""
+        u = self.unit
+        s, e = np.asarray(s), np.asarray(e)
+        first = u[s]
+        # Forward: layer j > s waits for its gather beyond layer j−1's forward.
+        ahead = _windows(u[1:], self.forward[:-1])  # [i]: layers 1 .. i
+        behind = ahead[np.maximum(e - 1, 0)] - ahead[s]
+        if self.zero == 2:
+            # Backward: layer j < e−1 hides the reduce-scatter of j+1.
+            tail = _windows(u[1:], self.backward[:-1])
+            return np.zeros(np.shape(first * e)), first + tail[e - 1] - tail[s]
+        forward = first + behind
+        # Backward, ZeRO-3: the gather of e−1 and the reduce-scatter of s whole; layer j's
+        # window carries the gather of j−1 and the reduce-scatter of j+1 inside the stage.
+        n = len(u)
+        previous = np.concatenate([[0.0], u[:-1]])
+        following = np.concatenate([u[1:], [0.0]])
+        interior = _windows(previous + following, self.backward)
+        last = u[np.maximum(e - 1, 0)]
+        multi = e - s >= 2
+        head = np.maximum(following[s] - self.backward[s], 0.0)
+        end = np.minimum(e - 1, n - 1)
+        tail_window = np.maximum(previous[end] - self.backward[end], 0.0)
+        middle = interior[np.maximum(e - 1, s + 1)] - interior[np.minimum(s + 1, n)]
+        windows = np.where(multi, head + tail_window + np.maximum(middle, 0.0), 0.0)
+        return forward, last + first + windows

@@ -430,9 +430,18 @@ class CostModel:
             state = state - self._repeats(self._tied_state, s, e)
         return state
 
-    def _work(self, k: int, s: Index, e: Index, mode: str) -> Array:
+    def _passes(self, s: Index, e: Index) -> tuple[Array, Array]:
+        """Forward and backward of layers ``[s, e)`` per micro-batch on a speed-1 device,
+        with what the stage's exchanges expose (``layers.exposure``)."""
         fwd = self._fwd[e] - self._fwd[s]
         bwd = self._bwd[e] - self._bwd[s]
+        if self.layers.exposure is not None:
+            extra_fwd, extra_bwd = self.layers.exposure.exposed(s, e)
+            fwd, bwd = fwd + extra_fwd, bwd + extra_bwd
+        return fwd, bwd
+
+    def _work(self, k: int, s: Index, e: Index, mode: str) -> Array:
+        fwd, bwd = self._passes(s, e)
         return (fwd * (1.0 + self.fraction(mode)) + bwd) / self.devices[k].speed
 
     def _saved_sets(self, k: int, s: Index, e: Index, mode: str) -> Array:
@@ -473,8 +482,7 @@ class CostModel:
         """
         time, memory, choice = self.stage_costs(k, s, e)
         speed = self.devices[k].speed
-        fwd = (self._fwd[e] - self._fwd[s]) / speed
-        bwd = (self._bwd[e] - self._bwd[s]) / speed
+        fwd, bwd = (part / speed for part in self._passes(s, e))
         transfer = self.transfer_time(k, e)
         fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
         work = fwd * (1.0 + fractions) + bwd
@@ -488,8 +496,10 @@ class CostModel:
 
     def weight_share(self, s: Index, e: Index) -> Array:
         """Share of layers ``[s, e)``'s backward that computes their weights' gradients."""
-        backward = self._bwd[e] - self._bwd[s]
-        weight = self._weight[e] - self._weight[s]
+        _, backward = self._passes(s, e)
+        # What the exchanges expose waits with the weights' part (the input's gradient
+        # carries only the tensor- and context-parallel collectives).
+        weight = self._weight[e] - self._weight[s] + backward - (self._bwd[e] - self._bwd[s])
         return np.where(backward > 0, weight / np.where(backward > 0, backward, 1.0), 0.0)
 
     def stage_checkpoint(self, k: int, s: int, e: int) -> str:
@@ -510,7 +520,7 @@ class CostModel:
         """Forward re-computation per micro-batch, averaged over the micro-batches."""
         choice = self.stage_costs(k, s, e)[2]
         fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
-        return fractions * (self._fwd[e] - self._fwd[s]) / self.devices[k].speed
+        return fractions * self._passes(s, e)[0] / self.devices[k].speed
 
     def rank_shares(self, rank: int) -> NDArray[np.float64]:
         """Rows of the shares of ``rank``'s stages' saved sets it holds at once, its
@@ -605,4 +615,5 @@ class CostModel:
         speeds = {d.speed for d in self.devices}
         fixed = len(self.modes) == 1 or all(d.memory is None for d in self.devices)
         free = all(d.bandwidth is None and not d.latency for d in self.devices)
-        return len(speeds) == 1 and fixed and free
+        # Exchanges exposed at the stages' ends add more the more cuts there are.
+        return len(speeds) == 1 and fixed and free and self.layers.exposure is None

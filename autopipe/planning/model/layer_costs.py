@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -158,6 +158,17 @@ def optimizer_factor(optimizer: str | float) -> float:
         ) from None
 
 
+class StageExposure(Protocol):
+    """What a stage's passes wait for beyond its layers' own figures, by where it starts
+    and ends (ZeRO-2/3's exchanges,
+    :class:`autopipe.planning.mesh.zero_exchange.StageExchanges`)."""
+
+    def exposed(self, s: Any, e: Any) -> tuple[Array, Array]:
+        """Seconds added to the forward and to the backward of one micro-batch of a stage
+        of layers ``[s, e)``, at least 0."""
+        ...
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """Per-layer figures at one micro-batch size (seconds and bytes).
@@ -184,6 +195,8 @@ class LayerCosts:
     update_per_byte: float = 0.0
     # The runner's fixed seconds per step (calibrated, else 0).
     step_overhead: float = 0.0
+    # Per stage, the passes' exposed exchanges (None: nothing beyond the layers' figures).
+    exposure: StageExposure | None = None
 
     def __post_init__(self) -> None:
         if self.shared is None:  # frozen: set once, at construction

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from os import PathLike
+from typing import Any
 
 from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec, make_devices
 from autopipe.planning.model.layer_costs import ProfileLines, optimizer_factor
+from autopipe.planning.model.mesh import Mesh
 from autopipe.planning.model.names import V_SCHEDULES
 from autopipe.planning.model.runner_figures import RunnerFigures
 from autopipe.planning.pipeline_settings import MemorySpec, PipelineSettings
@@ -18,6 +20,9 @@ __all__ = ["MemorySpec", "PlanSettings", "build_model"]
 
 # The settings of a plan are those of the pipeline it is made for.
 PlanSettings = PipelineSettings
+# One device's lines of a mesh: (profile, its lines, the mesh, the replicas D, the
+# all-reduce bandwidth) to lines whose ``at`` gives that device's layer costs.
+MeshView = Callable[[Profile, ProfileLines, Mesh, int, "float | None"], Any]
 
 
 def check_profile(profile: object, caller: str) -> None:
@@ -61,14 +66,21 @@ def build_model(
     profile: Profile,
     devices: int | Sequence[DeviceSpec | str],
     settings: PipelineSettings,
+    mesh_view: MeshView | None = None,
 ) -> CostModel:
     """The cost model :func:`autopipe.plan` optimizes for ``devices`` under ``settings``.
 
     Settings left ``None`` are resolved by :meth:`PipelineSettings.resolved` (the
-    profile's micro-batch count, ``gpipe``, :func:`default_checkpoint`).
+    profile's micro-batch count, ``gpipe``, :func:`default_checkpoint`). With
+    ``tensor_parallel`` t > 1 the layers are one device's of each stage's t
+    (``Mesh(tensor=t)``), as ``mesh_view`` makes them from the profile's lines, the
+    replicas and the all-reduce bandwidth (the planner passes
+    :func:`autopipe.planning.mesh.degree_figures.uniform_mesh_lines`, which this layer
+    cannot import).
 
     Raises:
-        ValueError: invalid settings.
+        ValueError: invalid settings, or ``tensor_parallel`` > 1 without ``mesh_view``
+            or on a profile that cannot price it.
         TypeError: ``profile`` is not a :class:`Profile`, or a setting is of the wrong kind.
     """
     check_profile(profile, "plan")
@@ -117,8 +129,11 @@ def build_model(
         raise TypeError(f"shard_optimizer must be True or False, got {settings.shard_optimizer!r}")
     if not isinstance(settings.colocated, bool):
         raise TypeError(f"colocated must be True or False, got {settings.colocated!r}")
-    alone = len(specs) // v * d == 1
-    lines = ProfileLines.from_profile(profile, alone)
+    mesh = _tensor_mesh(settings.tensor_parallel, mesh_view)
+    alone = len(specs) // v * d * mesh.tensor == 1
+    lines: ProfileLines | Any = ProfileLines.from_profile(profile, alone)
+    if mesh.tensor > 1 and mesh_view is not None:
+        lines = mesh_view(profile, lines, mesh, d, figures.allreduce_bandwidth)
     # Micro-batches of uneven size take the mean size's time in all, unless the runner pads
     # each to the largest.
     costs = lines.at(micro, time_batch=micro if settings.padded else replica / effective)
@@ -134,5 +149,22 @@ def build_model(
             virtual_stages=v,
             shard_optimizer=settings.shard_optimizer,
             colocated=settings.colocated,
+            mesh=mesh,
         ),
     )
+
+
+def _tensor_mesh(degree: object, mesh_view: MeshView | None) -> Mesh:
+    """The mesh of a ``tensor_parallel`` setting.
+
+    Raises:
+        ValueError: not a positive integer, or above 1 without a view to price it.
+    """
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"tensor_parallel must be a positive integer, got {degree!r}")
+    if degree > 1 and mesh_view is None:
+        raise ValueError(
+            f"tensor_parallel={degree} is priced by autopipe.plan (or evaluate), which "
+            "gives build_model its mesh view; call those"
+        )
+    return Mesh(tensor=degree)

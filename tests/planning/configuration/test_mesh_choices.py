@@ -4,6 +4,7 @@ evaluated directly (every split of every (t, c, K, D, ZeRO) point)."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,11 @@ from autopipe.planning.configuration.mesh_choices import (
     MeshChoices,
     mesh_configurations,
     tensor_degrees,
+)
+from autopipe.planning.configuration.search_space import (
+    Bounds,
+    configurations,
+    variants,
 )
 from autopipe.planning.mesh.degree_figures import GroupLinks, mesh_lines
 from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks
@@ -31,15 +37,31 @@ BATCH, DEVICES, CAPACITY = 8, 8, 25_000
 
 def test_every_configuration_takes_every_device_and_m_follows_from_the_batch() -> None:
     choices = MeshChoices((1, 2, 4), (1, 2), (False, True), (0, 1, 2, 3), micro_batch=1)
-    configs = mesh_configurations(8, 4, 16, ("never",), ("gpipe",), None, (1,), choices)
+    configs = mesh_configurations(Bounds(8, 4, 16, ("never",), ("gpipe",)), choices)
     assert configs and all(c.devices == 8 for c in configs)
     assert all(c.chunks * c.replicas * c.micro_batch == 16 for c in configs)
     assert not any(c.sequence_parallel and c.tensor == 1 for c in configs)
     assert not any(c.zero > 0 and c.replicas * c.context == 1 for c in configs)
     assert all(c.stages <= 4 for c in configs)
     # A D whose micro-batches do not divide the batch is left out.
-    odd = mesh_configurations(8, 8, 6, ("never",), ("gpipe",), None, (1,), choices)
+    odd = mesh_configurations(Bounds(8, 8, 6, ("never",), ("gpipe",)), choices)
     assert {c.replicas for c in odd} <= {1, 2}
+
+
+def test_a_mesh_point_has_the_plain_search_s_variants() -> None:
+    # One list of schedules, modes and virtual stages for both searches: a V schedule is
+    # one "never" configuration of 2 stages per rank in a mesh search too.
+    bounds = Bounds(4, 10, 8, ("never", "always"), ("gpipe", "1f1b", "zbv"), None, (2,))
+    mesh = mesh_configurations(bounds, MeshChoices((1, 2)))
+    plain = configurations(bounds)
+    for configs in (mesh, plain):
+        v = [c for c in configs if c.schedule == "zbv"]
+        assert v and all((c.virtual, c.checkpoint) == (2, "never") for c in v)
+        assert all(c.stages >= 2 for c in v)
+        assert any(c.virtual == 2 and c.schedule == "gpipe" for c in configs)
+        assert not any(c.schedule == "1f1b" and c.chunks == 1 for c in configs)
+    one = [c for c in mesh if (c.tensor, c.stages, c.replicas, c.chunks) == (2, 2, 1, 4)]
+    assert one == variants(replace(one[0], checkpoint="never", schedule="gpipe", virtual=1), bounds)
 
 
 def test_tensor_degrees_default_to_what_the_heads_allow_within_a_node() -> None:

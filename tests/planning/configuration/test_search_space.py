@@ -66,9 +66,9 @@ def test_virtual_stage_bound_is_below_every_split(seed, shape, replicas, bandwid
 
 
 def test_v_schedules_give_one_configuration_of_2k_stages() -> None:
-    from autopipe.planning.configuration.search_space import configurations
+    from autopipe.planning.configuration.search_space import Bounds, configurations
 
-    found = configurations(4, 10, 8, ["never"], ["zbv", "dualpipev"], None)
+    found = configurations(Bounds(4, 10, 8, ["never"], ["zbv", "dualpipev"]))
     assert found and all(c.virtual == 2 and c.checkpoint == "never" for c in found)
     assert all(c.stages >= 2 and 2 * c.stages <= 10 for c in found)
     assert all(c.chunks >= 2 * c.stages for c in found if c.schedule == "dualpipev")

@@ -105,17 +105,26 @@ def test_figures_scale_with_the_micro_batch() -> None:
 
 def test_zero_two_exposes_each_reduce_scatter_beyond_the_next_backward() -> None:
     costs = _costs(block_profile(), Mesh(zero=2), replicas=2)
-    # one unit's reduce-scatter: 1/2 · 4096 / 64 + 0.5 = 32.5 s against a 16 s backward.
-    assert costs.backward.tolist() == [16 + 16.5 + 32.5, 16 + 16.5, 16 + 16.5, 16.0]
+    # The layers keep their compute; the exchanges are the stage's, by its span. One
+    # unit's reduce-scatter: 1/2 · 4096 / 64 + 0.5 = 32.5 s against a 16 s backward.
+    _each(costs.backward, 16.0)
     _each(costs.forward, 8.0)
     _each(costs.peak, 0.0)
+    assert costs.exposure is not None
+    fwd, bwd = costs.exposure.exposed(np.array([0, 1]), np.array([4, 3]))
+    assert not fwd.any() and bwd.tolist() == [32.5 + 3 * 16.5, 32.5 + 16.5]
 
 
 def test_zero_three_gathers_each_unit_and_holds_it_in_flight() -> None:
     costs = _costs(block_profile(), Mesh(zero=3), replicas=2)
-    assert costs.forward.tolist() == [8 + 24.5 + 32.5, 8 + 24.5, 8 + 24.5, 8.0]
-    _each(costs.backward, 16 + 49.0)
+    _each(costs.forward, 8.0)
+    _each(costs.backward, 16.0)
+    assert costs.exposure is not None
+    fwd, bwd = costs.exposure.exposed(np.array(0), np.array(4))
+    assert float(fwd) == 32.5 + 3 * 24.5  # the first gather, then each beyond a forward
+    assert float(bwd) == 2 * 32.5 + 2 * 16.5 + 2 * 49.0
     _each(costs.peak, 2 * 4096 + 4096)
+    assert _costs(block_profile(), Mesh(zero=1), replicas=2).exposure is None
 
 
 def test_a_layer_without_shard_counts_is_refused_in_one_line() -> None:

@@ -8,7 +8,7 @@ import numpy as np
 from autopipe.planning.mesh.degree_figures import GroupLinks, mesh_lines
 from autopipe.planning.mesh.mesh_links import GroupLink
 from autopipe.planning.mesh.shard_table import ShardTable
-from autopipe.planning.mesh.zero_exchange import unit_exchange, zero_exposed
+from autopipe.planning.mesh.zero_exchange import StageExchanges, unit_exchange
 from autopipe.planning.model.cost_model import CostModel, CostOptions
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import ProfileLines
@@ -25,15 +25,41 @@ def test_a_unit_moves_its_share_of_the_others_parameters() -> None:
     assert unit_exchange(params, 1, LINK).tolist() == [0.0, 0.0]
 
 
-def test_compute_long_enough_hides_every_exchange_but_the_ends() -> None:
-    params = np.full(3, 4096.0)
-    slow = np.full((3, 1), 1000.0)
-    forward, backward = zero_exposed(3, params, 2, LINK, slow, slow)
-    assert forward[:, 0].tolist() == [32.5, 0.0, 0.0]
-    assert backward[:, 0].tolist() == [32.5, 0.0, 32.5]
-    forward, backward = zero_exposed(2, params, 2, LINK, slow, slow)
-    assert forward[:, 0].tolist() == [0.0] * 3 and backward[:, 0].tolist() == [32.5, 0.0, 0.0]
-    assert not zero_exposed(1, params, 2, LINK, slow, slow)[1].any()
+def test_compute_long_enough_hides_every_exchange_but_each_stage_s_ends() -> None:
+    unit = np.full(4, 32.5)
+    slow = np.full(4, 1000.0)
+    zero3 = StageExchanges(3, unit, slow, slow)
+    # The whole model as one stage: its first forward gather; its first backward gather
+    # (of the last layer) and its last reduce-scatter (of the first).
+    assert [float(x) for x in zero3.exposed(0, 4)] == [32.5, 65.0]
+    # Every stage alike: the next stage's units run on another device, hiding nothing.
+    assert [float(x) for x in zero3.exposed(2, 4)] == [32.5, 65.0]
+    assert [float(x) for x in zero3.exposed(1, 2)] == [32.5, 65.0]
+    zero2 = StageExchanges(2, unit, slow, slow)
+    assert [float(x) for x in zero2.exposed(1, 3)] == [0.0, 32.5]  # its last reduce-scatter
+
+
+def test_short_compute_exposes_what_outlasts_it_within_the_stage() -> None:
+    # Units of 32.5 s beside passes of 8 s forward, 16 s backward.
+    unit, forward, backward = np.full(5, 32.5), np.full(5, 8.0), np.full(5, 16.0)
+    zero3 = StageExchanges(3, unit, forward, backward)
+    s, e = np.array([0, 1, 1, 2]), np.array([5, 4, 2, 5])
+    fwd, bwd = zero3.exposed(s, e)
+    # Forward: the first gather, then each later unit's gather beyond the previous
+    # forward (24.5 s each).
+    assert fwd.tolist() == [32.5 + 4 * 24.5, 32.5 + 2 * 24.5, 32.5, 32.5 + 2 * 24.5]
+    # Backward: two whole exchanges; the end windows carry one exchange (16.5 s beyond),
+    # the inner ones two (49 s beyond); one layer has no window with anything in it.
+    assert bwd.tolist() == [65 + 2 * 16.5 + 3 * 49, 65 + 2 * 16.5 + 49, 65, 65 + 2 * 16.5 + 49]
+    # ZeRO-2: the last reduce-scatter whole, each other beyond the next layer's backward.
+    zero2 = StageExchanges(2, unit, forward, backward)
+    fwd, bwd = zero2.exposed(s, e)
+    assert not fwd.any() and bwd.tolist() == [
+        32.5 + 4 * 16.5,
+        32.5 + 2 * 16.5,
+        32.5,
+        32.5 + 2 * 16.5,
+    ]
 
 
 def _model(zero: int, replicas: int = 2, chunks: int = 4) -> CostModel:
@@ -63,10 +89,21 @@ def test_the_exchange_after_the_drain_shrinks_with_the_stage() -> None:
     assert [float(_model(z).allreduce_time(s, e)) for z in range(4)] == [128.0, 128.0, 64.0, 0.0]
 
 
-def test_the_replayed_schedule_counts_the_exposed_exchanges() -> None:
+def test_the_replayed_schedule_counts_each_stage_s_exchanges() -> None:
     model = _model(3)
-    # Stage 0: forwards 8 + 24.5 + 32.5 and 8 + 24.5, backwards 16 + 49 twice; stage 1:
-    # forwards 8 + 24.5 and 8, backwards 65 twice. GPipe, M = 4, unbalanced stages:
-    # Σc + (M − 1) · max c.
-    first, second = 65 + 32.5 + 130, 32.5 + 8 + 130
-    assert pipeline_time(model, [2, 2]) == first + second + 3 * first
+    # Units of 32.5 s (1/2 · 4096 / 64 + 0.5), forwards of 8 s, backwards of 16 s. Each
+    # stage of [2, 2]: forwards 16 + 32.5 (its first gather) + 24.5 (its second beyond
+    # the first forward), backwards 32 + 2 · 32.5 (first gather, last reduce-scatter) +
+    # 2 · 16.5 (one exchange beyond each window): 73 + 130 per micro-batch. Nothing of the
+    # other stage's units hides anything. GPipe, M = 4, balanced: Σc + (M − 1) · max c.
+    stage = 73 + 130
+    assert pipeline_time(model, [2, 2]) == 2 * stage + 3 * stage
+    # The split decides what is exposed: [1, 3] exposes more on its three-layer stage's
+    # inner window (49 s) and all of a one-layer stage's exchanges.
+    one, three = 8 + 32.5 + 16 + 65, 24 + 32.5 + 2 * 24.5 + 48 + 65 + 2 * 16.5 + 49
+    assert pipeline_time(model, [1, 3]) == one + three + 3 * max(one, three)
+    # On one stage the exchanges at the cut are what a single stage of the whole model
+    # hides: the exposure is the stages', not one sum over the layers.
+    whole = float(model.stage_time(0, np.array(0), np.array(4)))
+    parts = sum(float(model.stage_time(k, np.array(2 * k), np.array(2 * k + 2))) for k in (0, 1))
+    assert parts > whole

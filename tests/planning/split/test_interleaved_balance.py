@@ -9,8 +9,6 @@ import random
 import numpy as np
 import pytest
 
-from autopipe.planning.model.cost_model import CostModel
-from autopipe.planning.model.spans import split_fits
 from autopipe.planning.planner import evaluate, plan
 from autopipe.planning.split import interleaved_balance
 from autopipe.planning.split.interleaved_balance import (
@@ -19,13 +17,13 @@ from autopipe.planning.split.interleaved_balance import (
     pipeline_time,
 )
 from tests.support.planning_cases import linear_profile, splits
-from tests.support.planning_references import random_model
+from tests.support.planning_references import (
+    check_replayed_split,
+    fitting_rank_splits,
+    random_model,
+)
 
 OPTIONS = {"stages": 4, "virtual_stages": 2, "schedule": "1f1b", "checkpoint": "never"}
-
-
-def _fitting(model: CostModel) -> list[list[int]]:
-    return [b for b in splits(model.num_layers, model.num_stages) if split_fits(model, b)]
 
 
 def _moves_by_one(balance: list[int]) -> list[list[int]]:
@@ -57,15 +55,7 @@ def test_interleaved_split_is_the_fastest_split_that_fits(share: float | None) -
     checked = 0
     for seed in range(6):
         model = random_model(seed, capacity_share=share, **OPTIONS)
-        fitting = _fitting(model)
-        found = interleaved_split(model, [])
-        if not fitting:
-            assert found is None
-            continue
-        assert found in fitting
-        best = min(pipeline_time(model, b) for b in fitting)
-        assert pipeline_time(model, found) == pytest.approx(best, rel=1e-12)
-        checked += 1
+        checked += check_replayed_split(model)
     assert checked
 
 
@@ -86,7 +76,7 @@ def test_local_search_ends_where_no_move_of_one_cut_helps(
 
 def test_nothing_fits_in_either_search(monkeypatch: pytest.MonkeyPatch) -> None:
     model = random_model(1, capacity_share=0.01, **OPTIONS)
-    assert _fitting(model) == []
+    assert fitting_rank_splits(model) == []
     assert interleaved_split(model, [[2, 2, 2, 1]]) is None
     monkeypatch.setattr(interleaved_balance, "EXHAUSTIVE", 0)
     assert interleaved_split(model, [[2, 2, 2, 1]]) is None
