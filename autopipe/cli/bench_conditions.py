@@ -11,6 +11,7 @@ machine and runtime, measured on the ranks the first time.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -241,7 +242,7 @@ def fit_in_place(
         scales = uniform_scales(profile, max(factor, 0.05))
         how = (
             f"every layer's time x{max(factor, 0.05):.2f}, fitted on the splits' later warm-up "
-            "steps"
+            "steps, taken in turn with the timed ones"
         )
     fitted = scaled_profile(profile, scales, how, update)
     mib = format_time(update * 2**20)
@@ -249,13 +250,15 @@ def fit_in_place(
     if on_ranks:
         # What the stages' figures leave out of a step is the runner's own cost per step
         # (the inputs' split, the ranks' agreement, the schedule's setup and last waits):
-        # the mean over the splits of each warm-up step less its prediction.
-        left = [
-            figures["step"]
-            - evaluate(fitted, plans[label].balance, devices, strategy=label, **options).step_time
-            for label, figures in timed.items()
-        ]
-        fixed = max(sum(left) / len(left), 0.0)
+        # the median over the splits' unrecorded warm-up steps of each less its prediction
+        # (a median: now and then a step of a shared host takes twice as long).
+        left = []
+        for label, figures in timed.items():
+            predicted = evaluate(
+                fitted, plans[label].balance, devices, strategy=label, **options
+            ).step_time
+            left += [seen - predicted for seen in figures.get("steps", [figures["step"]])]
+        fixed = max(statistics.median(left), 0.0)
         fitted.meta["calibration"]["step_overhead_s"] = fixed
         line += f", the runner {format_time(fixed)} per step"
     return fitted, line

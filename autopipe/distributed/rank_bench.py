@@ -7,7 +7,8 @@ model itself (``build``, a picklable function) and runs every split as a
 one step each. A step is forward and backward through the pipeline with the loss the mean
 of the output, then an SGD step of the rank's stage; its time is the slowest rank's, each
 rank timing from a common barrier. With ``in_place`` the later warm-up steps
-(:func:`autopipe.microbatching.step_timing.kept_warmup_rounds`) are recorded in turn with
+(:func:`autopipe.microbatching.step_timing.kept_warmup_rounds`, run among the timed ones:
+:func:`~autopipe.microbatching.step_timing.turn_order`) are recorded in turn with
 :class:`autopipe.distributed.step_trace.StepRecorder` and without it: every stage's forward
 and backward per micro-batch, timed on the rank that runs it, and the whole step without the
 recorder's cost, which ``autopipe bench`` predicts the timed steps from. After the timed
@@ -130,11 +131,12 @@ def _rank_main(
         def warm_step(label: str, round_: int) -> float:
             """A warm-up step; in the later ones (the first sets up torch's stages) each
             stage's forwards and backwards are timed where they run, for the predictions,
-            every other one: the steps between run unrecorded and give the step's seconds
-            without the recorder's own cost."""
+            one in three: the two between run unrecorded and give the step's seconds
+            without the recorder's own cost (a step of a shared host now and then takes
+            twice as long: more of them, and a median, keep that out)."""
             if round_ not in kept_rounds or not options["in_place"]:
                 return step(label)
-            if (round_ - kept_rounds.start) % 2 == 1:
+            if (round_ - kept_rounds.start) % 3 != 0:
                 seconds = step(label)
                 plain[label].append(seconds)
                 return seconds
@@ -159,6 +161,7 @@ def _rank_main(
         for label, found in in_place.items():
             if plain[label]:
                 found["step"] = statistics.median(plain[label])
+                found["steps"] = plain[label]
         peaks = {}
         for label, (pipe, _) in splits.items():
             with SavedMemory.of_modules(pipe.module) as saved:
@@ -192,12 +195,13 @@ def time_splits_on_ranks(
             balance, micro-batches, schedule and checkpointing.
         ranks: the processes, one per stage.
         steps: timed steps per split.
-        warmup: untimed steps per split first.
+        warmup: untimed steps per split: the first ones first, the later ones among the
+            timed steps (:func:`~autopipe.microbatching.step_timing.turn_order`).
         lr: the SGD learning rate.
         cuda: run on GPUs with nccl (one per rank), or on the CPU with gloo; default:
             on GPUs when there are any.
         progress: called with (steps done, steps in all, label) after every step.
-        in_place: record the later warm-up steps (every other one; those between give the
+        in_place: record the later warm-up steps (one in three; those between give the
             step's seconds) and return their medians per stage (``in_place`` of
             :class:`~autopipe.output.bench_summary.Measured`).
 

@@ -144,7 +144,8 @@ def time_splits(
         plans: the splits by label; each runs with its balance, micro-batches and
             checkpointing.
         steps: timed steps per split.
-        warmup: untimed steps per split first.
+        warmup: untimed steps per split: the first ones first, the later ones among the
+            timed steps (:func:`~autopipe.microbatching.step_timing.turn_order`).
         devices: one device per stage (default: each plan's own devices).
         lr: the SGD learning rate.
         progress: called with (steps done, steps in all, label) after every step.

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         median_seconds,
         take_turns,
         tiny_stages,
+        turn_order,
     )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "resolve_deferred",
     "take_turns",
     "tiny_stages",
+    "turn_order",
 ]
 
 _HOMES = {
@@ -67,6 +69,7 @@ _HOMES = {
     "resolve_deferred": "autopipe.microbatching.batchnorm",
     "take_turns": "autopipe.microbatching.step_timing",
     "tiny_stages": "autopipe.microbatching.step_timing",
+    "turn_order": "autopipe.microbatching.step_timing",
 }
 
 if not TYPE_CHECKING:

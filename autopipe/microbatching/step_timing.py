@@ -26,6 +26,7 @@ __all__ = [
     "median_seconds",
     "take_turns",
     "tiny_stages",
+    "turn_order",
 ]
 
 Progress = Callable[[int, int, str], None]
@@ -66,6 +67,28 @@ def kept_warmup_rounds(warmup: int) -> range:
     return range(min(max(1, warmup // 2), warmup), warmup)
 
 
+def turn_order(warmup: int, steps: int) -> list[int | None]:
+    """The rounds in the order they run: each warm-up round by its index, each timed round
+    as ``None``.
+
+    The first warm-up rounds (those :func:`kept_warmup_rounds` leaves out) run first; the
+    kept ones are spread evenly among the timed rounds, so that the steps the predictions
+    come from and the steps they are checked against share the machine's slow and quick
+    spells (taken all before the timed ones, a drift of the shared host between the two
+    spells shows as a prediction error of up to 20%).
+    """
+    kept = kept_warmup_rounds(warmup)
+    first: list[int | None] = list(range(kept.start))
+    # The kept rounds at the starts of equal shares of the interleaved span (so one of them
+    # leads and the timed steps start as late as before), the timed ones at the middles.
+    placed = sorted(
+        [(j / len(kept), 0, kept[j]) for j in range(len(kept))]
+        + [((j + 0.5) / steps, 1, None) for j in range(steps)],
+        key=lambda item: (item[0], item[1]),
+    )
+    return first + [round_ for _, _, round_ in placed]
+
+
 def take_turns(
     labels: Sequence[str],
     step: Callable[[str], float],
@@ -76,13 +99,13 @@ def take_turns(
     warmup_step: Callable[[str, int], float] | None = None,
 ) -> dict[str, list[float]]:
     """Runs ``warmup + steps`` rounds of one step per label, so that a slow spell of the
-    machine touches every split alike.
+    machine touches every split alike, in :func:`turn_order`.
 
     Args:
         labels: the splits, in the order they take their turns.
         step: runs one step of a split and returns its seconds.
         steps: timed rounds.
-        warmup: untimed rounds first.
+        warmup: untimed rounds: the first ones first, the later ones among the timed.
         progress: called with (steps done, steps in all, label) after every step.
         warmup_step: runs a warm-up step instead of ``step``, given the label and the
             warm-up round (from 0), e.g. to record the later ones.
@@ -92,12 +115,14 @@ def take_turns(
     """
     times: dict[str, list[float]] = {label: [] for label in labels}
     total, done = (warmup + steps) * len(labels), 0
-    for round_ in range(warmup + steps):
+    for round_ in turn_order(warmup, steps):
         for label in labels:
-            warming = round_ < warmup and warmup_step is not None
-            seconds = warmup_step(label, round_) if warming else step(label)  # type: ignore[misc]
-            if round_ >= warmup:
-                times[label].append(seconds)
+            if round_ is None:
+                times[label].append(step(label))
+            elif warmup_step is not None:
+                warmup_step(label, round_)
+            else:
+                step(label)
             done += 1
             if progress is not None:
                 progress(done, total, label)

@@ -315,6 +315,7 @@ def describe(
                 capacity=model.devices[k].memory,
                 in_flight=model.in_flight(k),
                 checkpoint=model.stage_checkpoint(k, int(s), int(e)),
+                recompute_units=model.recompute_units(k, int(s), int(e)),
                 recompute=float(model.recompute_time(k, s, e)),
                 overhead=model.overhead,
                 allreduce=float(model.allreduce_time(s, e)),

@@ -40,7 +40,7 @@ MODELS: dict[str, str] = {
 }
 # Few steps keep the whole suite (5 models x 3 settings) near 10 minutes on 2 cores; the
 # splits take turns step by step, so a slow spell touches every strategy alike.
-STEPS, WARMUP = 6, 5
+STEPS, WARMUP = 6, 7
 QUICK_STEPS, QUICK_WARMUP = 2, 1
 TIMEOUT = 900  # seconds per run: a hung rank fails its row, not the suite
 

@@ -13,6 +13,7 @@ from autopipe.microbatching.step_timing import (
     median_seconds,
     take_turns,
     tiny_stages,
+    turn_order,
 )
 
 
@@ -70,3 +71,27 @@ def test_median_after_the_warmup_and_the_tiny_model() -> None:
 )
 def test_the_later_half_of_the_warm_up_is_kept(warmup: int, kept: list[int]) -> None:
     assert list(kept_warmup_rounds(warmup)) == kept
+
+
+@pytest.mark.parametrize(
+    ("warmup", "steps", "order"),
+    [
+        (0, 2, [None, None]),
+        (1, 2, [0, None, None]),
+        (4, 4, [0, 1, 2, None, None, 3, None, None]),
+        (5, 6, [0, 1, 2, None, None, 3, None, None, 4, None, None]),
+    ],
+)
+def test_the_kept_warm_up_rounds_run_among_the_timed_ones(
+    warmup: int, steps: int, order: list[int | None]
+) -> None:
+    assert turn_order(warmup, steps) == order
+    rounds: list[int | None] = []
+    take_turns(
+        ["a"],
+        lambda label: rounds.append(None) or 1.0,
+        steps=steps,
+        warmup=warmup,
+        warmup_step=lambda label, round_: rounds.append(round_) or 2.0,
+    )
+    assert rounds == order

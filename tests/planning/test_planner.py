@@ -262,10 +262,19 @@ def test_auto_is_the_best_choice_per_stage(seed):
             plan(profile, devices, checkpoint="auto", **kwargs)
         return
     found = plan(profile, devices, checkpoint="auto", **kwargs)
-    assert found.step_time == pytest.approx(expected[0], rel=1e-9)
+    # As fast as the best of the whole-stage modes, faster where units re-compute.
+    if "units" in found.stage_checkpoints:
+        assert found.step_time <= expected[0] * (1 + 1e-9)
+    else:
+        assert found.step_time == pytest.approx(expected[0], rel=1e-9)
     # Each stage runs the fastest mode that fits it.
     for stage in found.stages:
-        faster = {"never": (), "except_last": ("never",), "always": ("never", "except_last")}
+        faster = {
+            "never": (),
+            "except_last": ("never",),
+            "always": ("never", "except_last"),
+            "units": ("never",),
+        }
         for mode in faster[stage.checkpoint]:
             alone = evaluate(profile, found.balance, devices, checkpoint=mode, **kwargs)
             assert alone.stages[stage.index].memory > (stage.capacity or 0)

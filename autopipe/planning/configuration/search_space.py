@@ -102,6 +102,9 @@ class _Basis:
     saved: float
     params: Array
     buffers: Array
+    # The least a micro-batch keeps re-computing units (``auto``): each unit's kept bytes
+    # or its input, the smaller.
+    least: float = 0.0
 
 
 class Space:
@@ -217,9 +220,12 @@ class Space:
             costs = lines.at(config.micro_batch, time_batch=config.mean_batch)
             boundary = float(costs.output[:-1].min()) if len(costs) > 1 else 0.0
             # Shared bytes count once (more when a cut separates them: a lower bound).
-            saved = float((costs.saved - costs.shared_bytes).sum())
+            kept = costs.saved - costs.shared_bytes
+            saved = float(kept.sum())
+            inputs = np.concatenate([[costs.input], costs.output[:-1]])
+            least = float(np.minimum(kept, inputs).sum())
             params, buffers = costs.first_use()
-            self._basis[key] = _Basis(costs, boundary, saved, params, buffers)
+            self._basis[key] = _Basis(costs, boundary, saved, params, buffers, least)
         return self._basis[key]
 
     def devices(self, stages: int, link: GroupLink | None = None) -> list[DeviceSpec]:
@@ -314,6 +320,8 @@ class Space:
             ck = min(ck, 1)
         inputs = ck * (costs.input + (k - 1) * boundary)
         state = float((basis.params * self.state_factor(config) + basis.buffers).sum())
+        if config.checkpoint == "auto":  # re-computed units keep their inputs alone
+            saved = basis.least
         need = state + keep * saved + inputs + float(costs.peak.max())
         return value, self.single(config) <= self.capacity and need <= k * self.capacity
 
@@ -331,7 +339,8 @@ class Space:
             return value, True
         # Summed over the ranks: the state, one micro-batch's activations, one peak.
         state = float((basis.params * self.state_factor(config) + basis.buffers).sum())
-        need = state + basis.saved + float(basis.costs.peak.max())
+        saved = basis.least if config.checkpoint == "auto" else basis.saved
+        need = state + saved + float(basis.costs.peak.max())
         return value, self.single(config) <= self.capacity and need <= k * self.capacity
 
 
@@ -391,8 +400,9 @@ def configurations(
 def variants(point: Config, bounds: Bounds) -> list[Config]:
     """The schedule, checkpointing and virtual-stage variants of one point (its K, D, M).
 
-    Virtual stages (v > 1) go with K >= 2, K·v layers at most, ``never`` checkpointing
-    (torch's interleaved schedules keep every activation) and, for 1F1B, M a multiple of
+    Virtual stages (v > 1) go with K >= 2, K·v layers at most, ``never`` or ``auto``
+    checkpointing (whole stages are not re-computed there: torch's interleaved schedules
+    keep every activation, but units may re-compute) and, for 1F1B, M a multiple of
     its rounds' micro-batches. The V schedules (``zbv``, ``dualpipev``, weighed only when
     listed) give one variant of 2K stages (:func:`v_shaped`).
     """
@@ -410,7 +420,11 @@ def variants(point: Config, bounds: Bounds) -> list[Config]:
                 out.append(replace(point, checkpoint=mode, schedule=schedule))
         for v in bounds.virtual_stages:
             if interleaves(k, v, m, layers, schedule, checkpoints):
-                out.append(replace(point, checkpoint="never", schedule=schedule, virtual=v))
+                # Torch's interleaved schedules keep every activation, unless units of
+                # the stages re-compute (``auto``).
+                for mode in ("never", "auto"):
+                    if mode in checkpoints:
+                        out.append(replace(point, checkpoint=mode, schedule=schedule, virtual=v))
     return out
 
 
@@ -418,7 +432,9 @@ def interleaves(
     stages: int, virtual: int, chunks: int, layers: int, schedule: str, checkpoints: Sequence[str]
 ) -> bool:
     """Whether ``virtual`` stages per device make a configuration of their own."""
-    if virtual < 2 or stages < 2 or stages * virtual > layers or "never" not in checkpoints:
+    if virtual < 2 or stages < 2 or stages * virtual > layers:
+        return False
+    if "never" not in checkpoints and "auto" not in checkpoints:
         return False
     per_round = chunks // max(1, chunks // stages)  # interleaved 1F1B's rounds
     return schedule == "gpipe" or chunks % per_round == 0
@@ -437,10 +453,10 @@ def v_shaped(
 def redundant(mode: str, chunks: int, checkpoints: Sequence[str]) -> bool:
     """Whether a mode cannot beat another mode that is searched too.
 
-    With one micro-batch ``except_last`` and ``auto`` are ``never``; ``always`` never beats
-    ``except_last``, which re-computes less and keeps no more (``keep`` is 1 for both and
-    ``except_last`` keeps at most as many boundary inputs).
+    With one micro-batch ``except_last`` is ``never`` (``auto`` is not: it may re-compute
+    units); ``always`` never beats ``except_last``, which re-computes less and keeps no
+    more (``keep`` is 1 for both and ``except_last`` keeps at most as many boundary inputs).
     """
-    if chunks == 1 and mode in ("except_last", "auto"):
+    if chunks == 1 and mode == "except_last":
         return "never" in checkpoints
     return mode == "always" and "except_last" in checkpoints

@@ -92,7 +92,8 @@ from autopipe.planning.model.names import (
     FIXED_CHECKPOINT_MODES,
     V_SCHEDULES,
 )
-from autopipe.planning.model.spans import prefix_sums
+from autopipe.planning.model.spans import RangeMax, prefix_sums
+from autopipe.planning.model.unit_recompute import UnitRecompute
 from autopipe.planning.schedules.interleaving import (
     held_shares,
     in_flight,
@@ -112,26 +113,10 @@ _WEIGHT_SHARE = 0.5
 Array = NDArray[np.float64]
 Index = NDArray[np.int64]
 
-
-class RangeMax:
-    """Sparse table for vectorized range-maximum queries over ``[s, e)``, ``s < e``."""
-
-    def __init__(self, values: Array) -> None:
-        n = len(values)
-        self.table = np.zeros((max(n.bit_length(), 1), max(n, 1)))
-        self.table[0, :n] = values
-        width = 1
-        for level in range(1, len(self.table)):
-            prev = self.table[level - 1]
-            self.table[level, : n - 2 * width + 1] = np.maximum(
-                prev[: n - 2 * width + 1], prev[width : n - width + 1]
-            )
-            width *= 2
-
-    def query(self, s: Index, e: Index) -> Array:
-        # floor(log2(length)), exactly, from the binary exponent.
-        level = np.frexp(e - s)[1] - 1
-        return np.asarray(np.maximum(self.table[level, s], self.table[level, e - (1 << level)]))
+# The mode index of a stage re-computing a set of its units, past the fixed modes', and
+# the stage's checkpoint mode then.
+UNITS = 2
+UNITS_MODE = "units"
 
 
 def state_factor(optimizer: float, zero: int, shard_over: int) -> float:
@@ -356,6 +341,8 @@ class CostModel:
         self._inputs = np.concatenate([[layers.input], layers.output])
         self._sends = np.concatenate([[0.0], layers.output[:-1], [0.0]])
         self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
+        # ``auto``: the cheapest units to re-compute in a stage keeping all would overflow.
+        self.units = UnitRecompute(layers)
 
     @property
     def num_stages(self) -> int:
@@ -452,9 +439,14 @@ class CostModel:
     def stage_costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index]:
         """``(time, memory, mode)`` of stage ``k`` holding layers ``[s, e)``.
 
-        ``mode`` indexes :attr:`modes`: the fastest whose memory fits, else the one that
-        needs the least memory.
+        ``mode`` indexes :attr:`modes`, or is :data:`UNITS` for a set of re-computed units
+        (``auto``): the fastest whose memory fits, else the one that needs the least memory.
         """
+        time, memory, choice, _ = self._costs(k, s, e)
+        return time, memory, choice
+
+    def _costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index, Array]:
+        """:meth:`stage_costs` and the seconds per micro-batch of its re-computed units."""
         state = self.state_memory(s, e)
         if self._peak is not None:
             state = state + self._peak.query(s, e)
@@ -463,13 +455,34 @@ class CostModel:
         time = self._work(k, s, e, self.modes[0]) + fixed
         memory = state + self._saved_sets(k, s, e, self.modes[0])
         choice = np.zeros(np.shape(memory), dtype=np.int64)
+        units = np.zeros(np.shape(memory))
+        if self.checkpoint == "auto" and math.isfinite(cap) and np.any(memory > cap):
+            # Where keeping everything is over: the cheapest set of units to re-compute.
+            shape = np.broadcast(np.asarray(s), np.asarray(e), time, memory).shape
+            time, memory, state = (
+                np.broadcast_to(a, shape).astype(float) for a in (time, memory, state)
+            )
+            choice, units = np.zeros(shape, dtype=np.int64), np.zeros(shape)
+            over = memory > cap
+            s_over, e_over = (np.broadcast_to(a, shape)[over] for a in (s, e))
+            extra, held, _ = self.units.choose(s_over, e_over, self.in_flight(k), cap - state[over])
+            units[over] = extra / self.devices[k].speed
+            time[over] += units[over]
+            memory[over] = state[over] + held
+            choice[over] = UNITS
         for i, mode in enumerate(self.modes[1:], start=1):
             other = state + self._saved_sets(k, s, e, mode)
-            take = (memory > cap) & ((other <= cap) | (other < memory))
-            time = np.where(take, self._work(k, s, e, mode) + fixed, time)
+            other_time = self._work(k, s, e, mode) + fixed
+            # Both fit: the faster; else the one that fits, else the one needing less.
+            fits, other_fits = memory <= cap, other <= cap
+            take = np.where(
+                fits & other_fits, other_time < time, ~fits & (other_fits | (other < memory))
+            )
+            time = np.where(take, other_time, time)
             memory = np.where(take, other, memory)
             choice = np.where(take, i, choice)
-        return time, memory, choice
+            units = np.where(take, 0.0, units)
+        return time, memory, choice, units
 
     def stage_parts(self, k: int, s: Index, e: Index) -> StageParts:
         """Stage ``k``'s parts with layers ``[s, e)``, as the step replay takes them.
@@ -480,18 +493,20 @@ class CostModel:
         :data:`autopipe.planning.schedules.schedule_replay.RECOMPUTE_CODES` value, and the stage's
         memory (:meth:`stage_memory`), all from one :meth:`stage_costs`.
         """
-        time, memory, choice = self.stage_costs(k, s, e)
+        time, memory, choice, units = self._costs(k, s, e)
         speed = self.devices[k].speed
         fwd, bwd = (part / speed for part in self._passes(s, e))
+        # Re-computed units run again in the backward of every micro-batch.
+        bwd = bwd + units
         transfer = self.transfer_time(k, e)
-        fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
+        fractions = self._fractions(choice)
         work = fwd * (1.0 + fractions) + bwd
         compute = time - transfer
         # Layers of no measurable time: the overhead goes to the forward and backward alike.
         safe = np.where(work > 0, work, 1.0)
         scale = np.where(work > 0, compute / safe, 1.0)
         even = np.where(work > 0, 0.0, compute / (2.0 + fractions))
-        codes = np.array([RECOMPUTE_CODES[mode] for mode in self.modes])[choice]
+        codes = np.array([RECOMPUTE_CODES[mode] for mode in (*self.modes, "never")])[choice]
         return StageParts(fwd * scale + even, bwd * scale + even, transfer, codes, memory)
 
     def weight_share(self, s: Index, e: Index) -> Array:
@@ -503,10 +518,28 @@ class CostModel:
         return np.where(backward > 0, weight / np.where(backward > 0, backward, 1.0), 0.0)
 
     def stage_checkpoint(self, k: int, s: int, e: int) -> str:
-        """The checkpoint mode stage ``k`` runs with when it holds layers ``[s, e)``."""
+        """The checkpoint mode stage ``k`` runs with when it holds layers ``[s, e)``:
+        ``units`` when it re-computes a set of its units (:meth:`recompute_units`)."""
         if len(self.modes) == 1:
             return self.modes[0]
-        return self.modes[int(self.stage_costs(k, np.array(s), np.array(e))[2])]
+        choice = int(self.stage_costs(k, np.array(s), np.array(e))[2])
+        return UNITS_MODE if choice == UNITS else self.modes[choice]
+
+    def recompute_units(self, k: int, s: int, e: int) -> list[int]:
+        """The layers stage ``k`` re-computes on every micro-batch when it holds layers
+        ``[s, e)`` and runs in mode ``units`` (else none)."""
+        if self.stage_checkpoint(k, s, e) != UNITS_MODE:
+            return []
+        state = self.state_memory(np.array(s), np.array(e))
+        if self._peak is not None:
+            state = state + self._peak.query(np.array(s), np.array(e))
+        headroom = self.capacity(k) - float(state)
+        return self.units.units(s, e, self.in_flight(k), headroom)
+
+    def _fractions(self, choice: Index) -> Array:
+        """Per mode index (:data:`UNITS` included), the share of micro-batches re-computed
+        whole."""
+        return np.array([*(self.fraction(mode) for mode in self.modes), 0.0])[choice]
 
     def stage_time(self, k: int, s: Index, e: Index) -> Array:
         """Cost per micro-batch of stage ``k`` holding layers ``[s, e)``."""
@@ -518,9 +551,8 @@ class CostModel:
 
     def recompute_time(self, k: int, s: Index, e: Index) -> Array:
         """Forward re-computation per micro-batch, averaged over the micro-batches."""
-        choice = self.stage_costs(k, s, e)[2]
-        fractions = np.array([self.fraction(mode) for mode in self.modes])[choice]
-        return fractions * self._passes(s, e)[0] / self.devices[k].speed
+        _, _, choice, units = self._costs(k, s, e)
+        return self._fractions(choice) * self._passes(s, e)[0] / self.devices[k].speed + units
 
     def rank_shares(self, rank: int) -> NDArray[np.float64]:
         """Rows of the shares of ``rank``'s stages' saved sets it holds at once, its

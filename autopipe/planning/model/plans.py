@@ -9,15 +9,22 @@ from typing import Any
 
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.mesh import Mesh
-from autopipe.planning.model.names import ALL_SCHEDULES, CHECKPOINT_MODES
+from autopipe.planning.model.names import (
+    ALL_SCHEDULES,
+    CHECKPOINT_MODES,
+    FIXED_CHECKPOINT_MODES,
+)
 from profiler import Profile, read_json, write_json
 
 __all__ = ["Plan", "StagePlan", "TiedPlan"]
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 # Older plans load too: they lack the fields added since (3: ``shard_optimizer``; 4:
-# ``mesh``), whose defaults hold for them.
-_READABLE = (1, 2, 3, 4)
+# ``mesh``; 5: the stages' ``recompute_units``), whose defaults hold for them.
+_READABLE = (1, 2, 3, 4, 5)
+# A stage's checkpoint mode: one of the plan's fixed modes, or ``units``: the stage
+# re-computes the units listed in its ``recompute_units`` on every micro-batch.
+STAGE_CHECKPOINT_MODES = (*FIXED_CHECKPOINT_MODES, "units")
 
 
 @dataclass
@@ -38,7 +45,9 @@ class StagePlan:
         activation_memory: bytes of saved activations and boundary inputs at the peak.
         capacity: the device's capacity in bytes, or ``None`` for unlimited.
         in_flight: micro-batches whose activations the stage holds at its peak.
-        checkpoint: the stage's checkpoint mode (``auto`` plans decide per stage).
+        checkpoint: the stage's checkpoint mode (``auto`` plans decide per stage):
+            ``never``, ``except_last``, ``always``, or ``units`` (the units of
+            ``recompute_units`` re-computed, each on every micro-batch).
         recompute: seconds of forward re-computation per micro-batch, part of ``compute``.
         overhead: the executor's fixed seconds per micro-batch, part of ``compute``.
         allreduce: seconds per step to all-reduce the stage's gradients among replicas.
@@ -50,6 +59,9 @@ class StagePlan:
             ``param_memory`` (parameters with their gradients and optimizer state).
         update: seconds per step of the optimizer's step on the stage (0 unless
             calibrated: ``update_s_per_byte``).
+        recompute_units: with checkpoint ``units``, the layers (indices in the model,
+            within ``[start, stop)``, ascending) the stage runs under activation
+            checkpointing, each on every micro-batch; else empty.
     """
 
     index: int
@@ -73,6 +85,7 @@ class StagePlan:
     weight: float = 0.0
     tied: float = 0.0
     update: float = 0.0
+    recompute_units: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -354,6 +367,30 @@ def _check_amounts(item: object, where: str, names: tuple[str, ...]) -> None:
             raise ValueError(f"{where}{name} is {value!r}; it must be a finite number >= 0")
 
 
+def _check_stage_checkpoint(stage: StagePlan, where: str) -> None:
+    """A stage's mode is one a stage runs, and ``units`` lists units of the stage."""
+    mode = stage.checkpoint
+    if mode and mode not in STAGE_CHECKPOINT_MODES:
+        raise ValueError(
+            f"{where}.checkpoint is {mode!r}; choose {', '.join(STAGE_CHECKPOINT_MODES)}"
+        )
+    units = stage.recompute_units
+    ok = isinstance(units, list) and all(
+        isinstance(u, int) and not isinstance(u, bool) and stage.start <= u < stage.stop
+        for u in units
+    )
+    if not ok or units != sorted(set(units)):
+        raise ValueError(
+            f"{where}.recompute_units is {units!r}; it must list distinct layer indices of "
+            f"the stage ({stage.start} to {stage.stop - 1}), ascending"
+        )
+    if (mode == "units") != bool(units):
+        raise ValueError(
+            f"{where} has checkpoint {mode!r} and recompute_units {units}: a stage lists "
+            "the units it re-computes exactly when its checkpoint is 'units'"
+        )
+
+
 def _check_plan(plan: Plan) -> None:
     """The balance, the stages and the devices describe one split (a loaded file may
     have been edited so that they contradict each other)."""
@@ -400,11 +437,10 @@ def _check_plan(plan: Plan) -> None:
         )
     if plan.schedule not in ALL_SCHEDULES:
         raise ValueError(f"schedule is {plan.schedule!r}; choose {', '.join(ALL_SCHEDULES)}")
-    for k, mode in enumerate(plan.stage_checkpoints):
-        if mode not in CHECKPOINT_MODES:
-            raise ValueError(
-                f"stages[{k}].checkpoint is {mode!r}; choose {', '.join(CHECKPOINT_MODES)}"
-            )
+    if plan.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint is {plan.checkpoint!r}; choose {', '.join(CHECKPOINT_MODES)}")
+    for k, stage in enumerate(plan.stages):
+        _check_stage_checkpoint(stage, f"stages[{k}]")
     if not isinstance(plan.profile, dict):
         raise ValueError(f"profile must be an object, got {plan.profile!r}")
     if not plan.profile:  # plans may be saved without their profile

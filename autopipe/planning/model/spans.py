@@ -12,6 +12,27 @@ from numpy.typing import ArrayLike, NDArray
 __all__ = []
 
 
+class RangeMax:
+    """Sparse table for vectorized range-maximum queries over ``[s, e)``, ``s < e``."""
+
+    def __init__(self, values: NDArray[np.float64]) -> None:
+        n = len(values)
+        self.table = np.zeros((max(n.bit_length(), 1), max(n, 1)))
+        self.table[0, :n] = values
+        width = 1
+        for level in range(1, len(self.table)):
+            prev = self.table[level - 1]
+            self.table[level, : n - 2 * width + 1] = np.maximum(
+                prev[: n - 2 * width + 1], prev[width : n - width + 1]
+            )
+            width *= 2
+
+    def query(self, s: NDArray[np.int64], e: NDArray[np.int64]) -> NDArray[np.float64]:
+        # floor(log2(length)), exactly, from the binary exponent.
+        level = np.frexp(e - s)[1] - 1
+        return np.asarray(np.maximum(self.table[level, s], self.table[level, e - (1 << level)]))
+
+
 class StageMemoryModel(Protocol):
     """What the memory checks read of :class:`~autopipe.planning.model.cost_model.CostModel`.
 

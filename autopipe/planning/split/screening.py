@@ -7,7 +7,9 @@ sweep, O(K) or O(K·L) per probe, decides whether a bottleneck is feasible:
   send any non-last stage can have (the true send depends on where the stage ends);
 * memory is exact: per start s, the largest end whose memory fits (boundary input
   included); the greedy probe is used only when these ends never fall as s grows;
-* with ``auto`` a stage may use any mode whose memory fits, at that mode's cost;
+* with ``auto`` a stage may use any mode whose memory fits, at that mode's cost, or
+  re-compute a set of its units (fitting when re-computing all that free bytes does, at
+  no cost beyond keeping everything);
   ``Σ c_k`` is bounded by the fastest mode's total and the smallest sends.
 
 Every real split is feasible in the relaxation at no higher cost, so the relaxed optimum
@@ -55,6 +57,9 @@ class Relaxation:
         self.work = [
             prefix_sums(layers.forward * (1 + m.fraction(mu)) + layers.backward) for mu in m.modes
         ]
+        if m.checkpoint == "auto":
+            # Re-computing units (the memory limits' last mode) costs at least nothing more.
+            self.work.append(self.work[0])
         self.work_lists = [w.tolist() for w in self.work]
         # Tied tensors once (at their first user): a stage's parameters from below.
         once = layers.first_use()[0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from autopipe.planning.model.cost_model import CostModel, RangeMax
-from autopipe.planning.model.spans import prefix_sums
+from autopipe.planning.model.cost_model import UNITS_MODE, CostModel
+from autopipe.planning.model.spans import RangeMax, prefix_sums
 
 __all__ = []
 
@@ -54,6 +54,14 @@ class MemoryLimits:
         self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output[:-1]])
+        # ``auto`` re-computing units (:mod:`autopipe.planning.model.unit_recompute`): the
+        # least a micro-batch keeps, every unit that frees bytes re-computed, while the
+        # largest saved set of the stage is live again.
+        units = (UNITS_MODE,) if m.checkpoint == "auto" else ()
+        least = np.minimum(layers.saved - self._shared, self._inputs)
+        self._least = prefix_sums(least)
+        self._least_first = np.minimum(layers.saved, self._inputs) - least
+        self._largest = RangeMax(layers.saved)
         self.ends: list[list[Ints]] = []
         self.lists: list[list[list[int]]] = []
         self.envelopes: list[list[list[int]]] = []
@@ -62,13 +70,22 @@ class MemoryLimits:
             ends: list[Ints] = []
             lists: list[list[int]] = []
             envelopes: list[list[int]] = []
-            for mu in m.modes:
-                ck, keep = m.checkpointed(k, mu)
-                cap = m.capacity(k) + extra
-                key = (id(layers), m.state_factor, float(keep), float(ck), cap)
+            cap = m.capacity(k) + extra
+            for mu in (*m.modes, *units):
+                if mu == UNITS_MODE:
+                    n = m.in_flight(k)
+                    key: tuple[object, ...] = (id(layers), m.state_factor, "units", n, cap)
+                else:
+                    ck, keep = m.checkpointed(k, mu)
+                    key = (id(layers), m.state_factor, float(keep), float(ck), cap)
                 if key not in cache:
-                    const = ck * self._inputs + keep * self._shared
-                    found = self._ends(self._state + keep * self._saved, const, cap)
+                    if mu == UNITS_MODE:
+                        found = self._ends(
+                            self._state + n * self._least, n * self._least_first, cap, True
+                        )
+                    else:
+                        const = ck * self._inputs + keep * self._shared
+                        found = self._ends(self._state + keep * self._saved, const, cap)
                     rise = np.maximum.accumulate(found)
                     same = bool((found == rise).all())
                     cache[key] = (found, found.tolist(), rise.tolist(), same)
@@ -81,19 +98,24 @@ class MemoryLimits:
             self.lists.append(lists)
             self.envelopes.append(envelopes)
 
-    def _ends(self, additive: Array, const: Array, cap: float) -> Ints:
-        """Per start s, the largest end e >= s with ``A(e) − A(s) + const(s) + peak <= cap``."""
+    def _ends(self, additive: Array, const: Array, cap: float, transient: bool = False) -> Ints:
+        """Per start s, the largest end e >= s with ``A(e) − A(s) + const(s) + peak <= cap``
+        (``transient``: plus the stage's largest saved set)."""
         starts = np.arange(self.n)
         budget = additive[starts] + (cap - const)
         ends = np.maximum(np.searchsorted(additive, budget, side="right") - 1, starts)
-        if self._peak is None:
+        if self._peak is None and not transient:
             return ends.astype(np.int64)
         # The largest layer peak of the stage also grows with e: bisect on it.
         lo, hi = starts.copy(), ends.astype(np.int64)
         while np.any(lo < hi):
             open_ = lo < hi
             mid = np.where(open_, (lo + hi + 1) // 2, np.minimum(lo + 1, self.n))
-            total = additive[mid] - additive[starts] + const + self._peak.query(starts, mid)
+            total = additive[mid] - additive[starts] + const
+            if self._peak is not None:
+                total = total + self._peak.query(starts, mid)
+            if transient:
+                total = total + self._largest.query(starts, mid)
             ok = open_ & (total <= cap)
             lo = np.where(ok, mid, lo)
             hi = np.where(open_ & ~ok, mid - 1, hi)

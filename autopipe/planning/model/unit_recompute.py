@@ -1,0 +1,188 @@
+"""Which units of a stage to re-compute so that it fits its memory at the least cost.
+
+Re-computing unit ``u`` of a stage (running it under activation checkpointing on every
+micro-batch) keeps only its input ``in_u`` per micro-batch in flight instead of its saved
+tensors, and runs its forward ``F_u`` once more in the backward. Against keeping
+everything it frees, per micro-batch in flight::
+
+    b_u = kept_u − in_u,   kept_u = saved_u − shared_u   (the stage's first unit: saved_u)
+
+(``shared_u``, the part of ``saved_u`` the previous unit saves too, is held once with the
+previous unit). So a stage of layers ``[s, e)`` holding ``n`` micro-batches, re-computing
+the set R, needs::
+
+    memory(R) = fixed + n · (Σ_{u∈[s,e)} kept_u − Σ_{u∈R} b_u) + [R ≠ ∅] · T(s, e)
+    time(R)   = Σ_{u∈R} F_u   (per micro-batch, on a speed-1 device)
+
+where ``T(s, e)``, the largest saved set of the stage's units, is what a unit's
+re-computation holds again while its backward runs (one micro-batch's, one unit at a
+time: the largest of the stage's, an upper bound of the largest of R's). The
+input of a re-computed unit is counted whole even where the previous unit also saves it
+(an upper bound as well).
+
+The cheapest R that fits is a covering knapsack: the least ``Σ F_u`` with
+``Σ b_u >= need``. It is solved exactly from the Pareto front of (bytes freed, seconds)
+over the subsets of the stage's units, built per stage start as the stage grows unit by
+unit (:class:`UnitRecompute`): a front of stages of identical blocks has one point per
+count of units, of other stages at most the distinct sums. A front past
+:data:`FRONT_LIMIT` points is thinned to that many (evenly over the bytes freed, its ends
+kept), which may cost a little more re-computation than the best set; planning says so
+nowhere else, as fronts that large need hundreds of distinct units in one stage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from autopipe.planning.model.layer_costs import LayerCosts
+from autopipe.planning.model.spans import RangeMax
+
+__all__: list[str] = []
+
+Array = NDArray[np.float64]
+Index = NDArray[np.int64]
+
+FRONT_LIMIT = 512
+
+
+class Front:
+    """The Pareto front of the subsets of some units: bytes freed (ascending) against
+    seconds (ascending), with each point's subset as a bit mask over the units' offsets."""
+
+    __slots__ = ("freed", "masks", "seconds")
+
+    def __init__(self, freed: Array, seconds: Array, masks: list[int]) -> None:
+        self.freed = freed
+        self.seconds = seconds
+        self.masks = masks
+
+    @classmethod
+    def empty(cls) -> Front:
+        return cls(np.zeros(1), np.zeros(1), [0])
+
+    def add(self, benefit: float, cost: float, bit: int) -> Front:
+        """The front of the subsets of these units and one more, which frees ``benefit``
+        bytes for ``cost`` seconds."""
+        if benefit <= 0:  # a unit whose input outweighs its saved tensors never helps
+            return self
+        freed = np.concatenate([self.freed, self.freed + benefit])
+        seconds = np.concatenate([self.seconds, self.seconds + cost])
+        masks = self.masks + [m | bit for m in self.masks]
+        # Most freed first (ties: the cheaper first); a point stays when it is cheaper than
+        # every point that frees at least as much.
+        order = np.lexsort((seconds, -freed))
+        ordered = seconds[order]
+        cheapest = np.minimum.accumulate(ordered)
+        keep = np.ones(len(order), dtype=bool)
+        keep[1:] = ordered[1:] < cheapest[:-1]
+        chosen = order[keep][::-1]
+        if len(chosen) > FRONT_LIMIT:
+            picks = np.unique(np.linspace(0, len(chosen) - 1, FRONT_LIMIT).round().astype(int))
+            chosen = chosen[picks]
+        return Front(freed[chosen], seconds[chosen], [masks[i] for i in chosen.tolist()])
+
+    def cheapest(self, need: float) -> int:
+        """The index of the cheapest point freeing at least ``need`` bytes, or -1."""
+        i = int(np.searchsorted(self.freed, need, side="left"))
+        return i if i < len(self.freed) else -1
+
+
+class UnitRecompute:
+    """The cheapest set of units to re-compute for any candidate stage.
+
+    Args:
+        layers: per-layer figures (forward seconds, saved, shared, input and output bytes).
+    """
+
+    def __init__(self, layers: LayerCosts) -> None:
+        self.n = n = len(layers)
+        self.forward = layers.forward
+        self.saved = layers.saved
+        inputs = np.concatenate([[layers.input], layers.output[:-1]])
+        self.shared = layers.shared_bytes
+        self.kept_inner = layers.saved - self.shared
+        self.inputs = inputs
+        self._kept = np.concatenate([[0.0], np.cumsum(self.kept_inner)])
+        self._largest = RangeMax(layers.saved) if n else None
+        self._fronts: list[list[Front]] = [[] for _ in range(n)]
+
+    def benefit(self, u: int, s: int) -> float:
+        """Bytes per micro-batch re-computing unit ``u`` frees in a stage starting at ``s``."""
+        kept = self.saved[u] if u == s else self.kept_inner[u]
+        return float(kept - self.inputs[u])
+
+    def front(self, s: int, e: int) -> Front:
+        """The front of the units of stage ``[s, e)``."""
+        fronts = self._fronts[s]
+        if not fronts:
+            fronts.append(Front.empty())
+        while len(fronts) <= e - s:
+            u = s + len(fronts) - 1
+            fronts.append(fronts[-1].add(self.benefit(u, s), float(self.forward[u]), 1 << (u - s)))
+        return fronts[e - s]
+
+    def kept(self, s: Index, e: Index) -> Array:
+        """Bytes one micro-batch keeps in stage ``[s, e)`` when nothing is re-computed."""
+        return np.asarray(self._kept[e] - self._kept[s] + self.shared[s])
+
+    def transient(self, s: Index, e: Index) -> Array:
+        """The largest saved set of the stage's units (held again while re-computing)."""
+        assert self._largest is not None
+        return self._largest.query(np.asarray(s), np.asarray(e))
+
+    def choose(
+        self, s: Index, e: Index, in_flight: int, headroom: Array
+    ) -> tuple[Array, Array, NDArray[np.bool_]]:
+        """Per candidate stage ``[s, e)``: ``(seconds, memory, fits)`` of its cheapest set.
+
+        Args:
+            s, e: the candidate stages' bounds (arrays of one shape).
+            in_flight: micro-batches the stage holds at its peak (n).
+            headroom: bytes of the device left for the micro-batches' activations (its
+                capacity less the stage's state and transient peaks).
+
+        Returns:
+            The re-computation seconds per micro-batch (speed 1) of the cheapest set that
+            fits, and the activation bytes it holds; where none fits, those of the set
+            that frees the most (``fits`` false).
+        """
+        s_arr, e_arr = np.broadcast_arrays(np.asarray(s), np.asarray(e))
+        head = np.broadcast_to(np.asarray(headroom, dtype=float), s_arr.shape)
+        kept = self.kept(s_arr, e_arr)
+        transient = self.transient(s_arr, e_arr)
+        seconds = np.zeros(s_arr.shape)
+        memory = in_flight * kept
+        fits = memory <= head
+        flat_s, flat_e = s_arr.ravel(), e_arr.ravel()
+        out_seconds, out_memory, out_fits = seconds.ravel(), memory.ravel(), fits.ravel()
+        kept_flat, trans_flat, head_flat = kept.ravel(), transient.ravel(), head.ravel()
+        for i in np.flatnonzero(~out_fits).tolist():
+            front = self.front(int(flat_s[i]), int(flat_e[i]))
+            need = kept_flat[i] - (head_flat[i] - trans_flat[i]) / in_flight
+            j = front.cheapest(need) if head_flat[i] > trans_flat[i] else -1
+            if j < 0:
+                j = len(front.freed) - 1  # the least memory: free the most
+            held = in_flight * (kept_flat[i] - front.freed[j]) + (trans_flat[i] if j else 0.0)
+            out_seconds[i] = front.seconds[j]
+            out_memory[i] = held
+            out_fits[i] = held <= head_flat[i]
+        return (
+            out_seconds.reshape(s_arr.shape),
+            out_memory.reshape(s_arr.shape),
+            out_fits.reshape(s_arr.shape),
+        )
+
+    def units(self, s: int, e: int, in_flight: int, headroom: float) -> list[int]:
+        """The units (layer indices) :meth:`choose` re-computes in stage ``[s, e)``."""
+        kept = float(self.kept(np.array(s), np.array(e)))
+        if in_flight * kept <= headroom:
+            return []
+        front = self.front(s, e)
+        transient = float(self.transient(np.array(s), np.array(e)))
+        need = kept - (headroom - transient) / in_flight
+        j = front.cheapest(need) if headroom > transient else -1
+        if j < 0:
+            j = len(front.freed) - 1
+        mask = front.masks[j]
+        return [s + i for i in range(e - s) if mask >> i & 1]
