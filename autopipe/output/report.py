@@ -177,6 +177,17 @@ def _checkpoint_label(plan: Plan) -> str:
     return f"auto ({chosen} of {plan.num_stages} stages checkpoint)"
 
 
+def _stage_mode(stage: StagePlan, plan: Plan) -> str:
+    """A stage's checkpoint mode; re-computed units by their count and first names, e.g.
+    ``units 2 of 5 (h.0, h.1)``."""
+    mode = stage.checkpoint or plan.checkpoint
+    if mode != "units":
+        return mode
+    names = [stage.layers[u - stage.start] for u in stage.recompute_units]
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"units {len(names)} of {stage.size} ({shown})"
+
+
 def render_stages(plan: Plan) -> str:
     """The stage table: index, device, layers, time per micro-batch, memory, share.
 
@@ -212,7 +223,7 @@ def render_stages(plan: Plan) -> str:
         share = stage.time / plan.bottleneck if plan.bottleneck > 0 else 0.0
         row.append(f"{share:6.1%}  {bar(share)}")
         if modes:
-            row.append(stage.checkpoint or plan.checkpoint)
+            row.append(_stage_mode(stage, plan))
         rows.append(row)
     right = {0, 3, 4} if sends else {0, 3}
     return _table(headers, rows, right)

@@ -106,6 +106,7 @@ class UnitRecompute:
         self._kept = np.concatenate([[0.0], np.cumsum(self.kept_inner)])
         self._largest = RangeMax(layers.saved) if n else None
         self._fronts: list[list[Front]] = [[] for _ in range(n)]
+        self._solved: dict[tuple[int, int, int, float], tuple[float, float]] = {}
 
     def benefit(self, u: int, s: int) -> float:
         """Bytes per micro-batch re-computing unit ``u`` frees in a stage starting at ``s``."""
@@ -150,39 +151,59 @@ class UnitRecompute:
         s_arr, e_arr = np.broadcast_arrays(np.asarray(s), np.asarray(e))
         head = np.broadcast_to(np.asarray(headroom, dtype=float), s_arr.shape)
         kept = self.kept(s_arr, e_arr)
-        transient = self.transient(s_arr, e_arr)
-        seconds = np.zeros(s_arr.shape)
         memory = in_flight * kept
         fits = memory <= head
-        flat_s, flat_e = s_arr.ravel(), e_arr.ravel()
-        out_seconds, out_memory, out_fits = seconds.ravel(), memory.ravel(), fits.ravel()
-        kept_flat, trans_flat, head_flat = kept.ravel(), transient.ravel(), head.ravel()
-        for i in np.flatnonzero(~out_fits).tolist():
-            front = self.front(int(flat_s[i]), int(flat_e[i]))
-            need = kept_flat[i] - (head_flat[i] - trans_flat[i]) / in_flight
-            j = front.cheapest(need) if head_flat[i] > trans_flat[i] else -1
-            if j < 0:
-                j = len(front.freed) - 1  # the least memory: free the most
-            held = in_flight * (kept_flat[i] - front.freed[j]) + (trans_flat[i] if j else 0.0)
-            out_seconds[i] = front.seconds[j]
-            out_memory[i] = held
-            out_fits[i] = held <= head_flat[i]
-        return (
-            out_seconds.reshape(s_arr.shape),
-            out_memory.reshape(s_arr.shape),
-            out_fits.reshape(s_arr.shape),
-        )
+        seconds = np.zeros(s_arr.shape)
+        over = ~fits
+        if not over.any():
+            return seconds, memory, fits
+        # Solvers ask for the same stages many times over (every split holding them): each
+        # distinct stage is solved once.
+        key = s_arr[over].astype(np.int64) * (self.n + 1) + e_arr[over]
+        keys, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        starts, ends = s_arr[over][first], e_arr[over][first]
+        heads = head[over][first]
+        found = np.array(
+            [
+                self._solve(int(a), int(b), in_flight, float(h))
+                for a, b, h in zip(starts.tolist(), ends.tolist(), heads.tolist(), strict=True)
+            ]
+        ).reshape(len(keys), 2)
+        seconds = seconds.copy()
+        memory = np.array(memory, dtype=float)
+        seconds[over] = found[inverse.ravel(), 0]
+        memory[over] = found[inverse.ravel(), 1]
+        return seconds, memory, memory <= head
 
-    def units(self, s: int, e: int, in_flight: int, headroom: float) -> list[int]:
-        """The units (layer indices) :meth:`choose` re-computes in stage ``[s, e)``."""
-        kept = float(self.kept(np.array(s), np.array(e)))
-        if in_flight * kept <= headroom:
-            return []
+    def _solve(self, s: int, e: int, in_flight: int, headroom: float) -> tuple[float, float]:
+        """``(seconds, bytes)`` of the cheapest set of stage ``[s, e)`` that fits, else of
+        the set freeing the most; cached (a stage's headroom is the same for each split)."""
+        key = (s, e, in_flight, headroom)
+        if key not in self._solved:
+            j, front, kept, transient = self._pick(s, e, in_flight, headroom)
+            held = in_flight * (kept - front.freed[j]) + (transient if j else 0.0)
+            self._solved[key] = (float(front.seconds[j]), float(held))
+        return self._solved[key]
+
+    def _pick(
+        self, s: int, e: int, in_flight: int, headroom: float
+    ) -> tuple[int, Front, float, float]:
+        """The front point :meth:`choose` takes for stage ``[s, e)``, with the front, the
+        bytes a micro-batch keeps re-computing nothing, and the re-computation's transient."""
         front = self.front(s, e)
+        kept = float(self._kept[e] - self._kept[s] + self.shared[s])
         transient = float(self.transient(np.array(s), np.array(e)))
         need = kept - (headroom - transient) / in_flight
         j = front.cheapest(need) if headroom > transient else -1
         if j < 0:
-            j = len(front.freed) - 1
+            j = len(front.freed) - 1  # the least memory: free the most
+        return j, front, kept, transient
+
+    def units(self, s: int, e: int, in_flight: int, headroom: float) -> list[int]:
+        """The units (layer indices) :meth:`choose` re-computes in stage ``[s, e)``."""
+        kept = float(self._kept[e] - self._kept[s] + self.shared[s])
+        if in_flight * kept <= headroom:
+            return []
+        j, front, _, _ = self._pick(s, e, in_flight, headroom)
         mask = front.masks[j]
         return [s + i for i in range(e - s) if mask >> i & 1]
