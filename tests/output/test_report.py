@@ -18,6 +18,7 @@ from autopipe.output.report import (
 from autopipe.planning.model.quantities import format_time
 from autopipe.planning.planner import evaluate, plan
 from profiler.profile import LayerProfile, Profile
+from tests.support.planning_cases import linear_profile
 
 COSTS = [1.0, 1.0, 6.0, 6.0, 1.0, 1.0, 1.0, 1.0]
 
@@ -215,3 +216,13 @@ def test_plan_without_profile_data() -> None:
     text = render_plan(result)
     assert "8 layers on 2 stages [cpu], 4 micro-batches of 4" in text
     assert "(embed.." in text
+
+
+def test_auto_plans_name_each_stages_recomputed_units() -> None:
+    profile = linear_profile(
+        [1.0, 2.0, 3.0, 4.0], saved=[100] * 4, output=[10] * 4, batch=8, chunks=4, input_bytes=10
+    )
+    found = plan(profile, 1, chunks=4, checkpoint="auto", memory=1200)
+    text = render_stages(found)
+    assert "units 2 of 4 (l0, l1)" in text
+    assert "checkpoint auto (1 of 1 stages checkpoint)" in render_header(found)
