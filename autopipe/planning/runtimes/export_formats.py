@@ -42,6 +42,11 @@ def _units(plan: Plan) -> list[list[str]]:
     return [[name.replace("/", ".") for name in stage.layers] for stage in plan.stages]
 
 
+def _paths(plan: Plan) -> list[list[list[str]]]:
+    """Per stage, per unit, the modules the unit calls."""
+    return [[[call.path for call in _calls(unit)] for unit in units] for units in _units(plan)]
+
+
 def _ranks(plan: Plan) -> int:
     return plan.num_stages // plan.virtual_stages
 
@@ -202,14 +207,15 @@ def _torchtitan(plan: Plan) -> str:
     from autopipe.planning.runtimes.titan_config import titan_toml
 
     parts = _titan_parts(plan, "torchtitan")
-    return _header(plan, "#") + "\n" + titan_toml(plan, parts, _torch_schedule(plan))
+    toml = titan_toml(plan, parts, _torch_schedule(plan), _paths(plan))
+    return _header(plan, "#") + "\n" + toml
 
 
 def _torchtitan_json(plan: Plan) -> str:
     from autopipe.planning.runtimes.titan_config import titan_json
 
     parts = _titan_parts(plan, "torchtitan-json")
-    return _dumps(titan_json(plan, parts, _torch_schedule(plan)))
+    return _dumps(titan_json(plan, parts, _torch_schedule(plan), _paths(plan)))
 
 
 def _deepspeed(plan: Plan) -> str:
@@ -237,9 +243,9 @@ def _megatron(plan: Plan) -> str:
             "1f1b (and --virtual-stages 2 for its interleaved schedule)",
         )
     _check_modules(plan, "megatron")
-    stages = [[[call.path for call in _calls(unit)] for unit in units] for units in _units(plan)]
-    flags, comments = megatron_mesh(plan)
+    stages = _paths(plan)
     try:
+        flags, comments = megatron_mesh(plan, stages)
         arguments = megatron_arguments(stages, _ranks(plan), flags)
     except ValueError as exc:
         raise _refuse("megatron", str(exc)) from None

@@ -19,7 +19,7 @@ def _layer(path: str) -> tuple[str, int] | None:
     return (match.group(1), int(match.group(2))) if match else None
 
 
-def _stack(paths: Sequence[str]) -> str:
+def decoder_stack(paths: Sequence[str]) -> str:
     """The prefix of the one stack of repeated layers (``layers`` of ``layers.N``)."""
     indices: dict[str, set[int]] = {}
     for path in paths:
@@ -51,7 +51,7 @@ def decoder_counts(stages: Stages) -> list[int]:
             embedding or the loss off its stage, or other modules between the layers.
     """
     flat = [(k, path) for k, units in enumerate(stages) for unit in units for path in unit]
-    prefix = _stack([path for _, path in flat])
+    prefix = decoder_stack([path for _, path in flat])
     inside = [i for i, (_, path) in enumerate(flat) if (_layer(path) or ("",))[0] == prefix]
     first, last = inside[0], inside[-1]
     where: dict[int, tuple[int, str]] = {}

@@ -4,13 +4,17 @@ The names are Megatron-LM's (``megatron/training/arguments.py``, most of them ma
 megatron-core's ``TransformerConfig`` and ``DistributedDataParallelConfig`` fields): the
 tensor- and context-parallel sizes, sequence parallelism, how the data-parallel group
 shards (the distributed optimizer for ZeRO-1, Megatron-FSDP for ZeRO-2 and 3), the
-micro- and global batch, and full recompute of every layer.
+micro- and global batch, and recompute: full recompute of every decoder layer, or with
+the block method of the first ``N`` of every (virtual) stage, for plans that re-compute
+some units (:mod:`autopipe.planning.runtimes.layer_recompute` rounds them to that).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autopipe.planning.runtimes.layer_recompute import BLOCK_METHOD, LayerStack, Stages
+from autopipe.planning.runtimes.megatron_layout import decoder_stack
 from autopipe.planning.runtimes.mesh_figures import MeshFigures, mesh_figures, world_line
 
 if TYPE_CHECKING:
@@ -23,6 +27,9 @@ __all__: list[str] = []  # autopipe.planning.runtimes.export_formats is the inte
 _FSDP_STRATEGIES = {2: "optim_grads", 3: "optim_grads_params"}
 # Every layer's input kept, the layer recomputed in the backward: the plan's ``always``.
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+# The first N decoder layers of every stage kept as their input and recomputed, the rest
+# not: the nearest Megatron runs to a plan re-computing some units (N follows).
+RECOMPUTE_FIRST = f"--recompute-granularity full {BLOCK_METHOD} --recompute-num-layers"
 
 
 def _sharding(figures: MeshFigures) -> list[str]:
@@ -41,13 +48,21 @@ def _sharding(figures: MeshFigures) -> list[str]:
     return flags
 
 
-def megatron_mesh(plan: Plan) -> tuple[str, list[str]]:
+def megatron_mesh(plan: Plan, stages: Stages) -> tuple[str, list[str]]:
     """The mesh, batch and recompute flags, and the comment lines that go with them.
 
     The comments say the world size the degrees need and what the flags write
     differently from the plan.
+
+    Args:
+        plan: the plan.
+        stages: per stage, per unit, the modules it calls.
+
+    Raises:
+        ValueError: no single stack of decoder layers among the modules.
     """
-    figures = mesh_figures(plan, "Megatron")
+    stack = decoder_stack([path for units in stages for unit in units for path in unit])
+    figures = mesh_figures(plan, "Megatron", LayerStack(stack, stages, first=True))
     flags = [f"--tensor-model-parallel-size {figures.tensor}"]
     if figures.sequence_parallel:
         flags.append("--sequence-parallel")
@@ -59,7 +74,9 @@ def megatron_mesh(plan: Plan) -> tuple[str, list[str]]:
         flags.append(f"--global-batch-size {figures.global_batch}")
     if plan.sequence:  # the length the plan was counted at
         flags.append(f"--seq-length {plan.sequence}")
-    if figures.recompute:
+    if figures.recompute_layers is not None:
+        flags.append(f"{RECOMPUTE_FIRST} {figures.recompute_layers}")
+    elif figures.recompute:
         flags.append(RECOMPUTE)
     comments = [f"# Megatron-LM, {world_line(figures)}"]
     comments += [f"# note: {note}" for note in figures.notes]

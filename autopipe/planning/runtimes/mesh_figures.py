@@ -1,15 +1,18 @@
 """What the torchtitan and Megatron exports write about a plan's mesh, batches and recompute.
 
 One place decides the figures both runtimes take: the degrees (``t · c · K · D`` devices),
-the ZeRO stage the replicas shard with, the micro- and global batch, and the one recompute
-mode a runtime applies to every layer. Each figure a runtime cannot take exactly comes with
-a note saying what the export writes instead.
+the ZeRO stage the replicas shard with, the micro- and global batch, and which layers the
+runtime recomputes (:mod:`autopipe.planning.runtimes.layer_recompute` rounds the plan's
+per-stage and per-unit choices up to that). Each figure a runtime cannot take exactly
+comes with a note saying what the export writes instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from autopipe.planning.runtimes.layer_recompute import LayerStack, layer_recompute, whole_stages
 
 if TYPE_CHECKING:
     from autopipe.planning.model.plans import Plan
@@ -33,7 +36,9 @@ class MeshFigures:
         chunks: micro-batches per replica and step.
         global_batch: samples per step over all replicas, ``micro_batch · chunks · D``
             (``None`` when unknown).
-        recompute: the runtime recomputes every layer's activations in the backward.
+        recompute: the runtime recomputes activations in the backward.
+        recompute_layers: it recomputes the first this many transformer layers of every
+            stage (Megatron's block method); ``None``: every layer.
         notes: what the runtimes cannot take as planned and what is written instead.
     """
 
@@ -48,6 +53,7 @@ class MeshFigures:
     chunks: int
     global_batch: int | None
     recompute: bool
+    recompute_layers: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -56,36 +62,16 @@ def zero_stage(plan: Plan) -> int:
     return max(plan.mesh.zero, 1 if plan.shard_optimizer else 0)
 
 
-def _recompute(plan: Plan, runtime: str) -> tuple[bool, list[str]]:
-    """Whether the runtime recomputes, and what differs from the plan's per-stage modes.
-
-    Both runtimes apply one mode to every decoder layer of every micro-batch, so a plan
-    that recomputes anywhere recomputes everywhere there: more time than planned, never
-    more memory (the safe side of a memory budget)."""
-    modes = plan.stage_checkpoints
-    if all(mode == "never" for mode in modes):
-        return False, []
-    notes = []
-    if "except_last" in modes:
-        notes.append(
-            f"checkpoint except_last (every micro-batch but the last recomputes) has no "
-            f"{runtime} form: the export recomputes every micro-batch, the last one too"
-        )
-    plain = [k for k, mode in enumerate(modes) if mode == "never"]
-    if plain:
-        notes.append(
-            f"stages {plain} were planned without recompute; {runtime} applies one mode to "
-            "all the layers, so they recompute too"
-        )
-    return True, notes
-
-
-def mesh_figures(plan: Plan, runtime: str) -> MeshFigures:
+def mesh_figures(plan: Plan, runtime: str, layers: LayerStack | None = None) -> MeshFigures:
     """The figures of the mesh, batches and recompute that ``runtime`` is given.
 
     Args:
         plan: the plan.
         runtime: the runtime's name, for the notes (``torchtitan``, ``Megatron``).
+        layers: where the plan's units lie among the runtime's transformer layers, to
+            round per-unit re-computation to what the runtime runs
+            (:mod:`autopipe.planning.runtimes.layer_recompute`); ``None``: one mode for
+            every layer, whatever the plan's units.
     """
     mesh, replicas = plan.mesh, plan.data_parallel
     ranks = plan.num_stages // plan.virtual_stages
@@ -109,7 +95,9 @@ def mesh_figures(plan: Plan, runtime: str) -> MeshFigures:
     notes.append(
         "the sequence length is not in the plan: set it to the length of the profiled sample"
     )
-    recompute, why = _recompute(plan, runtime)
+    recompute = (
+        whole_stages(plan, runtime) if layers is None else layer_recompute(plan, runtime, layers)
+    )
     return MeshFigures(
         ranks=ranks,
         replicas=replicas,
@@ -121,8 +109,9 @@ def mesh_figures(plan: Plan, runtime: str) -> MeshFigures:
         micro_batch=micro,
         chunks=plan.chunks,
         global_batch=total,
-        recompute=recompute,
-        notes=[*notes, *why],
+        recompute=recompute.on,
+        recompute_layers=recompute.first,
+        notes=[*notes, *recompute.notes],
     )
 
 

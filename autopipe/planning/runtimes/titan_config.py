@@ -15,6 +15,7 @@ import json
 import shlex
 from typing import TYPE_CHECKING
 
+from autopipe.planning.runtimes.layer_recompute import LayerStack, Stages
 from autopipe.planning.runtimes.mesh_figures import MeshFigures, mesh_figures, world_line
 
 if TYPE_CHECKING:
@@ -57,9 +58,13 @@ def _data_parallel(figures: MeshFigures) -> tuple[dict[str, object], list[str]]:
     return keys, notes
 
 
-def _sections(plan: Plan, parts: list[list[str]], schedule: str) -> tuple[Sections, MeshFigures]:
+def _sections(
+    plan: Plan, parts: list[list[str]], schedule: str, stages: Stages
+) -> tuple[Sections, MeshFigures]:
     """torchtitan's config sections for the plan (and the figures they come from)."""
-    figures = mesh_figures(plan, "torchtitan")
+    # torchtitan checkpoints the entries of the model's ``layers`` (its transformer
+    # blocks), all under one policy: a plan re-computing some of them gets ``full``.
+    figures = mesh_figures(plan, "torchtitan", LayerStack("layers", stages, first=False))
     dp, notes = _data_parallel(figures)
     parallelism: dict[str, object] = {
         **dp,
@@ -98,15 +103,16 @@ def _toml_value(value: object) -> str:
     return json.dumps(value)
 
 
-def titan_toml(plan: Plan, parts: list[list[str]], schedule: str) -> str:
+def titan_toml(plan: Plan, parts: list[list[str]], schedule: str, stages: Stages) -> str:
     """The TOML: the world size and notes as comments, the sections, the overrides.
 
     Args:
         plan: the plan.
         parts: ``module_fqns_per_model_part``, one list of module names per stage.
         schedule: torch's name of the plan's schedule.
+        stages: per stage, per unit, the modules it calls.
     """
-    sections, figures = _sections(plan, parts, schedule)
+    sections, figures = _sections(plan, parts, schedule, stages)
     lines = [f"# torchtitan, {world_line(figures)}"]
     lines += [f"# note: {note}" for note in figures.notes]
     for section, keys in sections.items():
@@ -120,10 +126,12 @@ def titan_toml(plan: Plan, parts: list[list[str]], schedule: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def titan_json(plan: Plan, parts: list[list[str]], schedule: str) -> dict[str, object]:
+def titan_json(
+    plan: Plan, parts: list[list[str]], schedule: str, stages: Stages
+) -> dict[str, object]:
     """The JSON's object: the ``[parallelism]`` keys at the top level, the other sections
     as objects, ``world_size`` and the ``notes`` (arguments as :func:`titan_toml`'s)."""
-    sections, figures = _sections(plan, parts, schedule)
+    sections, figures = _sections(plan, parts, schedule, stages)
     data: dict[str, object] = {**sections.pop("parallelism"), **sections}
     data["world_size"] = figures.world
     data["notes"] = figures.notes

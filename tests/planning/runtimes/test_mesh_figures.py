@@ -42,3 +42,17 @@ def test_recompute_is_one_mode_for_all_layers() -> None:
     assert not mesh_figures(mesh_plan(MeshCase(checkpoint="never")), "X").recompute
     figures = mesh_figures(mesh_plan(MeshCase(checkpoint="except_last")), "X")
     assert figures.recompute and any("except_last" in note for note in figures.notes)
+
+
+def test_without_the_layers_units_stages_recompute_everything_and_it_is_said() -> None:
+    plan = mesh_plan(MeshCase(checkpoint=("never", "never", "never", "never")))
+    stages = [
+        plan.stages[0],
+        dataclasses.replace(plan.stages[1], checkpoint="units", recompute_units=[3]),
+        *plan.stages[2:],
+    ]
+    figures = mesh_figures(dataclasses.replace(plan, stages=stages, checkpoint="auto"), "X")
+    assert figures.recompute and figures.recompute_layers is None
+    assert "stages [1] re-compute some of their units; X applies one mode" in " ".join(
+        figures.notes
+    )
