@@ -331,7 +331,8 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def _split_key(found: Plan) -> tuple[Any, ...]:
-    return (tuple(found.balance), tuple(found.stage_checkpoints))
+    units = tuple(tuple(stage.recompute_units) for stage in found.stages)
+    return (tuple(found.balance), tuple(found.stage_checkpoints), units)
 
 
 def _distinct(plans: dict[str, Plan]) -> tuple[dict[str, str], dict[str, Plan]]:

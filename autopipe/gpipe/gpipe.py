@@ -14,6 +14,12 @@ from torch import nn
 from autopipe.gpipe.colocated import colocation_mismatch, device_groups
 from autopipe.gpipe.fill_drain import Pipeline
 from autopipe.gpipe.microbatch import TensorOrTensors, check, gather, scatter
+from autopipe.gpipe.recomputed_units import (
+    UNITS,
+    RecomputedUnits,
+    plan_recomputation,
+    recompute_lists,
+)
 from autopipe.gpipe.tied_copies import Replicas
 from autopipe.microbatching import DeferredBatchNorm
 from autopipe.planning import FIXED_CHECKPOINT_MODES
@@ -70,8 +76,8 @@ def verify_module(module: nn.Module) -> None:
 def _modes(checkpoint: object) -> list[str]:
     """The checkpoint modes ``checkpoint`` names: one for all partitions, or one each."""
     wrong = ValueError(
-        "checkpoint is not one of 'always', 'except_last', or 'never' (nor a list of one "
-        f"per partition): got {checkpoint!r}"
+        "checkpoint is not one of 'always', 'except_last', or 'never' (nor 'units' with "
+        f"recompute=, nor a list of one per partition): got {checkpoint!r}"
     )
     if isinstance(checkpoint, str):
         modes = [checkpoint]
@@ -79,14 +85,19 @@ def _modes(checkpoint: object) -> list[str]:
         modes = list(checkpoint)
     else:
         raise wrong
-    if any(not isinstance(mode, str) or mode not in FIXED_CHECKPOINT_MODES for mode in modes):
+    known = (*FIXED_CHECKPOINT_MODES, UNITS)
+    if any(not isinstance(mode, str) or mode not in known for mode in modes):
         raise wrong
     return modes
 
 
 def _validate(
-    module: nn.Module, balance: Iterable[int] | None, chunks: int, checkpoint: object
-) -> list[int]:
+    module: nn.Module,
+    balance: Iterable[int] | None,
+    chunks: int,
+    checkpoint: object,
+    recompute: object,
+) -> tuple[list[int], list[list[int]]]:
     verify_module(module)
     if balance is None:
         raise ValueError(
@@ -113,7 +124,9 @@ def _validate(
         raise ValueError(
             f"checkpoint has {len(modes)} modes but there are {len(balance)} partitions"
         )
-    return balance
+    if isinstance(checkpoint, str):
+        modes = modes * len(balance)
+    return balance, recompute_lists(recompute, modes, balance)
 
 
 def _resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[torch.device]:
@@ -148,8 +161,18 @@ class GPipe(nn.Module):
             (:func:`profiler.devices.stage_devices`).
         chunks: micro-batches per mini-batch.
         checkpoint: which micro-batches recompute activations in backward: ``always``,
-            ``except_last`` (all but the last) or ``never``; one mode for every partition or
-            one per partition (as a plan with ``checkpoint="auto"`` chooses them).
+            ``except_last`` (all but the last) or ``never``; or ``units``: the layers that
+            ``recompute`` lists for the partition, each on every micro-batch. One mode for
+            every partition or one per partition (as a plan with ``checkpoint="auto"``
+            chooses them).
+        recompute: for partitions of mode ``units``, the layers to re-compute: one list
+            per partition of positions within it (``[[0, 2], []]``: the first and third
+            layers of partition 0), empty for the partitions of other modes. Each listed
+            layer runs under activation checkpointing on every training micro-batch: it
+            keeps only its input and runs its forward again in backward, with the random
+            numbers of its first run, updating batch-norm statistics once. Required
+            exactly when a partition has mode ``units``; :meth:`from_plan` passes a plan's
+            ``recompute_units``.
         deferred_batch_norm: update batch-norm running statistics once per mini-batch, from
             all of its samples, instead of once per micro-batch.
         replicate_shared: give every later partition using a shared tensor a copy even
@@ -172,6 +195,7 @@ class GPipe(nn.Module):
     devices: list[torch.device]
     chunks: int
     checkpoint: str | list[str]
+    recompute: list[list[int]]
 
     def __init__(
         self,
@@ -181,13 +205,14 @@ class GPipe(nn.Module):
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
         checkpoint: str | Sequence[str] = "except_last",
+        recompute: Sequence[Sequence[int]] | None = None,
         deferred_batch_norm: bool = False,
         replicate_shared: bool = False,
     ) -> None:
         super().__init__()
-        balance = _validate(module, balance, chunks, checkpoint)
+        balance, units = _validate(module, balance, chunks, checkpoint, recompute)
         # Checked before anything is moved or converted, so a rejected module is left as is.
-        reserved = {*self.__dict__, "balance", "devices", "chunks", "checkpoint"}
+        reserved = {*self.__dict__, "balance", "devices", "chunks", "checkpoint", "recompute"}
         for name in module._modules:
             if name in reserved or hasattr(type(self), name):
                 raise ValueError(f"layer name {name!r} clashes with a GPipe attribute")
@@ -195,13 +220,18 @@ class GPipe(nn.Module):
         self.balance = balance
         self.chunks = chunks
         self.checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
+        self.recompute = units
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
         layers = list(module._modules.items())
-        partitions = []
+        partitions: list[nn.Sequential] = []
         start = 0
-        for size in self.balance:
-            partitions.append(nn.Sequential(OrderedDict(layers[start : start + size])))
+        for size, positions, device in zip(self.balance, units, self.devices, strict=True):
+            own = OrderedDict(layers[start : start + size])
+            if positions:
+                partitions.append(RecomputedUnits(own, positions, device))
+            else:
+                partitions.append(nn.Sequential(own))
             start += size
         names = {
             id(t): n
@@ -229,9 +259,11 @@ class GPipe(nn.Module):
     def from_plan(cls, module: nn.Sequential, plan: Plan, **kwargs: Any) -> GPipe:
         """Builds a GPipe with the balance, devices, chunks and checkpoint mode of ``plan``.
 
-        Extra keyword arguments (e.g. ``deferred_batch_norm``) are passed on. Partitions
-        on one physical device take turns on it; a plan that does not record them so
-        (``plan.shared``, from ``colocated=True``) mispredicts the step, which is warned of.
+        A stage planned to re-compute single units (checkpoint ``units``, from
+        ``checkpoint="auto"``) re-computes exactly its ``recompute_units``. Extra keyword
+        arguments (e.g. ``deferred_batch_norm``) are passed on. Partitions on one physical
+        device take turns on it; a plan that does not record them so (``plan.shared``,
+        from ``colocated=True``) mispredicts the step, which is warned of.
         """
         if plan.schedule != "gpipe":
             warnings.warn(
@@ -250,12 +282,14 @@ class GPipe(nn.Module):
         mismatch = colocation_mismatch(plan, devices)
         if mismatch is not None:
             warnings.warn(mismatch, stacklevel=2)
+        checkpoint, recompute = plan_recomputation(plan)
         return cls(
             module,
             plan.balance,
             devices=devices,
             chunks=plan.chunks,
-            checkpoint=plan.checkpoint if plan.checkpoint != "auto" else plan.stage_checkpoints,
+            checkpoint=checkpoint,
+            recompute=recompute,
             **kwargs,
         )
 
@@ -322,7 +356,10 @@ class GPipe(nn.Module):
         training = self.training and torch.is_grad_enabled()
         m = len(batches)
         modes = [self.checkpoint] if isinstance(self.checkpoint, str) else self.checkpoint
-        stops = [{"always": m, "except_last": m - 1, "never": 0}[mode] for mode in modes]
+        # A "units" partition checkpoints its listed layers itself (RecomputedUnits), not
+        # whole micro-batches.
+        whole = {"always": m, "except_last": m - 1, "never": 0, UNITS: 0}
+        stops = [whole[mode] for mode in modes]
         stop = [s if training else 0 for s in stops]
         try:
             outputs = self._runtime().run(

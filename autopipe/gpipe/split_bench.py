@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.gpipe.gpipe import GPipe
+from autopipe.gpipe.recomputed_units import plan_recomputation
 from autopipe.microbatching import (
     Progress,
     check_steps,
@@ -45,10 +47,6 @@ def pipeline_input(layers: nn.Sequential, sample: Tensor | tuple[Tensor, ...]) -
     return sample
 
 
-def _checkpoint(plan: Plan) -> str | list[str]:
-    return plan.checkpoint if plan.checkpoint != "auto" else plan.stage_checkpoints
-
-
 def _synchronize(devices: Sequence[torch.device]) -> None:
     for device in devices:
         synchronize(device)
@@ -58,12 +56,15 @@ class _Split:
     """One split's pipeline, optimizer and step."""
 
     def __init__(self, layers: nn.Sequential, plan: Plan, devices: Sequence[str], lr: float):
+        # The plan's checkpointing as planned: whole micro-batches, or single units.
+        checkpoint, recompute = plan_recomputation(plan)
         self.pipe = GPipe(
             copy.deepcopy(layers),
             plan.balance,
             devices=list(devices),
             chunks=plan.chunks,
-            checkpoint=_checkpoint(plan),
+            checkpoint=checkpoint,
+            recompute=recompute,
         )
         self.optimizer = torch.optim.SGD(self.pipe.parameters(), lr=lr)
         self.devices = [torch.device(d) for d in self.pipe.devices]
@@ -92,17 +93,21 @@ class _Split:
 
 @contextmanager
 def _tracking(partitions: nn.ModuleList, trackers: Sequence[SavedMemory]) -> Iterator[None]:
-    """Counts what each partition's layers save into that partition's tracker.
+    """Counts what each partition saves into that partition's tracker.
 
     GPipe runs a partition on its own worker thread (and its re-computation in backward),
-    and saved-tensor hooks are per thread: each layer enters its stage's tracker around
-    its own forward, on whichever thread runs it. A stage's layers run one at a time.
+    and saved-tensor hooks are per thread: each partition, and each of its layers, enters
+    its stage's tracker around its own forward, on whichever thread runs it; the outermost
+    on a thread counts. So a partition's forward counts what its layers save and the
+    inputs its re-computed units keep (saved outside those layers), and a unit re-run in
+    backward counts on its own. A stage's layers run one at a time.
     """
     handles = []
     for part, tracker in zip(partitions, trackers, strict=True):
-        for layer in part.children():
-            handles.append(layer.register_forward_pre_hook(_enter(tracker)))
-            handles.append(layer.register_forward_hook(_exit(tracker), always_call=True))
+        depth = threading.local()
+        for module in (part, *part.children()):
+            handles.append(module.register_forward_pre_hook(_enter(tracker, depth)))
+            handles.append(module.register_forward_hook(_exit(tracker, depth), always_call=True))
     try:
         yield
     finally:
@@ -110,16 +115,21 @@ def _tracking(partitions: nn.ModuleList, trackers: Sequence[SavedMemory]) -> Ite
             handle.remove()
 
 
-def _enter(tracker: SavedMemory) -> Callable[..., None]:
+def _enter(tracker: SavedMemory, depth: threading.local) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
-        tracker.__enter__()
+        level = getattr(depth, "level", 0)
+        depth.level = level + 1
+        if level == 0:
+            tracker.__enter__()
 
     return hook
 
 
-def _exit(tracker: SavedMemory) -> Callable[..., None]:
+def _exit(tracker: SavedMemory, depth: threading.local) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        tracker.__exit__(None, None, None)
+        depth.level -= 1
+        if depth.level == 0:
+            tracker.__exit__(None, None, None)
 
     return hook
 
