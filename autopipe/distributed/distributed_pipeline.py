@@ -119,10 +119,14 @@ class DistributedPipeline(PipelineRunner):
             keeps its micro-batches' activations), ``always`` (a stage keeps only each
             micro-batch's input and runs its forward again in backward), ``except_last``
             (all but the micro-batch whose backward comes first) or ``auto`` (each stage
-            only if it does not fit otherwise). Default: ``except_last`` for one stage per
-            rank under ``gpipe`` and ``1f1b``, ``never`` with virtual stages and for
+            only if it does not fit otherwise, with ``memory``: a stage may then
+            re-compute single units, its plan's ``recompute_units``, each on every
+            micro-batch; with virtual stages too). Default: ``except_last`` for one stage
+            per rank under ``gpipe`` and ``1f1b``, ``never`` with virtual stages and for
             ``zb`` (:func:`autopipe.planning.pipeline_settings.default_checkpoint`). A
-            given plan's own modes are used instead.
+            given plan's own modes are used instead, its units included; a plan whose
+            stage lists units that are not its own, or re-computes units under ``zbv`` or
+            ``dualpipev``, is refused (``ValueError``).
         deferred_batch_norm: update each BatchNorm's running statistics once per step
             from all the inputs it saw: the whole mini-batch, with replicas the global one
             (their counts, means and squared deviations merged exactly), as the plain

@@ -38,7 +38,11 @@ from autopipe.distributed.setup import (
     rank0_plan,
     rank0_profile,
 )
-from autopipe.distributed.stage import checkpoint_problem, fingerprint
+from autopipe.distributed.stage import (
+    checkpoint_problem,
+    fingerprint,
+    plan_checkpoint_problem,
+)
 from autopipe.distributed.tensor_parallel import tensor_parallel_problem
 from autopipe.distributed.tied_gradients import shared_state, written_shared
 from autopipe.distributed.v_stages import (
@@ -120,6 +124,7 @@ class RankSteps:
         problem = problem or data_parallel_problem(runner.data_parallel)
         problem = problem or virtual_problem(settings.virtual_stages)
         problem = problem or checkpoint_problem(str(settings.checkpoint))
+        problem = problem or plan_checkpoint_problem(self.given, str(schedule))
         problem = problem or init_problem(inputs.model, self.meta, settings.init)
         problem = problem or tensor_parallel_problem(
             inputs.model, settings.tensor_parallel, inputs.tp_plan, str(schedule),

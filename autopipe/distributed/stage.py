@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from autopipe.microbatching import checkpointing, recomputing
-from autopipe.planning import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES
+from autopipe.planning import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES, Plan
 from profiler import autocast_pass
 
 __all__: list[str] = []
@@ -22,11 +22,71 @@ __all__: list[str] = []
 TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
 
 
+# A stage's modes: the plan's fixed ones, or ``units``: the layers a plan lists for the
+# stage (``StagePlan.recompute_units``) re-computed, each on every micro-batch.
+STAGE_MODES = (*FIXED_CHECKPOINT_MODES, "units")
+# The V schedules keep every activation: no stage of theirs re-computes (v_stages).
+_KEEPING = ("zbv", "dualpipev")
+
+
 def checkpoint_problem(mode: str) -> str | None:
     """Why ``mode`` is not a checkpoint mode the distributed runner takes, or ``None``."""
     if mode in CHECKPOINT_MODES:
         return None
+    if mode == "units":
+        return (
+            "checkpoint='units' is a stage's mode that a plan chooses, with the units it "
+            "lists: pass checkpoint='auto' with memory=, or plan= a plan made so"
+        )
     return f"unknown checkpoint mode {mode!r}: choose {', '.join(CHECKPOINT_MODES)}"
+
+
+def units_problem(checkpoint: str, units: Sequence[int], start: int, stop: int) -> str | None:
+    """What is wrong with the ``units`` a stage of layers ``[start, stop)`` re-computes under
+    its ``checkpoint`` mode, or ``None``: ``units`` lists distinct layers of the stage,
+    ascending, exactly when the mode is ``units``."""
+    if checkpoint not in STAGE_MODES:
+        modes = ", ".join(STAGE_MODES)
+        return f"unknown checkpoint mode {checkpoint!r} for a stage: choose {modes}"
+    listed = list(units)
+    if (checkpoint == "units") != bool(listed):
+        return (
+            f"checkpoint {checkpoint!r} with re-computed units {listed}: a stage lists the "
+            "units it re-computes exactly when its checkpoint is 'units'"
+        )
+    valid = all(
+        isinstance(u, int) and not isinstance(u, bool) and start <= u < stop for u in listed
+    )
+    if not valid or listed != sorted(set(listed)):
+        return (
+            f"re-computed units {listed} must be distinct layers of the stage ({start} to "
+            f"{stop - 1}), ascending"
+        )
+    return None
+
+
+def plan_checkpoint_problem(plan: Plan | None, schedule: str) -> str | None:
+    """What keeps the distributed runner from running a given plan's checkpoint modes under
+    ``schedule``, or ``None``: every stage's mode is one a stage runs, a ``units`` stage
+    lists layers of its own (``recompute_units``, ascending), and no stage re-computes
+    units under a V schedule (``zbv``, ``dualpipev``), which keeps every activation."""
+    if plan is None:
+        return None
+    remake = "re-create the plan with autopipe.plan (checkpoint='auto' chooses per stage)"
+    for stage, mode in zip(plan.stages, plan.stage_checkpoints):
+        units = stage.recompute_units
+        if not isinstance(units, list):
+            return f"stage {stage.index} of the plan lists recompute_units {units!r}; {remake}"
+        problem = units_problem(mode, units, stage.start, stage.stop)
+        if problem is not None:
+            return f"stage {stage.index} of the plan: {problem}; {remake}"
+        if mode == "units" and schedule in _KEEPING:
+            return (
+                f"stage {stage.index} of the plan re-computes units, but {schedule} keeps "
+                "every activation: run the plan with schedule='1f1b' or 'gpipe', or re-plan "
+                "with checkpoint='never'"
+            )
+    return None
 
 
 class StageModule(nn.Module):
@@ -40,14 +100,25 @@ class StageModule(nn.Module):
         layers: ``(name, layer)`` pairs in execution order.
         tuple_input: the stage's input is a tuple (the previous layer returned one); the
             pipeline delivers its tensors as separate arguments, which are packed back.
-        checkpoint: ``never``, ``always`` or ``except_last``: re-materialization of the
-            stage's micro-batches while training (GPipe's): a checkpointed micro-batch
-            keeps only its input, and its forward runs again in backward, with the same
-            random numbers and without updating batch-norm statistics a second time.
+        checkpoint: ``never``, ``always``, ``except_last`` or ``units``: re-materialization
+            of the stage's micro-batches while training (GPipe's): a checkpointed
+            micro-batch keeps only its input, and its forward runs again in backward, with
+            the same random numbers and without updating batch-norm statistics a second
+            time. With ``units`` only the layers at the positions ``units`` lists are
+            re-computed so, each on its own and on every micro-batch.
         chunks: micro-batches per step.
         spared: with ``except_last``, the micro-batch not checkpointed: the one whose
             backward the schedule runs first (torch's schedules go backward in order, so
             the first; looped BFS in reverse: the last).
+        units: with ``units``, the positions (0-based, among ``layers``, ascending) of the
+            layers re-computed; else empty.
+
+    Attributes:
+        checkpointed: the forwards run under activation checkpointing so far: of whole
+            micro-batches, or with ``units`` of single layers.
+
+    Raises:
+        ValueError: an unknown mode, or ``units`` that do not fit it or the layers.
     """
 
     def __init__(
@@ -58,16 +129,19 @@ class StageModule(nn.Module):
         checkpoint: str = "never",
         chunks: int = 1,
         spared: int | None = None,
+        units: Sequence[int] = (),
     ):
         super().__init__()
         for name, layer in layers:
             self.add_module(name, layer)
-        if checkpoint not in FIXED_CHECKPOINT_MODES:
-            raise ValueError(f"unknown checkpoint mode {checkpoint!r} for a stage")
+        problem = units_problem(checkpoint, units, 0, len(self._modules))
+        if problem is not None:
+            raise ValueError(problem)
         self.tuple_input = tuple_input
         self.checkpoint = checkpoint
         self.chunks = chunks
         self.spared = chunks - 1 if spared is None else spared
+        self.units: tuple[int, ...] = tuple(units)
         # Forwards run in micro-batch order on every stage: the count gives the index.
         self.forwards = 0
         self.checkpointed = 0
@@ -78,38 +152,65 @@ class StageModule(nn.Module):
             value = layer(value)
         return value
 
+    def _run_units(self, *args: Any) -> Any:
+        """The layers in order, those of :attr:`units` each under activation checkpointing."""
+        value: Any = args if self.tuple_input else args[0]
+        recomputed = set(self.units)
+        for position, (name, layer) in enumerate(self._modules.items()):
+            assert layer is not None
+            if position not in recomputed:
+                value = layer(value)
+                continue
+            self.checkpointed += 1
+            before = _versions(value)
+            output = torch.utils.checkpoint.checkpoint(
+                _Replay(layer, layer), value, use_reentrant=False, preserve_rng_state=True
+            )
+            if _versions(value) != before:
+                # Its re-computation would start from the modified input: wrong values, silently.
+                raise RuntimeError(
+                    f"layer {name!r}, which the plan re-computes, modifies its input in "
+                    "place, so its re-computation would not see the input it had: make the "
+                    "operation out of place, or plan without re-computing that layer"
+                )
+            value = output
+        return value
+
     def forward(self, *args: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()) or self.checkpoint == "never":
             return self._run(*args)
+        if self.checkpoint == "units":  # every micro-batch alike: no count needed
+            return self._run_units(*args)
         micro_batch = self.forwards % self.chunks
         self.forwards += 1
         if self.checkpoint == "except_last" and micro_batch == self.spared:
             return self._run(*args)
         self.checkpointed += 1
         return torch.utils.checkpoint.checkpoint(
-            _Replay(self), *args, use_reentrant=False, preserve_rng_state=True
+            _Replay(self, self._run), *args, use_reentrant=False, preserve_rng_state=True
         )
 
 
 class _Replay:
-    """A stage's forward for ``torch.utils.checkpoint``: the first call computes; a second
-    (the re-computation in backward) runs on copies of the stage's buffers, so batch-norm
+    """A checkpointed forward for ``torch.utils.checkpoint``: ``run`` over the layers of
+    ``owner`` (a whole stage, or one unit of it). The first call computes; a later one (the
+    re-computation in backward) runs on copies of the owner's buffers, so batch-norm
     running statistics are updated once, and the buffers themselves are not modified in
-    place (a micro-batch that was not re-computed may have saved them for its backward).
-    It runs marked as a re-computation, so deferred batch-norm layers do not count the
-    micro-batch a second time."""
+    place (a micro-batch or unit that was not re-computed may have saved them for its
+    backward). It runs marked as a re-computation, so deferred batch-norm layers do not
+    count the micro-batch a second time."""
 
-    def __init__(self, stage: StageModule) -> None:
-        self.stage, self.calls = stage, 0
+    def __init__(self, owner: nn.Module, run: Callable[..., Any]) -> None:
+        self.owner, self.run, self.calls = owner, run, 0
 
     def __call__(self, *args: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
             with checkpointing():
-                return self.stage._run(*args)
+                return self.run(*args)
         originals = [
             (module, name, buffer)
-            for module in self.stage.modules()
+            for module in self.owner.modules()
             for name, buffer in module._buffers.items()
             if buffer is not None
         ]
@@ -117,10 +218,21 @@ class _Replay:
             module._buffers[name] = buffer.detach().clone()
         try:
             with recomputing():
-                return self.stage._run(*args)
+                return self.run(*args)
         finally:
             for module, name, buffer in originals:
                 module._buffers[name] = buffer
+
+
+def _versions(value: Any) -> list[int]:
+    """The version counters of the tensors in ``value`` (nested tuples, lists, dicts)."""
+    if isinstance(value, Tensor):
+        return [value._version]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [version for item in value for version in _versions(item)]
+    return []
 
 
 def _as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:

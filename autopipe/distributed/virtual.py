@@ -127,6 +127,8 @@ def _stage_module(
         checkpoint=stage.checkpoint or plan.checkpoint,
         chunks=chunks,
         spared=spared,
+        # The plan counts units in the model; the stage, among its own layers.
+        units=[unit - stage.start for unit in stage.recompute_units],
     )
     return module, inputs
 
@@ -160,7 +162,7 @@ def build_stages(
             tuple (:func:`autopipe.distributed.stage.layer_output_specs`).
         micro: samples per micro-batch.
         chunks: micro-batches per step (a stage re-computes them as the plan's
-            ``checkpoint`` says).
+            ``checkpoint`` says, or with ``units`` its ``recompute_units`` on each).
         schedule: ``gpipe`` or ``1f1b``: with ``except_last`` a stage spares the
             micro-batch whose backward the schedule runs first.
 

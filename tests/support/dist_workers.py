@@ -99,6 +99,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         replica_workers,
         tied_workers,
         tp_workers,
+        unit_recompute_workers,
         v_workers,
         zero_workers,
     )
@@ -126,6 +127,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         "tensor-parallel": lambda: tp_workers.tensor_parallel(world),
         "v": lambda: v_workers.v_runs(world, str(workdir)),
         "zero": lambda: zero_workers.sharded(world),
+        "unit-recompute": lambda: unit_recompute_workers.unit_recompute(world),
     }
     fault = scenario.replace("-", " ")
     if scenario in scenarios:
