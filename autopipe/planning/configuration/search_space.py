@@ -401,8 +401,8 @@ def variants(point: Config, bounds: Bounds) -> list[Config]:
     """The schedule, checkpointing and virtual-stage variants of one point (its K, D, M).
 
     Virtual stages (v > 1) go with K >= 2, K·v layers at most, ``never`` or ``auto``
-    checkpointing (whole stages are not re-computed there: torch's interleaved schedules
-    keep every activation, but units may re-compute) and, for 1F1B, M a multiple of
+    checkpointing (``auto`` re-computes a stage, or units of it, only where it would not
+    fit otherwise) and, for 1F1B, M a multiple of
     its rounds' micro-batches. The V schedules (``zbv``, ``dualpipev``, weighed only when
     listed) give one variant of 2K stages (:func:`v_shaped`).
     """
@@ -420,8 +420,8 @@ def variants(point: Config, bounds: Bounds) -> list[Config]:
                 out.append(replace(point, checkpoint=mode, schedule=schedule))
         for v in bounds.virtual_stages:
             if interleaves(k, v, m, layers, schedule, checkpoints):
-                # Torch's interleaved schedules keep every activation, unless units of
-                # the stages re-compute (``auto``).
+                # Virtual stages keep every activation, unless ``auto`` finds a stage
+                # (or units of it) that must re-compute to fit.
                 for mode in ("never", "auto"):
                     if mode in checkpoints:
                         out.append(replace(point, checkpoint=mode, schedule=schedule, virtual=v))
