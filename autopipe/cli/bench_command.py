@@ -19,13 +19,15 @@ from autopipe.cli.bench_conditions import (
 )
 from autopipe.cli.bench_options import (
     add_bench_arguments,
+    check_chunks,
     given_balance,
     gpipe_devices,
+    stages_per_rank,
     strategy_names,
 )
 from autopipe.cli.model_output import model_output_to_stderr
 from autopipe.cli.options import cost_options, default_device, default_stages
-from autopipe.planning import PipelineSettings
+from autopipe.planning import V_SCHEDULES, PipelineSettings
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -174,17 +176,23 @@ def bench_command(args: argparse.Namespace) -> int:
         unit_costs,
     )
 
+    per_rank = stages_per_rank(args)  # combinations no runner runs fail here, first
     if args.ranks and args.stages and args.stages != args.ranks:
+        if per_rank == 1:
+            raise ValueError(
+                f"--ranks {args.ranks} runs one stage per rank but --stages is "
+                f"{args.stages}; give the same count, or leave out --stages"
+            )
         raise ValueError(
-            f"--ranks {args.ranks} runs one stage per rank but --stages is {args.stages}; "
-            "give the same count, or leave out --stages"
+            f"--ranks {args.ranks} runs {per_rank} stages per rank but --stages is "
+            f"{args.stages}; --stages counts the ranks here: give {args.ranks}, or leave "
+            "it out"
         )
-    if args.schedule != "gpipe" and not args.ranks:
-        raise ValueError(
-            f"--schedule {args.schedule} runs on the distributed runner: add --ranks K (the "
-            "single-process GPipe runs the gpipe schedule only)"
-        )
-    stages: int = args.stages or args.ranks or default_stages()
+    if args.ranks and args.chunks:  # before profiling, when the count is given
+        check_chunks(args.schedule, args.ranks, per_rank, args.chunks)
+    # K counts the devices (the ranks); the plans split the model into K·v stages.
+    devices_k: int = args.stages or args.ranks or default_stages()
+    stages = devices_k * per_rank
     names = strategy_names(args.strategies)
     if not names and args.balance is None:
         raise ValueError("--strategies names none; give at least one strategy or --balance")
@@ -195,45 +203,57 @@ def bench_command(args: argparse.Namespace) -> int:
             memory=args.memory, bandwidth=None, allreduce_bandwidth=None, optimizer="sgd"
         )
     ).memory
-    if isinstance(memory, list) and len(memory) != stages:
+    if isinstance(memory, list) and len(memory) != devices_k:
+        where = f"{devices_k} stages" if per_rank == 1 else f"{devices_k} ranks"
         raise ValueError(
-            f"--memory lists {len(memory)} sizes but there are {stages} stages; give one "
-            "size for all or one per stage"
+            f"--memory lists {len(memory)} sizes but there are {where}; give one size for "
+            f"all or one per {'stage' if per_rank == 1 else 'rank'}"
         )
+    if isinstance(memory, list) and per_rank > 1:  # each of a rank's stages gets its size
+        from autopipe.planning import stage_placement
+
+        memory = [memory[r] for r in stage_placement(stages, devices_k, args.schedule)]
 
     def check_units(units: int) -> None:
         if stages > units:
-            raise PlanningError(
-                f"cannot split {units} units into {stages} non-empty stages; "
-                f"use --stages {units} or fewer"
-            )
+            raise PlanningError(_too_few_units(units, stages, per_rank, args.ranks))
 
     build: Callable[[], Any] = functools.partial(
         load_units, args.model, args.dtype, args.granularity, tuple(args.leaf_modules)
     )
-    inputs, profiled = profile_as_run(args, stages, check_units, build)
+    # Profiled at the micro-batch count of K devices, as the planner counts by default.
+    inputs, profiled = profile_as_run(args, devices_k, check_units, build)
     profile = inputs.profile
     count = len(profile.layers)
     if stages > count:  # a loaded profile: checked here rather than by the planner
-        raise PlanningError(
-            f"cannot split {count} units into {stages} non-empty stages; "
-            f"use --stages {count} or fewer"
-        )
-    balance = given_balance(args.balance, stages, count)
+        raise PlanningError(_too_few_units(count, stages, per_rank, args.ranks))
+    balance = given_balance(args.balance, stages, count, per_rank)
     chosen = PipelineSettings(
         chunks=inputs.chunks or args.chunks,
         memory=memory,
         checkpoint=args.checkpoint,
         schedule=args.schedule,
         optimizer="sgd",
+        virtual_stages=per_rank,
         # In one process, stages on one device take turns on it.
         colocated=not args.ranks,
-    ).resolved(stages, profile.batch_size)
+    ).resolved(devices_k, profile.batch_size)
     chunks = chosen.chunks
-    planned = ("chunks", "memory", "checkpoint", "schedule", "optimizer", "colocated")
+    if args.ranks and chunks is not None:  # a count from the profile or the default
+        check_chunks(args.schedule, args.ranks, per_rank, chunks)
+    planned = (
+        "chunks",
+        "memory",
+        "checkpoint",
+        "schedule",
+        "optimizer",
+        "virtual_stages",
+        "colocated",
+    )
     options = {name: getattr(chosen, name) for name in planned}
-    devices: int | list[str] = args.ranks or gpipe_devices(args, stages)
-    calibrated = calibrate_runner(args, profile)
+    # On ranks the planner counts the K·v stages, stage s on its rank by the schedule.
+    devices: int | list[str] = stages if args.ranks else gpipe_devices(args, stages)
+    calibrated = calibrate_runner(args, profile, per_rank)
     plans = _plans(profile, devices, names, balance, options, args.strategies is not None)
     first_of, distinct = _distinct(plans)
     dtype = args.dtype or (profile.dtype if profile.dtype not in (None, "float32") else None)
@@ -278,9 +298,10 @@ def bench_command(args: argparse.Namespace) -> int:
         if first != label:
             same.setdefault(first, []).append(label)
     header = (
-        f"{stages} stages, {chunks} micro-batches, {args.schedule} schedule, checkpoint "
-        f"{args.checkpoint}, on {runner}; {_count(args.steps, 'timed step')} per split after "
-        f"{args.warmup} warm-up, loss: {LOSS}, SGD"
+        f"{_layout(stages, devices_k, per_rank, args.schedule)}, {chunks} micro-batches, "
+        f"{_schedule_name(args.schedule, per_rank)}, checkpoint {chosen.checkpoint}, on "
+        f"{runner}; {_count(args.steps, 'timed step')} per split after {args.warmup} "
+        f"warm-up, loss: {LOSS}, SGD"
     )
     drawn = []
     if args.picture:
@@ -292,9 +313,10 @@ def bench_command(args: argparse.Namespace) -> int:
         settings = {
             "model": args.model,
             "stages": stages,
+            "stages_per_rank": per_rank,
             "chunks": chunks,
             "schedule": args.schedule,
-            "checkpoint": args.checkpoint,
+            "checkpoint": chosen.checkpoint,
             "runner": "distributed" if args.ranks else "gpipe",
             "ranks": args.ranks,
             "steps": args.steps,
@@ -320,7 +342,7 @@ def bench_command(args: argparse.Namespace) -> int:
         }
         _write_json(args.json, record)
         drawn.append(f"results written to {args.json}")
-    notes = [profiled, calibrated, fitted_line, *_notes(plans)]
+    notes = [profiled, calibrated, fitted_line, *_notes(plans), _strategies_note(plans, per_rank)]
     header += "".join(f"\n{line}" for line in notes if line)
     sys.stdout.write(render_bench(summaries, header))
     for first, labels in same.items():
@@ -362,6 +384,72 @@ def _notes(plans: dict[str, Plan]) -> list[str]:
 
     found = next(iter(plans.values()))
     return [f"predicted: {shared_line(found, group)}" for group in found.shared]
+
+
+def _too_few_units(units: int, stages: int, per_rank: int, ranks: int | None) -> str:
+    """Why ``units`` cannot fill ``stages`` non-empty stages, and what fits."""
+    if per_rank == 1:
+        return (
+            f"cannot split {units} units into {stages} non-empty stages; "
+            f"use --stages {units} or fewer"
+        )
+    option = "--ranks" if ranks else "--stages"
+    return (
+        f"cannot split {units} units into {stages} non-empty stages ({per_rank} per rank); "
+        f"use {option} {units // per_rank} or fewer"
+    )
+
+
+def _layout(stages: int, ranks: int, per_rank: int, schedule: str) -> str:
+    """Where the stages run: ``4 stages``, or those of several per rank and how placed."""
+    if per_rank == 1:
+        return f"{stages} stages"
+    if schedule in V_SCHEDULES:
+        return f"{stages} stages, 2 per rank in a V (rank r holds stages r and {stages - 1}-r)"
+    held = ", ".join(f"r+{ranks * k}" if k else "r" for k in range(per_rank))
+    return f"{stages} stages, {per_rank} per rank interleaved (rank r holds stages {held})"
+
+
+def _schedule_name(schedule: str, per_rank: int) -> str:
+    """The schedule as the header names it: torch's own for several stages per rank."""
+    if schedule in V_SCHEDULES:
+        torch_name = "ScheduleZBVZeroBubble" if schedule == "zbv" else "ScheduleDualPipeV"
+        return f"{schedule} schedule (torch's {torch_name})"
+    if per_rank > 1:
+        torch_name = "ScheduleInterleaved1F1B" if schedule == "1f1b" else "ScheduleLoopedBFS"
+        return f"interleaved {schedule} schedule (torch's {torch_name})"
+    return f"{schedule} schedule"
+
+
+# What each strategy's split of K·v stages is, where the strategy's own library runs
+# no such schedule: its rule applied to the K·v stages, which is not a split it runs.
+_PEERS = {
+    "uniform": "DeepSpeed's partition_uniform",
+    "parameters": "DeepSpeed's partition by parameters",
+    "blockpartition": "torchgpipe's balance_by_time",
+}
+
+
+def _strategies_note(plans: dict[str, Plan], per_rank: int) -> str:
+    """How the strategies split several stages per rank, honestly: which splits are a
+    library's own and which its rule applied to stages it never runs so."""
+    if per_rank == 1:
+        return ""
+    found = next(iter(plans.values()))
+    count = found.num_stages
+    schedule = "V schedules" if found.schedule in V_SCHEDULES else "interleaved schedules"
+    parts = []
+    peers = [f"{label} ({_PEERS[label]})" for label in plans if label in _PEERS]
+    if peers:
+        parts.append(
+            f"{', '.join(peers)}: the rule applied to the {count} stages, as the library "
+            f"would (it runs no {schedule}: a split it never runs)"
+        )
+    if "torchtitan" in plans:
+        parts.append(f"torchtitan: its own split of the {count} stages of its {schedule}")
+    if "optimal" in plans:
+        parts.append(f"optimal: the best {count}-stage split by the replayed {schedule[:-1]}")
+    return f"splits of {count} stages: " + "; ".join(parts) if parts else ""
 
 
 def _count(n: int, what: str) -> str:

@@ -123,9 +123,13 @@ def _spread(inputs: Inputs) -> str:
     return text
 
 
-def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
+def calibrate_runner(args: argparse.Namespace, profile: Profile, per_rank: int = 1) -> str:
     """Applies the runner's calibration for ``--ranks`` to ``profile`` (cached, else
-    measured on the ranks and cached); the line saying what it applied, or why none."""
+    measured on the ranks and cached); the line saying what it applied, or why none.
+
+    ``per_rank`` stages on each rank (interleaved, or a V schedule's 2) run on torch's
+    multi-stage runtime, whose cost per operation is its own: it is calibrated apart.
+    """
     if not args.ranks:
         return ""
     if args.no_calibrate:
@@ -149,12 +153,19 @@ def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
         threads = len(cpu_share(sorted(os.sched_getaffinity(0)), 0, args.ranks))
         bound, backend = True, "gloo"
     key = runtime_key(
-        backend=backend, ranks=args.ranks, threads=threads, bound=bound, schedule=args.schedule
+        backend=backend,
+        ranks=args.ranks,
+        threads=threads,
+        bound=bound,
+        schedule=args.schedule,
+        virtual_stages=per_rank,
     )
     found = None if args.recalibrate else cached_runner_calibration(key)
     if found is None:
         try:
-            measured = calibrate_local_ranks(args.ranks, schedule=args.schedule, cuda=cuda)
+            measured = calibrate_local_ranks(
+                args.ranks, schedule=args.schedule, cuda=cuda, virtual_stages=per_rank
+            )
         except RuntimeError as exc:
             raise ValueError(f"calibrating the ranks failed: {exc}") from None
         found = save_runner_calibration(key, measured)
@@ -164,8 +175,11 @@ def calibrate_runner(args: argparse.Namespace, profile: Profile) -> str:
         day = time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if stamp else "earlier"
         when = f"cached from {day} in {cache_file()}"
     apply_runner_calibration(profile, found)
+    runtime = f"torch's multi-stage runtime, {args.schedule}: " if per_rank > 1 else ""
+    overhead = found.get("virtual_overhead_s", found["overhead_s"]) if per_rank > 1 else None
     return (
-        f"calibrated: the runner costs {format_time(found['overhead_s'])} per stage and "
+        f"calibrated: {runtime}the runner costs "
+        f"{format_time(found['overhead_s'] if overhead is None else overhead)} per stage and "
         f"micro-batch, a message {format_time(found.get('latency_s', 0.0))} + "
         f"{format_bytes(found.get('bandwidth', 0.0))}/s ({when})"
     )
@@ -204,6 +218,19 @@ def fit_in_place(
     timed = {label: found.in_place for label, found in measured.items() if found.in_place}
     if not timed:
         return profile, ""
+    missed = [
+        label
+        for label, figures in timed.items()
+        if figures["stages"] and not _every_stage(plans[label], figures["stages"])
+    ]
+    if missed:
+        # A schedule whose actions the recorder does not see whole (a stage without a
+        # forward or a backward timed) would fit factors on part of the work: predict
+        # from the profile instead, and say so.
+        return profile, (
+            f"predicted from the profile: the warm-up steps' recorder did not time every "
+            f"stage's forward and backward of {', '.join(missed)}"
+        )
     # The optimizer's step, timed apart on every rank (or in the process).
     pairs = []
     for label, figures in timed.items():
@@ -225,6 +252,11 @@ def fit_in_place(
         ]
         scales = fit_layer_scales(profile, observed)
         how = "each stage's forward and backward timed on its rank in the later warm-up steps"
+        if options.get("virtual_stages", 1) > 1:
+            how += " (a rank's stages apart"
+            # Zero bubble's backward runs in two halves, the input's and the weights'.
+            split = options.get("schedule") in ("zb", "zbv", "dualpipev")
+            how += ", a backward its input and weight parts together)" if split else ")"
     else:
         # The step is linear in a factor g on every layer's time as long as the bottleneck
         # does not move: step(g) = p1 + (p2 - p1)(g - 1), with p2 the step at g = 2.
@@ -262,6 +294,14 @@ def fit_in_place(
         fitted.meta["calibration"]["step_overhead_s"] = fixed
         line += f", the runner {format_time(fixed)} per step"
     return fitted, line
+
+
+def _every_stage(plan: Plan, stages: list[dict[str, float]]) -> bool:
+    """Whether the recorded ``stages`` hold a forward and a backward of every stage of
+    ``plan`` (several per rank included), each of some time."""
+    return len(stages) == plan.num_stages and all(
+        found.get("forward", 0.0) > 0 and found.get("backward", 0.0) > 0 for found in stages
+    )
 
 
 def replan(

@@ -6,12 +6,14 @@ import argparse
 
 from autopipe.cli.arguments import add_tracing_options, positive
 from autopipe.cli.options import default_device
-from autopipe.planning import CHECKPOINT_MODES, STRATEGIES
+from autopipe.planning import CHECKPOINT_MODES, STRATEGIES, V_SCHEDULES
 from profiler import DTYPES
 
 __all__: list[str] = []  # internal to the command line
 
-SCHEDULES = ("gpipe", "1f1b")
+# The schedules the bench runs: the single-process GPipe's, and on --ranks torch's 1F1B
+# and its V-shaped zero-bubble schedules (2 stages per rank, rank r holding r and 2K−1−r).
+SCHEDULES = ("gpipe", "1f1b", *V_SCHEDULES)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +23,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--stages",
         type=positive,
         metavar="K",
-        help="pipeline stages (default: --ranks, else as autopipe plan)",
+        help="pipeline stages, one per device (default: --ranks, else as autopipe plan); "
+        "with --virtual-stages V or a V schedule, the K ranks of K x V (or 2K) stages",
     )
     parser.add_argument(
         "--chunks", type=positive, metavar="M", help="micro-batches per step (default: as plan)"
@@ -30,13 +33,26 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         choices=SCHEDULES,
         default="gpipe",
-        help="pipeline schedule (default: gpipe; 1f1b needs --ranks)",
+        help="pipeline schedule (default: gpipe); all but gpipe need --ranks: 1f1b, and "
+        "torch's V-shaped zero-bubble zbv and dualpipev, which run 2K stages on the K ranks "
+        "(rank r holds stages r and 2K-1-r; every split is of the 2K stages, M >= 2K, "
+        "checkpoint never)",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=positive,
+        metavar="V",
+        help="with --ranks and gpipe or 1f1b: V interleaved stages per rank, K x V in all, "
+        "stage s on rank s mod K (torch's ScheduleInterleaved1F1B for 1f1b, "
+        "ScheduleLoopedBFS for gpipe; default: 1); not with zbv or dualpipev, which place "
+        "their 2 stages per rank themselves",
     )
     parser.add_argument(
         "--checkpoint",
         choices=CHECKPOINT_MODES,
-        default="except_last",
-        help="activation checkpointing (default: except_last)",
+        help="activation checkpointing (default: except_last; never with --virtual-stages "
+        "above 1, zbv and dualpipev, whose schedules keep every activation; the V "
+        "schedules take only never)",
     )
     parser.add_argument(
         "--strategies",
@@ -48,14 +64,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--balance",
         metavar="N[,N...]",
-        help="also run this split of your own: units per stage, e.g. 3,5,4",
+        help="also run this split of your own: units per stage, e.g. 3,5,4 (K x V or 2K "
+        "counts, in stage order, with several stages per rank)",
     )
     parser.add_argument(
         "--ranks",
         type=positive,
         metavar="K",
         help="run on K local processes, one per stage (gloo on the CPU, nccl on GPUs) with "
-        "the distributed runner, instead of the single-process GPipe",
+        "the distributed runner, instead of the single-process GPipe; with "
+        "--virtual-stages V or a V schedule each rank holds V (or 2) stages",
     )
     parser.add_argument(
         "--steps", type=positive, default=10, metavar="N", help="timed steps per split (10)"
@@ -72,7 +90,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory",
         metavar="SIZE[,SIZE...]",
-        help="memory per device (one size, or one per stage): splits must fit it",
+        help="memory per device (one size, or one per stage; with several stages per rank "
+        "one per rank, its stages together): splits must fit it",
     )
     parser.add_argument(
         "--device",
@@ -145,8 +164,66 @@ def strategy_names(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def given_balance(text: str | None, stages: int, units: int) -> list[int] | None:
-    """The ``--balance`` split, checked against the stage and unit counts (``None``: none)."""
+def stages_per_rank(args: argparse.Namespace) -> int:
+    """The stages each rank holds: 2 under a V schedule, ``--virtual-stages``, else 1.
+
+    Raises:
+        ValueError: a combination no runner runs: a schedule other than gpipe, or
+            ``--virtual-stages``, without ``--ranks``; ``--virtual-stages`` with a V
+            schedule; a V schedule with checkpointing.
+    """
+    schedule, virtual = args.schedule, args.virtual_stages
+    placed = schedule in V_SCHEDULES
+    if schedule != "gpipe" and not args.ranks:
+        raise ValueError(
+            f"--schedule {schedule} runs on the distributed runner: add --ranks K (the "
+            "single-process GPipe runs the gpipe schedule only)"
+        )
+    if virtual is not None and placed:
+        raise ValueError(
+            f"--schedule {schedule} places 2 stages on each rank itself (rank r holds stages "
+            "r and 2K-1-r): leave out --virtual-stages"
+        )
+    if virtual is not None and not args.ranks:
+        raise ValueError(
+            f"--virtual-stages {virtual} runs on the distributed runner: add --ranks K (the "
+            "single-process GPipe runs one stage per device)"
+        )
+    if placed and args.checkpoint not in (None, "never"):
+        raise ValueError(
+            f"--schedule {schedule} keeps every activation (its weight gradients run apart "
+            f"from the input's): --checkpoint {args.checkpoint} is not supported; leave it "
+            "out or give never"
+        )
+    return 2 if placed else virtual or 1
+
+
+def check_chunks(schedule: str, ranks: int, per_rank: int, chunks: int) -> None:
+    """Refuses micro-batch counts torch's schedules cannot run on ``ranks`` ranks holding
+    ``per_rank`` stages each, before any rank starts.
+
+    Raises:
+        ValueError: a V schedule with fewer micro-batches than its 2K stages (DualPipeV's
+            bound, which the runner holds ZBV to as well), or interleaved 1F1B with a count
+            its rounds of about K micro-batches do not divide.
+    """
+    if schedule in V_SCHEDULES and chunks < 2 * ranks:
+        raise ValueError(
+            f"--schedule {schedule} needs at least as many micro-batches as its {2 * ranks} "
+            f"stages on {ranks} ranks, got {chunks}: give --chunks {2 * ranks} or more"
+        )
+    rounds = max(1, chunks // ranks)
+    if schedule == "1f1b" and per_rank > 1 and chunks % rounds:
+        raise ValueError(
+            f"interleaved 1f1b runs the micro-batches in rounds of about K = {ranks} and "
+            f"needs a multiple of the {rounds} rounds, got {chunks}: give --chunks as a "
+            f"multiple of {ranks}, or --schedule gpipe"
+        )
+
+
+def given_balance(text: str | None, stages: int, units: int, per_rank: int = 1) -> list[int] | None:
+    """The ``--balance`` split, checked against the stage and unit counts (``None``: none);
+    ``stages`` counts every stage, ``per_rank`` of them on each rank."""
     if text is None:
         return None
     try:
@@ -156,9 +233,14 @@ def given_balance(text: str | None, stages: int, units: int) -> list[int] | None
     if not balance or min(balance) < 1:
         raise ValueError(f"--balance expects positive unit counts such as 3,5,4, got {text!r}")
     if len(balance) != stages:
+        where = (
+            f"--stages is {stages}"
+            if per_rank == 1
+            else f"there are {stages} ({per_rank} on each of {stages // per_rank} ranks)"
+        )
         raise ValueError(
-            f"--balance {text} has {len(balance)} stages but --stages is {stages}; give one "
-            "unit count per stage"
+            f"--balance {text} has {len(balance)} stages but {where}; give one unit count "
+            "per stage, in stage order"
         )
     if sum(balance) != units:
         raise ValueError(

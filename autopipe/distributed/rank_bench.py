@@ -1,6 +1,7 @@
 """Times whole training steps of several splits of one model on local ranks it launches.
 
-One process per stage joins a process group (gloo on the CPU, each rank bound to its own
+One process per pipeline position (holding its stage, or its stages: interleaved, or the
+two of a V schedule) joins a process group (gloo on the CPU, each rank bound to its own
 cores, :mod:`autopipe.distributed.cpu_binding`; nccl with one GPU per rank), builds the
 model itself (``build``, a picklable function) and runs every split as a
 :class:`autopipe.distributed.DistributedPipeline` of the given plan, the splits taking turns
@@ -10,7 +11,8 @@ rank timing from a common barrier. With ``in_place`` the later warm-up steps
 (:func:`autopipe.microbatching.step_timing.kept_warmup_rounds`, run among the timed ones:
 :func:`~autopipe.microbatching.step_timing.turn_order`) are recorded in turn with
 :class:`autopipe.distributed.step_trace.StepRecorder` and without it: every stage's forward
-and backward per micro-batch, timed on the rank that runs it, and the whole step without the
+and backward per micro-batch (zero bubble's input and weight parts summed), timed on the
+rank that runs it, and the whole step without the
 recorder's cost, which ``autopipe bench`` predicts the timed steps from. After the timed
 steps one untimed step per split counts the bytes each rank's stage saves for backward
 (:class:`profiler.live_memory.SavedMemory`).
@@ -66,6 +68,10 @@ def _batch(sample: Tensor | tuple[Tensor, ...]) -> int:
     return int(first.shape[0])
 
 
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def _rank_main(
     rank: int,
     world: int,
@@ -100,6 +106,8 @@ def _rank_main(
                 schedule=plan.schedule,
                 plan=plan,
                 device=device,
+                # K·v stages: interleaved, or a V schedule's 2 per rank.
+                virtual_stages=max(plan.virtual_stages, 1),
             )
             optimizer = torch.optim.SGD(pipe.module.parameters(), lr=options["lr"])
             splits[label] = (pipe, optimizer)
@@ -144,8 +152,13 @@ def _rank_main(
             with StepRecorder(pipe.stages, pipe.schedule, device, pipe.group) as recorder:
                 seconds = step(label)
             found = stage_seconds(recorder.actions, seconds, recorder.stop)
-            for figures in found["stages"].values():  # the rank's one optimizer, once
-                figures["update"] = last_update[0] / len(found["stages"])
+            # The rank's one optimizer steps all its stages at once: each stage gets its
+            # share by parameter bytes, which the update's fit is per byte of.
+            sizes = {stage.stage_index: _param_bytes(stage.submod) for stage in pipe.stages}
+            total = sum(sizes.get(index, 0) for index in found["stages"])
+            for index, figures in found["stages"].items():
+                share = sizes.get(index, 0) / total if total else 1 / len(found["stages"])
+                figures["update"] = last_update[0] * share
             records[label].append(found)
             return seconds
 
@@ -191,9 +204,11 @@ def time_splits_on_ranks(
         build: called on every rank (after pickling: a module-level function or a
             ``functools.partial`` of one) to make the model's units and the mini-batch
             every step trains on, as ``layers(*sample)`` takes it.
-        plans: the splits by label, each of ``ranks`` stages; each runs with its
-            balance, micro-batches, schedule and checkpointing.
-        ranks: the processes, one per stage.
+        plans: the splits by label, each of ``ranks`` stages, or ``ranks`` times its
+            ``virtual_stages`` (interleaved, or 2 under the V schedules ``zbv`` and
+            ``dualpipev``); each runs with its balance, micro-batches, schedule and
+            checkpointing.
+        ranks: the processes, one per pipeline position.
         steps: timed steps per split.
         warmup: untimed steps per split: the first ones first, the later ones among the
             timed steps (:func:`~autopipe.microbatching.step_timing.turn_order`).
@@ -206,8 +221,8 @@ def time_splits_on_ranks(
             :class:`~autopipe.output.bench_summary.Measured`).
 
     Returns:
-        Per label, the timed steps' seconds (the slowest rank's) and each stage's peak
-        saved bytes.
+        Per label, the timed steps' seconds (the slowest rank's) and each rank's peak
+        saved bytes (its stages together, where it holds several).
 
     Raises:
         ValueError: a plan not of ``ranks`` stages, fewer than one step, or not enough GPUs.
@@ -215,9 +230,11 @@ def time_splits_on_ranks(
     """
     check_steps(steps, warmup)
     for label, plan in plans.items():
-        if plan.num_stages != ranks:
+        per_rank = max(plan.virtual_stages, 1)
+        if plan.num_stages != ranks * per_rank:
+            each = "one" if per_rank == 1 else str(per_rank)
             raise ValueError(
-                f"the {label} split has {plan.num_stages} stages, not one per rank of {ranks}"
+                f"the {label} split has {plan.num_stages} stages, not {each} per rank of {ranks}"
             )
     options = {
         "backend": local_backend(ranks, cuda),

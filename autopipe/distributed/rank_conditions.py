@@ -55,13 +55,22 @@ def _calibrate_main(
     try:
         _join(rank, world, store, options)
         link = measure_p2p()
-        overhead = measure_runner_overhead(latency=link["latency_s"], schedule=options["schedule"])
+        schedule, virtual = options["schedule"], options["virtual_stages"]
+        overhead = measure_runner_overhead(
+            latency=link["latency_s"],
+            schedule=schedule,
+            virtual_stages=virtual,
+            # A V schedule needs a micro-batch per stage (2K) at least.
+            chunks=max(8, world * virtual),
+        )
         values = {
             "latency_s": link["latency_s"],
             "bandwidth": link["bandwidth"],
             "overhead_s": overhead["overhead_s"],
             "threads": torch.get_num_threads(),
         }
+        if virtual > 1 or schedule == "zb":  # torch's multi-stage runtime, priced apart
+            values["virtual_overhead_s"] = overhead["overhead_s"]
         messages.put(("result", rank, values))
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the launcher as one line
@@ -69,20 +78,35 @@ def _calibrate_main(
 
 
 def calibrate_local_ranks(
-    ranks: int, *, schedule: str = "1f1b", cuda: bool | None = None, timeout: float = 300.0
+    ranks: int,
+    *,
+    schedule: str = "1f1b",
+    cuda: bool | None = None,
+    timeout: float = 300.0,
+    virtual_stages: int = 1,
 ) -> dict[str, Any]:
     """The runner's figures on ``ranks`` local processes, each set up as
     :func:`time_splits_on_ranks` sets up its ranks (gloo bound to its CPUs, or nccl).
 
+    With ``virtual_stages`` above 1 (interleaved, or 2 for ``zbv`` and ``dualpipev``) or
+    ``zb``, the tiny pipeline runs that many stages per rank under ``schedule`` on torch's
+    multi-stage runtime, whose cost per operation is its own.
+
     Returns:
         ``latency_s``, ``bandwidth`` (of a message between neighbouring ranks),
-        ``overhead_s`` (the runner's seconds per stage and micro-batch), ``threads`` (each
-        rank's torch threads) and ``backend``, as rank 0 measured them.
+        ``overhead_s`` (the runner's seconds per stage and micro-batch; on the multi-stage
+        runtime also as ``virtual_overhead_s``, the figure plans of it use), ``threads``
+        (each rank's torch threads) and ``backend``, as rank 0 measured them.
 
     Raises:
         RuntimeError: a rank failed; the message is its error.
     """
-    options = {"backend": local_backend(ranks, cuda), "timeout": timeout, "schedule": schedule}
+    options = {
+        "backend": local_backend(ranks, cuda),
+        "timeout": timeout,
+        "schedule": schedule,
+        "virtual_stages": virtual_stages,
+    }
     values = dict(run_on_local_ranks(_calibrate_main, (options,), ranks, None)[0])
     values["backend"] = options["backend"]
     return values

@@ -65,10 +65,17 @@ def render_bench(summaries: Sequence[SplitSummary], header: str = "") -> str:
     parts.append("")
     # The count sees the tensors the layers save for backward; the plan's figure also
     # holds the stage's boundary inputs, so it is the larger where those are kept.
-    parts.append(
-        "activations at the peak, per stage: measured (saved for backward), predicted "
-        "(saved and boundary inputs):"
-    )
+    if any(len(s.saved_peak) < len(s.predicted_activation) for s in summaries):
+        # Several stages per rank: one count sees all of a rank's stages at once.
+        parts.append(
+            "activations at the peak: measured per rank, its stages together (saved for "
+            "backward), predicted per stage (saved and boundary inputs):"
+        )
+    else:
+        parts.append(
+            "activations at the peak, per stage: measured (saved for backward), predicted "
+            "(saved and boundary inputs):"
+        )
     memory = [
         [s.label, _memory(s), ", ".join(format_bytes(b) for b in s.predicted_activation)]
         for s in summaries

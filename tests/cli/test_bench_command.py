@@ -197,6 +197,27 @@ def test_bench_traced_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         (["--stages", "2", "--schedule", "1f1b"], "add --ranks K"),
         (["--stages", "2", "--memory", "1GiB,1GiB,1GiB"], "lists 3 sizes but there are 2"),
         (["--stages", "2", "--picture", "bench.txt"], ".png or .svg"),
+        # Several stages per rank: what no runner runs is refused before any rank starts.
+        (["--stages", "2", "--schedule", "zbv"], "--schedule zbv runs on the distributed"),
+        (["--stages", "2", "--virtual-stages", "2"], "--virtual-stages 2 runs on the distrib"),
+        (
+            ["--ranks", "2", "--schedule", "dualpipev", "--virtual-stages", "2"],
+            "places 2 stages on each rank itself (rank r holds stages r and 2K-1-r)",
+        ),
+        (
+            ["--ranks", "2", "--schedule", "zbv", "--checkpoint", "always"],
+            "--checkpoint always is not supported",
+        ),
+        (["--ranks", "2", "--schedule", "zbv"], "needs at least as many micro-batches as its 4"),
+        (
+            ["--ranks", "2", "--schedule", "1f1b", "--virtual-stages", "2", "--chunks", "5"],
+            "interleaved 1f1b runs the micro-batches in rounds",
+        ),
+        (["--ranks", "2", "--schedule", "zbv", "--stages", "4"], "--stages counts the ranks"),
+        (
+            ["--ranks", "2", "--schedule", "zbv", "--chunks", "4"],
+            "cannot split 3 units into 4 non-empty stages (2 per rank); use --ranks 1",
+        ),
     ],
 )
 def test_bench_bad_input(
@@ -204,6 +225,56 @@ def test_bench_bad_input(
 ) -> None:
     code, out, err = run(capsys, "bench", model_file, *QUICK, *options)
     assert_error(code, out, err, message)
+
+
+def test_bench_zbv_on_two_ranks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Five units, so that the V's four stages (two per rank) each get one.
+    path = tmp_path / "five.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), "
+        "nn.Linear(8, 2))\nsample = torch.randn(8, 4)\n"
+    )
+    # Profiled here, quickly: the bench spawns ranks only to calibrate and to step.
+    profile = tmp_path / "five.profile.json"
+    quick = ["--repeats", "1", "--warmup", "0", "--no-cache", "--chunks", "4"]
+    code, _, err = run(capsys, "profile", str(path), "-o", str(profile), *quick)
+    assert code == 0, err
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", str(path), "--profile", str(profile), "--ranks", "2", "--schedule", "zbv"]
+    argv += ["--chunks", "4", "--strategies", "optimal", "--steps", "2", "--warmup", "2"]
+    code, out, err = run(capsys, *argv, "--json", str(out_json))
+    assert code == 0, err
+    assert "4 stages, 2 per rank in a V (rank r holds stages r and 3-r)" in out
+    assert "zbv schedule (torch's ScheduleZBVZeroBubble), checkpoint never" in out
+    assert "calibrated: torch's multi-stage runtime, zbv: the runner costs" in out
+    # The recorder times both stages of a rank and zero bubble's two backward halves.
+    assert "predicted from in-place figures" in out
+    assert "a backward its input and weight parts together" in out
+    assert "optimal: the best 4-stage split by the replayed V schedule" in out
+    lines = out.splitlines()
+    table = next(i for i, line in enumerate(lines) if line.startswith("split "))
+    assert lines[table].split()[:6] == [
+        "split",
+        "balance",
+        "measured",
+        "spread",
+        "predicted",
+        "meas/pred",
+    ]
+    assert lines[table + 1].startswith("optimal")
+    assert "measured per rank, its stages together" in out
+    record = json.loads(out_json.read_text())
+    settings = record["settings"]
+    assert settings["schedule"] == "zbv" and settings["stages"] == 4
+    assert settings["stages_per_rank"] == 2 and settings["checkpoint"] == "never"
+    (split,) = record["splits"]
+    assert len(split["balance"]) == 4 and sum(split["balance"]) == 5
+    assert split["measured"] > 0 and split["predicted"] > 0 and len(split["times"]) == 2
+    assert len(split["saved_peak"]) == 2  # one count per rank
+    assert record["plans"]["optimal"]["schedule"] == "zbv"
+    stages = record["in_place"]["optimal"]["stages"]
+    assert len(stages) == 4 and all(s["forward"] > 0 and s["backward"] > 0 for s in stages)
 
 
 @pytest.mark.parametrize(
