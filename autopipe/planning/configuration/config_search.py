@@ -360,6 +360,7 @@ class _Ranking:
             "interleaved": 0,
         }
         self._relaxations: dict[Config, Relaxation] = {}
+        self._replayed: set[Config] = set()
 
     def threshold(self, exclude: Config | None = None) -> float:
         """The ``top``-th best value known of configurations other than ``exclude``: one
@@ -448,7 +449,25 @@ class _Ranking:
         return lower
 
     def _interleaved(self, config: Config, bound: float) -> None:
-        """Virtual stages: the planner's split of the replayed interleaved schedule."""
+        """Virtual stages: the planner's split of the replayed interleaved schedule.
+
+        ``auto`` is weighed only where keeping every activation passes the memory bound
+        but its best split does not fit (its ``never`` sibling, when searched, is
+        evaluated first): there re-computing some units may make it fit, while a
+        configuration whose activations are far over is not worth the replays (each costs
+        far more than a plain split's solve).
+        """
+        if config in self._replayed:
+            return
+        self._replayed.add(config)
+        if config.checkpoint == "auto" and "never" in self.checkpoints:
+            sibling = replace(config, checkpoint="never")
+            if not self.space.bound(sibling)[1]:
+                self.infeasible.append((bound, config))
+                return
+            self._interleaved(sibling, bound)
+            if sibling in self.found:
+                return
         self.stats["interleaved"] += 1
         model = self.space.model(config)
         try:

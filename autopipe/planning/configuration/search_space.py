@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -103,8 +104,9 @@ class _Basis:
     params: Array
     buffers: Array
     # The least a micro-batch keeps re-computing units (``auto``): each unit's kept bytes
-    # or its input, the smaller.
+    # or its input, the smaller; and the fewest seconds re-computing frees a byte for.
     least: float = 0.0
+    ratio: float = math.inf
 
 
 class Space:
@@ -224,8 +226,14 @@ class Space:
             saved = float(kept.sum())
             inputs = np.concatenate([[costs.input], costs.output[:-1]])
             least = float(np.minimum(kept, inputs).sum())
+            gain = kept - inputs
+            ratio = (
+                float((costs.forward[gain > 0] / gain[gain > 0]).min())
+                if (gain > 0).any()
+                else math.inf
+            )
             params, buffers = costs.first_use()
-            self._basis[key] = _Basis(costs, boundary, saved, params, buffers, least)
+            self._basis[key] = _Basis(costs, boundary, saved, params, buffers, least, ratio)
         return self._basis[key]
 
     def devices(self, stages: int, link: GroupLink | None = None) -> list[DeviceSpec]:
@@ -334,13 +342,19 @@ class Space:
         work = self.compute(config, 0.0)[0]
         send = basis.boundary / pipe.bandwidth if pipe.bandwidth else 0.0
         total = work + stages * self.virtual_overhead + (stages - 1) * (send + pipe.latency)
-        value = max(total, m * total / k) + self._sync(config, stages)
         if self.capacity is None:
-            return value, True
+            return max(total, m * total / k) + self._sync(config, stages), True
         # Summed over the ranks: the state, one micro-batch's activations, one peak.
         state = float((basis.params * self.state_factor(config) + basis.buffers).sum())
-        saved = basis.least if config.checkpoint == "auto" else basis.saved
-        need = state + saved + float(basis.costs.peak.max())
+        peak = float(basis.costs.peak.max())
+        need = state + basis.saved + peak
+        if config.checkpoint == "auto":
+            # What keeping everything is over must be freed by re-computing units, at
+            # least at the cheapest seconds per byte any unit frees one for.
+            deficit = max(need - k * self.capacity, 0.0)
+            total += deficit * basis.ratio if deficit > 0 else 0.0
+            need = state + basis.least + peak
+        value = max(total, m * total / k) + self._sync(config, stages)
         return value, self.single(config) <= self.capacity and need <= k * self.capacity
 
 

@@ -342,7 +342,7 @@ class CostModel:
         self._sends = np.concatenate([[0.0], layers.output[:-1], [0.0]])
         self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
         # ``auto``: the cheapest units to re-compute in a stage keeping all would overflow.
-        self.units = UnitRecompute(layers)
+        self.units = UnitRecompute.of(layers)
 
     @property
     def num_stages(self) -> int:

@@ -32,6 +32,8 @@ nowhere else, as fronts that large need hundreds of distinct units in one stage.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -44,6 +46,8 @@ Array = NDArray[np.float64]
 Index = NDArray[np.int64]
 
 FRONT_LIMIT = 512
+# Per figures object (by id, while it lives): its instance, see UnitRecompute.of.
+_SHARED: dict[int, tuple[weakref.ref[LayerCosts], UnitRecompute]] = {}
 
 
 class Front:
@@ -105,8 +109,35 @@ class UnitRecompute:
         self.inputs = inputs
         self._kept = np.concatenate([[0.0], np.cumsum(self.kept_inner)])
         self._largest = RangeMax(layers.saved) if n else None
+        # Per unit as a stage's inner unit: the bytes re-computing it frees (when it frees
+        # any) and the seconds that costs, as prefix sums.
+        gain = self.kept_inner - inputs
+        self._gain = np.concatenate([[0.0], np.cumsum(np.maximum(gain, 0.0))])
+        self._gain_cost = np.concatenate([[0.0], np.cumsum(np.where(gain > 0, self.forward, 0.0))])
         self._fronts: list[list[Front]] = [[] for _ in range(n)]
-        self._solved: dict[tuple[int, int, int, float], tuple[float, float]] = {}
+        # Stages of the same units (identical blocks) have the same front wherever they
+        # start: a stage is keyed by its first unit's item and a 128-bit hash of the
+        # multiset of its other units' items (random weights per distinct item, summed).
+        items = np.stack([np.where(gain > 0, gain, 0.0), np.where(gain > 0, self.forward, 0.0)])
+        _, kind = np.unique(items, axis=1, return_inverse=True)
+        weights = np.random.default_rng(0x5EED).integers(1, 2**63, (2, int(kind.max()) + 1))
+        weights[:, np.unique(kind[gain <= 0])] = 0  # units that free nothing are no items
+        zero = np.zeros((2, 1), dtype=np.int64)
+        with np.errstate(over="ignore"):  # sums modulo 2**64 are all a hash needs
+            self._hash = np.concatenate([zero, np.cumsum(weights[:, kind.ravel()], axis=1)], axis=1)
+        self._by_content: dict[tuple[int, ...], Front] = {}
+
+    @classmethod
+    def of(cls, layers: LayerCosts) -> UnitRecompute:
+        """The one instance for ``layers``: the search builds a cost model per
+        configuration over the same figures, and the fronts depend on those alone."""
+        key = id(layers)
+        found = _SHARED.get(key)
+        if found is None or found[0]() is not layers:
+            found = (weakref.ref(layers), cls(layers))
+            _SHARED[key] = found
+            weakref.finalize(layers, _SHARED.pop, key, None)
+        return found[1]
 
     def benefit(self, u: int, s: int) -> float:
         """Bytes per micro-batch re-computing unit ``u`` frees in a stage starting at ``s``."""
@@ -150,40 +181,64 @@ class UnitRecompute:
         """
         s_arr, e_arr = np.broadcast_arrays(np.asarray(s), np.asarray(e))
         head = np.broadcast_to(np.asarray(headroom, dtype=float), s_arr.shape)
-        kept = self.kept(s_arr, e_arr)
-        memory = in_flight * kept
-        fits = memory <= head
+        memory = np.array(in_flight * self.kept(s_arr, e_arr), dtype=float)
         seconds = np.zeros(s_arr.shape)
-        over = ~fits
+        over = memory > head
         if not over.any():
-            return seconds, memory, fits
+            return seconds, memory, ~over
         # Solvers ask for the same stages many times over (every split holding them): each
-        # distinct stage is solved once.
+        # distinct stage is looked at once.
         key = s_arr[over].astype(np.int64) * (self.n + 1) + e_arr[over]
-        keys, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         starts, ends = s_arr[over][first], e_arr[over][first]
         heads = head[over][first]
-        found = np.array(
-            [
-                self._solve(int(a), int(b), in_flight, float(h))
-                for a, b, h in zip(starts.tolist(), ends.tolist(), heads.tolist(), strict=True)
-            ]
-        ).reshape(len(keys), 2)
-        seconds = seconds.copy()
-        memory = np.array(memory, dtype=float)
-        seconds[over] = found[inverse.ravel(), 0]
-        memory[over] = found[inverse.ravel(), 1]
+        kept = self.kept(starts, ends)
+        transient = self.transient(starts, ends)
+        most, slowest = self.most_freed(starts, ends)
+        need = kept - (heads - transient) / in_flight
+        # Where even every unit that frees bytes re-computed does not fit, that set is the
+        # answer (the least memory) and no search is needed; the rest search their front,
+        # all the stages of one front at once.
+        found_s = slowest.copy()
+        found_m = in_flight * (kept - most) + np.where(most > 0, transient, 0.0)
+        search = np.flatnonzero((heads > transient) & (need <= most))
+        if len(search):
+            a, b = starts[search], ends[search]
+            first = np.maximum(self.saved[a] - self.inputs[a], 0.0)
+            with np.errstate(over="ignore"):
+                hashes = self._hash[:, b] - self._hash[:, a + 1]
+            # One integer row per stage: its first item's bits and the two hashes.
+            first_item = np.stack([first, np.where(first > 0, self.forward[a], 0.0)])
+            content = np.concatenate([first_item.view(np.int64), hashes])
+            _, where, group = np.unique(content, axis=1, return_index=True, return_inverse=True)
+            group = group.ravel()
+            for g, i in enumerate(where.tolist()):
+                members = search[group == g]
+                key = tuple(int(x) for x in content[:, i])
+                front = self._by_content.get(key)
+                if front is None:
+                    front = self.front(int(a[i]), int(b[i]))
+                    self._by_content[key] = front
+                j = np.searchsorted(front.freed, need[members], side="left")
+                found_s[members] = front.seconds[j]
+                freed = front.freed[j]
+                held = in_flight * (kept[members] - freed)
+                found_m[members] = held + np.where(j > 0, transient[members], 0.0)
+        seconds[over] = found_s[inverse.ravel()]
+        memory[over] = found_m[inverse.ravel()]
         return seconds, memory, memory <= head
 
-    def _solve(self, s: int, e: int, in_flight: int, headroom: float) -> tuple[float, float]:
-        """``(seconds, bytes)`` of the cheapest set of stage ``[s, e)`` that fits, else of
-        the set freeing the most; cached (a stage's headroom is the same for each split)."""
-        key = (s, e, in_flight, headroom)
-        if key not in self._solved:
-            j, front, kept, transient = self._pick(s, e, in_flight, headroom)
-            held = in_flight * (kept - front.freed[j]) + (transient if j else 0.0)
-            self._solved[key] = (float(front.seconds[j]), float(held))
-        return self._solved[key]
+    def most_freed(self, s: Index, e: Index) -> tuple[Array, Array]:
+        """``(bytes, seconds)`` per micro-batch of re-computing every unit of ``[s, e)``
+        that frees bytes: the most a stage can free, and what it costs."""
+        s, e = np.asarray(s), np.asarray(e)
+        first = np.maximum(self.saved[s] - self.inputs[s], 0.0)
+        inner = s + 1
+        freed = first + self._gain[e] - self._gain[inner]
+        cost = (
+            np.where(first > 0, self.forward[s], 0.0) + self._gain_cost[e] - self._gain_cost[inner]
+        )
+        return np.asarray(freed), np.asarray(cost)
 
     def _pick(
         self, s: int, e: int, in_flight: int, headroom: float
