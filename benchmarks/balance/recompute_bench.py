@@ -1,8 +1,8 @@
 """Re-computation modes under one memory cap, measured on two gloo ranks.
 
-For each model of the zoo it plans K = 2 stages (1F1B, M = 4, SGD) with ``never`` and with
-``always`` and no cap, sets the cap halfway between the two plans' largest stage memory,
-and then runs ``autopipe bench --ranks 2 --checkpoint MODE --memory CAP`` for every mode
+For each model of the zoo it finds (bisecting ``autopipe plan --memory``) the least memory
+any split of K = 2 stages (1F1B, M = 4, SGD) needs with ``never`` and with ``always``, sets
+the cap halfway between the two, and then runs ``autopipe bench --ranks 2 --checkpoint MODE --memory CAP`` for every mode
 (``never``, ``always``, ``except_last``, ``auto``): whether the mode's best split fits the
 cap, each stage's memory (the plan's parameters and state plus the saved-for-backward
 bytes measured on the rank) and the measured step (median of the timed steps). ``auto``
@@ -53,17 +53,31 @@ def _last_line(done: subprocess.CompletedProcess[str]) -> str:
     return lines[-1].removeprefix("autopipe: error: ")
 
 
-def planned_peak(path: str, mode: str) -> float:
-    """The largest stage memory of the optimal plan in ``mode`` without a cap."""
+def planned_peak(path: str, mode: str, cap: int | None = None) -> float | None:
+    """The largest stage memory of the optimal plan in ``mode`` (under ``cap``), or None
+    where no split fits under ``cap``."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "plan.json"
-        done = _run(
-            ["plan", path, *COMMON, "--optimizer", "sgd", "--checkpoint", mode, "--json", str(out)]
-        )
+        command = ["plan", path, *COMMON, "--optimizer", "sgd", "--checkpoint", mode]
+        command += ["--json", str(out)] + ([] if cap is None else ["--memory", f"{cap}B"])
+        done = _run(command)
         if done.returncode != 0:
+            if cap is not None:
+                return None
             raise SystemExit(f"planning {path} with {mode} failed: {_last_line(done)}")
         plan = json.loads(out.read_text())
     return float(max(stage["memory"] for stage in plan["stages"]))
+
+
+def least_need(path: str, mode: str, steps: int = 7) -> float:
+    """The least cap under which some split fits in ``mode`` (bisection on the plan)."""
+    hi = planned_peak(path, mode)
+    assert hi is not None
+    lo = 0.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if planned_peak(path, mode, int(mid)) is not None else (mid, hi)
+    return hi
 
 
 def bench_mode(path: str, mode: str, cap: int) -> dict[str, Any]:
@@ -103,7 +117,8 @@ def render(record: dict[str, Any]) -> str:
         "",
         f"`python -m benchmarks.balance.recompute_bench` on {record['machine']}: K = 2 stages, "
         f"1F1B, M = 4, SGD, {STEPS} timed steps after {WARMUP} warm-up; the cap halfway "
-        "between the `never` and `always` plans' largest stage. Memory: per stage, its "
+        "between the least memory a split needs under `never` and under `always` (bisected "
+        "over the planner's `--memory`). Memory: per stage, its "
         "parameters and state plus the saved-for-backward bytes measured on its rank "
         "(within: both under the cap). Step: the median measured step (± the interquartile "
         "range over it), and its ratio to `always`'s. Whole run "
@@ -144,7 +159,9 @@ def main() -> None:
     models: dict[str, Any] = {}
     for name in args.models.split(","):
         path = MODELS[name]
-        never, always = planned_peak(path, "never"), planned_peak(path, "always")
+        # Between the least memory a split needs keeping everything and re-computing
+        # every micro-batch: ``never`` cannot fit, ``always`` can.
+        never, always = least_need(path, "never"), least_need(path, "always")
         cap = int((never + always) / 2)
         models[name] = {"cap": cap, "never": never, "always": always, "modes": {}}
         for mode in MODES:
