@@ -11,7 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MALLOC", "init_rank", "rerun_with_stable_malloc", "spawn_ranks"]
+__all__ = ["MALLOC", "init_rank", "rerun_with_stable_malloc", "run_autopipe", "spawn_ranks"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +31,20 @@ def rerun_with_stable_malloc(module: str) -> None:
     os.chdir(ROOT)
     command = [sys.executable, "-m", module, *sys.argv[1:]]
     os.execve(sys.executable, command, {**os.environ, **MALLOC})
+
+
+def run_autopipe(arguments: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m autopipe ARGUMENTS`` from the repository's root with :data:`MALLOC` set,
+    its output captured; raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+    return subprocess.run(
+        [sys.executable, "-m", "autopipe", *arguments],
+        cwd=ROOT,
+        env={**os.environ, **MALLOC},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
 
 
 def init_rank(

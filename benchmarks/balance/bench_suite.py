@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.balance.bench_table import render, row_of
-from benchmarks.processes import MALLOC, ROOT, rerun_with_stable_malloc
+from benchmarks.processes import ROOT, rerun_with_stable_malloc, run_autopipe
 
 RESULTS = ROOT / "benchmarks" / "results"
 STRATEGIES = ("optimal", "uniform", "parameters", "blockpartition")
@@ -65,7 +65,7 @@ SETTINGS = (Setting(2, 2), Setting(2, None), Setting(4, None))
 def _command(
     path: str, setting: Setting, quick: bool, out: Path, recalibrate: bool = False
 ) -> list[str]:
-    command = [sys.executable, "-m", "autopipe", "bench", path, "--device", "cpu"]
+    command = ["bench", path, "--device", "cpu"]
     command += ["--stages", str(setting.stages), "--strategies", ",".join(STRATEGIES)]
     if setting.ranks:
         command += ["--ranks", str(setting.ranks)]
@@ -86,15 +86,7 @@ def run_one(
         out = Path(workdir) / "bench.json"
         begin = time.perf_counter()
         try:
-            done = subprocess.run(
-                _command(path, setting, quick, out, recalibrate),
-                cwd=ROOT,
-                env={**os.environ, **MALLOC},
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=TIMEOUT,
-            )
+            done = run_autopipe(_command(path, setting, quick, out, recalibrate), TIMEOUT)
         except subprocess.TimeoutExpired:
             return {"model": name, "setting": setting.label, "error": f"over {TIMEOUT} s"}
         seconds = time.perf_counter() - begin
@@ -116,9 +108,11 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _models(text: str | None) -> dict[str, str]:
+def chosen_models(text: str | None, default: tuple[str, ...] = ()) -> dict[str, str]:
+    """The models ``--models`` names (of :data:`MODELS`, or model files); without it,
+    ``default`` (every one when empty)."""
     if not text:
-        return dict(MODELS)
+        return {name: MODELS[name] for name in default or MODELS}
     chosen: dict[str, str] = {}
     for item in (part.strip() for part in text.split(",") if part.strip()):
         if item in MODELS:
@@ -139,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", help=f"comma-separated: {', '.join(MODELS)} or .py files")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    models = _models(args.models)
+    models = chosen_models(args.models)
     machine = _machine()
     runs = [(name, path, setting) for name, path in models.items() for setting in SETTINGS]
     rows = []

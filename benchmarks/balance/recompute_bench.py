@@ -2,7 +2,8 @@
 
 For each model of the zoo it finds (bisecting ``autopipe plan --memory``) the least memory
 any split of K = 2 stages (1F1B, M = 4, SGD) needs with ``never`` and with ``always``, sets
-the cap halfway between the two, and then runs ``autopipe bench --ranks 2 --checkpoint MODE --memory CAP`` for every mode
+the cap halfway between the two, and then runs
+``autopipe bench --ranks 2 --checkpoint MODE --memory CAP`` for every mode
 (``never``, ``always``, ``except_last``, ``auto``): whether the mode's best split fits the
 cap, each stage's memory (the plan's parameters and state plus the saved-for-backward
 bytes measured on the rank) and the measured step (median of the timed steps). ``auto``
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.balance.bench_suite import MODELS
-from benchmarks.processes import MALLOC, ROOT, rerun_with_stable_malloc
+from benchmarks.processes import ROOT, rerun_with_stable_malloc, run_autopipe
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODES = ("never", "always", "except_last", "auto")
@@ -37,15 +38,7 @@ TIMEOUT = 900
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autopipe", *command],
-        cwd=ROOT,
-        env={**os.environ, **MALLOC},
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=TIMEOUT,
-    )
+    return run_autopipe(command, TIMEOUT)
 
 
 def _last_line(done: subprocess.CompletedProcess[str]) -> str:

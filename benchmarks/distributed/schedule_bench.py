@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.processes import MALLOC, ROOT, rerun_with_stable_malloc
+from benchmarks.balance.bench_suite import chosen_models
+from benchmarks.processes import ROOT, rerun_with_stable_malloc, run_autopipe
 
 RESULTS = ROOT / "benchmarks" / "results"
 STRATEGIES = ("optimal", "uniform")
@@ -78,7 +79,7 @@ BASELINE = SCHEDULES[0]
 
 
 def _command(path: str, schedule: Schedule, quick: bool, out: Path) -> list[str]:
-    command = [sys.executable, "-m", "autopipe", "bench", path, "--device", "cpu"]
+    command = ["bench", path, "--device", "cpu"]
     command += ["--ranks", str(RANKS), "--chunks", str(CHUNKS), *schedule.options()]
     command += ["--strategies", ",".join(STRATEGIES), "--json", str(out)]
     # The V schedules keep every activation; so does every schedule here, so that they
@@ -136,15 +137,7 @@ def run_one(name: str, path: str, schedule: Schedule, quick: bool) -> dict[str, 
         out = Path(workdir) / "bench.json"
         begin = time.perf_counter()
         try:
-            done = subprocess.run(
-                _command(path, schedule, quick, out),
-                cwd=ROOT,
-                env={**os.environ, **MALLOC},
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=TIMEOUT,
-            )
+            done = run_autopipe(_command(path, schedule, quick, out), TIMEOUT)
         except subprocess.TimeoutExpired:
             return {**base, "error": f"over {TIMEOUT} s"}
         seconds = time.perf_counter() - begin
@@ -240,22 +233,6 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _models(text: str | None) -> dict[str, str]:
-    if not text:
-        return {name: MODELS[name] for name in DEFAULT_MODELS}
-    chosen: dict[str, str] = {}
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        if item in MODELS:
-            chosen[item] = MODELS[item]
-        elif item.endswith(".py") and Path(item).exists():
-            chosen[Path(item).stem] = str(Path(item).resolve())
-        else:
-            raise SystemExit(
-                f"unknown model {item!r}: choose from {', '.join(MODELS)} or give a model file"
-            )
-    return chosen
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs every model under every schedule and writes ``schedule_bench.{json,md}``;
     returns the JSON record."""
@@ -264,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", help=f"comma-separated: {', '.join(MODELS)} or .py files")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    models = _models(args.models)
+    models = chosen_models(args.models, DEFAULT_MODELS)
     machine = _machine()
     runs = [(name, path, schedule) for name, path in models.items() for schedule in SCHEDULES]
     rows: list[dict[str, Any]] = []
