@@ -23,11 +23,11 @@ input of a re-computed unit is counted whole even where the previous unit also s
 The cheapest R that fits is a covering knapsack: the least ``Σ F_u`` with
 ``Σ b_u >= need``. It is solved exactly from the Pareto front of (bytes freed, seconds)
 over the subsets of the stage's units, built per stage start as the stage grows unit by
-unit (:class:`UnitRecompute`): a front of stages of identical blocks has one point per
-count of units, of other stages at most the distinct sums. A front past
-:data:`FRONT_LIMIT` points is thinned to that many (evenly over the bytes freed, its ends
-kept), which may cost a little more re-computation than the best set; planning says so
-nowhere else, as fronts that large need hundreds of distinct units in one stage.
+unit and shared by every stage of the same units wherever it starts (:class:`UnitRecompute`):
+a front of identical blocks has one point per count of units, of other stages at most the
+distinct sums. A front past :data:`FRONT_LIMIT` points is thinned to that many (evenly over
+the bytes freed, its ends kept), which may cost a little more re-computation than the best
+set; fronts that large need hundreds of distinct units in one stage.
 """
 
 from __future__ import annotations
