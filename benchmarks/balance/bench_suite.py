@@ -99,7 +99,8 @@ def run_one(
     return row
 
 
-def _machine() -> dict[str, Any]:
+def machine_record() -> dict[str, Any]:
+    """The host a benchmark ran on: platform, processor, CPUs and the load before it."""
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     models = chosen_models(args.models)
-    machine = _machine()
+    machine = machine_record()
     runs = [(name, path, setting) for name, path in models.items() for setting in SETTINGS]
     rows = []
     begin = time.perf_counter()

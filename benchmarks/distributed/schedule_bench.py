@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.balance.bench_suite import chosen_models
+from benchmarks.balance.bench_suite import chosen_models, machine_record
 from benchmarks.processes import ROOT, rerun_with_stable_malloc, run_autopipe
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -224,15 +223,6 @@ def render(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs every model under every schedule and writes ``schedule_bench.{json,md}``;
     returns the JSON record."""
@@ -242,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     models = chosen_models(args.models, DEFAULT_MODELS)
-    machine = _machine()
+    machine = machine_record()
     runs = [(name, path, schedule) for name, path in models.items() for schedule in SCHEDULES]
     rows: list[dict[str, Any]] = []
     steps, warmup = (QUICK_STEPS, QUICK_WARMUP) if args.quick else (STEPS, WARMUP)

@@ -18,7 +18,7 @@ from autopipe.gpipe.fill_drain import clock_cycles
 from autopipe.microbatching.batchnorm import DeferredBatchNorm
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.plans import Plan
-from tests.support.gpipe_support import needs_cuda, worker_threads
+from tests.support.gpipe_support import has_node, needs_cuda, worker_threads
 
 MODES = ["always", "except_last", "never"]
 
@@ -151,27 +151,14 @@ def test_dropout_matches_plain_model_in_clock_order() -> None:
     _assert_same(grads, _grads(model), atol=1e-12)
 
 
-def _has_node(output: Tensor, name: str) -> bool:
-    seen, stack = set(), [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == name:
-            return True
-        stack.extend(n for n, _ in node.next_functions)
-    return False
-
-
 def test_checkpoint_modes_in_graph() -> None:
     x = torch.randn(4, 5, dtype=torch.float64)
     with GPipe(_model(), [3, 3], devices=["cpu", "cpu"], chunks=2, checkpoint="always") as pipe:
-        assert _has_node(pipe(x), "CheckpointBackward")
+        assert has_node(pipe(x), "CheckpointBackward")
         pipe.eval()
         assert not pipe.partitions[0].training
         out = pipe(x)
-        assert out.requires_grad and not _has_node(out, "CheckpointBackward")
+        assert out.requires_grad and not has_node(out, "CheckpointBackward")
         pipe.train()
         with torch.no_grad():
             out = pipe(x)

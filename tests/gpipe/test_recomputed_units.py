@@ -23,7 +23,7 @@ from autopipe.planning.planner import evaluate
 from profiler import profile_model
 from profiler.profile import Profile
 from tests.support.float64 import assert_close64, square_loss
-from tests.support.gpipe_support import needs_cuda
+from tests.support.gpipe_support import has_node, needs_cuda
 from tests.support.planning_cases import linear_profile
 from tests.support.wrap_models import ResidualMLP
 
@@ -43,19 +43,6 @@ def _mlp() -> nn.Sequential:
         nn.ReLU(inplace=True),
         nn.Linear(8, 3),
     )
-
-
-def _has_node(output: Tensor, name: str) -> bool:
-    seen, stack = set(), [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == name:
-            return True
-        stack.extend(n for n, _ in node.next_functions)
-    return False
 
 
 def _assert_same_state(pipe: nn.Module, reference: nn.Module) -> None:
@@ -106,7 +93,7 @@ def test_mlp_with_recomputed_units_trains_like_the_plain_model(
         torch.manual_seed(step)
         x = torch.randn(7, 5)
         out = pipe(x)
-        assert _has_node(out, "CheckpointBackward")
+        assert has_node(out, "CheckpointBackward")
         expected = reference(x)
         assert_close64(out, expected)
         square_loss(out).backward()
@@ -243,7 +230,7 @@ def test_a_unit_is_checkpointed_then_recomputed_and_only_in_training() -> None:
     kept.seen.clear()
     pipe.eval()
     out = pipe(torch.randn(4, 4))
-    assert not _has_node(out, "CheckpointBackward") and kept.seen == [(False, False)] * 2
+    assert not has_node(out, "CheckpointBackward") and kept.seen == [(False, False)] * 2
     pipe.train()
     with torch.no_grad():
         pipe(torch.randn(4, 4))
