@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         stage_devices,
         synchronize,
     )
+    from profiler.expert_counts import ExpertCounts
     from profiler.fit import fit_linear, segments
     from profiler.in_context import calibrate_in_step, measure_compute_scale
     from profiler.jsonfile import read_json, write_json
@@ -56,6 +57,7 @@ __all__ = [
     "ENV_DIR",
     "PROFILE_VERSION",
     "SHARD_STYLES",
+    "ExpertCounts",
     "LayerProfile",
     "MemoryShortage",
     "Profile",
@@ -117,6 +119,7 @@ _HOMES = {
     "Profile": "profiler.profile",
     "SavedMemory": "profiler.live_memory",
     "ShardCounts": "profiler.shard_counts",
+    "ExpertCounts": "profiler.expert_counts",
     "TerminalProgress": "profiler.progress",
     "TiedState": "profiler.profile",
     "autocast_pass": "profiler.precision",

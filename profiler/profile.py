@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from profiler.expert_counts import ExpertCounts
 from profiler.fit import fit_linear, segments
 from profiler.jsonfile import read_json, write_json
 from profiler.precision import check_autocast
@@ -62,6 +63,9 @@ class LayerProfile:
         shards: what tensor and context parallelism divide of the layer and what they
             communicate (:class:`profiler.shard_counts.ShardCounts`); ``None``: counted
             without a tensor-parallel plan.
+        experts: what expert parallelism divides of the layer's routed experts and what it
+            sends (:class:`profiler.expert_counts.ExpertCounts`); ``None``: no routed
+            experts.
     """
 
     name: str
@@ -83,6 +87,7 @@ class LayerProfile:
     operations: list[float] | None = None
     backward_operations: list[float] | None = None
     shards: ShardCounts | None = None
+    experts: ExpertCounts | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -168,6 +173,10 @@ def _check_layer(layer: LayerProfile, where: str, n: int) -> None:
         if not isinstance(layer.shards, ShardCounts):
             raise ValueError(f"{where}.shards must be a ShardCounts, got {layer.shards!r}")
         layer.shards.check(f"{where}.shards", n)
+    if layer.experts is not None:
+        if not isinstance(layer.experts, ExpertCounts):
+            raise ValueError(f"{where}.experts must be an ExpertCounts, got {layer.experts!r}")
+        layer.experts.check(f"{where}.experts", n)
 
 
 # What a figure may sum to over the layers. Planning multiplies sums by micro-batch, stage
@@ -367,6 +376,8 @@ class Profile:
                     del layer[what]
             if layer["shards"] is None:  # and layers counted without a TP plan too
                 del layer["shards"]
+            if layer["experts"] is None:  # and layers without routed experts
+                del layer["experts"]
         data["fits"] = [
             {key: list(value) for key, value in self.fits(i).items()} for i in range(len(self))
         ]
@@ -398,6 +409,11 @@ class Profile:
                 except TypeError as exc:
                     raise ValueError(f"layers[{i}].shards is not valid: {exc}") from None
                 layer = {**layer, "shards": counts}
+            experts = layer.get("experts")
+            if experts is not None:
+                n = len(data.get("batch_sizes") or [])
+                found_experts = ExpertCounts.from_dict(experts, f"layers[{i}].experts", n)
+                layer = {**layer, "experts": found_experts}
             layers.append(LayerProfile(**layer))
         tied = given.pop("tied", [])
         if not isinstance(tied, list) or not all(isinstance(t, dict) for t in tied):
