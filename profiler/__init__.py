@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         synchronize,
     )
     from profiler.expert_counts import ExpertCounts
+    from profiler.expert_routing import assumed_tokens
     from profiler.fit import fit_linear, segments
     from profiler.in_context import calibrate_in_step, measure_compute_scale
     from profiler.jsonfile import read_json, write_json
@@ -65,6 +66,7 @@ __all__ = [
     "ShardCounts",
     "TerminalProgress",
     "TiedState",
+    "assumed_tokens",
     "autocast_pass",
     "cache_dir",
     "calibrate_in_step",
@@ -122,6 +124,7 @@ _HOMES = {
     "ExpertCounts": "profiler.expert_counts",
     "TerminalProgress": "profiler.progress",
     "TiedState": "profiler.profile",
+    "assumed_tokens": "profiler.expert_routing",
     "autocast_pass": "profiler.precision",
     "cache_dir": "profiler.cache_folder",
     "calibrate_in_step": "profiler.in_context",

@@ -10,6 +10,8 @@ from torch import Tensor, nn
 
 from profiler.batch_sizes import batch_refusal
 from profiler.counting import LayerCounts, count_layer, fresh_like, meta_copy
+from profiler.expert_counts import ExpertCounts
+from profiler.expert_routing import unassumed_routing
 from profiler.layer import OneValue
 from profiler.pooling import layer_signature
 from profiler.profile import LayerProfile
@@ -45,6 +47,7 @@ def count_layers(
     autocast: str | None = None,
     packed: bool = False,
     styles: Sequence[Mapping[str, str]] | None = None,
+    skew: float = 1.0,
 ) -> list[CountedLayer]:
     """Counts the layers in order, each on the previous one's outputs.
 
@@ -63,6 +66,9 @@ def count_layers(
         styles: one map per layer of its parameters' tensor-parallel styles (by name in
             the layer); given, every layer's counts include its shards
             (:mod:`profiler.shard_counting`).
+        skew: the routing assumed for routed experts, whose tokens fake tensors cannot
+            route (:mod:`profiler.expert_routing`): 1 balanced, else the busiest expert's
+            tokens over the mean.
 
     Raises:
         ValueError: a layer cannot run without tensor values; the message names it.
@@ -101,6 +107,7 @@ def count_layers(
                     label=label,
                     autocast=autocast,
                     styles=named,
+                    skew=skew,
                 )
             except Exception as exc:
                 # A size the layer refuses is refused with real weights too.
@@ -108,10 +115,15 @@ def count_layers(
                 if refusal is not None:
                     raise ValueError(refusal) from None
                 message = " ".join(str(exc).split())[:300]
+                routing = unassumed_routing(call)
+                if routing is not None:
+                    raise ValueError(
+                        f"cannot count {label} without tensor values: {routing}"
+                    ) from None
                 raise ValueError(
                     f"cannot count {label} without tensor values: {type(exc).__name__}: "
                     f"{message}. Code that reads values (.item(), nonzero, data-dependent "
-                    "shapes, e.g. a mixture of experts' routing) needs real weights: build "
+                    "shapes) needs real weights: build "
                     "the model on a real device and measure it (without --target)"
                 ) from None
             counts.append(found)
@@ -193,4 +205,27 @@ def with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
         operations=[float(c.operations) for c in counts],
         backward_operations=[float(c.backward_operations) for c in counts],
         shards=shard_counts(counts),
+        experts=expert_counts(counts),
+    )
+
+
+def expert_counts(counts: Sequence[LayerCounts]) -> ExpertCounts | None:
+    """One layer's routed experts at each batch size as an :class:`ExpertCounts`,
+    ``None`` for a layer without them."""
+    figures = [c.experts for c in counts]
+    if not figures or any(f is None for f in figures):
+        return None
+    found = [f for f in figures if f is not None]
+    first = found[0]
+    return ExpertCounts(
+        experts=first.experts,
+        top_k=first.top_k,
+        blocks=first.blocks,
+        param_bytes=first.param_bytes,
+        flops=[f.flops for f in found],
+        backward_flops=[f.backward_flops for f in found],
+        backward_input_flops=[f.backward_input_flops for f in found],
+        saved=[f.saved for f in found],
+        dispatch_bytes=[f.dispatch_bytes for f in found],
+        skew=first.skew,
     )

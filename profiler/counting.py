@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from profiler.expert_counting import ExpertFigures, Routed, expert_figures, routed_experts
 from profiler.layer import Pass, as_tensors, state_storages, storage_key, tensor_bytes
 from profiler.op_flops import CPU_ATTENTION_FLOPS
 from profiler.precision import autocast_pass
@@ -51,6 +53,7 @@ class LayerCounts:
     output_saved: int  # of ``saved``: the output's storages
     output: int  # bytes of the output, what crosses a cut after the layer
     shards: ShardFigures | None = None  # counted with a tensor-parallel plan
+    experts: ExpertFigures | None = None  # of a layer with routed experts
 
 
 class Traffic(TorchDispatchMode):
@@ -284,6 +287,7 @@ def count_layer(
     label: str = "the layer",
     autocast: str | None = None,
     styles: Mapping[str, str] | None = None,
+    skew: float = 1.0,
 ) -> tuple[LayerCounts, tuple[Tensor, ...], bool]:
     """Counts one layer as it would run on ``device``, without storage.
 
@@ -298,6 +302,9 @@ def count_layer(
         styles: the tensor-parallel style of the module owning each parameter, by its name
             in ``layer``; given (even empty), the counts include what the styles shard
             (:mod:`profiler.shard_counting`), counted in the same forward and backward.
+        skew: the routing assumed for routed experts (:mod:`profiler.expert_routing`):
+            1 balanced, else the busiest expert's tokens over the mean. Their figures
+            are counted alone too (:attr:`LayerCounts.experts`).
 
     Returns:
         The counts, the layer's outputs on the meta device, and whether they were a tuple.
@@ -306,9 +313,41 @@ def count_layer(
         RuntimeError: the layer needs tensor values (``.item()``, ``nonzero``), which fake
             tensors do not have.
     """
+    counts, outputs, returns_tuple, routed = _count(
+        layer, inputs, device, label, autocast, styles, skew
+    )
+
+    def alone(block: nn.Module, given: tuple[Tensor, ...]) -> tuple[float, float, float, int]:
+        found = _count(block, given, device, "routed experts", autocast, None, skew)[0]
+        return found.flops, found.backward_flops, found.backward_input_flops, found.saved
+
+    figures = expert_figures(routed, alone)
+    if figures is not None:
+        counts = dataclasses.replace(counts, experts=figures)
+    return counts, outputs, returns_tuple
+
+
+def _count(
+    layer: nn.Module,
+    inputs: tuple[Tensor, ...],
+    device: torch.device,
+    label: str,
+    autocast: str | None,
+    styles: Mapping[str, str] | None,
+    skew: float,
+) -> tuple[LayerCounts, tuple[Tensor, ...], bool, Routed]:
+    """:func:`count_layer` without the routed experts' own figures, and what it saw of
+    them."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakes = fake_inputs(inputs, mode, device)
-    with quiet_fakes(), fake_state([layer], mode, device), mode, CpuKernels():
+    with (
+        quiet_fakes(),
+        fake_state([layer], mode, device),
+        mode,
+        CpuKernels(),
+        routed_experts(layer, skew, autocast) as (routed, watch),
+        watch,
+    ):
         exclude = state_storages(layer)
         runs = Pass(layer, fakes, device, label, None, autocast)
         saved, fresh, of_output = runs.saved(exclude)
@@ -365,4 +404,4 @@ def count_layer(
         output=output_bytes,
         shards=None if flow is None else flow.finish(input_flow),
     )
-    return counts, metas, returns_tuple
+    return counts, metas, returns_tuple, routed

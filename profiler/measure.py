@@ -15,6 +15,7 @@ from profiler.batch_sizes import default_batch_sizes, smallest_batch
 from profiler.count_pass import CountedLayer, count_layers, counted_profiles, with_counts
 from profiler.counting import META
 from profiler.devices import resolve_device
+from profiler.expert_routing import check_skew
 from profiler.layer import CacheFlush, cache_bytes, cold_cache_needed, tensor_bytes
 from profiler.layer_naming import layer_names
 from profiler.materialize import has_meta
@@ -125,13 +126,18 @@ def profile_layers(
             see :data:`profiler.tp_styles.SHARD_STYLES`); given, each layer's
             :attr:`LayerProfile.shards` is counted (and the counts are required).
             ``autopipe.graph.shard_styles`` makes them from a model's plan.
+        expert_skew: the routing counted for routed experts, whose tokens fake tensors
+            cannot route (:mod:`profiler.expert_routing`): 1 (default) balanced top-k,
+            else the busiest expert receives this many times the mean; a finite number
+            >= 1. Each layer holding routed experts gets :attr:`LayerProfile.experts`.
 
     Returns:
         The profile: per-layer forward/backward seconds and saved/output bytes at each
         batch size, parameter and buffer bytes, and on CUDA the transient peak.
 
     Raises:
-        ValueError: bad layers, sample, chunks, batch sizes, names, counts or autocast.
+        ValueError: bad layers, sample, chunks, batch sizes, names, counts, autocast or
+            expert skew.
         MemoryShortage: a layer's counted bytes (its state, their gradients, its
             activations at the batch sizes) exceed the device's free memory; raised before
             that layer gets storage (a ``ValueError``).
@@ -156,6 +162,7 @@ def profile_layers(
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     check_autocast(autocast)
+    check_skew(chosen.expert_skew)
     tensors, packed = sample_arguments(sample)
     batch = tensors[0].shape[0]
     micro, smallest = math.ceil(batch / chunks), smallest_batch(layers)
@@ -326,7 +333,14 @@ def _count(
     inputs = [resize_sample(tensors, size, META) for size in sizes]
     try:
         return count_layers(
-            layers, inputs, names, device, autocast=autocast, packed=packed, styles=styles
+            layers,
+            inputs,
+            names,
+            device,
+            autocast=autocast,
+            packed=packed,
+            styles=styles,
+            skew=chosen.expert_skew,
         )
     except ValueError as exc:
         if required:

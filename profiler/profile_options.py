@@ -31,6 +31,7 @@ class ProfileOptions:
     measure: bool = True
     count: bool = True
     shard_styles: Sequence[Mapping[str, str]] | None = None
+    expert_skew: float = 1.0
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ProfileOptions))

@@ -24,6 +24,9 @@ SHARD_STYLES: dict[str, str] = {
     "local": "every parameter sharded, no collective",
     "sequence_parallel": "replicated parameters on sequence-sharded activations",
     "replicate": "replicated",
+    # DeepSeek's latent attention: kv_a_proj_with_mqa stays whole on every device (its
+    # rotary part's small gradient all-reduce is not counted).
+    "mla_kv_a_proj": "replicated (multi-head latent attention's key/value down-projection)",
     "gather": "replicated parameters; a partial output is all-reduced where it is used",
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from profiler import AUTOCAST_DTYPES, DTYPES
 
@@ -30,6 +31,20 @@ def _non_negative(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _skew(text: str) -> float:
+    """``--expert-skew``: a finite number of at least 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(
+            f"expected a number >= 1 (the busiest expert's tokens over the mean; 1: "
+            f"balanced), got {text!r}"
+        )
     return value
 
 
@@ -81,6 +96,15 @@ def add_measure_options(parser: argparse.ArgumentParser, chunks_help: str) -> No
         "to styles such as colwise and rowwise) whose sharded FLOPs, bytes and collectives "
         "are counted per layer (default: a Hugging Face model's own plan with --target, "
         "else none)",
+    )
+    parser.add_argument(
+        "--expert-skew",
+        type=_skew,
+        metavar="S",
+        help="the routing assumed where a mixture of experts is counted on fake tensors, "
+        "which have no values to route by: the busiest routed expert receives S times the "
+        "mean of the routed tokens, the others share the rest evenly (default: 1, "
+        "balanced top-k)",
     )
     parser.add_argument(
         "--no-cache",

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 import profiler
 from autopipe import __version__
-from autopipe.cli.options import tp_plan_option
+from autopipe.cli.options import expert_skew, tp_plan_option
 from profiler import ENV_DIR, Profile, cache_dir, cpu_model, read_json, write_json
 
 if TYPE_CHECKING:
@@ -237,6 +237,7 @@ def profile_key(
             "granularity": args.granularity,
             "leaf_modules": list(args.leaf_modules),
             "tp_plan": tp_plan_option(args),
+            "expert_skew": expert_skew(args),
         },
     }
     text = json.dumps(parts, sort_keys=True, default=str)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopipe.cli.model_output import model_output_to_stderr
-from autopipe.cli.options import default_device, tp_plan_option
+from autopipe.cli.options import default_device, expert_skew, tp_plan_option
 from autopipe.planning import default_chunks
 from profiler import DTYPES
 
@@ -164,6 +164,13 @@ def _load_profile(args: argparse.Namespace) -> Profile:
                 f"{args.profile} was profiled with {option[2:]} {found or 'none'}, not "
                 f"{option} {wanted}: profile again with it, or leave out {option}"
             )
+    skews = {layer.experts.skew for layer in profile.layers if layer.experts is not None}
+    wanted_skew = getattr(args, "expert_skew", None)
+    if wanted_skew is not None and skews and skews != {wanted_skew}:
+        raise ValueError(
+            f"{args.profile} was counted with expert skew {max(skews):g}, not "
+            f"--expert-skew {wanted_skew:g}: profile again with it, or leave out --expert-skew"
+        )
     return profile
 
 
@@ -247,6 +254,7 @@ def _measure(
             # For a catalog device the layers are counted, not timed here.
             measure=not counted,
             shard_styles=styles,
+            expert_skew=expert_skew(args),
         )
     except MemoryShortage as exc:
         _end_line(show, done)

@@ -113,6 +113,12 @@ def tp_plan_option(args: argparse.Namespace) -> dict[str, str] | None:
     return read_tp_plan(path)
 
 
+def expert_skew(args: argparse.Namespace) -> float:
+    """``--expert-skew``, 1 (balanced routing) without it and for commands that lack it."""
+    value = getattr(args, "expert_skew", None)
+    return 1.0 if value is None else float(value)
+
+
 def check_precision(args: argparse.Namespace) -> None:
     """Fails early, before loading the model, on a bad ``--autocast``, ``--dtype`` or
     ``--device`` (checked when the layers are to be measured, not with ``--profile``)."""

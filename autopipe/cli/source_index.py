@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import profiler
-from autopipe.cli.options import tp_plan_option
+from autopipe.cli.options import expert_skew, tp_plan_option
 from profiler import read_json, write_json
 
 if TYPE_CHECKING:
@@ -205,6 +205,7 @@ def _index_key(
             "granularity": args.granularity,
             "leaf_modules": list(args.leaf_modules),
             "tp_plan": tp_plan_option(args),
+            "expert_skew": expert_skew(args),
             "sequence": getattr(args, "sequence", None),
         },
     }

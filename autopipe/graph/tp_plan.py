@@ -164,13 +164,16 @@ def shard_styles(
         ``profile_layers(..., shard_styles=...)``; ``None`` without a plan.
 
     Raises:
-        ValueError: an unknown style, or a pattern that matches no module of ``owner``.
+        ValueError: an unknown style, or a pattern of ``tp_plan`` that matches no module of
+            ``owner`` (the model's own plan may name modules of configurations it does not
+            have, DeepSeek's ``q_proj`` beside ``q_a_proj``).
     """
     found = model_tp_plan(owner) if tp_plan is None else tp_plan
     if found is None:
         return None
     plan = check_tp_plan(found)
-    _check_matches(owner, plan)
+    if tp_plan is not None:  # a model's own plan also names modules of other configurations
+        _check_matches(owner, plan)
     patterns = _patterns(plan)
     names: dict[int, list[str]] = {}
     for name, tensor in owner.named_parameters(remove_duplicate=False):

@@ -18,6 +18,9 @@ def one_line(exc: BaseException, limit: int = 240) -> str:
 
 def failure_message(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str:
     """One line on why neither tracer traced ``model``, ending with a fix."""
+    eager = _eager_experts_failure(model, errors)
+    if eager is not None:
+        return eager
     meta = _meta_failure(model, errors)
     if meta is not None:
         return meta
@@ -80,6 +83,38 @@ def _grouped_experts_hint(model: nn.Module) -> str:
         "this dtype: switch them to batched matmuls, model.set_experts_implementation("
         "'batched_mm') (or experts_implementation='batched_mm' in the config), or use "
         "float32 or bfloat16"
+    )
+
+
+def _eager_experts_failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> str | None:
+    """The message for experts that run Hugging Face's eager per-expert loop, which picks
+    each expert's tokens with ``nonzero`` on the router's choices: no tracer follows it,
+    while the grouped and batched kernels trace (and a count routes them by an
+    assumption). ``None`` for other failures."""
+    experts = [
+        (name, type(module).__name__)
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "down_proj", None), nn.Parameter)
+        and module.down_proj.dim() == 3  # one matrix per expert
+        and getattr(getattr(module, "config", None), "_experts_implementation", "eager")
+        in (None, "eager")
+    ]
+    reads = [
+        (name, exc)
+        for name, exc in errors
+        if "data-dependent" in str(exc) or meta_construct(exc) is not None
+    ]
+    if not experts or not reads:
+        return None
+    names = ", ".join(name for name, _ in experts[:2]) + (", ..." if len(experts) > 2 else "")
+    tracer, exc = reads[-1]
+    return (
+        f"cannot trace {type(model).__name__}: the experts of {experts[0][1]} ({names}) run "
+        "Hugging Face's eager per-expert loop, which picks each expert's tokens by the "
+        f"router's values ({tracer}: {one_line(exc, 120)}). Fix: switch them to a kernel "
+        "that traces, model.set_experts_implementation('grouped_mm') (or 'batched_mm'; "
+        "experts_implementation= in the config); counting routes their tokens by an "
+        "assumption (--expert-skew)"
     )
 
 

@@ -30,3 +30,22 @@ def test_the_cpu_attention_kernel_counts_as_the_cuda_ones() -> None:
 def test_an_operation_the_counter_does_not_know_counts_nothing() -> None:
     x = torch.ones(3)
     assert op_flops(aten.relu.default, (x,), {}, x) == 0
+
+
+def test_a_grouped_gemm_counts_as_one_matmul_per_group() -> None:
+    """Forward and backward (input and weight gradients) of torch._grouped_mm, the kernel
+    of Hugging Face's routed experts, count as the per-group matmuls on their rows."""
+    x = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(3, 8, 16, requires_grad=True)
+    offsets = torch.tensor([5, 8, 12], dtype=torch.int32)
+    loop = FlopCounterMode(display=False)
+    with loop:
+        starts = [0, 5, 8]
+        for g, (start, end) in enumerate(zip(starts, offsets.tolist(), strict=True)):
+            (x[start:end] @ w[g]).backward(torch.ones(end - start, 16))
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as forward:
+        out = torch._grouped_mm(x, w, offs=offsets)
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward:
+        out.backward(torch.ones_like(out))
+    assert forward.get_total_flops() == 2 * 12 * 8 * 16
+    assert forward.get_total_flops() + backward.get_total_flops() == loop.get_total_flops()

@@ -1,0 +1,228 @@
+"""Counts a layer's routed experts on fake tensors, at an assumed routing.
+
+While a layer is counted (:func:`profiler.counting.count_layer`), :func:`routed_experts`
+
+- replaces the forward of each experts module the layer calls as a module by
+  :func:`profiler.expert_routing.assumed_forward`, which computes what Hugging Face's
+  per-expert loop computes on the assumed token counts;
+- watches the operations of a traced layer (a graph of operations in which the experts
+  are no module call any more): the router's ``topk`` tells the tokens and ``top_k``, the
+  experts' parameters tell which block ran; an integer ``histc`` (the token count per
+  expert, which a grouped GEMM's offsets are made of) runs on floats, as the fake
+  tensors' CPU kernel needs, since only its shape matters without values.
+
+What expert parallelism divides of the layer is then counted apart: the routed experts of
+each block alone, on fake hidden states and routing weights of the sizes the layer gave
+them, at the same routing (:class:`ExpertFigures`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from profiler.expert_routing import (
+    RoutedCall,
+    assumed_forward,
+    assumed_tokens,
+    expert_weights,
+    hidden_size,
+    routed_modules,
+)
+from profiler.layer import storage_key
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class ExpertFigures:
+    """One layer's routed experts at one batch size (see :class:`profiler.ExpertCounts`)."""
+
+    experts: int
+    top_k: int
+    blocks: int
+    param_bytes: int
+    flops: float
+    backward_flops: float
+    backward_input_flops: float
+    saved: int
+    dispatch_bytes: int
+    skew: float
+
+
+@dataclass
+class Routed:
+    """What one count saw of the layer's routed experts: calls by module name."""
+
+    skew: float
+    calls: dict[str, RoutedCall] = field(default_factory=dict)
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+
+
+class RoutingWatch(TorchDispatchMode):
+    """Follows a traced layer's routing: ``topk`` calls and uses of experts' parameters.
+
+    Args:
+        routed: where a block seen through its parameters is recorded.
+        owners: storage identity of each experts parameter -> its module's name.
+        autocast: the autocast dtype, which the experts' matmuls run in.
+    """
+
+    def __init__(self, routed: Routed, owners: dict[int, str], autocast: str | None) -> None:
+        super().__init__()
+        self.routed = routed
+        self.owners = owners
+        self.autocast = autocast
+        self.topk: list[tuple[int, int, int]] = []  # (rows, choices, k)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is aten.histc.default and not args[0].is_floating_point():
+            # Only the shape counts on fake tensors; the CPU kernel takes no integers.
+            args = (args[0].float(), *args[1:])
+        out = func(*args, **kwargs)
+        if func is aten.topk.default and args[0].dim() >= 2:
+            scores = args[0]
+            self.topk.append((scores.numel() // scores.shape[-1], scores.shape[-1], int(args[1])))
+        elif self.owners:
+            for value in tree_leaves((args, kwargs)):
+                if isinstance(value, Tensor):
+                    name = self.owners.get(storage_key(value)[0])
+                    if name is not None and name not in self.routed.calls:
+                        self._seen(name)
+        return out
+
+    def _seen(self, name: str) -> None:
+        """A block whose parameters an operation used: its call, from the last ``topk``
+        over as many choices as it has experts."""
+        module = self.routed.modules[name]
+        found = expert_weights(module)
+        assert found is not None
+        up, down = found
+        experts = int(up.shape[0])
+        for rows, choices, k in reversed(self.topk):
+            if choices == experts:
+                dtype = getattr(torch, self.autocast) if self.autocast else up.dtype
+                width = hidden_size(module, up, down)
+                self.routed.calls[name] = RoutedCall(rows, k, experts, dtype, dtype, width)
+                return
+
+
+@contextlib.contextmanager
+def routed_experts(
+    layer: nn.Module, skew: float, autocast: str | None
+) -> Iterator[tuple[Routed, TorchDispatchMode]]:
+    """Routes the experts of ``layer`` by the assumption for the block (see the module's
+    docstring); yields the record and the watch, to run over the layer's passes.
+
+    Enter it where the layer's state is what it runs with (its fake tensors).
+    """
+    routed = Routed(skew)
+    owners: dict[int, str] = {}
+    patched: list[tuple[nn.Module, Any]] = []
+    for name, module in routed_modules(layer):
+        routed.modules[name] = module
+        for tensor in module._parameters.values():
+            if tensor is not None:
+                owners[storage_key(tensor)[0]] = name
+
+        def record(call: RoutedCall, name: str = name) -> None:
+            routed.calls[name] = call
+
+        patched.append((module, module.__dict__.get("forward")))
+        module.forward = functools.partial(_routed_forward, module, skew=skew, record=record)
+    try:
+        yield routed, RoutingWatch(routed, owners, autocast)
+    finally:
+        for module, own in patched:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+
+def _routed_forward(
+    module: nn.Module,
+    *args: Any,
+    skew: float,
+    record: Callable[[RoutedCall], None],
+    **kwargs: Any,
+) -> Tensor:
+    tensors = [*args, *kwargs.values()]
+    if len(tensors) != 3 or not all(isinstance(t, Tensor) for t in tensors):
+        raise TypeError(
+            f"experts module {type(module).__name__} is called with {len(tensors)} "
+            "arguments, not as experts(hidden_states, top_k_index, top_k_weights)"
+        )
+    hidden, index, weights = tensors
+    return assumed_forward(module, hidden, index, weights, skew, record)
+
+
+class _Alone(nn.Module):
+    """Routed experts alone, each on the tokens ``counts`` gives it (routing values are
+    never read)."""
+
+    def __init__(self, experts: nn.Module, counts: list[int]) -> None:
+        super().__init__()
+        self.experts = experts
+        self.counts = counts
+
+    def forward(self, hidden: Tensor, weights: Tensor) -> Tensor:
+        index = weights.new_empty(weights.shape, dtype=torch.long)
+        return assumed_forward(
+            self.experts, hidden, index, weights, 1.0, lambda call: None, self.counts
+        )
+
+
+# count(layer, inputs) -> (flops, backward_flops, backward_input_flops, saved)
+Counter = Callable[[nn.Module, tuple[Tensor, ...]], tuple[float, float, float, int]]
+
+
+def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
+    """The routed experts' figures of one count, ``None`` when the layer routed no tokens.
+
+    Each expert's figures are its own (fresh tensors, its own matmuls), so experts of
+    equal token counts count alike: ``count`` counts one expert per distinct token count
+    (on its own fake state), times the experts that receive it, which keeps 256 experts
+    as cheap as 8.
+    """
+    if not routed.calls:
+        return None
+    totals = [0.0, 0.0, 0.0, 0.0]
+    params = dispatch = 0
+    for name, call in routed.calls.items():
+        module = routed.modules[name]
+        tokens = assumed_tokens(call.tokens, call.top_k, call.experts, routed.skew)
+        hidden = torch.empty((call.tokens, call.width), dtype=call.hidden, device=META)
+        weights = torch.empty((call.tokens, call.top_k), dtype=call.weights, device=META)
+        for size, times in Tally(n for n in tokens if n).items():
+            found = count(_Alone(module, [size]), (hidden, weights))
+            for i, value in enumerate(found):
+                totals[i] += times * value
+        params += sum(p.numel() * p.element_size() for p in module.parameters())
+        dispatch += call.tokens * call.top_k * call.width * hidden.element_size()
+    calls = list(routed.calls.values())
+    return ExpertFigures(
+        experts=max(c.experts for c in calls),
+        top_k=max(c.top_k for c in calls),
+        blocks=len(calls),
+        param_bytes=params,
+        flops=totals[0],
+        backward_flops=totals[1],
+        backward_input_flops=totals[2],
+        saved=int(totals[3]),
+        dispatch_bytes=dispatch,
+        skew=routed.skew,
+    )

@@ -1,0 +1,117 @@
+"""Mixtures of experts counted on fake tensors at an assumed routing, against real runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from profiler.count_pass import count_layers, expert_counts
+from profiler.counting import count_layer, meta_copy
+from profiler.measure import profile_layers
+from tests.support.moe_models import (
+    EXPERT_FFN,
+    FAMILIES,
+    HIDDEN,
+    force_balanced,
+    moe_block,
+    real_counts,
+)
+
+CPU = torch.device("cpu")
+# Per family: routed experts, and the routing weights' bytes (Mixtral's and DeepSeek-V3's
+# routers give float32 weights, Qwen2-MoE's the model's dtype).
+SHAPES = {"mixtral": (4, 4), "qwen2_moe": (4, 8), "deepseek_v3": (8, 4)}
+
+
+def _sample(batch: int = 2, sequence: int = 6) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(batch, sequence, HIDDEN, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_balanced_assumption_counts_what_balanced_real_routing_computes(family: str) -> None:
+    """The block (router, routed experts, shared experts) on real float64 tensors whose
+    router is forced balanced, and on fake ones routed by the assumption: FLOPs of the
+    forward, the backward, the input's gradient, and the saved bytes all equal."""
+    block = moe_block(family)
+    force_balanced(block)
+    x = _sample()
+    real = real_counts(block, (x,))
+    counted, _, _ = count_layer(meta_copy(block), (x.to("meta"),), CPU)
+    assert (
+        counted.flops,
+        counted.backward_flops,
+        counted.backward_input_flops,
+        counted.saved,
+    ) == real
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_expert_figures_are_those_of_the_routed_experts_alone(family: str) -> None:
+    """Hand-derived: 12 tokens, top-2, hidden 16, expert FFN 16, float64."""
+    experts, weight_bytes = SHAPES[family]
+    block = moe_block(family)
+    x = _sample()
+    counted, _, _ = count_layer(meta_copy(block), (x.to("meta"),), CPU)
+    figures = counted.experts
+    assert figures is not None
+    copies, h, ffn = 12 * 2, HIDDEN, EXPERT_FFN
+    # Each copy: up (h -> 2 ffn) and down (ffn -> h) projections, a multiply-add twice.
+    flops = copies * 2 * (h * 2 * ffn + ffn * h)
+    # Saved per copy: its token and top-k positions (int64), the gathered hidden state, the
+    # up projection, the activation, the gated product, the down projection, the weighted
+    # output (index_add_ keeps its source), and the routing weight.
+    saved = copies * (2 * 8 + 8 * (h + 2 * ffn + ffn + ffn + h + h) + weight_bytes)
+    assert (figures.experts, figures.top_k, figures.blocks) == (experts, 2, 1)
+    assert figures.param_bytes == experts * (2 * ffn * h + h * ffn) * 8
+    assert (figures.flops, figures.backward_flops, figures.backward_input_flops) == (
+        flops,
+        2 * flops,
+        flops,
+    )
+    assert figures.saved == saved
+    assert figures.dispatch_bytes == copies * h * 8
+    assert figures.skew == 1.0
+    assert counted.flops > figures.flops  # the router (and shared experts) besides
+
+
+def test_skew_keeps_the_routed_flops_and_records_the_assumption() -> None:
+    block = moe_block("mixtral")
+    x = _sample(batch=4, sequence=8)  # 32 tokens, 64 copies, mean 16 per expert
+    balanced, _, _ = count_layer(meta_copy(block), (x.to("meta"),), CPU)
+    skewed, _, _ = count_layer(meta_copy(block), (x.to("meta"),), CPU, skew=2.5)
+    assert balanced.experts is not None and skewed.experts is not None
+    assert skewed.experts.skew == 2.5
+    assert skewed.experts.flops == balanced.experts.flops
+    assert skewed.experts.backward_flops == balanced.experts.backward_flops
+    assert skewed.flops == balanced.flops
+
+
+def test_layers_without_experts_have_none_and_each_batch_size_has_its_figures() -> None:
+    block = moe_block("qwen2_moe")
+    dense = torch.nn.Linear(HIDDEN, HIDDEN).double()
+    inputs = [(torch.empty(b, 6, HIDDEN, dtype=torch.float64, device="meta"),) for b in (1, 2)]
+    counted = count_layers([dense, block], inputs, ["dense", "moe"], CPU, skew=1.5)
+    assert expert_counts(counted[0].counts) is None
+    found = expert_counts(counted[1].counts)
+    assert found is not None
+    assert found.dispatch_bytes == [6 * 2 * HIDDEN * 8, 12 * 2 * HIDDEN * 8]
+    assert found.flops[1] == 2 * found.flops[0]
+    assert found.skew == 1.5
+    found.check("moe", 2)
+
+
+def test_a_measured_profile_carries_the_counted_experts() -> None:
+    block = moe_block("deepseek_v3")
+    profile = profile_layers(
+        [block], _sample(), batch_sizes=[2], warmup=0, repeats=1, pool=False, expert_skew=2.0
+    )
+    experts = profile.layers[0].experts
+    assert experts is not None
+    assert (experts.experts, experts.top_k, experts.skew) == (8, 2, 2.0)
+    assert profile.layers[0].forward[0] > 0  # measured, not only counted
+
+
+def test_a_bad_skew_is_refused_before_profiling() -> None:
+    with pytest.raises(ValueError, match="expert_skew must be a finite number >= 1"):
+        profile_layers([moe_block("mixtral")], _sample(), measure=False, expert_skew=0.5)
