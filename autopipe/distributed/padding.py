@@ -12,7 +12,7 @@ statistics), so such models need a batch that is a multiple of M.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,19 @@ def rows_mixing_layer(modules: Iterable[tuple[str, nn.Module]]) -> str | None:
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
             return name
     return None
+
+
+def per_batch_problem(outputs: Sequence[str], batch: int, chunks: int) -> str | None:
+    """Why outputs computed once per micro-batch need a batch that is a multiple of chunks,
+    or ``None`` when it is one or there are none."""
+    if not outputs or batch % chunks == 0:
+        return None
+    # The model computes them from all rows of a micro-batch, padding rows included.
+    return (
+        f"the batch size {batch} is not a multiple of chunks={chunks} and the model's "
+        f"outputs {', '.join(outputs)} are computed from whole micro-batches, which would "
+        "include padding rows; use a batch size that is a multiple of chunks"
+    )
 
 
 class MicroBatchPadding:

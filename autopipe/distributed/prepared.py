@@ -39,6 +39,8 @@ class Prepared:
             any buffer may be written.
         owner: the model the layers come from, whose names a profile gives the tensors
             several layers use (``None``: the layers' own names).
+        per_micro_batch: the model's outputs computed once per micro-batch (0-d tensors: a
+            loss or a router's auxiliary loss the model computes), by label.
     """
 
     sequential: nn.Sequential
@@ -48,6 +50,7 @@ class Prepared:
     wrapped: bool = False
     written: frozenset[int] | None = None
     owner: nn.Module | None = None
+    per_micro_batch: tuple[str, ...] = ()
 
 
 def _one_input(inputs: Any, what: str) -> Any:
@@ -105,7 +108,14 @@ def prepare_model(model: nn.Module, sample: Any) -> Prepared:
     written = frozenset(id(named[s.name]) for s in units.shared if s.name in named)
     sequential = units.sequential()
     return Prepared(
-        sequential, io.flatten(sample), io.flatten, io.rebuild, True, written, owner=model
+        sequential,
+        io.flatten(sample),
+        io.flatten,
+        io.rebuild,
+        True,
+        written,
+        owner=model,
+        per_micro_batch=tuple(io.per_micro_batch()),
     )
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from autopipe.distributed.collectives import share_from_rank0
 from autopipe.distributed.meta_stages import init_problem
-from autopipe.distributed.padding import MicroBatchPadding
+from autopipe.distributed.padding import MicroBatchPadding, per_batch_problem
 from autopipe.distributed.prepared import Prepared, prepare_model
 from autopipe.distributed.replicas import (
     check_layout,
@@ -121,6 +121,9 @@ class RankSteps:
         self.sample = self.prepared.sample
         chunks, schedule = settings.chunks, settings.schedule
         problem = check_arguments(layers, self.sample, chunks, schedule, inputs.loss_fn, self.given)
+        rows = (self.sample,) if isinstance(self.sample, torch.Tensor) else self.sample
+        per_batch = self.prepared.per_micro_batch
+        problem = problem or per_batch_problem(per_batch, len(rows[0]), chunks or 1)
         problem = problem or data_parallel_problem(runner.data_parallel)
         problem = problem or virtual_problem(settings.virtual_stages)
         problem = problem or checkpoint_problem(str(settings.checkpoint))

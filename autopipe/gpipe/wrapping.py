@@ -14,7 +14,14 @@ from autopipe.gpipe.colocated import physical_names
 from autopipe.gpipe.gpipe import GPipe
 from autopipe.gpipe.wrap_steps import WrapSteps
 from autopipe.gpipe.wrapped import WrappedPipeline
-from autopipe.graph import FlatSpec, has_meta_state, model_inputs, prepare, unit_sequential
+from autopipe.graph import (
+    FlatSpec,
+    has_meta_state,
+    model_inputs,
+    per_micro_batch_note,
+    prepare,
+    unit_sequential,
+)
 from autopipe.microbatching import assemble
 from autopipe.planning import PipelineSettings, with_overrides
 from profiler import Profile, check_autocast, stage_devices
@@ -64,10 +71,13 @@ def wrap(
     across it (skip connections included), and the plan charges exactly those bytes.
 
     The model's inputs and outputs must be batch-major: every tensor has the batch along
-    dim 0 (return per-sample outputs, compute the loss outside). Non-tensor inputs (ints,
-    bools, ``None``) are baked into the graph as constants. The model is traced in both
-    training and evaluation mode when they differ (dropout, batch norm), so ``train()``
-    and ``eval()`` work as usual.
+    dim 0 (return per-sample outputs, compute the loss outside). Outputs with a whole
+    number of rows per sample (a router's logits per token) come back joined, and a 0-d
+    output (a loss or a router's auxiliary loss the model computes) is computed per
+    micro-batch and averaged over the samples; some output must have just the batch along
+    dim 0. Non-tensor inputs (ints, bools, ``None``) are baked into the graph as constants.
+    The model is traced in both training and evaluation mode when they differ (dropout,
+    batch norm), so ``train()`` and ``eval()`` work as usual.
 
     The keywords after ``profile`` are fields of :class:`PipelineSettings`, laid over
     ``settings``; any other is refused (``TypeError``). The pipeline runs GPipe's
@@ -179,6 +189,9 @@ def wrap(
     built = assemble(model, settings, steps)
     if built.warning:
         warnings.warn(built.warning, stacklevel=2)
+    averaged = built.layers.io.per_micro_batch()
+    if averaged and built.plan.chunks > 1:
+        warnings.warn(per_micro_batch_note(averaged, built.plan.chunks), stacklevel=2)
     units = nn.Sequential(*built.layers.modules.values())
     pipeline = GPipe.from_plan(units, built.plan, replicate_shared=settings.replicate_shared)
     return WrappedPipeline(model, pipeline, built.plan, built.layers.io)

@@ -11,6 +11,7 @@ from profiler import lazy_face
 
 if TYPE_CHECKING:
     from autopipe import TracingError
+    from autopipe.graph.batch_outputs import per_micro_batch_note
     from autopipe.graph.flat_io import FlatSpec
     from autopipe.graph.layout import Layout, layout_model, stage_of_units
     from autopipe.graph.meta import (
@@ -63,6 +64,7 @@ __all__ = [
     "model_inputs",
     "model_tp_plan",
     "module_styles",
+    "per_micro_batch_note",
     "prepare",
     "read_tp_plan",
     "rebind_state",
@@ -96,6 +98,7 @@ _HOMES = {
     "model_inputs": "autopipe.graph.sequential",
     "model_tp_plan": "autopipe.graph.tp_plan",
     "module_styles": "autopipe.graph.tp_plan",
+    "per_micro_batch_note": "autopipe.graph.batch_outputs",
     "prepare": "autopipe.graph.sequential",
     "read_tp_plan": "autopipe.graph.tp_plan",
     "rebind_state": "autopipe.graph.meta",

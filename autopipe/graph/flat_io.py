@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
 __all__ = ["FlatSpec"]
+
+# Outputs that travel batch-major but are returned otherwise (autopipe.graph.batch_outputs).
+MEAN, ROWS = "mean", "rows"
+
+
+def restore(tensor: Tensor, kind: str | None) -> Tensor:
+    """A joined batch-major output as the model returns it: ``mean`` (a 0-d value repeated
+    once per sample) averaged, ``rows`` (``(batch, k, ...)``) flattened to ``k`` rows per
+    sample; any other unchanged."""
+    if kind == MEAN:
+        # Summed in float64, the mean of two equal micro-batches' float32 losses is their
+        # mean rounded once, as the plain average of the two gives it.
+        return tensor.mean(dtype=torch.float64).to(tensor.dtype)
+    if kind == ROWS:
+        return tensor.flatten(0, 1)
+    return tensor
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -34,12 +51,15 @@ class FlatSpec:
             slots hold ``None``.
         slots: the positions of the tensor leaves, in the order of the flat tuple.
         labels: a readable path of every leaf, e.g. ``[0]`` or ``['mask']``.
+        kinds: outputs that travel batch-major but are returned otherwise, by position in
+            the flat tuple: ``rows`` or ``mean`` (see :mod:`autopipe.graph.batch_outputs`).
     """
 
     spec: pytree.TreeSpec
     leaves: list[Any]
     slots: list[int]
     labels: list[str]
+    kinds: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -99,8 +119,8 @@ class FlatSpec:
     def rebuild(self, tensors: Sequence[Any]) -> Any:
         """The nested value with ``tensors`` in the tensor slots and the constants elsewhere."""
         leaves = list(self.leaves)
-        for slot, tensor in zip(self.slots, tensors, strict=True):
-            leaves[slot] = tensor
+        for i, (slot, tensor) in enumerate(zip(self.slots, tensors, strict=True)):
+            leaves[slot] = restore(tensor, self.kinds.get(i))
         return pytree.tree_unflatten(leaves, self.spec)
 
     @property

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from autopipe.graph.flat_io import FlatSpec
+from autopipe.graph.flat_io import MEAN, FlatSpec
 from autopipe.graph.layout import Layout, layout_model, trace_modes
 from autopipe.graph.shapes import DynamicSpec, InputShapes
 from autopipe.graph.sharing import SharedState
@@ -116,6 +116,12 @@ class ModelIO:
         shapes = self.shapes.get(self.key(training))
         if shapes is not None:
             shapes.check(tensors)
+
+    def per_micro_batch(self) -> list[str]:
+        """The outputs computed once per micro-batch, not per sample (0-d tensors: a loss
+        the model computes), by label; the pipeline returns their mean over the samples."""
+        found = {s.label(i) for s in self.outputs.values() for i, k in s.kinds.items() if k == MEAN}
+        return sorted(found)
 
     def rebuild(self, output: Any, training: bool) -> Any:
         """The last unit's output (a tensor or a tuple of them) as the model returns it."""

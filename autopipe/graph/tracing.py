@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from autopipe import TracingError
+from autopipe.graph.batch_outputs import batch_major_outputs
 from autopipe.graph.export import (
     check_symbolic_batch,
     drop_constant_copies,
@@ -25,10 +26,7 @@ from autopipe.graph.meta import META, has_meta_state, meta_shadow, rebind_state
 from autopipe.graph.shapes import DynamicSpec, InputShapes, dynamic_dims, input_names
 from autopipe.graph.trace_checks import PREFIX, verify_gradients, verify_outputs
 from autopipe.graph.trace_errors import failure_message
-from autopipe.graph.values import (
-    ValueInfo,
-    record_values,
-)
+from autopipe.graph.values import ValueInfo, record_values
 
 __all__ = ["METHODS", "PREFIX", "Traced", "trace"]
 
@@ -54,7 +52,8 @@ class Traced:
         graph: the graph.
         method: ``fx`` or ``export``.
         inputs: the structure of ``(args, kwargs)``.
-        outputs: the structure of the model's output.
+        outputs: the structure of the model's output (``kinds``: 0-d and several-rows
+            outputs, which the graph returns batch-major).
         values: what each node held on the sample, by node name.
         batch: the sample's batch size.
         training: the mode the model was traced in.
@@ -288,8 +287,12 @@ def _trace(
     else:
         raise TracingError(failure_message(model, errors)) from errors[-1][1]
     outputs = _outputs(flat, graph, values)
+    out_labels = [outputs.label(i) for i in range(len(outputs.slots))]
+    # 0-d outputs and outputs of several rows per sample travel batch-major (an fx graph
+    # keeps no sizes: run again on part of the sample to check them).
+    sample = (root, tensors) if name == "fx" else None
+    outputs.kinds = batch_major_outputs(graph, values, batch, out_labels, sample)
     shapes = [values[n.name].shape or () for n in graph.find_nodes(op="output")[0].args[0]]
-    out_labels = [outputs.label(i) for i in range(len(shapes))]
     size = check_batch_major(shapes, out_labels, "outputs")
     if size != batch:
         raise ValueError(

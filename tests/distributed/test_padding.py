@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopipe.distributed.padding import MicroBatchPadding, rows_mixing_layer
+from autopipe.distributed.padding import MicroBatchPadding, per_batch_problem, rows_mixing_layer
 from tests.support.dist_models import UNEVEN, make_batch, make_model, make_residual, reference_step
 
 
@@ -123,3 +123,10 @@ def test_uneven_micro_batches_with_batchnorm_are_refused(equal_run: Any) -> None
         message = rank["uneven"]["batchnorm"]
         assert f"batch size {UNEVEN} is not a multiple of chunks=4" in message
         assert "'3' has BatchNorm" in message and "padding rows" in message
+
+
+def test_outputs_computed_per_micro_batch_need_even_micro_batches() -> None:
+    assert per_batch_problem(["['aux_loss']"], 8, 4) is None
+    assert per_batch_problem([], 7, 4) is None
+    problem = per_batch_problem(["['aux_loss']"], 7, 4)
+    assert problem is not None and "['aux_loss'] are computed from whole micro-batches" in problem

@@ -95,6 +95,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
     from tests.support import (
         batchnorm_workers,
         fault_workers,
+        moe_runner_models,
         pipeline_workers,
         replica_workers,
         tied_workers,
@@ -128,6 +129,7 @@ def main(scenario: str, workdir: Path, rank: int, world: int) -> None:
         "v": lambda: v_workers.v_runs(world, str(workdir)),
         "zero": lambda: zero_workers.sharded(world),
         "unit-recompute": lambda: unit_recompute_workers.unit_recompute(world),
+        "moe": moe_runner_models.distributed_moe,
     }
     fault = scenario.replace("-", " ")
     if scenario in scenarios:
