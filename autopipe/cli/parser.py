@@ -311,6 +311,14 @@ def _add_mesh_options(search: Any) -> None:
         "gradients, 3 and parameters (e.g. 1,3)",
     )
     search.add_argument(
+        "--expert-parallel",
+        type=_degrees,
+        metavar="E[,E...]",
+        help="expert-parallel degrees to weigh for a profile with routed experts, or auto "
+        "(every degree dividing D x c and the experts); carved from the data x context "
+        "ranks",
+    )
+    search.add_argument(
         "--global-batch",
         type=positive,
         metavar="B",

@@ -48,6 +48,7 @@ def plan_command(args: argparse.Namespace) -> int:
             ("--context-parallel", args.context_parallel is not None),
             ("--sequence-parallel", args.sequence_parallel),
             ("--zero", args.zero is not None),
+            ("--expert-parallel", args.expert_parallel is not None),
             ("--global-batch", args.global_batch is not None),
             ("--micro-batch", args.micro_batch is not None),
         )

@@ -53,6 +53,8 @@ def _mesh_options(args: argparse.Namespace) -> dict[str, Any]:
         if args.shard_optimizer:
             raise ValueError("--zero lists the ZeRO stages; leave out --shard-optimizer (ZeRO-1)")
         out["zero"] = args.zero
+    if args.expert_parallel is not None:
+        out["expert_parallel"] = args.expert_parallel
     if args.micro_batch is not None:
         out["micro_batch"] = args.micro_batch
     if args.sequence is not None:

@@ -16,18 +16,26 @@ from autopipe.planning import Plan, format_bytes, format_time
 __all__: list[str] = []
 
 # What a step loses besides compute, by the plan's figures.
-_LABELS = {"tensor": "TP comm", "context": "CP ring", "zero": "ZeRO exchange"}
+_LABELS = {
+    "tensor": "TP comm",
+    "context": "CP ring",
+    "zero": "ZeRO exchange",
+    "expert": "EP all-to-all",
+}
 
 
 def mesh_label(plan: Plan) -> str:
-    """The plan's layout, e.g. ``TP=8 SP CP=1 PP=16 v=2 DP=128 ZeRO-1``."""
+    """The plan's layout, e.g. ``TP=8 SP CP=1 PP=16 v=2 DP=128 ZeRO-1`` (``EP=8`` after
+    the context degree with expert parallelism)."""
     m = plan.mesh
     sp = " SP" if m.sequence_parallel else ""
     ranks = plan.num_stages // max(plan.virtual_stages, 1)
     virtual = f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
     zero = max(m.zero, 1 if plan.shard_optimizer else 0)
+    ep = f" EP={m.expert}" if m.expert > 1 else ""
     return (
-        f"TP={m.tensor}{sp} CP={m.context} PP={ranks}{virtual} DP={plan.data_parallel} ZeRO-{zero}"
+        f"TP={m.tensor}{sp} CP={m.context}{ep} PP={ranks}{virtual} DP={plan.data_parallel} "
+        f"ZeRO-{zero}"
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -195,12 +194,15 @@ def _replayed(model: CostModel) -> bool:
 def interleaved_balance(model: CostModel) -> list[int]:
     """The best split for virtual stages: a local search from the exact K·v-stage split
     and the uniform one (:mod:`autopipe.planning.split.interleaved_balance`)."""
-    starts = []
-    with contextlib.suppress(PlanningError):  # no K·v-stage split fits: start elsewhere
-        starts.append(optimal_split(model))
+    # A rank holds at least what each of its stages needs alone: where no K·v-stage split
+    # fits stage by stage, no interleaved one fits either (the search meets thousands).
+    try:
+        starts = [optimal_split(model)]
+    except PlanningError:
+        starts = []
     params = model.layers.params + model.layers.buffers
-    starts.append(baseline_balance("uniform", model.layer_time(), model.num_stages, params))
-    balance = interleaved_split(model, starts)
+    uniform = baseline_balance("uniform", model.layer_time(), model.num_stages, params)
+    balance = interleaved_split(model, [*starts, uniform]) if starts else None
     if balance is None:
         raise PlanningError(
             f"no split into {model.num_stages} stages, {model.virtual_stages} per device, fits "

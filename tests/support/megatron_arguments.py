@@ -122,3 +122,47 @@ def data_parallel_config(arguments: argparse.Namespace) -> Any:
         use_megatron_fsdp=arguments.use_megatron_fsdp,
         data_parallel_sharding_strategy=strategy,
     )
+
+
+# The mixture-of-experts flags the export writes: TransformerConfig fields whose flags
+# carry the field's name (arguments.py adds --expert-model-parallel-size and
+# --expert-tensor-parallel-size by hand under those names, with these types), and
+# --num-experts, which arguments.py adds by hand for the field num_moe_experts.
+MOE_FLAGS = ("moe_router_topk", "expert_model_parallel_size", "expert_tensor_parallel_size")
+
+
+def moe_command_lines(text: str) -> list[argparse.Namespace]:
+    """:func:`command_lines` with Megatron-LM's mixture-of-experts flags too."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parser = megatron_parser()
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+    hints = typing.get_type_hints(TransformerConfig)
+    for name in MOE_FLAGS:
+        kwargs = _field_kwargs(hints[name], fields[name].default)
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
+    parser.add_argument("--num-experts", type=int, default=None)
+    return [
+        parser.parse_args(shlex.split(line)) for line in text.splitlines() if line.startswith("--")
+    ]
+
+
+def moe_transformer_config(arguments: argparse.Namespace) -> Any:
+    """:func:`transformer_config` with the routed experts (megatron-core checks them with
+    the mesh: sequence parallelism under tensor parallelism, the experts' degrees)."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values = vars(arguments)
+    config = {name: values[name] for name in (*CONFIG_FLAGS, *MOE_FLAGS)}
+    config |= {
+        field: values[flag] for flag, field in SPLIT_FIELDS.items() if values[flag] is not None
+    }
+    tensor = config["tensor_model_parallel_size"]
+    return TransformerConfig(
+        hidden_size=8 * tensor,
+        num_attention_heads=tensor,
+        pipeline_dtype=torch.float32,
+        num_moe_experts=arguments.num_experts,
+        **config,
+    )

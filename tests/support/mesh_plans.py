@@ -3,6 +3,7 @@ tests of the torchtitan and Megatron exports (no torch)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from autopipe import Plan
@@ -48,3 +49,21 @@ def mesh_plan(case: MeshCase, names: list[str] | None = None) -> Plan:
         micro_batch=case.micro,
         batch_size=case.micro * case.chunks * case.replicas,
     )
+
+
+def with_experts(made: Plan, experts: int = 8, top_k: int = 2) -> Plan:
+    """``made`` whose profile record gives every transformer layer (``layers.*``,
+    ``h.*``) one mixture-of-experts block of ``experts`` routed experts, ``top_k`` per
+    token."""
+    profile = copy.deepcopy(made.profile)
+    width = len(profile["batch_sizes"])
+    for layer in profile["layers"]:
+        if layer["name"].startswith(("layers.", "h.")):
+            layer["experts"] = {
+                "experts": experts, "top_k": top_k, "blocks": 1, "param_bytes": 0,
+                **{name: [0] * width for name in (
+                    "flops", "backward_flops", "backward_input_flops", "saved",
+                    "dispatch_bytes",
+                )},
+            }  # fmt: skip
+    return dataclasses.replace(made, profile=profile)

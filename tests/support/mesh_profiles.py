@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from profiler import LayerProfile, Profile, ShardCounts
+from profiler import ExpertCounts, LayerProfile, Profile, ShardCounts
 
 # One block at one sample: what it counts, and what of it the tensor-parallel plan shards.
 BLOCK: dict[str, float] = {
@@ -121,3 +121,56 @@ def roofline_record(peak: float = 16.0, bandwidth: float = 4.0) -> dict[str, Any
         "peak_flops": peak,
         "memory_bandwidth": bandwidth,
     }
+
+
+# One block's routed experts at one sample: half the block's parameters (2048 of 4096
+# bytes, all of its dense rest sharded), FLOPs (32 of 64) and backward FLOPs, a quarter
+# of its saved bytes, and 128 bytes of token copies dispatched per forward.
+EXPERTS: dict[str, float] = {
+    "param_bytes": 2048,
+    "flops": 32.0,
+    "backward_flops": 64.0,
+    "backward_input_flops": 32.0,
+    "saved": 256,
+    "dispatch_bytes": 128,
+}
+
+
+def moe_layer(
+    index: int, *, experts: int = 4, top_k: int = 2, skew: float = 1.0, **kw: Any
+) -> LayerProfile:
+    """Block ``index`` of :func:`block_layer` with one mixture-of-experts block of
+    :data:`EXPERTS`' routed experts."""
+    layer = block_layer(index, **kw)
+    sizes = (1, 2)
+    layer.experts = ExpertCounts(
+        experts=experts,
+        top_k=top_k,
+        blocks=1,
+        param_bytes=round(EXPERTS["param_bytes"]),
+        flops=[EXPERTS["flops"] * s for s in sizes],
+        backward_flops=[EXPERTS["backward_flops"] * s for s in sizes],
+        backward_input_flops=[EXPERTS["backward_input_flops"] * s for s in sizes],
+        saved=[round(EXPERTS["saved"]) * s for s in sizes],
+        dispatch_bytes=[round(EXPERTS["dispatch_bytes"]) * s for s in sizes],
+        skew=skew,
+    )
+    return layer
+
+
+def moe_profile(
+    layers: int = 4,
+    *,
+    batch: int = 8,
+    estimate: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Profile:
+    """``layers`` blocks of :func:`moe_layer` (``kw`` goes to each)."""
+    meta: dict[str, Any] = {} if estimate is None else {"estimate": estimate}
+    return Profile(
+        layers=[moe_layer(i, **kw) for i in range(layers)],
+        batch_sizes=[1, 2],
+        input=[64, 128],
+        batch_size=batch,
+        meta=meta,
+    )

@@ -138,6 +138,7 @@ class SearchOptions:
     micro_batch: int | None = None
     sequence: int = 0
     links: MeshLinks | None = None
+    expert_parallel: Sequence[int] | None = None
 
     @property
     def meshed(self) -> bool:
@@ -150,6 +151,7 @@ class SearchOptions:
             or self.micro_batch is not None
             or tuple(self.sequence_parallel) != (False,)
             or bool(self.sequence)
+            or (self.expert_parallel is not None and tuple(self.expert_parallel) != (1,))
         )
 
 
@@ -224,6 +226,11 @@ def search(
         links: the intra- and inter-node links the mesh's groups run on
             (:class:`autopipe.planning.mesh.mesh_links.MeshLinks`); default: every group
             on the all-reduce link and the stages on ``bandwidth``.
+        expert_parallel: expert-parallel degrees e to weigh for a profile with routed
+            experts; empty: every degree dividing ``D·c`` and every block's expert count
+            (:mod:`autopipe.planning.mesh.expert_figures`). Given (other than ``(1,)``),
+            it makes the search a mesh search; ``None`` (default): every such degree when
+            other options make it one.
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its
@@ -308,8 +315,8 @@ def search(
         if not configs:
             raise ValueError(
                 f"no mesh of {devices} devices matches the batch {total_batch}: t·c·K·D "
-                "must be the devices and D · micro_batch divide the batch; change the "
-                "degrees, the batch or the micro-batch size"
+                "must be the devices, D · micro_batch divide the batch and an expert "
+                "degree divide D·c; change the degrees, the batch or the micro-batch size"
             )
     else:
         configs = configurations(bounds, even, shard is not False)
@@ -517,9 +524,36 @@ def _mesh_choices(space: Space, opts: SearchOptions, shard: bool) -> MeshChoices
     micro = opts.micro_batch
     if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
         raise ValueError(f"micro_batch must be a positive integer, got {micro!r}")
+    experts = table.experts.common if table.experts is not None else 0
     return MeshChoices(
-        tensors, tuple(opts.context_parallel), tuple(opts.sequence_parallel), zero, micro
+        tensors,
+        tuple(opts.context_parallel),
+        tuple(opts.sequence_parallel),
+        zero,
+        micro,
+        *_expert_choices(tuple(opts.expert_parallel or ()), experts),
     )
+
+
+def _expert_choices(given: tuple[int, ...], experts: int) -> tuple[tuple[int, ...], int]:
+    """The expert-parallel degrees to weigh (empty: every divisor of the blocks' expert
+    count) and that count's greatest common divisor (0: no routed experts).
+
+    Raises:
+        ValueError: a degree that is no integer >= 1, or above 1 without routed experts.
+    """
+    if any(isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in given):
+        raise ValueError(f"expert parallelism degrees must be integers >= 1, got {given!r}")
+    if not experts:
+        if any(e > 1 for e in given):
+            raise ValueError(
+                "expert parallelism needs a profile whose layers have routed experts "
+                "(profile a mixture-of-experts model); leave out the expert degrees"
+            )
+        return (1,), 0
+    if not given:
+        given = tuple(e for e in range(1, experts + 1) if experts % e == 0)
+    return given, experts
 
 
 def _allreduce(model: CostModel, balance: list[int]) -> float:

@@ -7,7 +7,9 @@ the global batch ``B`` fixes the micro-batches: ``M = B / (D·b)`` (a ``D`` that
 divide ``B / b`` is left out). Degrees ``t`` are those every layer's heads allow
 (:meth:`autopipe.planning.mesh.shard_table.ShardTable.refusal`), up to the devices of one
 node unless listed; sequence parallelism goes with ``t > 1``; a ZeRO stage above 0 with
-``D·c > 1``.
+``D·c > 1``; an expert-parallel degree ``e`` (profiles with routed experts only) with
+``e`` dividing ``D·c`` and every block's expert count
+(:mod:`autopipe.planning.mesh.expert_figures`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class MeshChoices:
         sequence_parallel: sequence parallelism off and/or on (with ``t > 1``).
         zero: ZeRO stages.
         micro_batch: samples per micro-batch, or ``None``: every size the batch allows.
+        expert: expert-parallel degrees to weigh, each where the rule allows it.
+        experts: the greatest common divisor of the blocks' routed experts, 0 for a
+            profile without routed experts (then only ``e = 1``).
     """
 
     tensor: Sequence[int] = (1,)
@@ -37,6 +42,15 @@ class MeshChoices:
     sequence_parallel: Sequence[bool] = (False,)
     zero: Sequence[int] = (0,)
     micro_batch: int | None = None
+    expert: Sequence[int] = (1,)
+    experts: int = 0
+
+    def expert_degrees(self, ranks: int) -> list[int]:
+        """The expert-parallel degrees of :attr:`expert` the rule allows over ``ranks``
+        (``D·c``) devices."""
+        if not self.experts:
+            return [1] if 1 in self.expert else []
+        return [e for e in self.expert if ranks % e == 0 and self.experts % e == 0]
 
 
 def _divisors(n: int) -> list[int]:
@@ -63,17 +77,20 @@ def mesh_configurations(bounds: Bounds, choices: MeshChoices) -> list[Config]:
                     options = [(batch // (d * mb), mb)]
                 else:
                     options = bounds.chunks(replica, k)
+                degrees = choices.expert_degrees(d * c)
                 for sp in choices.sequence_parallel:
                     if sp and t == 1:
                         continue
                     for zero in choices.zero:
                         if zero > 0 and d * c == 1:
                             continue
-                        for m, micro in options:
-                            point = Config(
-                                k, d, m, micro, "never", "gpipe", replica, 1, t, c, sp, zero
-                            )
-                            out.extend(variants(point, bounds))
+                        for e in degrees:
+                            for m, micro in options:
+                                point = Config(
+                                    k, d, m, micro, "never", "gpipe", replica, 1, t, c, sp,
+                                    zero, e,
+                                )  # fmt: skip
+                                out.extend(variants(point, bounds))
     return out
 
 

@@ -22,7 +22,7 @@ __all__: list[str] = []
 
 # A mesh's communication below this share of the step is not what a plan loses by.
 _WORTH = 0.01
-_KINDS = {"tensor": "tp", "context": "cp", "zero": "zero"}
+_KINDS = {"tensor": "tp", "context": "cp", "zero": "zero", "expert": "ep"}
 
 
 def model_flops(space: Space, config: Config, batch: int) -> float:
@@ -53,6 +53,8 @@ def mesh_parts(space: Space, config: Config, plan: Plan) -> dict[str, float]:
                 if exposure is None:
                     continue
                 forward, backward = map(float, exposure.exposed(stage.start, stage.stop))
+            elif f"{prefix}_forward" not in lines.parts:
+                continue  # no routed experts: no all-to-alls
             else:
                 span = slice(stage.start, stage.stop)
                 forward = float(lines.part(f"{prefix}_forward", size)[span].sum())
@@ -83,7 +85,8 @@ def mesh_line(plan: Plan, best: Plan, space: Space, config: Config) -> str:
     """Why ``plan``'s mesh costs more than the best's, in one line, or ``""``.
 
     Names the kind of communication that takes the most of the step beyond the best's,
-    e.g. ``TP=8: 2 all-reduces per layer pass over 450 GB/s, 9% of the step``.
+    e.g. ``TP=8: 2 all-reduces per layer pass over 450 GB/s, 9% of the step`` or
+    ``EP=64: 2 all-to-alls per MoE block pass over 50 GB/s, 12% of the step``.
     """
     if not plan.step_time:
         return ""
@@ -106,6 +109,9 @@ def mesh_line(plan: Plan, best: Plan, space: Space, config: Config) -> str:
     elif kind == "context":
         link = groups.context
         what = f"CP={mesh.context}: the key/value ring beyond attention"
+    elif kind == "expert":
+        link = groups.expert or groups.data
+        what = f"EP={mesh.expert}: 2 all-to-alls per MoE block pass"
     else:
         link = groups.data
         what = f"ZeRO-{mesh.zero}: the per-unit exchanges beyond compute"

@@ -30,7 +30,7 @@ Array = NDArray[np.float64]
 class Config:
     """One point of the search space.
 
-    ``tensor``, ``context`` and ``sequence_parallel`` are the stage's mesh
+    ``tensor``, ``context``, ``sequence_parallel`` and ``expert`` are the stage's mesh
     (:class:`autopipe.planning.model.mesh.Mesh`); ``zero`` its ZeRO stage, ``-1`` for the
     space's ``shard_optimizer`` (ZeRO-1 when set, else none).
     """
@@ -47,6 +47,7 @@ class Config:
     context: int = 1
     sequence_parallel: bool = False
     zero: int = -1
+    expert: int = 1
 
     @property
     def devices(self) -> int:
@@ -68,8 +69,9 @@ class Config:
         mesh = ""
         if self.tensor > 1 or self.context > 1 or self.zero >= 0:
             sp = " SP" if self.sequence_parallel else ""
+            ep = f" EP={self.expert}" if self.expert > 1 else ""
             zero = f" ZeRO-{self.zero}" if self.zero >= 0 else ""
-            mesh = f"TP={self.tensor}{sp} CP={self.context}{zero} "
+            mesh = f"TP={self.tensor}{sp} CP={self.context}{ep}{zero} "
         return (
             f"{mesh}K={self.stages}{virtual} D={self.replicas} M={self.chunks} "
             f"{self.checkpoint} {self.schedule}"
@@ -176,7 +178,14 @@ class Space:
         """The configuration's mesh."""
         per_node = self.links.per_node if self.links is not None else 0
         zero = self.zero(config, shard) if config.zero >= 0 else 0
-        return Mesh(config.tensor, config.context, config.sequence_parallel, zero, per_node)
+        return Mesh(
+            config.tensor,
+            config.context,
+            config.sequence_parallel,
+            zero,
+            per_node,
+            expert=config.expert,
+        )
 
     def group_links(self, config: Config) -> tuple[GroupLinks, GroupLink]:
         """The links of the configuration's tensor, context and data-parallel groups, and
@@ -189,6 +198,7 @@ class Space:
             group_link(self.links, mesh, k, d, "tp"),
             group_link(self.links, mesh, k, d, "cp"),
             group_link(self.links, mesh, k, d, "dp"),
+            group_link(self.links, mesh, k, d, "ep") if config.expert > 1 else None,
         )
         return groups, group_link(self.links, mesh, k, d, "pp")
 
@@ -196,11 +206,20 @@ class Space:
         """What of the configuration changes its layers' figures (``None``: nothing)."""
         zero = self.zero(config)
         exchanges = zero >= 2 and config.replicas * config.context > 1
-        if config.tensor == 1 and config.context == 1 and not exchanges:
+        if config.tensor == 1 and config.context == 1 and not exchanges and config.expert == 1:
             return None
         groups, _ = self.group_links(config)
-        d = config.replicas if exchanges else 0
-        return (config.tensor, config.context, config.sequence_parallel, zero, d, groups)
+        # The experts' exchanges run over t·D·c/e devices: D matters with experts.
+        d = config.replicas if exchanges or self.table.experts is not None else 0
+        return (
+            config.tensor,
+            config.context,
+            config.sequence_parallel,
+            zero,
+            d,
+            groups,
+            config.expert,
+        )
 
     def lines_of(self, config: Config) -> ProfileLines | MeshLines:
         """The lines one device of the configuration sees."""
@@ -248,6 +267,17 @@ class Space:
         optimizer state, as the configuration's ZeRO stage shards them."""
         return state_factor(self.optimizer, self.zero(config), config.replicas * config.context)
 
+    def state(self, config: Config, basis: _Basis) -> Array:
+        """Each layer's state bytes on a device (tied tensors at their first user): the
+        parameters' and, with routed experts, theirs at the experts' own sharding."""
+        state = basis.params * self.state_factor(config) + basis.buffers
+        experts = basis.costs.experts
+        if experts is None:
+            return state
+        shard_over = self.mesh(config).expert_replicas(config.replicas)
+        own = state_factor(self.optimizer, self.zero(config), shard_over)
+        return state + experts * (own - self.state_factor(config))
+
     def sync_bandwidth(self, config: Config) -> float | None:
         """Bytes/s of the configuration's data-parallel exchanges."""
         return self.group_links(config)[0].data.bandwidth if self.links else self.allreduce
@@ -284,16 +314,24 @@ class Space:
     def single(self, config: Config) -> float:
         """The least memory of the configuration's largest layer alone on a stage."""
         basis = self.basis(config)
-        state = basis.params * self.state_factor(config) + basis.buffers
+        state = self.state(config, basis)
         return float(np.max(state + basis.costs.saved + basis.costs.peak))
 
     def compute(self, config: Config, r: float) -> tuple[float, float]:
-        """Total and largest per-layer compute with a re-computed share ``r``."""
+        """Total (with ZeRO-2/3's least exposed exchanges) and largest per-layer compute
+        with a re-computed share ``r``."""
         key = (config.micro_batch, config.mean_batch, config.alone, self._view(config), r)
         if key not in self._compute:
             costs = self.basis(config).costs
             layer = costs.forward * (1 + r) + costs.backward
-            self._compute[key] = (float(layer.sum()), float(layer.max()))
+            total = float(layer.sum())
+            if costs.exposure is not None:
+                # Cutting the model only exposes more of ZeRO-2/3's exchanges (a stage's
+                # first ones are whole where one stage would hide them): the whole model's
+                # exposure bounds the stages' sum.
+                forward, backward = costs.exposure.exposed(0, len(costs))
+                total += float(forward) * (1 + r) + float(backward)
+            self._compute[key] = (total, float(layer.max()))
         return self._compute[key]
 
     def _sync(self, config: Config, stages: int) -> float:
@@ -327,7 +365,7 @@ class Space:
         if config.schedule == "1f1b":
             ck = min(ck, 1)
         inputs = ck * (costs.input + (k - 1) * boundary)
-        state = float((basis.params * self.state_factor(config) + basis.buffers).sum())
+        state = float(self.state(config, basis).sum())
         if config.checkpoint == "auto":  # re-computed units keep their inputs alone
             saved = basis.least
         need = state + keep * saved + inputs + float(costs.peak.max())
@@ -335,17 +373,18 @@ class Space:
 
     def _virtual_bound(self, config: Config) -> tuple[float, bool]:
         """Tier 1 for K·v interleaved stages: a device works ``M·C_r`` per step, at least
-        the mean ``M·Σc / K``, and one micro-batch passes every stage in turn (``Σc``)."""
+        the mean ``M·Σc / K``, and one micro-batch passes every stage in turn (``Σc``);
+        the looped schedules add part of their bubble (:func:`_looped_step`)."""
         basis = self.basis(config)
         _, pipe = self.group_links(config)
-        k, m, stages = config.stages, config.chunks, config.stages * config.virtual
+        k, stages = config.stages, config.stages * config.virtual
         work = self.compute(config, 0.0)[0]
         send = basis.boundary / pipe.bandwidth if pipe.bandwidth else 0.0
         total = work + stages * self.virtual_overhead + (stages - 1) * (send + pipe.latency)
         if self.capacity is None:
-            return max(total, m * total / k) + self._sync(config, stages), True
+            return _looped_step(config, total) + self._sync(config, stages), True
         # Summed over the ranks: the state, one micro-batch's activations, one peak.
-        state = float((basis.params * self.state_factor(config) + basis.buffers).sum())
+        state = float(self.state(config, basis).sum())
         peak = float(basis.costs.peak.max())
         need = state + basis.saved + peak
         if config.checkpoint == "auto":
@@ -354,8 +393,31 @@ class Space:
             deficit = max(need - k * self.capacity, 0.0)
             total += deficit * basis.ratio if deficit > 0 else 0.0
             need = state + basis.least + peak
-        value = max(total, m * total / k) + self._sync(config, stages)
+        value = _looped_step(config, total) + self._sync(config, stages)
         return value, self.single(config) <= self.capacity and need <= k * self.capacity
+
+
+# The looped schedules (stage s on rank s mod K) whose bubble the virtual-stage bound
+# counts; zero bubble fills its bubble with deferred weight gradients and the V schedules
+# fold their stages otherwise: they keep the plain bound.
+LOOPED = ("gpipe", "1f1b")
+# The share of the balanced looped schedule's bubble, (K - 1)·Σc / (K·v), that the bound
+# counts. A pruning rule, not a proof: the replayed step of random stage times (lognormal,
+# sparse, near-even; forward, backward and sends apart) stays above the work plus 0.69 of
+# that bubble (tests/planning/configuration/test_search_space.py); stages whose forward
+# and backward differ in ratio overlap part of the warm-up with the cool-down.
+BUBBLE_SHARE = 0.5
+
+
+def _looped_step(config: Config, total: float) -> float:
+    """A lower bound on the step of ``config``'s K·v stages of ``total`` seconds per
+    micro-batch: the mean device's work plus :data:`BUBBLE_SHARE` of the bubble under a
+    looped schedule, and never below one micro-batch's pass (``total``)."""
+    k, m, v = config.stages, config.chunks, config.virtual
+    work = m * total / k
+    if config.schedule in LOOPED:
+        work += BUBBLE_SHARE * (k - 1) * total / (k * v)
+    return max(total, work)
 
 
 @dataclass(frozen=True)

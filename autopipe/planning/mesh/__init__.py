@@ -1,5 +1,5 @@
-"""The mesh around the pipeline: per-device figures under tensor, context and sharded data
-parallelism.
+"""The mesh around the pipeline: per-device figures under tensor, context, expert and
+sharded data parallelism.
 
 Above :mod:`autopipe.planning.model` (it turns a profile's lines into the lines one device
 of a stage's tensor × context group sees, which the cost model then reads unchanged);

@@ -20,6 +20,9 @@ lines of one device, which the cost model reads as it reads a profile's:
   device's key/value heads (``1/t`` of them, one whole head per device when there are
   fewer than ``t``), overlapped with the layer's attention (its FLOP share of the pass):
   only what outlasts it is exposed.
+- **Routed experts** under expert parallelism ``e``: their part of each figure taken out
+  of the sharded one and counted at the straggler's share, their parameters divided by
+  ``e``, and the all-to-alls exposed per pass (:mod:`autopipe.planning.mesh.expert_figures`).
 - **ZeRO-2/3** over ``S = D·c`` devices: each unit's exchange, exposed per stage beside
   the compute of the stage's own units (:mod:`autopipe.planning.mesh.zero_exchange`).
 - **Memory.** Sharded saved bytes and parameters divide by ``t``; ``replicated_saved``
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from autopipe.planning.mesh.expert_figures import alltoall, exchanged, expert_refusal, expert_view
 from autopipe.planning.mesh.mesh_links import GroupLink
 from autopipe.planning.mesh.shard_table import ShardTable
 from autopipe.planning.mesh.zero_exchange import StageExchanges, unit_exchange
@@ -48,17 +52,20 @@ from profiler import Profile, segments
 __all__: list[str] = []
 
 Array = NDArray[np.float64]
-# The exposed communication a layer's pass adds, by kind (the report names them).
+# The exposed communication a layer's pass adds, by kind (the report names them); with
+# routed experts also ``ep_forward`` and ``ep_backward``, the all-to-alls.
 PARTS = ("tp_forward", "tp_backward", "cp_forward", "cp_backward")
 
 
 @dataclass(frozen=True)
 class GroupLinks:
-    """The links of a device's tensor-parallel, context-parallel and data-parallel groups."""
+    """The links of a device's tensor-parallel, context-parallel and data-parallel groups,
+    and of its expert-parallel group (``None``: the data-parallel group's)."""
 
     tensor: GroupLink
     context: GroupLink
     data: GroupLink
+    expert: GroupLink | None = None
 
     @classmethod
     def uniform(cls, link: GroupLink) -> GroupLinks:
@@ -95,7 +102,7 @@ class MeshLines:
         """The layer costs at ``micro_batch`` samples (times at ``time_batch``)."""
         costs = self.lines.at(micro_batch, time_batch)
         when = micro_batch if time_batch is None else time_batch
-        p = {name: self.part(name, when) for name in PARTS}
+        p = {name: self.part(name, when) for name in self.parts}
         exposure = None
         if self.units is not None:  # beside the compute of the stage's other units
             exposure = StageExchanges(self.mesh.zero, self.units, costs.forward, costs.backward)
@@ -103,7 +110,13 @@ class MeshLines:
         backward = costs.backward + p["tp_backward"] + p["cp_backward"]
         bwd_input = costs.backward_input
         if bwd_input is not None:  # the input's gradients carry the collectives
-            bwd_input = np.minimum(bwd_input + p["tp_backward"] + p["cp_backward"], backward)
+            bwd_input = bwd_input + p["tp_backward"] + p["cp_backward"]
+        if "ep_forward" in p:  # the all-to-alls, not overlapped with compute
+            forward, backward = forward + p["ep_forward"], backward + p["ep_backward"]
+            if bwd_input is not None:
+                bwd_input = bwd_input + p["ep_backward"]
+        if bwd_input is not None:
+            bwd_input = np.minimum(bwd_input, backward)
         return dataclasses.replace(
             costs,
             forward=forward,
@@ -122,9 +135,12 @@ def mesh_lines(
     Raises:
         ValueError: the mesh cannot run the profile (:meth:`ShardTable.refusal`).
     """
-    refused = table.refusal(mesh)
+    refused = table.refusal(mesh) or expert_refusal(table.experts, mesh, replicas)
     if refused:
         raise ValueError(refused)
+    experts = table.experts
+    if experts is not None:  # the routed experts' own division, then the usual one
+        lines, table = expert_view(lines, table, experts, mesh)
     t, c, sp = mesh.tensor, mesh.context, mesh.sequence_parallel
     rep = t if sp else 1
     sh, cnt, values = table.shards, table.counts, lines.values
@@ -169,11 +185,16 @@ def mesh_lines(
             values["backward_input"], cnt["backward_input_flops"], sh["backward_input_flops"]
         )
     parts = _collectives(table, mesh, links, forward, backward)
+    if experts is not None:
+        parts.update(alltoall(experts, mesh, links.expert or links.data, forward))
     params = lines.params - table.sharded_params + table.sharded_params / t
     shard_over = replicas * c
     units = None
     if mesh.zero >= 2 and shard_over >= 2 and len(params):
-        units = unit_exchange(params, shard_over, links.data)
+        moved = params
+        if lines.experts is not None:  # the experts' exchange runs over S_x devices
+            moved = exchanged(params, lines.experts, shard_over, mesh.expert_replicas(replicas))
+        units = unit_exchange(moved, shard_over, links.data)
     saved_rep = np.maximum(
         values["saved"] - sh["saved"] - (sh["replicated_saved"] if sp else 0.0), 0.0
     )

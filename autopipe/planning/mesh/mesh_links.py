@@ -5,6 +5,12 @@ first) take ranks so that the innermost is contiguous: a group of dimension ``X`
 the product of the sizes of ``X`` and of every dimension inside it. A group whose span
 fits one node of ``per_node`` devices runs on the intra-node link, any other on the
 inter-node one (a ring is as slow as the slowest link it crosses).
+
+Expert parallelism (``ep``) has no dimension of its own: as torchtitan borrows it from
+``dp_shard`` and ``cp``, an expert-parallel group of ``e`` takes ``e`` ranks of the
+context-parallel group first and then, when ``e > c``, ``⌈e/c⌉`` ranks of the data
+dimension (``dp_shard`` under ZeRO, else ``dp_replicate``): it spans the larger of the
+two extents.
 """
 
 from __future__ import annotations
@@ -78,12 +84,27 @@ def span(mesh: Mesh, stages: int, replicas: int, dimension: str) -> int:
     return total
 
 
+def expert_span(mesh: Mesh, stages: int, replicas: int) -> int:
+    """Ranks an expert-parallel group spans (see the module docstring)."""
+    e, c = mesh.expert, mesh.context
+    sizes = dimension_sizes(mesh, stages, replicas)
+    context = span(mesh, stages, replicas, "cp") // c * min(e, c)
+    if e <= c:
+        return context
+    data = "dp_shard" if mesh.zero >= 1 else "dp_replicate"
+    stride = span(mesh, stages, replicas, data) // sizes[data]
+    return max(context, -(-e // c) * stride)
+
+
 def group_link(
     links: MeshLinks, mesh: Mesh, stages: int, replicas: int, dimension: str
 ) -> GroupLink:
     """The link of ``dimension``'s groups (``dp``: the data-parallel ring over both
-    ``dp_replicate`` and ``dp_shard``, and ``cp`` inside it, as ZeRO shards over both)."""
-    if dimension == "dp":
+    ``dp_replicate`` and ``dp_shard``, and ``cp`` inside it, as ZeRO shards over both;
+    ``ep``: the expert-parallel group, :func:`expert_span`)."""
+    if dimension == "ep":
+        ranks = expert_span(mesh, stages, replicas)
+    elif dimension == "dp":
         ranks = max(
             span(mesh, stages, replicas, "dp_replicate"), span(mesh, stages, replicas, "dp_shard")
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from autopipe.planning.mesh.expert_figures import ExpertTable
 from autopipe.planning.model.mesh import Mesh
 from profiler import Profile
 
@@ -102,6 +103,7 @@ class ShardTable:
         kv_heads: per layer, key/value heads.
         has_shards: per layer, whether it was counted with a tensor-parallel plan.
         roofline: the estimate behind the times, or ``None`` (measured).
+        experts: the layers' routed experts, ``None`` when no layer has any.
     """
 
     names: list[str]
@@ -115,6 +117,7 @@ class ShardTable:
     kv_heads: NDArray[np.int64]
     has_shards: NDArray[np.bool_]
     roofline: Roofline | None
+    experts: ExpertTable | None = None
 
     @classmethod
     def from_profile(cls, profile: Profile) -> ShardTable:
@@ -147,6 +150,7 @@ class ShardTable:
             kv_heads=scalar("kv_heads").astype(np.int64),
             has_shards=np.array([x.shards is not None for x in layers]),
             roofline=roofline_of(profile),
+            experts=ExpertTable.from_profile(profile),
         )
 
     @property

@@ -30,7 +30,7 @@ per step after the pipeline drains; the cost model's ``allreduce_time``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
@@ -73,27 +73,40 @@ class StageExchanges:
     unit: Array
     forward: Array
     backward: Array
+    _sums: dict[str, Array] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The prefix sums every span reads, once per profile and size (the search asks
+        # for thousands of spans of each).
+        u = self.unit
+        previous = np.concatenate([[0.0], u[:-1]])
+        following = np.concatenate([u[1:], [0.0]])
+        windows = {
+            "ahead": _windows(u[1:], self.forward[:-1]),
+            "tail": _windows(u[1:], self.backward[:-1]),
+            "previous": previous,
+            "following": following,
+            "interior": _windows(previous + following, self.backward),
+        }
+        object.__setattr__(self, "_sums", windows)
 
     def exposed(self, s: Index, e: Index) -> tuple[Array, Array]:
         """Seconds the exchanges add to the forward and to the backward of one
         micro-batch of a stage of layers ``[s, e)`` (``s < e``; arrays broadcast)."""
-        u = self.unit
+        u, sums = self.unit, self._sums
         s, e = np.asarray(s), np.asarray(e)
         first = u[s]
-        # Forward: layer j > s waits for its gather beyond layer j−1's forward.
-        ahead = _windows(u[1:], self.forward[:-1])  # [i]: layers 1 .. i
-        behind = ahead[np.maximum(e - 1, 0)] - ahead[s]
         if self.zero == 2:
             # Backward: layer j < e−1 hides the reduce-scatter of j+1.
-            tail = _windows(u[1:], self.backward[:-1])
+            tail = sums["tail"]
             return np.zeros(np.shape(first * e)), first + tail[e - 1] - tail[s]
-        forward = first + behind
+        # Forward: layer j > s waits for its gather beyond layer j−1's forward.
+        ahead = sums["ahead"]  # [i]: layers 1 .. i
+        forward = first + ahead[np.maximum(e - 1, 0)] - ahead[s]
         # Backward, ZeRO-3: the gather of e−1 and the reduce-scatter of s whole; layer j's
         # window carries the gather of j−1 and the reduce-scatter of j+1 inside the stage.
         n = len(u)
-        previous = np.concatenate([[0.0], u[:-1]])
-        following = np.concatenate([u[1:], [0.0]])
-        interior = _windows(previous + following, self.backward)
+        previous, following, interior = sums["previous"], sums["following"], sums["interior"]
         last = u[np.maximum(e - 1, 0)]
         multi = e - s >= 2
         head = np.maximum(following[s] - self.backward[s], 0.0)

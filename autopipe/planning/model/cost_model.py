@@ -47,6 +47,11 @@ one dtype), the ring all-reduce's ``2 · (D − 1)/D · P`` in all, so the step 
 not change (the optimizer step, which it does not time, only gets shorter). With D = 1 it
 changes nothing.
 
+With routed experts (``layers.experts``, expert parallelism of degree ``e``) their bytes
+hold ``P_x · f(S_x)`` instead, the state factor ``f`` of the ZeRO stage over the
+``S_x = t·D·c / e`` devices holding the same experts; their exchange after the drain is
+priced at the dense part's rate per byte (:mod:`autopipe.planning.mesh.expert_figures`).
+
 ZeRO-2 (``mesh.zero = 2``) shards the gradients too: ``P · (1 + (1 + opt) / S)``, each
 unit's gradients reduce-scattered as its backward ends, every micro-batch (the layers'
 times carry what of it is exposed, :mod:`autopipe.planning.mesh.zero_exchange`), and once
@@ -296,6 +301,15 @@ class CostModel:
             )
         # Bytes a stage holds per parameter byte: weight, gradient and its optimizer state.
         self.state_factor = state_factor(optimizer, self.zero, self.shard_over)
+        # The routed experts' state shards over the devices holding the same experts.
+        self.expert_factor = state_factor(
+            optimizer, self.zero, options.mesh.expert_replicas(data_parallel)
+        )
+        self.expert_state = (
+            None
+            if layers.experts is None
+            else layers.experts * (self.expert_factor - self.state_factor)
+        )
         # Stage k runs on rank k % K as local stage k // K (or in a V: rank r holds r and
         # 2K−1−r); one replay of each rank's order.
         ranks = len(self.devices) // virtual_stages
@@ -323,7 +337,8 @@ class CostModel:
         self._shared = layers.shared_bytes
         self._saved = prefix_sums(layers.saved - self._shared)
         self._params = prefix_sums(layers.params)
-        self._state = prefix_sums(layers.params * self.state_factor + layers.buffers)
+        state = layers.params * self.state_factor + layers.buffers
+        self._state = prefix_sums(state if self.expert_state is None else state + self.expert_state)
         # Per tied tensor, how many of its users lie before each layer: a stage [s, e)
         # holds cnt[e] − cnt[s] of them, and counts the tensor once instead.
         self.tied = list(layers.tied)
@@ -447,9 +462,7 @@ class CostModel:
 
     def _costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index, Array]:
         """:meth:`stage_costs` and the seconds per micro-batch of its re-computed units."""
-        state = self.state_memory(s, e)
-        if self._peak is not None:
-            state = state + self._peak.query(s, e)
+        state = self.held_state(s, e)
         fixed = self.overhead + self.transfer_time(k, e)
         cap = self.capacity(k)
         time = self._work(k, s, e, self.modes[0]) + fixed
@@ -563,10 +576,15 @@ class CostModel:
     def saved_memory(self, k: int, s: Index, e: Index) -> Array:
         """Of stage ``k``'s peak with layers ``[s, e)``, the micro-batches' saved sets
         (and inputs kept for re-computation): what its in-flight micro-batches hold."""
+        return self.stage_memory(k, s, e) - self.held_state(s, e)
+
+    def held_state(self, s: Index, e: Index) -> Array:
+        """Of a stage's peak with layers ``[s, e)``, what does not depend on the
+        micro-batches in flight: its state and its largest transient."""
         state = self.state_memory(s, e)
         if self._peak is not None:
             state = state + self._peak.query(s, e)
-        return self.stage_memory(k, s, e) - state
+        return state
 
     def activation_memory(self, k: int, s: Index, e: Index) -> Array:
         """Activations stage ``k`` holds at its peak with layers ``[s, e)``."""

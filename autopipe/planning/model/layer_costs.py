@@ -197,6 +197,9 @@ class LayerCosts:
     step_overhead: float = 0.0
     # Per stage, the passes' exposed exchanges (None: nothing beyond the layers' figures).
     exposure: StageExposure | None = None
+    # Of ``params``, the routed experts' bytes on the device, whose state shards over the
+    # expert-data-parallel group (None: no routed experts; see autopipe.planning.mesh).
+    experts: Array | None = None
 
     def __post_init__(self) -> None:
         if self.shared is None:  # frozen: set once, at construction
@@ -253,6 +256,8 @@ class ProfileLines:
             empty: none.
         split_backward: whether every layer's backward to its input alone was measured.
         tied: the tensors several layers use (see :class:`profiler.profile.TiedState`).
+        experts: of ``params``, the routed experts' bytes per layer on one device of an
+            expert-parallel mesh, or ``None`` (:mod:`autopipe.planning.mesh.expert_figures`).
     """
 
     names: list[str]
@@ -267,6 +272,7 @@ class ProfileLines:
     tied: tuple[TiedState, ...] = ()
     update_per_byte: float = 0.0
     step_overhead: float = 0.0
+    experts: Array | None = None
 
     @classmethod
     def from_profile(cls, profile: Profile, alone: bool = False) -> ProfileLines:
@@ -338,4 +344,5 @@ class ProfileLines:
             tied=self.tied,
             update_per_byte=self.update_per_byte,
             step_overhead=self.step_overhead,
+            experts=self.experts,
         )

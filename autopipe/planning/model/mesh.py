@@ -1,4 +1,5 @@
-"""The parallel mesh around the pipeline: tensor, context and sharded data parallelism.
+"""The parallel mesh around the pipeline: tensor, context, expert and sharded data
+parallelism.
 
 A plan's devices are ``t · c · K · D``: ``K`` pipeline ranks (the plan's stages over its
 virtual stages) times ``D`` data-parallel replicas (``Plan.data_parallel``) times, inside
@@ -6,6 +7,11 @@ each stage, a tensor-parallel group of ``t`` and a context-parallel group of ``c
 mesh's ``order`` (outermost first, torchtitan's names) decides which groups are
 neighbours: the innermost dimensions take consecutive ranks, so with ``per_node``
 devices per node a group whose ranks fit one node runs on the intra-node link.
+
+Expert parallelism of degree ``e`` takes no devices of its own: its groups are carved
+from the ``D·c`` ranks over which a stage's parameters are replicated (Megatron's
+expert-model-parallel groups inside the data-parallel and context-parallel ranks), each
+device holding ``1/e`` of every mixture-of-experts block's routed experts.
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ class Mesh:
         per_node: devices per node; groups inside one node use the intra-node link
             (0: all devices in one node).
         order: the mesh's dimensions, outermost first (:data:`MESH_DIMENSIONS`).
+        expert: the expert-parallel degree ``e``: the routed experts spread over ``e``
+            of the ``D·c`` devices replicating a stage (``e`` divides ``D·c`` and every
+            block's expert count, see :mod:`autopipe.planning.mesh.expert_figures`); the
+            experts are not divided by the tensor-parallel group (expert tensor
+            parallelism 1).
     """
 
     tensor: int = 1
@@ -45,9 +56,10 @@ class Mesh:
     zero: int = 0
     per_node: int = 0
     order: tuple[str, ...] = field(default=MESH_DIMENSIONS)
+    expert: int = 1
 
     def __post_init__(self) -> None:
-        for what in ("tensor", "context"):
+        for what in ("tensor", "context", "expert"):
             value = getattr(self, what)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"mesh {what} degree is {value!r}; it must be an integer >= 1")
@@ -74,8 +86,14 @@ class Mesh:
         """Devices of one stage's tensor × context group."""
         return self.tensor * self.context
 
+    def expert_replicas(self, replicas: int) -> int:
+        """Devices holding the same routed experts of a stage, over which their gradients
+        are summed and their ZeRO state sharded: ``t·D·c / e`` (the experts are whole on
+        every device of a tensor-parallel group), at least 1."""
+        return max(self.tensor * replicas * self.context // self.expert, 1)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "tensor": self.tensor,
             "context": self.context,
             "sequence_parallel": self.sequence_parallel,
@@ -83,6 +101,9 @@ class Mesh:
             "per_node": self.per_node,
             "order": list(self.order),
         }
+        if self.expert > 1:  # meshes without expert parallelism read as before
+            data["expert"] = self.expert
+        return data
 
     @classmethod
     def from_dict(cls, data: object) -> Mesh:
@@ -93,7 +114,7 @@ class Mesh:
         """
         if not isinstance(data, dict):
             raise ValueError(f"mesh must be an object, got {data!r}")
-        known = {"tensor", "context", "sequence_parallel", "zero", "per_node", "order"}
+        known = {"tensor", "context", "sequence_parallel", "zero", "per_node", "order", "expert"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"mesh has unknown field {unknown[0]!r}")

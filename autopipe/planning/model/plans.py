@@ -18,10 +18,11 @@ from profiler import Profile, read_json, write_json
 
 __all__ = ["Plan", "StagePlan", "TiedPlan"]
 
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 # Older plans load too: they lack the fields added since (3: ``shard_optimizer``; 4:
-# ``mesh``; 5: the stages' ``recompute_units``), whose defaults hold for them.
-_READABLE = (1, 2, 3, 4, 5)
+# ``mesh``; 5: the stages' ``recompute_units``; 6: ``mesh.expert``), whose defaults hold
+# for them.
+_READABLE = (1, 2, 3, 4, 5, 6)
 # A stage's checkpoint mode: one of the plan's fixed modes, or ``units``: the stage
 # re-computes the units listed in its ``recompute_units`` on every micro-batch.
 STAGE_CHECKPOINT_MODES = (*FIXED_CHECKPOINT_MODES, "units")
@@ -165,7 +166,7 @@ class Plan:
         mesh_parts: seconds per step the busiest rank spends in the mesh's exposed
             communication, by kind (``tensor``: the tensor-parallel collectives,
             ``context``: the ring beyond attention, ``zero``: ZeRO-2/3 exchanges beyond
-            compute); empty without a mesh.
+            compute, ``expert``: the expert-parallel all-to-alls); empty without a mesh.
         device_memory: with virtual stages, each rank's predicted peak bytes: its stages'
             parameters and state, and the most their in-flight micro-batches hold at once
             (its stages do not all peak together); empty with one stage per device.
@@ -437,6 +438,12 @@ def _check_plan(plan: Plan) -> None:
         )
     if plan.schedule not in ALL_SCHEDULES:
         raise ValueError(f"schedule is {plan.schedule!r}; choose {', '.join(ALL_SCHEDULES)}")
+    ranks = plan.data_parallel * plan.mesh.context
+    if ranks % plan.mesh.expert:
+        raise ValueError(
+            f"mesh expert {plan.mesh.expert} does not divide the data-parallel replicas times "
+            f"the context-parallel degree ({ranks}); {_REMAKE}"
+        )
     if plan.checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint is {plan.checkpoint!r}; choose {', '.join(CHECKPOINT_MODES)}")
     for k, stage in enumerate(plan.stages):

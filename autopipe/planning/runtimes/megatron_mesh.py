@@ -4,9 +4,12 @@ The names are Megatron-LM's (``megatron/training/arguments.py``, most of them ma
 megatron-core's ``TransformerConfig`` and ``DistributedDataParallelConfig`` fields): the
 tensor- and context-parallel sizes, sequence parallelism, how the data-parallel group
 shards (the distributed optimizer for ZeRO-1, Megatron-FSDP for ZeRO-2 and 3), the
-micro- and global batch, and recompute: full recompute of every decoder layer, or with
-the block method of the first ``N`` of every (virtual) stage, for plans that re-compute
-some units (:mod:`autopipe.planning.runtimes.layer_recompute` rounds them to that).
+routed experts (their count, top-k and the expert-model-parallel size, whose groups
+Megatron forms inside the data- and context-parallel ranks; the experts' own tensor
+parallelism 1), the micro- and global batch, and recompute: full recompute of every
+decoder layer, or with the block method of the first ``N`` of every (virtual) stage, for
+plans that re-compute some units (:mod:`autopipe.planning.runtimes.layer_recompute` rounds
+them to that).
 """
 
 from __future__ import annotations
@@ -64,9 +67,23 @@ def megatron_mesh(plan: Plan, stages: Stages) -> tuple[str, list[str]]:
     stack = decoder_stack([path for units in stages for unit in units for path in unit])
     figures = mesh_figures(plan, "Megatron", LayerStack(stack, stages, first=True))
     flags = [f"--tensor-model-parallel-size {figures.tensor}"]
-    if figures.sequence_parallel:
+    notes = list(figures.notes)
+    sequence_parallel = figures.sequence_parallel
+    if figures.experts and figures.tensor > 1 and not sequence_parallel:
+        sequence_parallel = True
+        notes.append(
+            "Megatron runs routed experts with tensor parallelism only under sequence "
+            "parallelism: --sequence-parallel is written, which the plan did not weigh"
+        )
+    if sequence_parallel:
         flags.append("--sequence-parallel")
     flags.append(f"--context-parallel-size {figures.context}")
+    if figures.experts:
+        flags.append(f"--num-experts {figures.experts}")
+        flags.append(f"--moe-router-topk {figures.top_k}")
+        flags.append(f"--expert-model-parallel-size {figures.expert}")
+        if figures.tensor > 1:  # Megatron's default is the dense layers' degree
+            flags.append("--expert-tensor-parallel-size 1")
     flags += _sharding(figures)
     if figures.micro_batch is not None:
         # Megatron runs global / (micro · data-parallel size) micro-batches per step.
@@ -79,5 +96,5 @@ def megatron_mesh(plan: Plan, stages: Stages) -> tuple[str, list[str]]:
     elif figures.recompute:
         flags.append(RECOMPUTE)
     comments = [f"# Megatron-LM, {world_line(figures)}"]
-    comments += [f"# note: {note}" for note in figures.notes]
+    comments += [f"# note: {note}" for note in notes]
     return " ".join(flags), comments

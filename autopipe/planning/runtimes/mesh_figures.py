@@ -1,9 +1,11 @@
 """What the torchtitan and Megatron exports write about a plan's mesh, batches and recompute.
 
-One place decides the figures both runtimes take: the degrees (``t · c · K · D`` devices),
-the ZeRO stage the replicas shard with, the micro- and global batch, and which layers the
-runtime recomputes (:mod:`autopipe.planning.runtimes.layer_recompute` rounds the plan's
-per-stage and per-unit choices up to that). Each figure a runtime cannot take exactly
+One place decides the figures both runtimes take: the degrees (``t · c · K · D`` devices,
+expert parallelism ``e`` inside ``D · c``, with the routed experts and top-k of the
+profile's mixture-of-experts blocks), the ZeRO stage the replicas shard with, the micro-
+and global batch, and which layers the runtime recomputes
+(:mod:`autopipe.planning.runtimes.layer_recompute` rounds the plan's per-stage and per-unit
+choices up to that). Each figure a runtime cannot take exactly
 comes with a note saying what the export writes instead.
 """
 
@@ -40,6 +42,9 @@ class MeshFigures:
         recompute_layers: it recomputes the first this many transformer layers of every
             stage (Megatron's block method); ``None``: every layer.
         notes: what the runtimes cannot take as planned and what is written instead.
+        expert: expert-parallel degree ``e`` (inside the ``D · c`` ranks).
+        experts: routed experts per mixture-of-experts block (0: no routed experts).
+        top_k: experts each token goes to (0: no routed experts).
     """
 
     ranks: int
@@ -55,11 +60,25 @@ class MeshFigures:
     recompute: bool
     recompute_layers: int | None = None
     notes: list[str] = field(default_factory=list)
+    expert: int = 1
+    experts: int = 0
+    top_k: int = 0
 
 
 def zero_stage(plan: Plan) -> int:
     """The plan's ZeRO stage; plans that only set ``shard_optimizer`` are stage 1."""
     return max(plan.mesh.zero, 1 if plan.shard_optimizer else 0)
+
+
+def routed_experts(plan: Plan) -> tuple[int, int]:
+    """``(experts, top_k)`` of the first layer with routed experts in the plan's profile
+    record, ``(0, 0)`` without any (runtimes take one count for every block)."""
+    layers = plan.profile.get("layers", []) if isinstance(plan.profile, dict) else []
+    for layer in layers:
+        found = layer.get("experts") if isinstance(layer, dict) else None
+        if isinstance(found, dict) and found.get("blocks"):
+            return int(found["experts"]), int(found["top_k"])
+    return 0, 0
 
 
 def mesh_figures(plan: Plan, runtime: str, layers: LayerStack | None = None) -> MeshFigures:
@@ -98,6 +117,7 @@ def mesh_figures(plan: Plan, runtime: str, layers: LayerStack | None = None) -> 
     recompute = (
         whole_stages(plan, runtime) if layers is None else layer_recompute(plan, runtime, layers)
     )
+    experts, top_k = routed_experts(plan)
     return MeshFigures(
         ranks=ranks,
         replicas=replicas,
@@ -112,12 +132,16 @@ def mesh_figures(plan: Plan, runtime: str, layers: LayerStack | None = None) -> 
         recompute=recompute.on,
         recompute_layers=recompute.first,
         notes=[*notes, *recompute.notes],
+        expert=mesh.expert,
+        experts=experts,
+        top_k=top_k,
     )
 
 
 def world_line(figures: MeshFigures) -> str:
     """The world size and how its degrees multiply, for a comment line."""
+    expert = f" (expert {figures.expert} within data x context)" if figures.expert > 1 else ""
     return (
         f"world size {figures.world} = tensor {figures.tensor} x context {figures.context} "
-        f"x pipeline {figures.ranks} x data {figures.replicas}"
+        f"x pipeline {figures.ranks} x data {figures.replicas}{expert}"
     )

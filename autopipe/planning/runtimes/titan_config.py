@@ -58,6 +58,26 @@ def _data_parallel(figures: MeshFigures) -> tuple[dict[str, object], list[str]]:
     return keys, notes
 
 
+def _experts(figures: MeshFigures) -> tuple[dict[str, object], list[str]]:
+    """The expert-parallel degree, for plans of models with routed experts, and what
+    torchtitan runs otherwise than the plan.
+
+    torchtitan 0.3.0 borrows its expert-parallel ranks from ``dp_shard · cp · tp`` (not
+    from ``dp_replicate``), and the experts are whole on each of them."""
+    if not figures.experts:
+        return {}, []
+    notes = []
+    sharded = figures.zero >= 1 and figures.replicas > 1
+    borrowed = (figures.replicas if sharded else 1) * figures.context * figures.tensor
+    if borrowed % figures.expert:
+        notes.append(
+            f"torchtitan borrows expert parallelism from data_parallel_shard_degree x "
+            f"context x tensor ({borrowed} ranks here), which {figures.expert} does not "
+            "divide: shard the replicas (a ZeRO stage of 1 or more) to run this plan"
+        )
+    return {"expert_parallel_degree": figures.expert}, notes
+
+
 def _sections(
     plan: Plan, parts: list[list[str]], schedule: str, stages: Stages
 ) -> tuple[Sections, MeshFigures]:
@@ -66,6 +86,8 @@ def _sections(
     # blocks), all under one policy: a plan re-computing some of them gets ``full``.
     figures = mesh_figures(plan, "torchtitan", LayerStack("layers", stages, first=False))
     dp, notes = _data_parallel(figures)
+    experts, expert_notes = _experts(figures)
+    notes += expert_notes
     parallelism: dict[str, object] = {
         **dp,
         "tensor_parallel_degree": figures.tensor,
@@ -73,6 +95,7 @@ def _sections(
         "enable_sequence_parallel": figures.sequence_parallel,
         "context_parallel_degree": figures.context,
         "pipeline_parallel_degree": figures.ranks,
+        **experts,
         "pipeline_parallel_schedule": schedule,
     }
     training: dict[str, object] = {}

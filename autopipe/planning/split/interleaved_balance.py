@@ -54,7 +54,7 @@ def _replayed(
             parts.transfer,
         )
         codes[:, k], memory[:, k] = parts.recompute, parts.memory
-        saved[:, k] = model.saved_memory(k, s, e)
+        saved[:, k] = parts.memory - model.held_state(s, e)  # as model.saved_memory
         weight[:, k] = model.weight_share(s, e)
     ranks = model.num_ranks
     fits = fits_memory(model, memory, saved) if memory_limits else np.ones(len(bounds), dtype=bool)

@@ -47,7 +47,8 @@ class MemoryLimits:
         self.n = m.num_layers
         # Tied tensors once (at their first user): a stage's state from below.
         params, buffers = layers.first_use()
-        self._state = prefix_sums(params * m.state_factor + buffers)
+        state = params * m.state_factor + buffers
+        self._state = prefix_sums(state if m.expert_state is None else state + m.expert_state)
         # As in the cost model: shared bytes count once, added back at a stage's start.
         self._shared = layers.shared_bytes
         self._saved = prefix_sums(layers.saved - self._shared)
@@ -74,10 +75,17 @@ class MemoryLimits:
             for mu in (*m.modes, *units):
                 if mu == UNITS_MODE:
                     n = m.in_flight(k)
-                    key: tuple[object, ...] = (id(layers), m.state_factor, "units", n, cap)
+                    key: tuple[object, ...] = (
+                        id(layers),
+                        m.state_factor,
+                        m.expert_factor,
+                        "units",
+                        n,
+                        cap,
+                    )
                 else:
                     ck, keep = m.checkpointed(k, mu)
-                    key = (id(layers), m.state_factor, float(keep), float(ck), cap)
+                    key = (id(layers), m.state_factor, m.expert_factor, float(keep), float(ck), cap)
                 if key not in cache:
                     if mu == UNITS_MODE:
                         found = self._ends(

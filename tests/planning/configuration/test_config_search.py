@@ -326,3 +326,23 @@ def test_speed_on_a_large_profile():
     found = search(profile, 64, memory=400_000, allreduce_bandwidth=1e5)
     elapsed = time.perf_counter() - start
     assert found and elapsed < 20  # seconds; a few on an idle laptop core
+
+
+def test_expert_degrees_are_listed_or_left_to_the_rule() -> None:
+    from autopipe.planning import SearchOptions
+    from tests.support.mesh_profiles import block_profile, moe_profile
+
+    fixed = dict(schedules=("gpipe",), checkpoints=("never",), top=100, micro_batch=1)
+    # A listed degree makes a mesh search and is the only one weighed (with e = 1 left
+    # out, every plan takes it).
+    plans = search(moe_profile(4, batch=8), 8, options=SearchOptions(**fixed, expert_parallel=(2,)))
+    assert plans and {p.mesh.expert for p in plans} == {2}
+    # Empty: every degree the rule allows; None (the default): the same in a mesh search.
+    every = search(moe_profile(4, batch=8), 8, options=SearchOptions(**fixed, expert_parallel=()))
+    assert {p.mesh.expert for p in every} == {1, 2, 4}
+    assert not SearchOptions().meshed and SearchOptions(expert_parallel=()).meshed
+    assert not SearchOptions(expert_parallel=(1,)).meshed
+    with pytest.raises(ValueError, match="needs a profile whose layers have routed experts"):
+        search(block_profile(4, batch=8), 8, options=SearchOptions(**fixed, expert_parallel=(2,)))
+    with pytest.raises(ValueError, match="integers >= 1"):
+        search(moe_profile(4, batch=8), 8, options=SearchOptions(**fixed, expert_parallel=(0,)))

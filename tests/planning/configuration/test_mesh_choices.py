@@ -1,5 +1,6 @@
 """The mesh search's configurations, and its ranking against every mesh of 8 devices
-evaluated directly (every split of every (t, c, K, D, ZeRO) point)."""
+evaluated directly (every split of every (t, c, K, D, ZeRO) point, and with routed
+experts every expert-parallel degree e too)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from autopipe.planning.model.layer_costs import ProfileLines
 from autopipe.planning.model.mesh import Mesh
 from autopipe.planning.model.spans import stage_memory
 from autopipe.planning.split.exact import split_value
-from tests.support.mesh_profiles import block_profile
+from profiler import Profile
+from tests.support.mesh_profiles import block_profile, moe_profile
 from tests.support.planning_cases import splits
 
 LINK = GroupLink(64.0, 0.5)
@@ -70,33 +72,40 @@ def test_tensor_degrees_default_to_what_the_heads_allow_within_a_node() -> None:
     assert tensor_degrees((16,), lambda t: True, 8) == [16]
 
 
-def _brute_force() -> dict[tuple[int, int, int, int, int], tuple[float, float]]:
-    """Per mesh point, the best step of the splits that fit and that split's memory."""
-    profile = block_profile(4, batch=BATCH)
+def _brute_force(
+    profile: Profile | None = None, capacity: int = CAPACITY, experts: tuple[int, ...] = (1,)
+) -> dict[tuple[int, ...], tuple[float, float, float]]:
+    """Per mesh point ``(t, c, K, D, ZeRO)`` (and ``e`` where ``experts`` lists more than
+    1), the best step of the splits that fit, and the least and the most memory of the
+    splits that fit at that step."""
+    profile = profile or block_profile(4, batch=BATCH)
     lines, table = ProfileLines.from_profile(profile), ShardTable.from_profile(profile)
     links = GroupLinks(LINK, LINK, LINK)
     found = {}
-    for t, c, zero in itertools.product((1, 2, 4), (1, 2), (0, 1, 2, 3)):
+    for t, c, zero, e in itertools.product((1, 2, 4), (1, 2), (0, 1, 2, 3), experts):
         for k in (1, 2, 4):
             if DEVICES % (t * c * k):
                 continue
             d = DEVICES // (t * c * k)
-            if zero and d * c == 1:
+            if (zero and d * c == 1) or (d * c) % e:
                 continue
-            mesh = Mesh(tensor=t, context=c, zero=zero)
+            mesh = Mesh(tensor=t, context=c, zero=zero, expert=e)
             costs = mesh_lines(lines, table, mesh, links, d).at(1)
-            devices = [DeviceSpec(f"d{i}", CAPACITY, 1.0, 64.0, 0.5) for i in range(k)]
+            devices = [DeviceSpec(f"d{i}", capacity, 1.0, 64.0, 0.5) for i in range(k)]
             options = CostOptions(data_parallel=d, allreduce_bandwidth=64.0, mesh=mesh)
             model = CostModel(costs, devices, BATCH // d, "never", "gpipe", 2.0, options)
             best = None
             for balance in splits(4, k):
                 peak = float(stage_memory(model, balance).max())
-                if peak <= CAPACITY:
+                if peak <= capacity:
                     step = split_value(model, balance)
-                    if best is None or step < best[0]:
-                        best = (step, peak)
+                    if best is None or step < best[0] * (1 - 1e-12):
+                        best = (step, peak, peak)
+                    elif step <= best[0] * (1 + 1e-12):  # as fast: its memory may differ
+                        best = (best[0], min(best[1], peak), max(best[2], peak))
             if best is not None:
-                found[(t, c, k, d, zero)] = best
+                key = (t, c, k, d, zero, e) if len(experts) > 1 else (t, c, k, d, zero)
+                found[key] = best
     return found
 
 
@@ -125,6 +134,50 @@ def test_the_search_ranks_every_mesh_as_evaluating_each_directly() -> None:
         assert peak <= CAPACITY and plan.num_devices == DEVICES
         got[key] = (plan.step_time, peak)
     assert set(got) == set(expected)
-    for key, (step, _) in expected.items():
+    for key, (step, _, _) in expected.items():
         assert got[key][0] == pytest.approx(step, rel=1e-12), key
-    assert plans[0].step_time == pytest.approx(min(s for s, _ in expected.values()), rel=1e-12)
+    assert plans[0].step_time == pytest.approx(min(s for s, _, _ in expected.values()), rel=1e-12)
+
+
+def test_the_search_weighs_every_expert_degree_as_evaluating_each_directly() -> None:
+    """The memory (and step) of every (t, c, K, D, ZeRO, e) point the search returns is
+    the best split's of that mesh evaluated directly; e ranges over what the rule allows."""
+    profile = moe_profile(4, batch=BATCH)
+    capacity = 40_000
+    expected = _brute_force(profile, capacity, (1, 2, 4))
+    assert any(key[-1] == 4 for key in expected)
+    assert any(key not in expected for key in _brute_force(profile, 10**9, (1, 2, 4)))
+    options = SearchOptions(
+        schedules=("gpipe",),
+        checkpoints=("never",),
+        top=1000,
+        tensor_parallel=(1, 2, 4),
+        context_parallel=(1, 2),
+        zero=(0, 1, 2, 3),
+        micro_batch=1,
+        links=MeshLinks.uniform(LINK),
+    )
+    plans = search(profile, DEVICES, memory=capacity, optimizer="adam", options=options)
+    got = {}
+    for plan in plans:
+        m = plan.mesh
+        key = (m.tensor, m.context, plan.num_stages, plan.data_parallel, m.zero, m.expert)
+        got[key] = (plan.step_time, max(stage.memory for stage in plan.stages))
+    assert set(got) == set(expected)
+    for key, (step, least, most) in expected.items():
+        assert got[key][0] == pytest.approx(step, rel=1e-12), key
+        # The plan's memory is that of one of the fastest splits evaluated directly.
+        assert least * (1 - 1e-12) <= got[key][1] <= most * (1 + 1e-12), key
+
+
+def test_dense_profiles_weigh_no_expert_degree() -> None:
+    bounds = Bounds(8, 4, 8, ("never",), ("gpipe",))
+    dense = mesh_configurations(bounds, MeshChoices((1, 2), (1, 2), micro_batch=1))
+    assert dense and all(c.expert == 1 for c in dense)
+    moe = mesh_configurations(
+        bounds, MeshChoices((1, 2), (1, 2), micro_batch=1, expert=(1, 2, 4, 8), experts=4)
+    )
+    # The dense configurations, and each again for every e dividing D·c and the 4 experts.
+    assert [c for c in moe if c.expert == 1] == dense
+    assert {c.expert for c in moe} == {1, 2, 4}
+    assert all((c.replicas * c.context) % c.expert == 0 for c in moe)

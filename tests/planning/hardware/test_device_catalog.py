@@ -72,6 +72,7 @@ def test_the_bundled_catalog_loads_the_devices_the_planner_knows() -> None:
     assert float64 == {
         "h100": 67e12,
         "h200": 67e12,
+        "h800": 1e12,
         "a100-40gb": 19.5e12,
         "a100-80gb": 19.5e12,
         "l40s": 1.431e12,
@@ -104,8 +105,20 @@ def test_names_are_case_insensitive_and_aliases_find_the_device() -> None:
 
 
 def test_an_unknown_name_lists_the_known_keys() -> None:
-    with pytest.raises(ValueError, match="unknown device 'h800'; known: a100-40gb, .*mi300x"):
-        find_device("h800")
+    with pytest.raises(ValueError, match="unknown device 'h20'; known: a100-40gb, .*mi300x"):
+        find_device("h20")
+
+
+def test_the_h800_is_an_h100_with_deepseeks_links() -> None:
+    h800, h100 = find_device("NVIDIA H800"), find_device("h100")
+    assert h800.key == "h800" and h800.memory == h100.memory
+    assert h800.memory_bandwidth == h100.memory_bandwidth
+    dense = ("float32", "tf32", "bfloat16", "float16", "float8")
+    assert {d: h800.peak(d) for d in dense} == {d: h100.peak(d) for d in dense}
+    # NVLink 400 GB/s both ways together; 8 x 400 Gb/s InfiniBand per node of 8 GPUs.
+    assert h800.intra_node.bandwidth == 200e9
+    assert h800.inter_node.bandwidth == 8 * 400e9 / 8 / 8
+    assert any("DeepSeek-V3" in source.document for source in h800.sources)
 
 
 def test_a_user_file_adds_a_device(tmp_path: Path) -> None:
@@ -204,3 +217,13 @@ def test_a_device_from_measured_figures() -> None:
         measured_device({**figures, "memory_bandwidth": -1.0})
     with pytest.raises(ValueError, match="lacks field 'memory'"):
         measured_device({k: v for k, v in figures.items() if k != "memory"})
+
+
+def test_target_h800_resolves_on_the_command_line() -> None:
+    from autopipe.cli.parser import build_parser
+    from autopipe.cli.target import check_target_options
+
+    args = build_parser().parse_args(["plan", "examples/mlp.py", "--target", "H800"])
+    found = check_target_options(args)
+    assert found is not None and found.key == "h800"
+    assert found.name == "NVIDIA H800 SXM5 80GB"

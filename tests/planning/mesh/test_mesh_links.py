@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks, group_link, span
+from autopipe.planning.mesh.mesh_links import (
+    GroupLink,
+    MeshLinks,
+    expert_span,
+    group_link,
+    span,
+)
 from autopipe.planning.model.mesh import Mesh
 
 NVLINK, NETWORK = GroupLink(450e9, 1e-6), GroupLink(50e9, 5e-6)
@@ -46,3 +52,17 @@ def test_one_node_of_every_device_is_all_intra_node() -> None:
 def test_a_free_link_costs_only_its_latency() -> None:
     free = GroupLink(None, 2.0)
     assert free.seconds(np.array([1e9]), np.array([3.0])).tolist() == [6.0]
+
+
+def test_an_expert_group_borrows_the_context_ranks_then_the_data_ranks() -> None:
+    # t = 2 inside c = 2: e = 2 takes the two context ranks, 2 · 2 apart.
+    assert expert_span(Mesh(tensor=2, context=2, expert=2), 2, 4) == 4
+    # e = 4 > c: the context group and 2 data replicas (ZeRO-1: dp_shard, stride 4).
+    mesh = Mesh(tensor=2, context=2, zero=1, expert=4, per_node=8)
+    assert expert_span(mesh, 2, 4) == 8
+    assert group_link(NODE, mesh, 2, 4, "ep") == NVLINK
+    # e = 8: 4 replicas of 4 ranks each, 16 ranks: across nodes (DeepSeek's EP=64 too).
+    wide = Mesh(tensor=2, context=2, zero=1, expert=8, per_node=8)
+    assert group_link(NODE, wide, 2, 4, "ep") == NETWORK
+    # Without ZeRO the replicas lie on dp_replicate, outside dp_shard: the same stride.
+    assert expert_span(Mesh(tensor=2, context=2, expert=4), 2, 4) == 8

@@ -3,6 +3,8 @@ model's memory and step, and on the replayed schedule."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from autopipe.planning.mesh.degree_figures import GroupLinks, mesh_lines
@@ -107,3 +109,20 @@ def test_the_replayed_schedule_counts_each_stage_s_exchanges() -> None:
     whole = float(model.stage_time(0, np.array(0), np.array(4)))
     parts = sum(float(model.stage_time(k, np.array(2 * k), np.array(2 * k + 2))) for k in (0, 1))
     assert parts > whole
+
+
+def test_cutting_the_model_never_exposes_less_than_the_whole() -> None:
+    # The search bounds a configuration's exposed exchanges by the whole model's: every
+    # split into stages must expose at least as much, forward and backward.
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n = int(rng.integers(2, 12))
+        unit, forward, backward = (rng.exponential(1.0, n) for _ in range(3))
+        for zero in (2, 3):
+            exchanges = StageExchanges(zero, unit, forward, backward)
+            whole = [float(x) for x in exchanges.exposed(0, n)]
+            cuts = sorted(rng.choice(np.arange(1, n), int(rng.integers(1, n)), replace=False))
+            bounds = [0, *cuts, n]
+            parts = [exchanges.exposed(s, e) for s, e in itertools.pairwise(bounds)]
+            assert sum(float(f) for f, _ in parts) >= whole[0] * (1 - 1e-12)
+            assert sum(float(b) for _, b in parts) >= whole[1] * (1 - 1e-12)

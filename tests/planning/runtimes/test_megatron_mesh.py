@@ -130,3 +130,48 @@ def test_the_plans_sequence_length_is_the_seq_length() -> None:
     assert all(
         a.seq_length is None for a in command_lines(mesh_plan(case, GPT2).export("megatron"))
     )
+
+
+@pytest.mark.parametrize(
+    ("mesh", "replicas"),
+    [
+        (Mesh(tensor=2, sequence_parallel=True, zero=1, expert=4), 4),
+        (Mesh(context=2, expert=8), 4),  # EP over the data x context ranks
+        (Mesh(expert=2), 2),
+    ],
+)
+def test_routed_experts_parse_back_to_the_plans_expert_parallelism(
+    mesh: Mesh, replicas: int
+) -> None:
+    from tests.support.megatron_arguments import moe_command_lines, moe_transformer_config
+    from tests.support.mesh_plans import with_experts
+
+    case = MeshCase(balance=(5, 4, 4, 3), mesh=mesh, replicas=replicas, checkpoint="never")
+    plan = with_experts(mesh_plan(case, GPT2), experts=8, top_k=2)
+    text = plan.export("megatron")
+    assert f"(expert {mesh.expert} within data x context)" in text
+    for arguments in moe_command_lines(text):
+        config = moe_transformer_config(arguments)  # megatron-core's own checks run
+        assert config.num_moe_experts == 8 and config.moe_router_topk == 2
+        assert config.expert_model_parallel_size == mesh.expert
+        # Megatron forms the expert groups inside data x context (x tensor, the experts'
+        # own tensor parallelism being 1): e divides them.
+        assert (replicas * mesh.context) % config.expert_model_parallel_size == 0
+        # The experts whole on every device of a tensor-parallel group (Megatron's
+        # default would divide them as the dense layers).
+        assert config.expert_tensor_parallel_size == 1
+
+
+def test_a_dense_plan_writes_no_expert_flags() -> None:
+    text = mesh_plan(MeshCase(balance=(5, 4, 4, 3), replicas=2), GPT2).export("megatron")
+    assert "expert" not in text and "--num-experts" not in text
+
+
+def test_routed_experts_under_tensor_parallelism_get_sequence_parallelism() -> None:
+    from tests.support.megatron_arguments import moe_command_lines, moe_transformer_config
+    from tests.support.mesh_plans import with_experts
+
+    case = MeshCase(balance=(5, 4, 4, 3), mesh=Mesh(tensor=2, expert=2), replicas=2)
+    text = with_experts(mesh_plan(case, GPT2)).export("megatron")
+    assert "only under sequence parallelism: --sequence-parallel is written" in text
+    assert all(moe_transformer_config(a).sequence_parallel for a in moe_command_lines(text))

@@ -64,7 +64,7 @@ def _loaded(plan: Plan) -> tuple[Any, dict[str, Any]]:
 
 def _dims(config: Any, world: int) -> Any:
     """torchtitan's ParallelDims of the loaded degrees on ``world`` devices (it checks that
-    they multiply to the world size)."""
+    they multiply to the world size; expert parallelism takes none of its own)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     p = config.parallelism
@@ -74,7 +74,7 @@ def _dims(config: Any, world: int) -> Any:
         cp=p.context_parallel_degree,
         tp=p.tensor_parallel_degree,
         pp=p.pipeline_parallel_degree,
-        ep=1,
+        ep=p.expert_parallel_degree,
         world_size=world,
     )
 
@@ -169,3 +169,35 @@ def test_the_plans_sequence_length_is_the_training_seq_len() -> None:
 
     unknown, _ = _loaded(mesh_plan(MeshCase()))
     assert unknown.training.seq_len == plan_config().training.seq_len
+
+
+@pytest.mark.parametrize(
+    ("mesh", "replicas", "borrowed"),
+    [
+        # ZeRO-1: torchtitan's FSDP over the replicas, EP borrowed from them and context.
+        (Mesh(context=2, zero=1, expert=8), 4, True),
+        (Mesh(tensor=2, sequence_parallel=True, zero=3, expert=4), 2, True),
+        # Replicated (DDP) replicas lend torchtitan no expert ranks: the export says so.
+        (Mesh(expert=2), 2, False),
+    ],
+)
+def test_torchtitan_loads_the_plans_expert_parallel_degree(
+    mesh: Mesh, replicas: int, borrowed: bool
+) -> None:
+    from tests.support.mesh_plans import with_experts
+
+    plan = with_experts(mesh_plan(MeshCase(mesh=mesh, replicas=replicas)))
+    config, data = _loaded(plan)
+    p = config.parallelism
+    assert p.expert_parallel_degree == data["expert_parallel_degree"] == mesh.expert
+    # torchtitan's constraint: EP borrows from dp_shard x cp x tp.
+    lent = p.data_parallel_shard_degree * p.context_parallel_degree * p.tensor_parallel_degree
+    assert (lent % mesh.expert == 0) == borrowed
+    assert any("torchtitan borrows expert parallelism" in n for n in data["notes"]) != borrowed
+    dims = _dims(config, data["world_size"])
+    assert dims.ep == mesh.expert and data["world_size"] == plan.num_devices
+
+
+def test_a_dense_plan_writes_no_expert_degree() -> None:
+    config, data = _loaded(mesh_plan(MeshCase(mesh=Mesh(zero=1), replicas=2)))
+    assert "expert_parallel_degree" not in data and config.parallelism.expert_parallel_degree == 1
