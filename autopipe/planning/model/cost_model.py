@@ -324,6 +324,13 @@ class CostModel:
         self._shares = [
             held_shares(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)
         ]
+        # Per rank, its peak over the sum of its stages' peaks for stages alike: what of a
+        # stage's activations counts against its share of the device when it chooses what
+        # to keep (1 with one stage per rank).
+        self._rank_share = [
+            float((shares @ np.asarray(peaks, dtype=float)).max() / max(sum(peaks), 1))
+            for shares, peaks in zip(self._shares, held, strict=True)
+        ]
         self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
         self._fwd = prefix_sums(layers.forward)
         self._bwd = prefix_sums(layers.backward)
@@ -464,38 +471,59 @@ class CostModel:
         """:meth:`stage_costs` and the seconds per micro-batch of its re-computed units."""
         state = self.held_state(s, e)
         fixed = self.overhead + self.transfer_time(k, e)
-        cap = self.capacity(k)
+        cap, share = self._budget(k)
+        # The bytes of activations the stage may keep: its share of the device less its
+        # state, over the share of its activations that counts against it.
+        budget = (cap - state) / share
         time = self._work(k, s, e, self.modes[0]) + fixed
-        memory = state + self._saved_sets(k, s, e, self.modes[0])
+        kept = self._saved_sets(k, s, e, self.modes[0])
+        memory = state + kept
         choice = np.zeros(np.shape(memory), dtype=np.int64)
         units = np.zeros(np.shape(memory))
-        if self.checkpoint == "auto" and math.isfinite(cap) and np.any(memory > cap):
+        if self.checkpoint == "auto" and math.isfinite(cap) and np.any(kept > budget):
             # Where keeping everything is over: the cheapest set of units to re-compute.
             shape = np.broadcast(np.asarray(s), np.asarray(e), time, memory).shape
-            time, memory, state = (
-                np.broadcast_to(a, shape).astype(float) for a in (time, memory, state)
+            time, memory, state, kept, budget = (
+                np.broadcast_to(a, shape).astype(float) for a in (time, memory, state, kept, budget)
             )
             choice, units = np.zeros(shape, dtype=np.int64), np.zeros(shape)
-            over = memory > cap
+            over = kept > budget
             s_over, e_over = (np.broadcast_to(a, shape)[over] for a in (s, e))
-            extra, held, _ = self.units.choose(s_over, e_over, self.in_flight(k), cap - state[over])
+            extra, held, _ = self.units.choose(s_over, e_over, self.in_flight(k), budget[over])
             units[over] = extra / self.devices[k].speed
             time[over] += units[over]
             memory[over] = state[over] + held
+            kept[over] = held
             choice[over] = UNITS
         for i, mode in enumerate(self.modes[1:], start=1):
-            other = state + self._saved_sets(k, s, e, mode)
+            other_kept = self._saved_sets(k, s, e, mode)
+            other = state + other_kept
             other_time = self._work(k, s, e, mode) + fixed
             # Both fit: the faster; else the one that fits, else the one needing less.
-            fits, other_fits = memory <= cap, other <= cap
+            fits, other_fits = kept <= budget, other_kept <= budget
             take = np.where(
                 fits & other_fits, other_time < time, ~fits & (other_fits | (other < memory))
             )
             time = np.where(take, other_time, time)
             memory = np.where(take, other, memory)
+            kept = np.where(take, other_kept, kept)
             choice = np.where(take, i, choice)
             units = np.where(take, 0.0, units)
         return time, memory, choice, units
+
+    def _budget(self, k: int) -> tuple[float, float]:
+        """The memory stage ``k`` chooses its checkpointing within, and the share of its
+        activations that counts against it.
+
+        A device holding v stages gives each a v-th of itself; its stages do not peak
+        together, so a stage's activations count at the rank's peak over their summed
+        peaks (:attr:`_rank_share`). The rank's own check then takes its stages together
+        (:func:`~autopipe.planning.model.spans.rank_memory`).
+        """
+        if self.virtual_stages == 1:
+            return self.capacity(k), 1.0
+        share = self._rank_share[self.placement[k]]
+        return self.capacity(k) / self.virtual_stages, max(share, 1e-9)
 
     def stage_parts(self, k: int, s: Index, e: Index) -> StageParts:
         """Stage ``k``'s parts with layers ``[s, e)``, as the step replay takes them.
@@ -543,11 +571,9 @@ class CostModel:
         ``[s, e)`` and runs in mode ``units`` (else none)."""
         if self.stage_checkpoint(k, s, e) != UNITS_MODE:
             return []
-        state = self.state_memory(np.array(s), np.array(e))
-        if self._peak is not None:
-            state = state + self._peak.query(np.array(s), np.array(e))
-        headroom = self.capacity(k) - float(state)
-        return self.units.units(s, e, self.in_flight(k), headroom)
+        state = float(self.held_state(np.array(s), np.array(e)))
+        cap, share = self._budget(k)  # as stage_costs chose them
+        return self.units.units(s, e, self.in_flight(k), (cap - state) / share)
 
     def _fractions(self, choice: Index) -> Array:
         """Per mode index (:data:`UNITS` included), the share of micro-batches re-computed

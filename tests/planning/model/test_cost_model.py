@@ -254,3 +254,30 @@ def test_weight_share_is_measured_when_the_profile_has_it():
     no_params = costs(params=np.zeros(4))
     none = CostModel(no_params, [DeviceSpec(), DeviceSpec()], 4, checkpoint="never")
     assert none.weight_share(at(0), at(4)) == pytest.approx(0.0)
+
+
+def test_virtual_stages_choose_what_to_keep_within_their_share_of_the_device() -> None:
+    # Each of a rank's stages may fit the device alone while the rank's stages together do
+    # not: each chooses what to keep within its share of the device, so that under a cap
+    # where keeping everything fits no split, re-computing units does, as planned.
+    from autopipe import PlanningError
+    from autopipe.planning import plan
+    from tests.support.planning_cases import linear_profile
+
+    profile = linear_profile([1.0] * 8, saved=[100] * 8, output=[10] * 8, chunks=4, input_bytes=10)
+    options = {"chunks": 4, "schedule": "1f1b", "optimizer": "sgd", "virtual_stages": 2}
+    need = max(plan(profile, 4, checkpoint="never", **options).device_memory or [])
+    checked = 0
+    for percent in range(98, 40, -4):
+        cap = need * percent / 100
+        try:
+            plan(profile, 4, checkpoint="never", memory=cap, **options)
+            continue
+        except PlanningError:
+            pass
+        found = plan(profile, 4, checkpoint="auto", memory=cap, **options)
+        for stage in found.stages:  # a stage in mode units names what it re-computes
+            assert (stage.checkpoint == "units") == bool(stage.recompute_units)
+        assert max(found.device_memory or []) <= cap
+        checked += "units" in found.stage_checkpoints
+    assert checked

@@ -278,7 +278,7 @@ def _planned(memory: int, stages: int, virtual: int = 1) -> Plan:
 
 
 @pytest.mark.parametrize(
-    ("memory", "stages", "virtual"), [(1200, 2, 1), (1500, 2, 1), (1000, 4, 2)]
+    ("memory", "stages", "virtual"), [(1200, 2, 1), (1500, 2, 1), (1150, 4, 2)]
 )
 def test_planned_units_export_the_first_layers_that_cover_them(
     memory: int, stages: int, virtual: int
