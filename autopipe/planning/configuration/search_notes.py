@@ -148,7 +148,8 @@ def explain_infeasible(space: Space, configs: Sequence[Config], devices: int) ->
     candidates = [c for c in configs if c.stages == deepest and c.replicas == 1]
     candidates = candidates or [c for c in configs if c.stages == deepest]
     mode = min((c.checkpoint for c in candidates), key=order.index)
-    schedule = "1f1b" if any(c.schedule == "1f1b" for c in candidates) else "gpipe"
+    schedules = [c.schedule for c in candidates if c.checkpoint == mode]
+    schedule = "1f1b" if "1f1b" in schedules else schedules[0]  # e.g. only dualpipev
     chosen = [c for c in candidates if c.checkpoint == mode and c.schedule == schedule]
     chosen.sort(key=lambda c: c.chunks)
     picks = {chosen[0], chosen[len(chosen) // 2], chosen[-1]}
@@ -157,7 +158,14 @@ def explain_infeasible(space: Space, configs: Sequence[Config], devices: int) ->
         key=lambda x: x[0],
     )
     fixes = "add memory or devices, or use a smaller batch"
-    if space.optimizer > 0 and not space.shard_optimizer and devices > 1:
+    zero = {c.zero for c in configs}
+    if max(zero) >= 0:  # a mesh search: its ZeRO stages shard the replicas' state
+        if max(zero) < 3:
+            fixes = (
+                "add memory or devices, use a smaller batch, or shard more of the state "
+                "over the replicas (--zero 2,3)"
+            )
+    elif space.optimizer > 0 and not space.shard_optimizer and devices > 1:
         # Replicas could shard the optimizer state (ZeRO-1).
         fixes = (
             "add memory or devices, use a smaller batch, or shard the optimizer state over "

@@ -181,3 +181,22 @@ def test_dense_profiles_weigh_no_expert_degree() -> None:
     assert [c for c in moe if c.expert == 1] == dense
     assert {c.expert for c in moe} == {1, 2, 4}
     assert all((c.replicas * c.context) % c.expert == 0 for c in moe)
+
+
+@pytest.mark.parametrize(("schedules", "zero"), [(("dualpipev",), (0, 1)), (("1f1b",), (3,))])
+def test_a_mesh_search_where_nothing_fits_names_the_closest(
+    schedules: tuple[str, ...], zero: tuple[int, ...]
+) -> None:
+    from autopipe import PlanningError
+
+    options = SearchOptions(
+        schedules=schedules,
+        checkpoints=("never",),
+        tensor_parallel=(1, 2),
+        zero=zero,
+        micro_batch=1,
+        links=MeshLinks.uniform(LINK),
+    )
+    fix = "--zero 2,3" if max(zero) < 3 else "add memory or devices, or use a smaller batch"
+    with pytest.raises(PlanningError, match=rf"the closest, .*needs at least .*{fix}"):
+        search(block_profile(4, batch=BATCH), DEVICES, memory=1, optimizer="adam", options=options)
