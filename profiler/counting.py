@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.expert_counting import ExpertFigures, Routed, expert_figures, routed_experts
+from profiler.fused_attention import FusedAttention
 from profiler.layer import Pass, as_tensors, state_storages, storage_key, tensor_bytes
 from profiler.op_flops import CPU_ATTENTION_FLOPS
 from profiler.precision import autocast_pass
@@ -345,6 +346,7 @@ def _count(
         fake_state([layer], mode, device),
         mode,
         CpuKernels(),
+        FusedAttention(),
         routed_experts(layer, skew, autocast) as (routed, watch),
         watch,
     ):
