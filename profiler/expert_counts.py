@@ -15,11 +15,11 @@ ordinary (replicated) figures.
 
 from __future__ import annotations
 
-import math
 import numbers
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+
+from profiler.shard_counts import check_figures, read_record
 
 __all__ = ["ExpertCounts"]
 
@@ -68,39 +68,14 @@ class ExpertCounts:
             ValueError: a field is missing, unknown, or not a finite figure >= 0 (one per
                 batch size where it is a list); ``skew`` below 1.
         """
-        if not isinstance(data, dict):
-            raise ValueError(f"{where} must be an object, got {data!r}")
-        known = {f.name for f in fields(cls)}
-        for name in data:
-            if name not in known:
-                raise ValueError(f"{where} has unknown field {name!r}")
-        try:
-            made = cls(**{k: data[k] for k in data})
-        except TypeError as exc:  # a required field is missing
-            raise ValueError(f"{where} is not valid: {exc}") from None
+        made = read_record(cls, data, where)
         made.check(where, n)
         return made
 
     def check(self, where: str, n: int) -> None:
         """Every figure is finite and >= 0; lists hold one figure per batch size; the
         expert and top-k counts are integers with ``1 <= top_k <= experts``; skew >= 1."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                if len(value) != n:
-                    raise ValueError(
-                        f"{where}.{f.name} must be a list of one figure per batch size ({n})"
-                    )
-                items: Sequence[object] = value
-            else:
-                items = [value]
-            for j, item in enumerate(items):
-                number = float(item) if isinstance(item, numbers.Real) else math.nan
-                if isinstance(item, bool) or not (math.isfinite(number) and number >= 0):
-                    at = f"[{j}]" if isinstance(value, list) else ""
-                    raise ValueError(
-                        f"{where}.{f.name}{at} is {item!r}; it must be a finite number >= 0"
-                    )
+        check_figures(self, where, n)
         for name in ("experts", "top_k", "blocks"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral):

@@ -404,10 +404,7 @@ class Profile:
             shards = layer.get("shards")
             if shards is not None:
                 n = len(data.get("batch_sizes") or [])
-                try:
-                    counts = ShardCounts.from_dict(shards, f"layers[{i}].shards", n)
-                except TypeError as exc:
-                    raise ValueError(f"layers[{i}].shards is not valid: {exc}") from None
+                counts = ShardCounts.from_dict(shards, f"layers[{i}].shards", n)
                 layer = {**layer, "shards": counts}
             experts = layer.get("experts")
             if experts is not None:

@@ -16,9 +16,11 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["ShardCounts"]
+
+_Record = TypeVar("_Record")
 
 
 @dataclass
@@ -82,32 +84,53 @@ class ShardCounts:
             ValueError: a field is missing, unknown, or not a finite figure >= 0 (one per
                 batch size where it is a list).
         """
-        if not isinstance(data, dict):
-            raise ValueError(f"{where} must be an object, got {data!r}")
-        known = {f.name for f in fields(cls)}
-        for name in data:
-            if name not in known:
-                raise ValueError(f"{where} has unknown field {name!r}")
-        made = cls(**{k: data[k] for k in data})  # missing required fields: TypeError
+        made = read_record(cls, data, where)
         made.check(where, n)
         return made
 
     def check(self, where: str, n: int) -> None:
         """Every figure is finite and >= 0; lists hold one figure per batch size."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                if len(value) != n:
-                    raise ValueError(
-                        f"{where}.{f.name} must be a list of one figure per batch size ({n})"
-                    )
-                items: Sequence[object] = value
-            else:
-                items = [value]
-            for j, item in enumerate(items):
-                number = float(item) if isinstance(item, numbers.Real) else math.nan
-                if isinstance(item, bool) or not (math.isfinite(number) and number >= 0):
-                    at = f"[{j}]" if isinstance(value, list) else ""
-                    raise ValueError(
-                        f"{where}.{f.name}{at} is {item!r}; it must be a finite number >= 0"
-                    )
+        check_figures(self, where, n)
+
+
+def read_record(cls: type[_Record], data: object, where: str) -> _Record:
+    """A dataclass of per-layer counts from its JSON object (``where`` names it).
+
+    Raises:
+        ValueError: not an object, an unknown field, or a required one missing.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be an object, got {data!r}")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    for name in data:
+        if name not in known:
+            raise ValueError(f"{where} has unknown field {name!r}")
+    try:
+        return cls(**{k: data[k] for k in data})
+    except TypeError as exc:  # a required field is missing
+        raise ValueError(f"{where} is not valid: {exc}") from None
+
+
+def check_figures(record: Any, where: str, n: int) -> None:
+    """Every field of ``record`` is a finite number >= 0, a list one per batch size (``n``).
+
+    Raises:
+        ValueError: naming the field (and the batch size's index).
+    """
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if isinstance(value, list):
+            if len(value) != n:
+                raise ValueError(
+                    f"{where}.{f.name} must be a list of one figure per batch size ({n})"
+                )
+            items: Sequence[object] = value
+        else:
+            items = [value]
+        for j, item in enumerate(items):
+            number = float(item) if isinstance(item, numbers.Real) else math.nan
+            if isinstance(item, bool) or not (math.isfinite(number) and number >= 0):
+                at = f"[{j}]" if isinstance(value, list) else ""
+                raise ValueError(
+                    f"{where}.{f.name}{at} is {item!r}; it must be a finite number >= 0"
+                )
