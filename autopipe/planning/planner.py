@@ -197,12 +197,14 @@ def interleaved_balance(model: CostModel) -> list[int]:
     # A rank holds at least what each of its stages needs alone: where no K·v-stage split
     # fits stage by stage, no interleaved one fits either (the search meets thousands).
     try:
-        starts = [optimal_split(model)]
+        exact = optimal_split(model)
     except PlanningError:
-        starts = []
-    params = model.layers.params + model.layers.buffers
-    uniform = baseline_balance("uniform", model.layer_time(), model.num_stages, params)
-    balance = interleaved_split(model, [*starts, uniform]) if starts else None
+        exact = None
+    balance = None
+    if exact is not None:
+        params = model.layers.params + model.layers.buffers
+        uniform = baseline_balance("uniform", model.layer_time(), model.num_stages, params)
+        balance = interleaved_split(model, [exact, uniform])
     if balance is None:
         raise PlanningError(
             f"no split into {model.num_stages} stages, {model.virtual_stages} per device, fits "
