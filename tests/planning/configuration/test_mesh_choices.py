@@ -109,22 +109,25 @@ def _brute_force(
     return found
 
 
+# Every mesh of the brute force, each with its one schedule and checkpoint mode.
+EVERY_MESH = SearchOptions(
+    schedules=("gpipe",),
+    checkpoints=("never",),
+    top=1000,
+    tensor_parallel=(1, 2, 4),
+    context_parallel=(1, 2),
+    zero=(0, 1, 2, 3),
+    micro_batch=1,
+    links=MeshLinks.uniform(LINK),
+)
+
+
 def test_the_search_ranks_every_mesh_as_evaluating_each_directly() -> None:
     expected = _brute_force()
     assert 0 < len(expected) < 50  # of the 50 points, some do not fit
-    options = SearchOptions(
-        schedules=("gpipe",),
-        checkpoints=("never",),
-        top=1000,
-        tensor_parallel=(1, 2, 4),
-        context_parallel=(1, 2),
-        zero=(0, 1, 2, 3),
-        micro_batch=1,
-        links=MeshLinks.uniform(LINK),
-    )
     plans = search(
         block_profile(4, batch=BATCH), DEVICES, memory=CAPACITY, optimizer="adam",
-        options=options,
+        options=EVERY_MESH,
     )  # fmt: skip
     got = {}
     for plan in plans:
@@ -147,17 +150,7 @@ def test_the_search_weighs_every_expert_degree_as_evaluating_each_directly() -> 
     expected = _brute_force(profile, capacity, (1, 2, 4))
     assert any(key[-1] == 4 for key in expected)
     assert any(key not in expected for key in _brute_force(profile, 10**9, (1, 2, 4)))
-    options = SearchOptions(
-        schedules=("gpipe",),
-        checkpoints=("never",),
-        top=1000,
-        tensor_parallel=(1, 2, 4),
-        context_parallel=(1, 2),
-        zero=(0, 1, 2, 3),
-        micro_batch=1,
-        links=MeshLinks.uniform(LINK),
-    )
-    plans = search(profile, DEVICES, memory=capacity, optimizer="adam", options=options)
+    plans = search(profile, DEVICES, memory=capacity, optimizer="adam", options=EVERY_MESH)
     got = {}
     for plan in plans:
         m = plan.mesh
