@@ -228,4 +228,6 @@ def expert_counts(counts: Sequence[LayerCounts]) -> ExpertCounts | None:
         saved=[f.saved for f in found],
         dispatch_bytes=[f.dispatch_bytes for f in found],
         skew=first.skew,
+        groups=first.groups,
+        top_groups=first.top_groups,
     )

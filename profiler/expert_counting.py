@@ -60,15 +60,35 @@ class ExpertFigures:
     saved: int
     dispatch_bytes: int
     skew: float
+    groups: int = 1
+    top_groups: int = 1
 
 
 @dataclass
 class Routed:
-    """What one count saw of the layer's routed experts: calls by module name."""
+    """What one count saw of the layer's routed experts: calls by module name, and every
+    ``topk`` of the count as ``(rows, choices, k)``, in order."""
 
     skew: float
     calls: dict[str, RoutedCall] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    topk: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def limited_groups(topk: list[tuple[int, int, int]], tokens: int, experts: int) -> tuple[int, int]:
+    """``(groups, top_groups)`` of group-limited routing, ``(1, 1)`` where there is none.
+
+    DeepSeek's router (``n_group``, ``topk_group``) first chooses ``top_groups`` of
+    ``groups`` equal groups of experts for each token, then its experts among theirs: a
+    ``topk`` over the same tokens with ``groups`` choices (dividing the experts, fewer than
+    them) before the one over the experts. Expert parallelism that places whole groups on
+    nodes sends each token to at most ``top_groups`` nodes.
+    """
+    last = max((i for i, (_, choices, _) in enumerate(topk) if choices == experts), default=-1)
+    for rows, choices, k in reversed(topk[:last]):
+        if rows == tokens and 1 < choices < experts and experts % choices == 0 and k < choices:
+            return choices, k
+    return 1, 1
 
 
 class RoutingWatch(TorchDispatchMode):
@@ -85,7 +105,7 @@ class RoutingWatch(TorchDispatchMode):
         self.routed = routed
         self.owners = owners
         self.autocast = autocast
-        self.topk: list[tuple[int, int, int]] = []  # (rows, choices, k)
+        self.topk = routed.topk  # (rows, choices, k) of every topk, in order
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -202,6 +222,8 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
         return None
     totals = [0.0, 0.0, 0.0, 0.0]
     params = dispatch = 0
+    grouped = {limited_groups(routed.topk, c.tokens, c.experts) for c in routed.calls.values()}
+    groups, top_groups = min(grouped, key=lambda g: g[1] / g[0])  # the most limited
     for name, call in routed.calls.items():
         module = routed.modules[name]
         tokens = assumed_tokens(call.tokens, call.top_k, call.experts, routed.skew)
@@ -225,4 +247,6 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
         saved=int(totals[3]),
         dispatch_bytes=dispatch,
         skew=routed.skew,
+        groups=groups if len(grouped) == 1 else 1,
+        top_groups=top_groups if len(grouped) == 1 else 1,
     )

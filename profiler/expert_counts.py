@@ -44,6 +44,11 @@ class ExpertCounts:
             all-to-all sends, and again the combine; the backward sends the same.
         skew: the assumption counted with: the busiest expert receives ``skew`` times
             the mean of the routed tokens (1.0: balanced).
+        groups: equal groups of experts the router first chooses among (DeepSeek's
+            ``n_group``; 1: no group limit).
+        top_groups: groups each token's experts come from (``topk_group``): expert
+            parallelism that places whole groups on nodes sends a token to at most this
+            many nodes.
     """
 
     experts: int
@@ -56,6 +61,8 @@ class ExpertCounts:
     saved: list[int]
     dispatch_bytes: list[int]
     skew: float = 1.0
+    groups: int = 1
+    top_groups: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -74,15 +81,21 @@ class ExpertCounts:
 
     def check(self, where: str, n: int) -> None:
         """Every figure is finite and >= 0; lists hold one figure per batch size; the
-        expert and top-k counts are integers with ``1 <= top_k <= experts``; skew >= 1."""
+        expert and top-k counts are integers with ``1 <= top_k <= experts``; skew >= 1;
+        ``1 <= top_groups <= groups``, ``groups`` dividing ``experts``."""
         check_figures(self, where, n)
-        for name in ("experts", "top_k", "blocks"):
+        for name in ("experts", "top_k", "blocks", "groups", "top_groups"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral):
                 raise ValueError(f"{where}.{name} is {value!r}; it must be an integer")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(
                 f"{where}.top_k is {self.top_k}; it must lie in 1..experts ({self.experts})"
+            )
+        if not 1 <= self.top_groups <= self.groups or self.experts % self.groups:
+            raise ValueError(
+                f"{where}: top_groups {self.top_groups} of groups {self.groups} must lie in "
+                f"1..groups, and the groups must divide the experts ({self.experts})"
             )
         if self.skew < 1:
             raise ValueError(

@@ -75,6 +75,20 @@ def test_expert_figures_are_those_of_the_routed_experts_alone(family: str) -> No
     assert counted.flops > figures.flops  # the router (and shared experts) besides
 
 
+@pytest.mark.parametrize(
+    ("family", "groups"), [("mixtral", (1, 1)), ("qwen2_moe", (1, 1)), ("deepseek_v3", (2, 1))]
+)
+def test_group_limited_routing_is_read_from_the_router(
+    family: str, groups: tuple[int, int]
+) -> None:
+    """DeepSeek-V3's router picks ``topk_group`` of ``n_group`` groups before its experts
+    (the small model: 1 of 2); the others have no group limit."""
+    block = moe_block(family)
+    counted, _, _ = count_layer(meta_copy(block), (_sample().to("meta"),), CPU)
+    assert counted.experts is not None
+    assert (counted.experts.groups, counted.experts.top_groups) == groups
+
+
 def test_skew_keeps_the_routed_flops_and_records_the_assumption() -> None:
     block = moe_block("mixtral")
     x = _sample(batch=4, sequence=8)  # 32 tokens, 64 copies, mean 16 per expert

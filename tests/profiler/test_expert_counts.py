@@ -19,6 +19,8 @@ def _counts(**changes: object) -> ExpertCounts:
         "saved": [16, 32],
         "dispatch_bytes": [8, 16],
         "skew": 1.5,
+        "groups": 4,
+        "top_groups": 2,
     }
     figures.update(changes)
     return ExpertCounts(**figures)  # type: ignore[arg-type]
@@ -51,6 +53,8 @@ def test_a_layer_without_experts_reads_as_before() -> None:
         ({"top_k": 9}, r"top_k is 9; it must lie in 1..experts \(8\)"),
         ({"experts": 2.5}, "experts is 2.5; it must be an integer"),
         ({"skew": 0.5}, "skew is 0.5"),
+        ({"top_groups": 5}, "top_groups 5 of groups 4 must lie in 1..groups"),
+        ({"groups": 3, "top_groups": 1}, r"the groups must divide the experts \(8\)"),
         ({"gate": 1}, "unknown field 'gate'"),
     ],
 )
@@ -59,6 +63,14 @@ def test_bad_counts_are_refused_naming_the_field(changes: dict[str, object], mes
     data["layers"][0]["experts"].update(changes)
     with pytest.raises(ValueError, match=message):
         Profile.from_dict(data)
+
+
+def test_counts_written_before_group_limits_read_as_unlimited() -> None:
+    data = _profile(_counts()).to_dict()
+    for name in ("groups", "top_groups"):
+        del data["layers"][0]["experts"][name]
+    experts = Profile.from_dict(data).layers[0].experts
+    assert experts is not None and (experts.groups, experts.top_groups) == (1, 1)
 
 
 def test_a_missing_field_is_refused() -> None:

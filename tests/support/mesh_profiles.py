@@ -137,10 +137,17 @@ EXPERTS: dict[str, float] = {
 
 
 def moe_layer(
-    index: int, *, experts: int = 4, top_k: int = 2, skew: float = 1.0, **kw: Any
+    index: int,
+    *,
+    experts: int = 4,
+    top_k: int = 2,
+    skew: float = 1.0,
+    groups: int = 1,
+    top_groups: int = 1,
+    **kw: Any,
 ) -> LayerProfile:
     """Block ``index`` of :func:`block_layer` with one mixture-of-experts block of
-    :data:`EXPERTS`' routed experts."""
+    :data:`EXPERTS`' routed experts (routed within ``top_groups`` of ``groups``)."""
     layer = block_layer(index, **kw)
     sizes = (1, 2)
     layer.experts = ExpertCounts(
@@ -154,6 +161,8 @@ def moe_layer(
         saved=[round(EXPERTS["saved"]) * s for s in sizes],
         dispatch_bytes=[round(EXPERTS["dispatch_bytes"]) * s for s in sizes],
         skew=skew,
+        groups=groups,
+        top_groups=top_groups,
     )
     return layer
 

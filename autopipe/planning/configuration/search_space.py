@@ -10,7 +10,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.planning.mesh.degree_figures import GroupLinks, MeshLines, mesh_lines
-from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks, group_link
+from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks, expert_nodes, group_link
 from autopipe.planning.mesh.shard_table import ShardTable
 from autopipe.planning.model.cost_model import CostModel, CostOptions, state_factor, sync_factor
 from autopipe.planning.model.device_specs import DeviceSpec
@@ -199,6 +199,8 @@ class Space:
             group_link(self.links, mesh, k, d, "cp"),
             group_link(self.links, mesh, k, d, "dp"),
             group_link(self.links, mesh, k, d, "ep") if config.expert > 1 else None,
+            expert_nodes(self.links, mesh, k, d),
+            self.links.intra if self.links.per_node else None,
         )
         return groups, group_link(self.links, mesh, k, d, "pp")
 

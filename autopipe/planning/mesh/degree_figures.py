@@ -60,12 +60,15 @@ PARTS = ("tp_forward", "tp_backward", "cp_forward", "cp_backward")
 @dataclass(frozen=True)
 class GroupLinks:
     """The links of a device's tensor-parallel, context-parallel and data-parallel groups,
-    and of its expert-parallel group (``None``: the data-parallel group's)."""
+    and of its expert-parallel group (``None``: the data-parallel group's), with the nodes
+    that group spans and the link inside a node (``None``: one node)."""
 
     tensor: GroupLink
     context: GroupLink
     data: GroupLink
     expert: GroupLink | None = None
+    expert_nodes: int = 1
+    intra: GroupLink | None = None
 
     @classmethod
     def uniform(cls, link: GroupLink) -> GroupLinks:
@@ -186,7 +189,9 @@ def mesh_lines(
         )
     parts = _collectives(table, mesh, links, forward, backward)
     if experts is not None:
-        parts.update(alltoall(experts, mesh, links.expert or links.data, forward))
+        link = links.expert or links.data
+        nodes = links.expert_nodes if links.intra is not None else 1
+        parts.update(alltoall(experts, mesh, link, forward, nodes, links.intra))
     params = lines.params - table.sharded_params + table.sharded_params / t
     shard_over = replicas * c
     units = None

@@ -28,6 +28,13 @@ From each layer's :class:`profiler.expert_counts.ExpertCounts`, at expert-parall
   They run on the link the expert-parallel group spans
   (:func:`autopipe.planning.mesh.mesh_links.group_link`, ``ep``) and are not overlapped
   with compute: all of it is exposed.
+- **Node-limited routing.** Where the router first chooses ``top_groups`` of ``groups``
+  groups of experts (DeepSeek-V3: 4 of 8) and the group spans ``n`` nodes that each hold
+  whole groups (``n`` divides ``groups``) and ``m = e/n`` of its ranks, a token crosses
+  to each other node its experts lie on once, ``(n − 1)·(1 − q)`` nodes on average
+  (:func:`remote_nodes`), and that node forwards it to the ranks holding its experts,
+  ``(m − 1)/m`` of its ``top_k`` copies, over the intra-node link: DeepSeek's dispatch,
+  whose two legs run at once, so each all-to-all takes the longer of the two.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class ExpertTable:
         counts: ``flops``, ``backward_flops``, ``backward_input_flops``, ``saved`` and
             ``dispatch_bytes`` of the routed experts, layers × batch sizes.
         skew: the busiest expert's tokens over the mean, per layer (1: balanced).
+        groups: groups the router chooses among, per layer (1: no group limit).
+        top_groups: groups a token's experts come from, per layer.
     """
 
     experts: NDArray[np.int64]
@@ -82,6 +91,8 @@ class ExpertTable:
     param_bytes: Array
     counts: dict[str, Array]
     skew: Array
+    groups: NDArray[np.int64]
+    top_groups: NDArray[np.int64]
 
     @classmethod
     def from_profile(cls, profile: Profile) -> ExpertTable | None:
@@ -108,6 +119,8 @@ class ExpertTable:
                 for what in names
             },
             skew=scalar("skew", 1.0),
+            groups=scalar("groups", 1.0).astype(np.int64),
+            top_groups=scalar("top_groups", 1.0).astype(np.int64),
         )
 
     @property
@@ -200,17 +213,62 @@ def expert_view(
     return lines, table
 
 
-def alltoall(experts: ExpertTable, mesh: Mesh, link: GroupLink, like: Array) -> dict[str, Array]:
+def remote_nodes(groups: NDArray[np.int64], top_groups: NDArray[np.int64], nodes: int) -> Array:
+    """Per layer, the nodes other than its own a token's experts lie on, on average, when
+    each of ``nodes`` nodes holds ``groups / nodes`` whole groups and a token's experts
+    come from ``top_groups`` of them, chosen evenly: ``(n − 1)·(1 − q)``, ``q`` the chance
+    that a given node holds none of the chosen groups."""
+    other = groups - groups // nodes
+    q = np.array(
+        [
+            math.comb(int(o), int(t)) / math.comb(int(n), int(t))
+            for o, t, n in zip(other, top_groups, groups, strict=True)
+        ]
+    )
+    return np.asarray((nodes - 1) * (1.0 - q))
+
+
+def node_limited(experts: ExpertTable, expert: int, nodes: int) -> NDArray[np.bool_]:
+    """Per layer, whether its routing is node-limited on ``nodes`` nodes: the router
+    chooses groups (DeepSeek's ``topk_group`` of ``n_group``), the nodes hold whole
+    groups and the same number of the group's ``expert`` ranks each."""
+    if nodes < 2 or expert % nodes:
+        return np.zeros(len(experts.experts), dtype=bool)
+    return np.asarray(
+        (experts.top_groups < experts.groups) & (experts.groups % nodes == 0) & (experts.blocks > 0)
+    )
+
+
+def alltoall(
+    experts: ExpertTable,
+    mesh: Mesh,
+    link: GroupLink,
+    like: Array,
+    nodes: int = 1,
+    intra: GroupLink | None = None,
+) -> dict[str, Array]:
     """Seconds of the all-to-alls per forward (``ep_forward``) and backward
-    (``ep_backward``) of each layer at each measured size (shaped as ``like``)."""
+    (``ep_backward``) of each layer at each measured size (shaped as ``like``), the
+    expert-parallel group spanning ``nodes`` nodes whose inside link is ``intra``."""
     e = mesh.expert
     if e == 1:
         zeros = np.zeros_like(like)
         return {"ep_forward": zeros, "ep_backward": zeros}
     rep = mesh.tensor if mesh.sequence_parallel else 1
-    volume = 2.0 * (e - 1) / e * experts.counts["dispatch_bytes"] / (mesh.context * rep)
+    copies = experts.counts["dispatch_bytes"] / (mesh.context * rep)
+    volume = 2.0 * (e - 1) / e * copies
     messages = 2.0 * experts.blocks[:, None] * np.ones_like(like)
     seconds = np.where(messages > 0, link.seconds(volume, messages), 0.0)
+    limited = node_limited(experts, e, nodes)
+    if intra is not None and limited.any():
+        # Each token crosses to each other node its experts lie on once, and that node
+        # forwards it to the ranks holding them; the two run at once (DeepSeek's kernels).
+        rows = copies / np.maximum(experts.top_k, 1)[:, None]
+        crossing = 2.0 * remote_nodes(experts.groups, experts.top_groups, nodes)[:, None] * rows
+        members = e // nodes
+        inside = 2.0 * (members - 1) / members * copies
+        split = np.maximum(link.seconds(crossing, messages), intra.seconds(inside, messages))
+        seconds = np.where(limited[:, None] & (messages > 0), split, seconds)
     return {"ep_forward": seconds, "ep_backward": seconds}
 
 

@@ -96,6 +96,23 @@ def expert_span(mesh: Mesh, stages: int, replicas: int) -> int:
     return max(context, -(-e // c) * stride)
 
 
+def expert_nodes(links: MeshLinks, mesh: Mesh, stages: int, replicas: int) -> int:
+    """Nodes an expert-parallel group's ``e`` ranks lie on (1 when ``per_node`` is 0).
+
+    Its members, as :func:`expert_span` takes them: ``min(e, c)`` ranks of the
+    context-parallel group, then as many more such runs along the data dimension.
+    """
+    e, c = mesh.expert, mesh.context
+    if links.per_node == 0 or e == 1:
+        return 1
+    sizes = dimension_sizes(mesh, stages, replicas)
+    step = span(mesh, stages, replicas, "cp") // c
+    data = "dp_shard" if mesh.zero >= 1 else "dp_replicate"
+    stride = span(mesh, stages, replicas, data) // sizes[data]
+    ranks = {(i % c) * step + (i // c) * stride for i in range(e)}
+    return len({rank // links.per_node for rank in ranks})
+
+
 def group_link(
     links: MeshLinks, mesh: Mesh, stages: int, replicas: int, dimension: str
 ) -> GroupLink:

@@ -9,11 +9,13 @@ experts'), 128 bytes of token copies dispatched per forward. Links of 64 bytes/s
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from autopipe.planning.mesh.degree_figures import GroupLinks, MeshLines, mesh_lines
-from autopipe.planning.mesh.expert_figures import ExpertTable
+from autopipe.planning.mesh.expert_figures import ExpertTable, remote_nodes
 from autopipe.planning.mesh.mesh_links import GroupLink
 from autopipe.planning.mesh.shard_table import ShardTable
 from autopipe.planning.model.cost_model import CostModel, CostOptions
@@ -145,3 +147,47 @@ def test_dense_profiles_have_no_expert_table_and_degrees_divide_both_counts() ->
     table = ExpertTable.from_profile(moe_profile(2, experts=8))
     assert table is not None and table.degrees(12) == [1, 2, 4]
     assert table.degrees(16) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize(
+    ("groups", "top_groups", "nodes"), [(8, 4, 8), (8, 4, 2), (4, 2, 2), (6, 1, 3)]
+)
+def test_remote_nodes_average_every_choice_of_groups(
+    groups: int, top_groups: int, nodes: int
+) -> None:
+    """Every choice of ``top_groups`` groups equally likely, node ``j`` holding groups
+    ``j·G/n`` to ``(j+1)·G/n − 1``, a token on node 0: the other nodes it reaches."""
+    per_node = groups // nodes
+    choices = list(itertools.combinations(range(groups), top_groups))
+    reached = [len({g // per_node for g in chosen} - {0}) for chosen in choices]
+    got = remote_nodes(np.array([groups]), np.array([top_groups]), nodes)
+    assert got.tolist() == pytest.approx([sum(reached) / len(choices)], rel=1e-12)
+
+
+INTRA = GroupLink(128.0, 0.25)
+
+
+def _node_limited(nodes: int, groups: int = 4, top_groups: int = 2, expert: int = 4) -> float:
+    """The all-to-alls' seconds of a forward of the 8-expert block over ``nodes`` nodes."""
+    profile = moe_profile(1, experts=8, groups=groups, top_groups=top_groups)
+    links = GroupLinks(LINK, LINK, LINK, LINK, nodes, INTRA)
+    lines = ProfileLines.from_profile(profile)
+    table = ShardTable.from_profile(profile)
+    found = mesh_lines(lines, table, Mesh(expert=expert), links, 4)
+    return float(found.part("ep_forward", 1)[0])
+
+
+def test_node_limited_routing_crosses_to_each_other_node_once() -> None:
+    """e = 4 over 2 nodes, 2 of 4 groups: a token reaches the other node with chance
+    1 − C(2, 2)/C(4, 2) = 5/6, one row of 128/2 B each way; inside the node, half of its
+    2 copies move on (2 · 1/2 · 128 B over 128 B/s). The longer leg counts."""
+    crossing = 2 * (5 / 6) * 64 / 64 + 2 * 0.5
+    inside = 2 * 0.5 * 128 / 128 + 2 * 0.25
+    assert _node_limited(2) == pytest.approx(max(crossing, inside), rel=1e-12)
+    # Flat all-to-all of every copy (2 · 3/4 · 128 B over 64 B/s, 2 messages) where the
+    # routing is not node-limited: one node, groups not whole on each node, no group limit.
+    flat = 2 * 0.75 * 128 / 64 + 2 * 0.5
+    assert _node_limited(1) == flat
+    assert _node_limited(2, groups=1, top_groups=1) == flat
+    assert _node_limited(2, groups=8, top_groups=8) == flat
+    assert _node_limited(4, groups=2, top_groups=1) == flat

@@ -7,6 +7,7 @@ import numpy as np
 from autopipe.planning.mesh.mesh_links import (
     GroupLink,
     MeshLinks,
+    expert_nodes,
     expert_span,
     group_link,
     span,
@@ -66,3 +67,13 @@ def test_an_expert_group_borrows_the_context_ranks_then_the_data_ranks() -> None
     assert group_link(NODE, wide, 2, 4, "ep") == NETWORK
     # Without ZeRO the replicas lie on dp_replicate, outside dp_shard: the same stride.
     assert expert_span(Mesh(tensor=2, context=2, expert=4), 2, 4) == 8
+
+
+def test_an_expert_group_counts_the_nodes_its_ranks_lie_on() -> None:
+    # DeepSeek-V3's EP 64 over the 128 ZeRO-1 replicas of a TP 1 stage: 8 whole nodes.
+    assert expert_nodes(NODE, Mesh(zero=1, expert=64), 16, 128) == 8
+    # TP 2 inside: 8 ranks of the data dimension, every second rank, over 2 nodes.
+    assert expert_nodes(NODE, Mesh(tensor=2, expert=8), 4, 16) == 2
+    # CP 2 then 2 runs of the data dimension (stride 2): ranks 0, 1, 2, 3: one node.
+    assert expert_nodes(NODE, Mesh(context=2, expert=4), 4, 16) == 1
+    assert expert_nodes(MeshLinks.uniform(NVLINK), Mesh(expert=64), 16, 128) == 1
