@@ -20,7 +20,11 @@ From each layer's :class:`profiler.expert_counts.ExpertCounts`, at expert-parall
   ``σ = 1 + (S − 1)·(e − 1)/(E − 1)`` times the mean device's tokens (its ``E/e``
   experts: the busiest at ``S`` times the mean, the others sharing what is left evenly),
   so its routed-expert FLOPs and saved bytes are ``σ`` times the balanced ones (``σ = 1``
-  at ``e = 1``; ``σ = S`` at ``e = E``).
+  at ``e = 1``; ``σ = S`` at ``e = E``). Of the experts' memory traffic (their FLOPs'
+  share of the layer's), their weights' bytes, read forward and read and written as
+  gradients backward, are the device's ``1/e`` whatever its tokens: without expert
+  parallelism every device reads every expert for a few tokens each, which is what
+  keeps small micro-batches of experts memory-bound.
 - **All-to-all.** Each forward of a block dispatches the device's routed token copies to
   the experts' devices and combines them back, two all-to-alls each sending
   ``(e−1)/e`` of them: ``2 · (e−1)/e · dispatch / (c·r) / bandwidth`` plus a latency
@@ -61,6 +65,9 @@ Array = NDArray[np.float64]
 # The counts whose routed-expert part the straggler scales, with the FLOPs they go by.
 _FLOPS = ("flops", "backward_flops", "backward_input_flops")
 _TRAFFIC = {"traffic": "flops", "backward_traffic": "backward_flops"}
+# Times each pass moves the experts' weight bytes: read forward; read for the input's
+# gradient and written as their own gradient backward.
+_WEIGHT_PASSES = {"traffic": 1.0, "backward_traffic": 2.0}
 # The measured times, with the FLOPs whose expert share they scale by.
 _TIMES = {
     "forward": "flops",
@@ -177,8 +184,10 @@ def expert_view(
     the sharded part (``min(sharded, total − X)``): divided as replicated figures are
     (by ``c``, and by ``t`` under sequence parallelism), it is the straggler's share. The
     experts' saved bytes join ``replicated_saved`` (divided by ``t`` under sequence
-    parallelism); their traffic is taken in proportion to their FLOPs; measured times
-    scale with the FLOPs they carry. Parameters: ``P − P_x + P_x / e``.
+    parallelism); their traffic is taken in proportion to their FLOPs, and of it their
+    weights' bytes (``P_x`` forward, ``2·P_x`` backward, at most all of it) are the
+    device's ``1/e`` while the rest is the straggler's share; measured times scale with
+    the FLOPs they carry. Parameters: ``P − P_x + P_x / e``.
     """
     sigma = experts.straggler(mesh.expert)[:, None]
     x = experts.counts
@@ -190,7 +199,11 @@ def expert_view(
     for what, by in _TRAFFIC.items():
         part = counts[what] * _share(x[by], table.counts[by])
         shards[what] = np.minimum(shards[what], np.maximum(counts[what] - part, 0.0))
-        counts[what] = counts[what] + part * (sigma - 1.0)
+        # Of it, the experts' weights (read forward; read and their gradients written
+        # backward) are the device's 1/e whatever the tokens; the rest follows the tokens.
+        weights = np.minimum(_WEIGHT_PASSES[what] * experts.param_bytes[:, None], part)
+        tokens = part - weights
+        counts[what] = counts[what] + tokens * (sigma - 1.0) - weights * (1.0 - 1.0 / mesh.expert)
     for what, by in _TIMES.items():
         total = table.counts[by]
         ratio = np.where(total > 0, counts[by] / np.where(total > 0, total, 1.0), 1.0)

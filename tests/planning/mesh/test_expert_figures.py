@@ -109,15 +109,36 @@ def test_context_parallelism_divides_the_tokens_each_device_routes() -> None:
     ]
 
 
+def _estimated(expert_weights: int, **kw: float) -> Profile:
+    """The one-block profile estimated on a 16 FLOP/s, 4 B/s roofline, its experts'
+    parameters ``expert_weights`` bytes."""
+    profile = moe_profile(1, estimate=roofline_record(peak=16.0, bandwidth=4.0), **kw)
+    experts = profile.layers[0].experts
+    assert experts is not None
+    experts.param_bytes = expert_weights
+    return profile
+
+
 def test_a_roofline_estimate_prices_the_straggler_s_counts() -> None:
-    record = roofline_record(peak=16.0, bandwidth=4.0)
-    profile = moe_profile(1, top_k=1, skew=2.5, estimate=record)
-    balanced = _lines(moe_profile(1, estimate=record), Mesh(expert=4), 4).at(1)
-    # max(64 FLOPs / 16, 32 B / 4) + the all-to-alls' 4 s.
-    assert balanced.forward.tolist() == [8.0 + 4.0]
-    skewed = _lines(profile, Mesh(expert=4), 4).at(1)
-    # The experts' 32 FLOPs and their 16 B of traffic (their FLOPs' share) at σ = 2.5.
-    assert skewed.forward.tolist() == [max((32 + 80) / 16, (16 + 40) / 4) + 4.0]
+    # The experts' 16 B of forward traffic (their FLOPs' share of 32): 4 B of weights,
+    # a device's 1/4 of them at e = 4, and 12 B following the tokens.
+    balanced = _lines(_estimated(4), Mesh(expert=4), 4).at(1)
+    # max(64 FLOPs / 16, (16 + 12 + 4/4) B / 4) + the all-to-alls' 4 s.
+    assert balanced.forward.tolist() == [(16 + 12 + 1) / 4 + 4.0]
+    skewed = _lines(_estimated(4, top_k=1, skew=2.5), Mesh(expert=4), 4).at(1)
+    # The experts' 32 FLOPs and their tokens' 12 B at σ = 2.5; the weights' 1 B.
+    assert skewed.forward.tolist() == [max((32 + 80) / 16, (16 + 30 + 1) / 4) + 4.0]
+    # Backward: 32 B, 8 B of it the weights (read, and written as gradients).
+    assert balanced.backward.tolist() == [max(128 / 16, (32 + 24 + 2) / 4) + 4.0]
+
+
+def test_every_device_reads_every_expert_without_expert_parallelism() -> None:
+    """The experts' weights (here more than their share of the traffic: all of it is
+    theirs) are read whole at e = 1 and a quarter of them at e = 4."""
+    whole = _lines(_estimated(2048), Mesh(expert=1), 4).at(1)
+    quarter = _lines(_estimated(2048), Mesh(expert=4), 4).at(1)
+    assert whole.forward.tolist() == [max(64 / 16, 32 / 4)]
+    assert quarter.forward.tolist() == [max(64 / 16, (16 + 16 / 4) / 4) + 4.0]
 
 
 def test_zero_exchanges_move_the_experts_over_their_own_replicas() -> None:
