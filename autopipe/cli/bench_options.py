@@ -191,9 +191,10 @@ def stages_per_rank(args: argparse.Namespace) -> int:
         )
     if placed and args.checkpoint not in (None, "never"):
         raise ValueError(
-            f"--schedule {schedule} keeps every activation (its weight gradients run apart "
-            f"from the input's): --checkpoint {args.checkpoint} is not supported; leave it "
-            "out or give never"
+            f"--schedule {schedule} runs on the distributed runner, which re-computes "
+            "nothing under a split backward (torch re-runs a checkpointed forward in each "
+            f"of its parts): --checkpoint {args.checkpoint} is not supported; leave it out "
+            "or give never"
         )
     return 2 if placed else virtual or 1
 

@@ -42,6 +42,7 @@ from autopipe.distributed.stage import (
     checkpoint_problem,
     fingerprint,
     plan_checkpoint_problem,
+    split_backward_problem,
 )
 from autopipe.distributed.tensor_parallel import tensor_parallel_problem
 from autopipe.distributed.tied_gradients import shared_state, written_shared
@@ -128,6 +129,7 @@ class RankSteps:
         problem = problem or virtual_problem(settings.virtual_stages)
         problem = problem or checkpoint_problem(str(settings.checkpoint))
         problem = problem or plan_checkpoint_problem(self.given, str(schedule))
+        problem = problem or split_backward_problem(str(schedule), str(settings.checkpoint))
         problem = problem or init_problem(inputs.model, self.meta, settings.init)
         problem = problem or tensor_parallel_problem(
             inputs.model, settings.tensor_parallel, inputs.tp_plan, str(schedule),

@@ -25,8 +25,27 @@ TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]
 # A stage's modes: the plan's fixed ones, or ``units``: the layers a plan lists for the
 # stage (``StagePlan.recompute_units``) re-computed, each on every micro-batch.
 STAGE_MODES = (*FIXED_CHECKPOINT_MODES, "units")
-# The V schedules keep every activation: no stage of theirs re-computes (v_stages).
-_KEEPING = ("zbv", "dualpipev")
+# The V schedules, whose backward torch splits: the input's gradient
+# (stage_backward_input), then the weights' in later autograd calls (stage_backward_weight,
+# one per parameter group). torch.utils.checkpoint re-computes a checkpointed forward in
+# every autograd call that needs it and keeps nothing between calls, so a re-computing
+# stage runs its forward again for the input's gradient and for each group of weights:
+# not the one re-computation (and the activations kept from I to W) a plan prices. Such
+# plans are for export (torchtitan, DeepSpeed, Megatron-LM). (``zb`` runs re-computed
+# units so, as it always has: they train exactly, at that extra cost.)
+_SPLIT = ("zbv", "dualpipev")
+
+
+def split_backward_problem(schedule: str, checkpoint: str) -> str | None:
+    """Why the runner does not re-compute under ``schedule``'s split backward, or ``None``."""
+    if schedule not in _SPLIT or checkpoint == "never":
+        return None
+    return (
+        f"{schedule} splits each backward, and torch re-runs a checkpointed forward in the "
+        "input's and again in the weights' part (not once, as the plan prices): the runner "
+        f"runs {schedule} with checkpoint='never' only, not {checkpoint!r} (plans that "
+        "re-compute under it are for export)"
+    )
 
 
 def checkpoint_problem(mode: str) -> str | None:
@@ -69,7 +88,7 @@ def plan_checkpoint_problem(plan: Plan | None, schedule: str) -> str | None:
     """What keeps the distributed runner from running a given plan's checkpoint modes under
     ``schedule``, or ``None``: every stage's mode is one a stage runs, a ``units`` stage
     lists layers of its own (``recompute_units``, ascending), and no stage re-computes
-    units under a V schedule (``zbv``, ``dualpipev``), which keeps every activation."""
+    under a V schedule (``zbv``, ``dualpipev``: :func:`split_backward_problem`)."""
     if plan is None:
         return None
     remake = "re-create the plan with autopipe.plan (checkpoint='auto' chooses per stage)"
@@ -80,12 +99,9 @@ def plan_checkpoint_problem(plan: Plan | None, schedule: str) -> str | None:
         problem = units_problem(mode, units, stage.start, stage.stop)
         if problem is not None:
             return f"stage {stage.index} of the plan: {problem}; {remake}"
-        if mode == "units" and schedule in _KEEPING:
-            return (
-                f"stage {stage.index} of the plan re-computes units, but {schedule} keeps "
-                "every activation: run the plan with schedule='1f1b' or 'gpipe', or re-plan "
-                "with checkpoint='never'"
-            )
+        split = split_backward_problem(schedule, mode)
+        if split is not None:
+            return f"stage {stage.index} of the plan: {split}; run it with schedule='1f1b'"
     return None
 
 

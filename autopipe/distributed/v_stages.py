@@ -17,6 +17,7 @@ from typing import Any
 from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from autopipe.distributed.stage import split_backward_problem
 from autopipe.planning import Plan, evaluate
 
 __all__: list[str] = []
@@ -139,9 +140,8 @@ def check_v_sizes(
         data_parallel: replicas (D); only 1.
         tensor_parallel: tensor-parallel ranks per stage; only 1.
         virtual_stages: stages per rank as given; 1 (unset) or 2.
-        checkpoint: re-materialization; only ``never`` (the split backwards of torch's
-            V schedules run the weights' gradients apart from the inputs', after a
-            re-computed forward's graph is gone).
+        checkpoint: re-materialization; only ``never`` (torch's split backward re-runs a
+            checkpointed forward in each of its parts: :func:`split_backward_problem`).
 
     Raises:
         ValueError: the schedule cannot run these sizes.
@@ -154,11 +154,9 @@ def check_v_sizes(
             f"{name} runs exactly 2 stages per rank, not virtual_stages={virtual_stages}; "
             "leave virtual_stages unset"
         )
-    if checkpoint != "never":
-        raise ValueError(
-            f"{name} keeps every activation: checkpoint={checkpoint!r} is not supported; "
-            "use checkpoint='never' (the default for V schedules)"
-        )
+    split = split_backward_problem(name, checkpoint)
+    if split is not None:
+        raise ValueError(f"{split}; use checkpoint='never' (the default for V schedules)")
     if data_parallel != 1 or tensor_parallel != 1:
         raise ValueError(
             f"{name} runs one pipeline without replicas or tensor parallelism; got "

@@ -36,9 +36,13 @@ def default_checkpoint(schedule: str, virtual_stages: int = 1) -> str:
     many micro-batches' activations at once, and re-computing all but the micro-batch
     whose backward comes first costs one forward per stage and spares most of them.
     ``never`` for interleaved stages (``virtual_stages`` > 1) and zero bubble (``zb``,
-    ``zbv``, ``dualpipev``):
-    torch's schedules for them keep every activation (zero bubble cannot re-compute, its
-    weight gradients run after the input's).
+    ``zbv``, ``dualpipev``): torch's schedules for them keep every activation unless told.
+    Zero bubble can re-compute (``always``, or ``auto`` where a stage does not fit), but
+    its weights' gradients run after the input's and need the re-built activations, so a
+    re-computed micro-batch saves memory only until its input's gradient
+    (:mod:`autopipe.planning.schedules.split_holding`); ``except_last`` has no meaning
+    there. Which of them the distributed runner executes: see
+    :class:`autopipe.distributed.DistributedPipeline`.
     """
     replayed = virtual_stages > 1 or schedule in ("zb", "zbv", "dualpipev")
     return "never" if replayed else "except_last"

@@ -18,7 +18,13 @@ from autopipe.planning.model.names import STRATEGIES
 from autopipe.planning.model.plan_settings import PlanSettings, build_model, check_profile
 from autopipe.planning.model.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.model.quantities import format_bytes
-from autopipe.planning.model.spans import overflows, rank_memory, stage_bounds, stage_saved
+from autopipe.planning.model.spans import (
+    overflows,
+    rank_memory,
+    stage_bounds,
+    stage_held,
+    stage_saved,
+)
 from autopipe.planning.pipeline_settings import (
     CHUNKS_PER_STAGE,
     PLAN_FIELDS,
@@ -218,7 +224,8 @@ def _check_fits(model: CostModel, result: Plan, strategy: str) -> None:
     virtual stages, a rank whose stages together are over its device."""
     memory = np.array([[stage.memory for stage in result.stages]])
     saved = stage_saved(model, result.balance)[None, :]
-    stage_over, rank_over = (over[0] for over in overflows(model, memory, saved))
+    parts = stage_held(model, result.balance)[None]
+    stage_over, rank_over = (over[0] for over in overflows(model, memory, saved, parts))
     if np.any(stage_over > 0):
         worst = result.stages[int(np.argmax(stage_over))]
         raise PlanningError(
@@ -325,7 +332,7 @@ def describe(
                 allreduce=float(model.allreduce_time(s, e)),
                 update=float(model.update_time(s, e)),
                 forward=float(parts.forward),
-                weight=float(parts.backward * model.weight_share(s, e)),
+                weight=float(parts.backward * parts.weight),
                 tied=float(sum(t.bytes for t, h in zip(model.tied, held, strict=True) if h)),
             )
         )
@@ -391,7 +398,8 @@ def _device_memory(model: CostModel, balance: list[int], stages: list[StagePlan]
         return []
     memory = np.array([[stage.memory for stage in stages]])
     saved = stage_saved(model, balance)[None, :]
-    return [float(m) for m in rank_memory(model, memory, saved)[0]]
+    held = stage_held(model, balance)[None]
+    return [float(m) for m in rank_memory(model, memory, saved, held)[0]]
 
 
 def _tied(model: CostModel, balance: list[int]) -> list[TiedPlan]:

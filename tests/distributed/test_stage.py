@@ -163,3 +163,36 @@ def test_unknown_checkpoint_mode_is_refused(equal_run: Any) -> None:
     _, results = equal_run
     for rank in results:
         assert "unknown checkpoint mode 'sometimes'" in rank["checkpointed"]["error"]
+
+
+def test_torch_split_backward_re_runs_a_checkpointed_forward_in_each_part() -> None:
+    # Why the runner re-computes nothing under zbv and dualpipev: the gradients come out
+    # right, but the forward runs again for the input's gradient and again for the
+    # weights' (once per parameter group), not once with the activations kept until W.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from autopipe.distributed.stage import split_backward_problem
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8).double(), nn.Tanh(), nn.Linear(8, 3).double()]
+    plain = StageModule([(str(i), layer) for i, layer in enumerate(layers)])
+    again = StageModule(
+        [(str(i), copy.deepcopy(layer)) for i, layer in enumerate(layers)], checkpoint="always"
+    )
+    x = torch.randn(5, 4, dtype=torch.float64)
+    grad = torch.randn(5, 3, dtype=torch.float64)
+    plain(x).backward(grad)
+    runs = []
+    original = again._run
+    again._run = lambda *args: (runs.append(1), original(*args))[1]  # type: ignore[method-assign]
+    inputs = x.clone().requires_grad_(True)
+    out = again(inputs)
+    _, groups = stage_backward_input([out], [grad], [inputs], again.parameters())
+    after_input = len(runs)
+    stage_backward_weight(again.parameters(), groups, retain_graph=False)
+    for a, b in zip(plain.parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad)
+    assert after_input == 2 and len(runs) > after_input  # re-run in I, and again for W
+    assert "splits each backward" in (split_backward_problem("zbv", "always") or "")
+    assert split_backward_problem("dualpipev", "never") is None
+    assert split_backward_problem("1f1b", "always") is None

@@ -65,6 +65,6 @@ def test_v_refusals_and_given_balance(v_run: Any) -> None:
         errors = result["errors"]
         assert f"use chunks >= {k2}" in errors["chunks"]
         assert f"balance has 2 entries; give {k2}" in errors["balance"]
-        assert "checkpoint='always' is not supported" in errors["checkpoint"]
+        assert "splits each backward" in errors["checkpoint"]
         assert "balance= splits the stages of a V schedule" in errors["not v"]
         assert result["given"] == [16 - (k2 - 1)] + [1] * (k2 - 1)

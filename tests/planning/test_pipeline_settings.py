@@ -99,8 +99,9 @@ def test_same_plan_from_keywords_and_from_settings(seed: int) -> None:
 def test_plan_defaults_follow_the_rule() -> None:
     profile = linear_profile([1.0, 2.0, 3.0, 4.0], chunks=4)
     assert plan(profile, 2).checkpoint == "except_last"
-    # Zero bubble cannot re-compute: the default no longer needs checkpoint="never".
+    # Zero bubble keeps everything unless told (except_last has no meaning there).
     assert plan(profile, 2, schedule="zb").checkpoint == "never"
+    assert plan(profile, 2, schedule="zb", checkpoint="always").checkpoint == "always"
     assert plan(profile, 2, virtual_stages=2).checkpoint == "never"
     assert plan(profile, 2, checkpoint="always", virtual_stages=2).checkpoint == "always"
 

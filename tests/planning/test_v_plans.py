@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from autopipe import PlanningError
 from autopipe.output.trace_events import trace
 from autopipe.planning import Plan, evaluate, plan, simulate
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.plan_settings import build_model
+from autopipe.planning.model.spans import split_fits
 from autopipe.planning.pipeline_settings import PipelineSettings
 from autopipe.planning.split.interleaved_balance import pipeline_time
 from tests.support.planning_cases import linear_profile, splits
@@ -51,3 +53,50 @@ def test_v_schedules_refuse_other_virtual_stage_counts() -> None:
         plan(PROFILE, 6, schedule="zbv", virtual_stages=3)
     with pytest.raises(ValueError, match="even number of stages"):
         plan(PROFILE, 3, schedule="dualpipev", chunks=6)
+
+
+RECOMPUTING = linear_profile(
+    [1.0, 2, 1, 3, 1, 2, 1, 1],
+    saved=[400, 900, 300, 800, 500, 700, 200, 600],
+    output=[50, 120, 30, 90, 60, 80, 20, 10],
+    params=[10] * 8,
+    batch=8,
+    chunks=8,
+)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_re_computation_makes_a_v_plan_fit_and_auto_keeps_everything_where_it_fits(
+    schedule: str,
+) -> None:
+    options = {"schedule": schedule, "chunks": 8, "optimizer": "sgd"}
+    kept = plan(RECOMPUTING, 4, checkpoint="never", **options)
+    cap = int(max(kept.device_memory) * 0.6)
+    with pytest.raises(PlanningError, match="fits memory"):
+        plan(RECOMPUTING, 4, checkpoint="never", memory=cap, **options)
+    fitted = plan(RECOMPUTING, 4, checkpoint="auto", memory=cap, **options)
+    assert max(fitted.device_memory) <= cap
+    assert {"units", "always"} & set(fitted.stage_checkpoints)
+    assert fitted.step_time > kept.step_time  # re-computing costs time
+    always = plan(RECOMPUTING, 4, checkpoint="always", memory=cap, **options)
+    assert max(always.device_memory) <= cap
+    assert fitted.step_time <= always.step_time * (1 + 1e-12)
+    # Where each stage keeps everything within its half of the device, auto keeps
+    # everything: as fast as the never plan.
+    roomy = plan(RECOMPUTING, 4, checkpoint="auto", memory=2 * max(kept.device_memory), **options)
+    assert set(roomy.stage_checkpoints) == {"never"}
+    assert roomy.step_time == pytest.approx(kept.step_time)
+
+
+def test_the_fastest_v_split_with_re_computation_is_found() -> None:
+    model: CostModel = build_model(
+        RECOMPUTING,
+        4,
+        PipelineSettings(schedule="zbv", chunks=8, checkpoint="auto", memory=3500, optimizer="sgd"),
+    )
+    fitting = [b for b in splits(8, 4) if split_fits(model, b)]
+    best = min(pipeline_time(model, b) for b in fitting)
+    made = plan(
+        RECOMPUTING, 4, schedule="zbv", chunks=8, checkpoint="auto", memory=3500, optimizer="sgd"
+    )
+    assert made.step_time == pytest.approx(best + made.step_extra + made.allreduce, rel=1e-9)

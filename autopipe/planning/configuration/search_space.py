@@ -389,6 +389,8 @@ class Space:
         state = float(self.state(config, basis).sum())
         peak = float(basis.costs.peak.max())
         need = state + basis.saved + peak
+        if config.checkpoint == "always":  # what a rank keeps then is left unbounded
+            need = state + peak
         if config.checkpoint == "auto":
             # What keeping everything is over must be freed by re-computing units, at
             # least at the cheapest seconds per byte any unit frees one for.
@@ -475,6 +477,12 @@ def configurations(
     return out
 
 
+# The modes the V schedules run: they split the backward, where except_last means nothing
+# (a re-computed micro-batch keeps its reduced set until its input gradient, see
+# autopipe.planning.schedules.split_holding).
+V_CHECKPOINTS = ("never", "always", "auto")
+
+
 def variants(point: Config, bounds: Bounds) -> list[Config]:
     """The schedule, checkpointing and virtual-stage variants of one point (its K, D, M).
 
@@ -482,14 +490,18 @@ def variants(point: Config, bounds: Bounds) -> list[Config]:
     checkpointing (``auto`` re-computes a stage, or units of it, only where it would not
     fit otherwise) and, for 1F1B, M a multiple of
     its rounds' micro-batches. The V schedules (``zbv``, ``dualpipev``, weighed only when
-    listed) give one variant of 2K stages (:func:`v_shaped`).
+    listed) give 2K stages per variant (:func:`v_shaped`), ``never``, ``always`` or
+    ``auto`` (which weighs ``always`` and re-computed units per stage).
     """
     k, m, layers, checkpoints = point.stages, point.chunks, bounds.layers, bounds.checkpoints
     out = []
     for schedule in bounds.schedules:
         if schedule in ("zbv", "dualpipev"):  # 2 stages per rank in a V
             if v_shaped(k, m, layers, schedule, checkpoints):
-                out.append(replace(point, checkpoint="never", schedule=schedule, virtual=2))
+                for mode in V_CHECKPOINTS:
+                    # ``auto`` weighs ``always`` per stage too: listing both adds nothing.
+                    if mode in checkpoints and not (mode == "always" and "auto" in checkpoints):
+                        out.append(replace(point, checkpoint=mode, schedule=schedule, virtual=2))
             continue
         if schedule == "1f1b" and m == 1 and "gpipe" in bounds.schedules:
             continue  # one micro-batch: 1F1B is GPipe
@@ -521,9 +533,10 @@ def interleaves(
 def v_shaped(
     ranks: int, chunks: int, layers: int, schedule: str, checkpoints: Sequence[str]
 ) -> bool:
-    """Whether a V schedule (2K stages, ``never`` checkpointing) makes a configuration of
-    ``ranks`` ranks: K >= 2, 2K layers at least, and for ``dualpipev`` 2K micro-batches."""
-    if ranks < 2 or 2 * ranks > layers or "never" not in checkpoints:
+    """Whether a V schedule (2K stages; ``never``, ``always`` or ``auto`` checkpointing)
+    makes a configuration of ``ranks`` ranks: K >= 2, 2K layers at least, and for
+    ``dualpipev`` 2K micro-batches."""
+    if ranks < 2 or 2 * ranks > layers or not set(V_CHECKPOINTS) & set(checkpoints):
         return False
     return schedule == "zbv" or chunks >= 2 * ranks
 

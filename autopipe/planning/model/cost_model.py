@@ -98,7 +98,7 @@ from autopipe.planning.model.names import (
     V_SCHEDULES,
 )
 from autopipe.planning.model.spans import RangeMax, prefix_sums
-from autopipe.planning.model.unit_recompute import UnitRecompute
+from autopipe.planning.model.unit_recompute import Holding, UnitRecompute
 from autopipe.planning.schedules.interleaving import (
     held_shares,
     in_flight,
@@ -106,6 +106,11 @@ from autopipe.planning.schedules.interleaving import (
     stage_placement,
 )
 from autopipe.planning.schedules.schedule_replay import RECOMPUTE_CODES
+from autopipe.planning.schedules.split_holding import (
+    SPLIT_SCHEDULES,
+    split_moments,
+    stage_holdings,
+)
 
 __all__ = ["optimizer_factor"]
 
@@ -153,13 +158,23 @@ def _finite_non_negative(value: object) -> bool:
 
 
 class StageParts(NamedTuple):
-    """A stage's times per micro-batch by part, its re-computation code and its memory."""
+    """A stage's times per micro-batch by part, its re-computation code and its memory.
+
+    ``weight`` is the share of ``backward`` that computes the weights' gradients (what
+    split backward defers; a re-computation runs with the input's part). ``held`` is what
+    one micro-batch keeps, per :mod:`~autopipe.planning.schedules.split_holding`'s counts
+    (last axis): its reduced set until its input-gradient pass, its full set from then
+    until its weights', and the reduced set again while that pass re-builds the full set
+    (0 where nothing is re-computed).
+    """
 
     forward: Array
     backward: Array
     transfer: Array
     recompute: Array
     memory: Array
+    weight: Array
+    held: Array
 
 
 @dataclass(frozen=True)
@@ -242,10 +257,11 @@ class CostModel:
             )
         if schedule not in ALL_SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}: choose {', '.join(ALL_SCHEDULES)}")
-        if schedule in ("zb", *V_SCHEDULES) and checkpoint != "never":
+        if schedule in SPLIT_SCHEDULES and checkpoint == "except_last":
             raise ValueError(
-                f"zero bubble keeps every activation until its weights' gradients: plan it "
-                f"with checkpoint never, not {checkpoint!r}"
+                f"{schedule} splits the backward, so except_last (which spares the "
+                "micro-batch whose whole backward comes first) has no clear meaning: plan it "
+                "with checkpoint never, always or auto"
             )
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
@@ -331,7 +347,28 @@ class CostModel:
             float((shares @ np.asarray(peaks, dtype=float)).max() / max(sum(peaks), 1))
             for shares, peaks in zip(self._shares, held, strict=True)
         ]
-        self.modes = FIXED_CHECKPOINT_MODES[:2] if checkpoint == "auto" else (checkpoint,)
+        # Under split backward (zero bubble) a re-computed micro-batch keeps its reduced set
+        # until its input gradient and its full set until its weights' (split_holding).
+        self.split_backward = schedule in SPLIT_SCHEDULES
+        self._moments = (
+            [split_moments(r, ranks, virtual_stages, chunks, schedule) for r in range(ranks)]
+            if self.split_backward
+            else []
+        )
+        self._pairs: list[tuple[tuple[int, int], ...]] = [((0, 0),)] * len(self.devices)
+        if self.split_backward:
+            for r in range(ranks):
+                pairs = stage_holdings(r, ranks, virtual_stages, chunks, schedule)
+                for local, k in enumerate(rank_stages(r, ranks, virtual_stages, schedule)):
+                    self._pairs[k] = pairs[local]
+        # ``auto``: keep everything, else the other fixed mode (except_last; ``always``
+        # under split backward, which has no except_last), else re-computed units.
+        if checkpoint != "auto":
+            self.modes: tuple[str, ...] = (checkpoint,)
+        elif self.split_backward:
+            self.modes = ("never", "always")
+        else:
+            self.modes = FIXED_CHECKPOINT_MODES[:2]
         self._fwd = prefix_sums(layers.forward)
         self._bwd = prefix_sums(layers.backward)
         if layers.backward_input is not None:  # measured: the rest is the weights'
@@ -407,6 +444,37 @@ class CostModel:
         ck = {"always": n, "except_last": min(n, self.chunks - 1), "never": 0}[mode]
         return ck, max(n - ck, 1)
 
+    def holding(self, k: int, mode: str | None = None) -> Holding:
+        """How stage ``k``'s micro-batches hold their activations at its candidate peaks.
+
+        The stage's activations peak at the largest ``c·in(s) + y·S(s, e)`` over the
+        returned pairs ``(c, y)`` under a fixed ``mode`` (``c`` micro-batches keep their
+        boundary input, ``y`` their saved set); under ``units`` ``c`` keep their reduced
+        sets (:class:`~autopipe.planning.model.unit_recompute.Holding`).
+
+        Args:
+            k: the stage.
+            mode: a fixed mode or ``units``; default the model's (required when ``auto``).
+        """
+        mode = mode or self.checkpoint
+        n = self.in_flight(k)
+        if mode == UNITS_MODE:
+            if self.split_backward:
+                return Holding(n, self._pairs[k], transient=False)
+            return Holding.whole(n)
+        if self.split_backward and mode != "auto":
+            # ``never``: every micro-batch in flight keeps its saved set until its W.
+            return Holding(n, self._pairs[k] if mode == "always" else ((0, n),))
+        return Holding(n, (self.checkpointed(k, mode),))
+
+    def rank_moments(self, rank: int) -> NDArray[np.int64]:
+        """Under split backward, the counts ``rank``'s stages hold at each moment that may
+        set its peak (:func:`~autopipe.planning.schedules.split_holding.split_moments`;
+        the rank's stages in local order, three columns each); no rows otherwise."""
+        if not self.split_backward:
+            return np.zeros((0, 3 * self.virtual_stages), dtype=np.int64)
+        return self._moments[rank]
+
     def layer_time(self) -> Array:
         """Per-layer cost per micro-batch on a speed-1 device, transfers excluded."""
         return self.layers.forward * (1.0 + self.recompute_fraction) + self.layers.backward
@@ -453,10 +521,17 @@ class CostModel:
         fwd, bwd = self._passes(s, e)
         return (fwd * (1.0 + self.fraction(mode)) + bwd) / self.devices[k].speed
 
+    def _full_set(self, s: Index, e: Index) -> Array:
+        """Bytes one micro-batch saves for the backward of layers ``[s, e)``."""
+        return np.asarray(self._saved[e] - self._saved[s] + self._shared[s])
+
     def _saved_sets(self, k: int, s: Index, e: Index, mode: str) -> Array:
-        ck, keep = self.checkpointed(k, mode)
-        saved = self._saved[e] - self._saved[s] + self._shared[s]
-        return ck * self._inputs[s] + keep * saved
+        saved = self._full_set(s, e)
+        pairs = self.holding(k, mode).pairs
+        held = pairs[0][0] * self._inputs[s] + pairs[0][1] * saved
+        for c, y in pairs[1:]:
+            held = np.maximum(held, c * self._inputs[s] + y * saved)
+        return np.asarray(held)
 
     def stage_costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index]:
         """``(time, memory, mode)`` of stage ``k`` holding layers ``[s, e)``.
@@ -464,11 +539,12 @@ class CostModel:
         ``mode`` indexes :attr:`modes`, or is :data:`UNITS` for a set of re-computed units
         (``auto``): the fastest whose memory fits, else the one that needs the least memory.
         """
-        time, memory, choice, _ = self._costs(k, s, e)
+        time, memory, choice, _, _ = self._costs(k, s, e)
         return time, memory, choice
 
-    def _costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index, Array]:
-        """:meth:`stage_costs` and the seconds per micro-batch of its re-computed units."""
+    def _costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index, Array, Array]:
+        """:meth:`stage_costs`, the seconds per micro-batch of its re-computed units and
+        the bytes a micro-batch keeps until its backward (its reduced set)."""
         state = self.held_state(s, e)
         fixed = self.overhead + self.transfer_time(k, e)
         cap, share = self._budget(k)
@@ -480,20 +556,24 @@ class CostModel:
         memory = state + kept
         choice = np.zeros(np.shape(memory), dtype=np.int64)
         units = np.zeros(np.shape(memory))
+        reduced = self._reduced(s, e, self.modes[0])
         if self.checkpoint == "auto" and math.isfinite(cap) and np.any(kept > budget):
             # Where keeping everything is over: the cheapest set of units to re-compute.
             shape = np.broadcast(np.asarray(s), np.asarray(e), time, memory).shape
-            time, memory, state, kept, budget = (
-                np.broadcast_to(a, shape).astype(float) for a in (time, memory, state, kept, budget)
+            time, memory, state, kept, budget, reduced = (
+                np.broadcast_to(a, shape).astype(float)
+                for a in (time, memory, state, kept, budget, reduced)
             )
             choice, units = np.zeros(shape, dtype=np.int64), np.zeros(shape)
             over = kept > budget
             s_over, e_over = (np.broadcast_to(a, shape)[over] for a in (s, e))
-            extra, held, _ = self.units.choose(s_over, e_over, self.in_flight(k), budget[over])
+            holding = self.holding(k, UNITS_MODE)
+            extra, held, left, _ = self.units.choose(s_over, e_over, holding, budget[over])
             units[over] = extra / self.devices[k].speed
             time[over] += units[over]
             memory[over] = state[over] + held
             kept[over] = held
+            reduced[over] = left
             choice[over] = UNITS
         for i, mode in enumerate(self.modes[1:], start=1):
             other_kept = self._saved_sets(k, s, e, mode)
@@ -509,7 +589,14 @@ class CostModel:
             kept = np.where(take, other_kept, kept)
             choice = np.where(take, i, choice)
             units = np.where(take, 0.0, units)
-        return time, memory, choice, units
+            reduced = np.where(take, self._reduced(s, e, mode), reduced)
+        return time, memory, choice, units, reduced
+
+    def _reduced(self, s: Index, e: Index, mode: str) -> Array:
+        """Bytes a micro-batch keeps until its backward under a fixed mode: its boundary
+        input where it is re-computed, else its saved set (``except_last`` spares one
+        micro-batch; the reduced set is that of the others)."""
+        return self._inputs[s] if mode != "never" else self._full_set(s, e)
 
     def _budget(self, k: int) -> tuple[float, float]:
         """The memory stage ``k`` chooses its checkpointing within, and the share of its
@@ -534,9 +621,13 @@ class CostModel:
         :data:`autopipe.planning.schedules.schedule_replay.RECOMPUTE_CODES` value, and the stage's
         memory (:meth:`stage_memory`), all from one :meth:`stage_costs`.
         """
-        time, memory, choice, units = self._costs(k, s, e)
+        time, memory, choice, units, reduced = self._costs(k, s, e)
         speed = self.devices[k].speed
         fwd, bwd = (part / speed for part in self._passes(s, e))
+        # The weights' share of the backward, re-computed units not counted: they run
+        # again with the input's gradient (before it, under split backward).
+        own = bwd
+        weight = self.weight_share(s, e) * own
         # Re-computed units run again in the backward of every micro-batch.
         bwd = bwd + units
         transfer = self.transfer_time(k, e)
@@ -548,7 +639,13 @@ class CostModel:
         scale = np.where(work > 0, compute / safe, 1.0)
         even = np.where(work > 0, 0.0, compute / (2.0 + fractions))
         codes = np.array([RECOMPUTE_CODES[mode] for mode in (*self.modes, "never")])[choice]
-        return StageParts(fwd * scale + even, bwd * scale + even, transfer, codes, memory)
+        backward = bwd * scale + even
+        share = np.where(backward > 0, weight * scale / np.where(backward > 0, backward, 1.0), 0.0)
+        full = self._full_set(s, e)
+        recomputed = np.array([mode != "never" for mode in (*self.modes, UNITS_MODE)])[choice]
+        again = np.where(recomputed, reduced, 0.0)
+        held = np.stack(np.broadcast_arrays(reduced, full, again), axis=-1)
+        return StageParts(fwd * scale + even, backward, transfer, codes, memory, share, held)
 
     def weight_share(self, s: Index, e: Index) -> Array:
         """Share of layers ``[s, e)``'s backward that computes their weights' gradients."""
@@ -573,7 +670,7 @@ class CostModel:
             return []
         state = float(self.held_state(np.array(s), np.array(e)))
         cap, share = self._budget(k)  # as stage_costs chose them
-        return self.units.units(s, e, self.in_flight(k), (cap - state) / share)
+        return self.units.units(s, e, self.holding(k, UNITS_MODE), (cap - state) / share)
 
     def _fractions(self, choice: Index) -> Array:
         """Per mode index (:data:`UNITS` included), the share of micro-batches re-computed
@@ -590,7 +687,7 @@ class CostModel:
 
     def recompute_time(self, k: int, s: Index, e: Index) -> Array:
         """Forward re-computation per micro-batch, averaged over the micro-batches."""
-        _, _, choice, units = self._costs(k, s, e)
+        _, _, choice, units, _ = self._costs(k, s, e)
         return self._fractions(choice) * self._passes(s, e)[0] / self.devices[k].speed + units
 
     def rank_shares(self, rank: int) -> NDArray[np.float64]:
@@ -598,6 +695,11 @@ class CostModel:
         stages in :func:`~autopipe.planning.schedules.interleaving.rank_stages` order (see
         :func:`~autopipe.planning.schedules.interleaving.held_shares`)."""
         return self._shares[rank]
+
+    def held_parts(self, k: int, s: Index, e: Index) -> Array:
+        """Stage ``k``'s bytes per micro-batch with layers ``[s, e)`` as the rank's
+        moments count them (last axis, :attr:`StageParts.held`)."""
+        return self.stage_parts(k, s, e).held
 
     def saved_memory(self, k: int, s: Index, e: Index) -> Array:
         """Of stage ``k``'s peak with layers ``[s, e)``, the micro-batches' saved sets
@@ -683,7 +785,9 @@ class CostModel:
     def signature(self, k: int) -> tuple[object, ...]:
         """Stages with equal signatures have identical cost and memory functions."""
         device = self.devices[k]
-        modes = tuple(self.checkpointed(k, mode) for mode in self.modes)
+        modes = tuple(self.holding(k, mode) for mode in self.modes)
+        if self.checkpoint == "auto":
+            modes += (self.holding(k, UNITS_MODE),)
         return (device.speed, device.bandwidth, device.latency, modes, self.capacity(k))
 
     def sum_is_invariant(self) -> bool:

@@ -56,6 +56,10 @@ class StageMemoryModel(Protocol):
 
     def rank_shares(self, rank: int) -> NDArray[np.float64]: ...
 
+    def rank_moments(self, rank: int) -> NDArray[np.int64]: ...
+
+    def held_parts(self, k: int, s: Any, e: Any) -> Any: ...
+
     @property
     def restricted(self) -> bool: ...
 
@@ -108,13 +112,34 @@ def stage_saved(model: StageMemoryModel, balance: Sequence[int]) -> NDArray[np.f
     )
 
 
+def stage_held(model: StageMemoryModel, balance: Sequence[int]) -> NDArray[np.float64]:
+    """Per stage of ``balance``, what one micro-batch holds as :meth:`held_parts` counts
+    it (stages, 3): what :func:`rank_memory` takes under split backward."""
+    bounds = stage_bounds(balance)
+    return np.array(
+        [
+            np.asarray(model.held_parts(k, np.array(bounds[k]), np.array(bounds[k + 1])))
+            for k in range(len(balance))
+        ]
+    ).reshape(len(balance), 3)
+
+
 def rank_memory(
-    model: StageMemoryModel, memory: NDArray[np.float64], saved: NDArray[np.float64]
+    model: StageMemoryModel,
+    memory: NDArray[np.float64],
+    saved: NDArray[np.float64],
+    held: NDArray[np.float64] | None = None,
 ) -> NDArray[np.float64]:
     """Each rank's peak bytes, per row of stage memories and their saved sets (rows:
     splits, columns: stages): its stages' memory less their saved sets, plus the most the
     rank's saved sets hold at once (:meth:`rank_shares`: its stages do not all peak at the
-    same moment). At most the sum of its stages' peaks."""
+    same moment). At most the sum of its stages' peaks.
+
+    Under split backward with ``held`` (splits, stages, 3: :meth:`held_parts`) the most
+    they hold at once is the largest sum over the rank's stages of the moment's counts
+    (:meth:`rank_moments`) times those bytes: a re-computing stage's micro-batches hold
+    different bytes before and after their input-gradient pass, so no share of its peak
+    says what it holds at another stage's."""
     where = np.asarray(model.placement)
     out = np.empty((len(memory), model.num_ranks))
     for r in range(model.num_ranks):
@@ -122,8 +147,12 @@ def rank_memory(
         # ``rank_shares`` lists a rank's stages in its local order; placement gives
         # them in stage order: the local order of a V rank (r, 2K−1−r) is that order too.
         fixed = (memory[:, stages] - saved[:, stages]).sum(axis=1)
-        held = (saved[:, stages] @ model.rank_shares(r).T).max(axis=1)
-        out[:, r] = fixed + held
+        moments = model.rank_moments(r)
+        if held is not None and len(moments):
+            parts = held[:, stages, :].reshape(len(memory), -1)
+            out[:, r] = fixed + (parts @ moments.T.astype(float)).max(axis=1)
+        else:
+            out[:, r] = fixed + (saved[:, stages] @ model.rank_shares(r).T).max(axis=1)
     return out
 
 
@@ -131,34 +160,36 @@ def overflows(
     model: StageMemoryModel,
     memory: NDArray[np.float64],
     saved: NDArray[np.float64] | None = None,
+    held: NDArray[np.float64] | None = None,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Bytes over capacity, per row of stage memories (rows: splits, columns: stages):
     of each stage on its device, and, with virtual stages, of each rank's stages together
     on the rank's device (stage s runs on rank ``model.placement[s]``: ``s % K``, or in a
     V rank r holds r and 2K−1−r; no columns without virtual stages): with the stages'
-    ``saved`` sets, as :func:`rank_memory` holds them, else their peaks summed. A split
-    fits where no entry is above 0."""
+    ``saved`` sets (and ``held`` parts), as :func:`rank_memory` holds them, else their
+    peaks summed. A split fits where no entry is above 0."""
     capacities = np.array([model.capacity(k) for k in range(model.num_stages)])
     stages = memory - capacities
     ranks = model.num_ranks
     if ranks == model.num_stages:
         return stages, np.empty((len(memory), 0))
     if saved is not None:
-        held = rank_memory(model, memory, saved)
+        peaks = rank_memory(model, memory, saved, held)
     else:
         where = np.asarray(model.placement)
-        held = np.stack([memory[:, where == r].sum(axis=1) for r in range(ranks)], axis=1)
+        peaks = np.stack([memory[:, where == r].sum(axis=1) for r in range(ranks)], axis=1)
     # Each rank's device: that of its first stage (stage r in both placements).
-    return stages, held - capacities[:ranks]
+    return stages, peaks - capacities[:ranks]
 
 
 def fits_memory(
     model: StageMemoryModel,
     memory: NDArray[np.float64],
     saved: NDArray[np.float64] | None = None,
+    held: NDArray[np.float64] | None = None,
 ) -> NDArray[np.bool_]:
     """Per row of stage memories (see :func:`overflows`), whether the split fits."""
-    stages, ranks = overflows(model, memory, saved)
+    stages, ranks = overflows(model, memory, saved, held)
     return np.all(stages <= 0, axis=1) & np.all(ranks <= 0, axis=1)
 
 
@@ -168,4 +199,5 @@ def split_fits(model: StageMemoryModel, balance: Sequence[int]) -> bool:
     if model.restricted and model.forbidden[stage_bounds(balance)[1:-1]].any():
         return False
     memory = stage_memory(model, balance)[None, :]
-    return bool(fits_memory(model, memory, stage_saved(model, balance)[None, :])[0])
+    saved = stage_saved(model, balance)[None, :]
+    return bool(fits_memory(model, memory, saved, stage_held(model, balance)[None])[0])

@@ -20,6 +20,18 @@ time: the largest of the stage's, an upper bound of the largest of R's). The
 input of a re-computed unit is counted whole even where the previous unit also saves it
 (an upper bound as well).
 
+Under split backward (``zb``, ``zbv``, ``dualpipev``) the weights' gradients run after the
+input's and need every unit's activations, so a re-computed micro-batch keeps its reduced
+set ``a(R) = Σ kept_u − Σ_{u∈R} b_u`` only until its input-gradient pass and its full set
+from then until its weights' (:mod:`autopipe.planning.schedules.split_holding`): with the
+stage's ``(c, y)`` pairs from the replayed order (:class:`Holding`)::
+
+    memory(R) = fixed + max_p (c_p · a(R) + y_p · Σ kept_u)        (R ≠ ∅)
+
+with no ``T`` (the full set counts already), and ``n · Σ kept_u`` for R = ∅ as above.
+Both are the same covering knapsack: the bytes to free per micro-batch are the largest
+``kept − (headroom − y_p·kept)/c_p`` over the pairs.
+
 The cheapest R that fits is a covering knapsack: the least ``Σ F_u`` with
 ``Σ b_u >= need``. It is solved exactly from the Pareto front of (bytes freed, seconds)
 over the subsets of the stage's units, built per stage start as the stage grows unit by
@@ -33,6 +45,7 @@ set; fronts that large need hundreds of distinct units in one stage.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
@@ -48,6 +61,51 @@ Index = NDArray[np.int64]
 FRONT_LIMIT = 512
 # Per figures object (by id, while it lives): its instance, see UnitRecompute.of.
 _SHARED: dict[int, tuple[weakref.ref[LayerCosts], UnitRecompute]] = {}
+
+
+@dataclass(frozen=True)
+class Holding:
+    """How many micro-batches a stage holds, and how, at the moments that may set its peak.
+
+    Attributes:
+        n: micro-batches in flight when nothing is re-computed (each keeps its full set).
+        pairs: ``(c, y)`` per moment: ``c`` keep their reduced set, ``y`` their full set.
+        transient: a unit's re-computation holds its saved set again on top (one
+            micro-batch's, one unit at a time: ``T``); false under split backward, where
+            the full sets the pairs count cover it.
+    """
+
+    n: int
+    pairs: tuple[tuple[int, int], ...]
+    transient: bool = True
+
+    @classmethod
+    def whole(cls, n: int) -> Holding:
+        """A stage whose backward runs whole: ``n`` micro-batches keep their reduced set."""
+        return cls(n, ((n, 0),))
+
+    def memory(self, kept: Array, freed: Array, transient: Array) -> Array:
+        """Activation bytes when each micro-batch frees ``freed`` of its ``kept`` bytes."""
+        held = np.zeros(np.shape(kept))
+        for c, y in self.pairs:
+            held = np.maximum(held, c * (kept - freed) + y * kept)
+        if self.transient:
+            held = held + transient
+        return np.where(np.asarray(freed) > 0, held, self.n * kept)
+
+    def need(self, kept: Array, headroom: Array, transient: Array) -> Array:
+        """The bytes per micro-batch to free so that :meth:`memory` fits ``headroom``
+        (``inf`` where no freeing fits)."""
+        room = headroom - (transient if self.transient else 0.0)
+        need = np.full(np.shape(kept), -np.inf)
+        fits = room > 0
+        for c, y in self.pairs:
+            left = room - y * kept
+            if c > 0:
+                need = np.maximum(need, kept - left / c)
+            else:
+                fits &= left >= 0
+        return np.where(fits, need, np.inf)
 
 
 class Front:
@@ -164,28 +222,31 @@ class UnitRecompute:
         return self._largest.query(np.asarray(s), np.asarray(e))
 
     def choose(
-        self, s: Index, e: Index, in_flight: int, headroom: Array
-    ) -> tuple[Array, Array, NDArray[np.bool_]]:
-        """Per candidate stage ``[s, e)``: ``(seconds, memory, fits)`` of its cheapest set.
+        self, s: Index, e: Index, holding: Holding, headroom: Array
+    ) -> tuple[Array, Array, Array, NDArray[np.bool_]]:
+        """Per candidate stage ``[s, e)``: ``(seconds, memory, reduced, fits)`` of its
+        cheapest set.
 
         Args:
             s, e: the candidate stages' bounds (arrays of one shape).
-            in_flight: micro-batches the stage holds at its peak (n).
+            holding: the micro-batches the stage holds at its candidate peaks.
             headroom: bytes of the device left for the micro-batches' activations (its
                 capacity less the stage's state and transient peaks).
 
         Returns:
             The re-computation seconds per micro-batch (speed 1) of the cheapest set that
-            fits, and the activation bytes it holds; where none fits, those of the set
-            that frees the most (``fits`` false).
+            fits, the activation bytes it holds and the bytes a micro-batch keeps until
+            its backward; where none fits, those of the set that frees the most (``fits``
+            false).
         """
         s_arr, e_arr = np.broadcast_arrays(np.asarray(s), np.asarray(e))
         head = np.broadcast_to(np.asarray(headroom, dtype=float), s_arr.shape)
-        memory = np.array(in_flight * self.kept(s_arr, e_arr), dtype=float)
+        reduced = np.array(self.kept(s_arr, e_arr), dtype=float)
+        memory = holding.n * reduced
         seconds = np.zeros(s_arr.shape)
         over = memory > head
         if not over.any():
-            return seconds, memory, ~over
+            return seconds, memory, reduced, ~over
         # Solvers ask for the same stages many times over (every split holding them): each
         # distinct stage is looked at once.
         key = s_arr[over].astype(np.int64) * (self.n + 1) + e_arr[over]
@@ -195,13 +256,14 @@ class UnitRecompute:
         kept = self.kept(starts, ends)
         transient = self.transient(starts, ends)
         most, slowest = self.most_freed(starts, ends)
-        need = kept - (heads - transient) / in_flight
+        need = holding.need(kept, heads, transient)
         # Where even every unit that frees bytes re-computed does not fit, that set is the
         # answer (the least memory) and no search is needed; the rest search their front,
         # all the stages of one front at once.
         found_s = slowest.copy()
-        found_m = in_flight * (kept - most) + np.where(most > 0, transient, 0.0)
-        search = np.flatnonzero((heads > transient) & (need <= most))
+        found_m = holding.memory(kept, most, transient)
+        found_r = kept - most
+        search = np.flatnonzero(need <= most)
         if len(search):
             a, b = starts[search], ends[search]
             first = np.maximum(self.saved[a] - self.inputs[a], 0.0)
@@ -222,11 +284,12 @@ class UnitRecompute:
                 j = np.searchsorted(front.freed, need[members], side="left")
                 found_s[members] = front.seconds[j]
                 freed = front.freed[j]
-                held = in_flight * (kept[members] - freed)
-                found_m[members] = held + np.where(j > 0, transient[members], 0.0)
+                found_m[members] = holding.memory(kept[members], freed, transient[members])
+                found_r[members] = kept[members] - freed
         seconds[over] = found_s[inverse.ravel()]
         memory[over] = found_m[inverse.ravel()]
-        return seconds, memory, memory <= head
+        reduced[over] = found_r[inverse.ravel()]
+        return seconds, memory, reduced, memory <= head
 
     def most_freed(self, s: Index, e: Index) -> tuple[Array, Array]:
         """``(bytes, seconds)`` per micro-batch of re-computing every unit of ``[s, e)``
@@ -241,24 +304,24 @@ class UnitRecompute:
         return np.asarray(freed), np.asarray(cost)
 
     def _pick(
-        self, s: int, e: int, in_flight: int, headroom: float
+        self, s: int, e: int, holding: Holding, headroom: float
     ) -> tuple[int, Front, float, float]:
         """The front point :meth:`choose` takes for stage ``[s, e)``, with the front, the
         bytes a micro-batch keeps re-computing nothing, and the re-computation's transient."""
         front = self.front(s, e)
         kept = float(self._kept[e] - self._kept[s] + self.shared[s])
         transient = float(self.transient(np.array(s), np.array(e)))
-        need = kept - (headroom - transient) / in_flight
-        j = front.cheapest(need) if headroom > transient else -1
+        need = float(holding.need(np.array(kept), np.array(headroom), np.array(transient)))
+        j = front.cheapest(need) if np.isfinite(need) else -1
         if j < 0:
             j = len(front.freed) - 1  # the least memory: free the most
         return j, front, kept, transient
 
-    def units(self, s: int, e: int, in_flight: int, headroom: float) -> list[int]:
+    def units(self, s: int, e: int, holding: Holding, headroom: float) -> list[int]:
         """The units (layer indices) :meth:`choose` re-computes in stage ``[s, e)``."""
         kept = float(self._kept[e] - self._kept[s] + self.shared[s])
-        if in_flight * kept <= headroom:
+        if holding.n * kept <= headroom:
             return []
-        j, front, _, _ = self._pick(s, e, in_flight, headroom)
+        j, front, _, _ = self._pick(s, e, holding, headroom)
         mask = front.masks[j]
         return [s + i for i in range(e - s) if mask >> i & 1]

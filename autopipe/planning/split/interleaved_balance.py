@@ -45,6 +45,7 @@ def _replayed(
     memory = np.empty(shape)
     saved = np.empty(shape)
     weight = np.empty(shape)
+    held = np.empty((*shape, 3))
     for k in range(stages):
         s, e = bounds[:, k], bounds[:, k + 1]
         parts = model.stage_parts(k, s, e)
@@ -55,9 +56,12 @@ def _replayed(
         )
         codes[:, k], memory[:, k] = parts.recompute, parts.memory
         saved[:, k] = parts.memory - model.held_state(s, e)  # as model.saved_memory
-        weight[:, k] = model.weight_share(s, e)
+        weight[:, k], held[:, k] = parts.weight, parts.held
     ranks = model.num_ranks
-    fits = fits_memory(model, memory, saved) if memory_limits else np.ones(len(bounds), dtype=bool)
+    if memory_limits:
+        fits = fits_memory(model, memory, saved, held)
+    else:
+        fits = np.ones(len(bounds), dtype=bool)
     if memory_limits and model.restricted:  # and no cut where none may go
         fits &= ~model.forbidden[bounds[:, 1:-1]].any(axis=1)
     times = np.full(len(bounds), np.inf)

@@ -73,27 +73,21 @@ class MemoryLimits:
             envelopes: list[list[int]] = []
             cap = m.capacity(k) + extra
             for mu in (*m.modes, *units):
-                if mu == UNITS_MODE:
-                    n = m.in_flight(k)
-                    key: tuple[object, ...] = (
-                        id(layers),
-                        m.state_factor,
-                        m.expert_factor,
-                        "units",
-                        n,
-                        cap,
-                    )
-                else:
-                    ck, keep = m.checkpointed(k, mu)
-                    key = (id(layers), m.state_factor, m.expert_factor, float(keep), float(ck), cap)
+                holding = m.holding(k, mu)
+                key = (id(layers), m.state_factor, m.expert_factor, mu == UNITS_MODE, holding, cap)
                 if key not in cache:
-                    if mu == UNITS_MODE:
-                        found = self._ends(
-                            self._state + n * self._least, n * self._least_first, cap, True
-                        )
-                    else:
-                        const = ck * self._inputs + keep * self._shared
-                        found = self._ends(self._state + keep * self._saved, const, cap)
+                    # Memory grows with the end under every count pair: a stage fits
+                    # while it fits under each (split backward has several).
+                    found = np.full(self.n, self.n, dtype=np.int64)
+                    for c, y in holding.pairs:
+                        if mu == UNITS_MODE:
+                            additive = self._state + c * self._least + y * self._saved
+                            const = c * self._least_first + y * self._shared
+                            one = self._ends(additive, const, cap, holding.transient)
+                        else:
+                            const = c * self._inputs + y * self._shared
+                            one = self._ends(self._state + y * self._saved, const, cap)
+                        found = np.minimum(found, one)
                     rise = np.maximum.accumulate(found)
                     same = bool((found == rise).all())
                     cache[key] = (found, found.tolist(), rise.tolist(), same)

@@ -346,3 +346,24 @@ def test_expert_degrees_are_listed_or_left_to_the_rule() -> None:
         search(block_profile(4, batch=8), 8, options=SearchOptions(**fixed, expert_parallel=(2,)))
     with pytest.raises(ValueError, match="integers >= 1"):
         search(moe_profile(4, batch=8), 8, options=SearchOptions(**fixed, expert_parallel=(0,)))
+
+
+def test_v_schedules_search_re_computes_only_where_keeping_everything_is_over() -> None:
+    profile = linear_profile(
+        [1.0, 2, 1, 3, 1, 2, 1, 1],
+        saved=[400, 900, 300, 800, 500, 700, 200, 600],
+        output=[50, 120, 30, 90, 60, 80, 20, 10],
+        params=[10] * 8,
+        batch=8,
+        chunks=8,
+    )
+    kept = plan(profile, 4, schedule="zbv", chunks=8, checkpoint="never", optimizer="sgd")
+    roomy = search(
+        profile, 2, memory=int(max(kept.device_memory)), optimizer="sgd", schedules=["zbv"]
+    )
+    assert roomy[0].checkpoint == "never"
+    cap = int(max(kept.device_memory) * 0.6)
+    tight = search(profile, 2, memory=cap, optimizer="sgd", schedules=["zbv"])
+    assert tight and all(p.checkpoint in ("auto", "always") for p in tight)
+    assert {"units", "always"} & set(tight[0].stage_checkpoints)
+    assert max(tight[0].device_memory) <= cap

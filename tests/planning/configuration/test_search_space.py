@@ -74,6 +74,18 @@ def test_v_schedules_give_one_configuration_of_2k_stages() -> None:
     assert all(c.chunks >= 2 * c.stages for c in found if c.schedule == "dualpipev")
 
 
+def test_v_schedules_weigh_re_computation_but_not_except_last() -> None:
+    from autopipe.planning.configuration.search_space import Bounds, configurations
+
+    modes = ["never", "except_last", "always", "auto"]
+    found = configurations(Bounds(4, 10, 8, modes, ["zbv", "dualpipev"]))
+    # ``auto`` weighs ``always`` per stage: listing both adds no configuration.
+    assert {c.checkpoint for c in found} == {"never", "auto"}
+    alone = configurations(Bounds(4, 10, 8, ["always"], ["zbv"]))
+    assert alone and {c.checkpoint for c in alone} == {"always"}
+    assert not configurations(Bounds(4, 10, 8, ["except_last"], ["zbv"]))
+
+
 def test_the_looped_bubble_share_stays_below_the_replayed_step() -> None:
     # The virtual-stage bound counts BUBBLE_SHARE of the balanced bubble: random stage
     # times replayed under the looped schedules never come closer than that to the work.

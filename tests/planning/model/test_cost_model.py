@@ -119,7 +119,7 @@ def test_sum_invariance():
     [
         ({"checkpoint": "sometimes"}, "unknown checkpoint mode"),
         ({"schedule": "zigzag"}, "unknown schedule"),
-        ({"schedule": "zb"}, "zero bubble keeps every activation"),
+        ({"schedule": "zb"}, "zb splits the backward, so except_last .* has no clear meaning"),
         ({"chunks": 0}, "chunks must be >= 1"),
         ({"optimizer": float("nan")}, "optimizer state factor must be a finite number >= 0"),
         ({"optimizer": float("inf")}, "optimizer state factor must be a finite number >= 0"),
@@ -230,7 +230,7 @@ def test_stage_parts_add_up_to_the_stage_time(checkpoint):
     m = model(devices, checkpoint=checkpoint, overhead=0.25)
     s, e = np.array([0, 0, 1, 3, 2]), np.array([1, 2, 4, 4, 2])  # the last holds no layer
     for k in range(2):
-        forward, backward, transfer, codes, memory = m.stage_parts(k, s, e)
+        forward, backward, transfer, codes, memory, _, _ = m.stage_parts(k, s, e)
         time, expected_memory, choice = m.stage_costs(k, s, e)
         assert memory == pytest.approx(expected_memory)
         modes = [m.modes[i] for i in choice]

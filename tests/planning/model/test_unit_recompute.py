@@ -11,7 +11,7 @@ from autopipe.planning import plan
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import LayerCosts
-from autopipe.planning.model.unit_recompute import Front, UnitRecompute
+from autopipe.planning.model.unit_recompute import Front, Holding, UnitRecompute
 from autopipe.planning.split.exact import solve_split
 from tests.support.planning_cases import linear_profile, splits
 
@@ -159,4 +159,4 @@ def test_units_that_free_nothing_are_never_chosen() -> None:
     units = UnitRecompute(layers)
     # Unit a keeps 10 bytes but its input is 40: re-computing it would hold more.
     assert units.benefit(0, 0) < 0 and units.benefit(1, 0) == 50.0
-    assert units.units(0, 2, 2, 150.0) == [1]
+    assert units.units(0, 2, Holding.whole(2), 150.0) == [1]

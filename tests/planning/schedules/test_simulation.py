@@ -284,3 +284,51 @@ def test_auto_plan_recomputes_only_on_checkpointed_stages() -> None:
     recomputes = [e for e in simulate(mixed) if e.kind == "recompute"]
     assert {e.stage for e in recomputes} == {1}
     assert len(recomputes) == mixed.chunks - 1
+
+
+@pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
+def test_split_backward_recomputes_before_each_input_gradient(schedule: str) -> None:
+    profile = linear_profile(
+        [1.0, 2, 1, 3, 1, 2, 1, 1], saved=[100] * 8, params=[10] * 8, batch=8, chunks=8
+    )
+    options = {"schedule": schedule, "chunks": 8, "optimizer": "sgd"}
+    kept = evaluate(profile, [2, 2, 2, 2], checkpoint="never", **options)
+    again = evaluate(profile, [2, 2, 2, 2], checkpoint="always", **options)
+    events = simulate(again)
+    assert again.step_time == pytest.approx(makespan(events))
+    assert again.step_time > kept.step_time
+    # Every input gradient (or whole backward) of every stage re-runs the forward first,
+    # on the same device, right before it; the weights' gradients do not.
+    recomputes = {(e.stage, e.micro_batch): e for e in events if e.kind == "recompute"}
+    backwards = [e for e in events if e.kind == "backward"]
+    assert len(recomputes) == len(backwards) == 4 * 8
+    for e in backwards:
+        before = recomputes[e.stage, e.micro_batch]
+        assert before.end == pytest.approx(e.start)
+        assert before.duration == pytest.approx(again.stages[e.stage].forward)
+    # The stage's time carries one more forward per micro-batch than without.
+    for a, b in zip(again.stages, kept.stages, strict=True):
+        assert a.compute == pytest.approx(b.compute + b.forward)
+        assert a.weight == pytest.approx(b.weight)
+
+
+@pytest.mark.parametrize("schedule", ["zb", "zbv"])
+def test_recomputed_units_run_with_the_input_gradient(schedule: str) -> None:
+    profile = linear_profile(
+        [1.0, 2, 1, 3, 1, 2, 1, 1],
+        saved=[400, 900, 300, 800, 500, 700, 200, 600],
+        output=[50, 120, 30, 90, 60, 80, 20, 10],
+        params=[10] * 8,
+        batch=8,
+        chunks=8,
+    )
+    options = {"schedule": schedule, "chunks": 8, "optimizer": "sgd"}
+    kept = evaluate(profile, [2, 2, 2, 2], checkpoint="never", **options)
+    units = evaluate(profile, [2, 2, 2, 2], checkpoint="auto", memory=3000, **options)
+    assert "units" in units.stage_checkpoints
+    events = simulate(units)
+    assert units.step_time == pytest.approx(makespan(events))
+    for a, b in zip(units.stages, kept.stages, strict=True):
+        # The units' forwards are added to the input gradient, none to the weights'.
+        assert a.weight == pytest.approx(b.weight)
+        assert a.compute - a.weight == pytest.approx(b.compute - b.weight + a.recompute)
