@@ -230,4 +230,8 @@ def expert_counts(counts: Sequence[LayerCounts]) -> ExpertCounts | None:
         skew=first.skew,
         groups=first.groups,
         top_groups=first.top_groups,
+        traffic=[float(f.traffic or 0.0) for f in found],
+        backward_traffic=[float(f.backward_traffic or 0.0) for f in found],
+        weight_traffic=[float(f.weight_traffic or 0.0) for f in found],
+        backward_weight_traffic=[float(f.backward_weight_traffic or 0.0) for f in found],
     )

@@ -318,13 +318,29 @@ def count_layer(
         layer, inputs, device, label, autocast, styles, skew
     )
 
-    def alone(block: nn.Module, given: tuple[Tensor, ...]) -> tuple[float, float, float, int]:
+    def alone(
+        block: nn.Module, given: tuple[Tensor, ...]
+    ) -> tuple[float, float, float, int, float, float]:
         found = _count(block, given, device, "routed experts", autocast, None, skew)[0]
-        return found.flops, found.backward_flops, found.backward_input_flops, found.saved
+        return (
+            found.flops,
+            found.backward_flops,
+            found.backward_input_flops,
+            found.saved,
+            found.traffic,
+            found.backward_traffic,
+        )
 
     figures = expert_figures(routed, alone)
     if figures is not None:
-        counts = dataclasses.replace(counts, experts=figures)
+        # The routed experts' traffic as a grouped kernel moves it (expert_figures).
+        forward, backward = figures.traffic_change
+        counts = dataclasses.replace(
+            counts,
+            experts=figures,
+            traffic=max(counts.traffic + forward, 0.0),
+            backward_traffic=max(counts.backward_traffic + backward, 0.0),
+        )
     return counts, outputs, returns_tuple
 
 

@@ -19,6 +19,7 @@ them, at the same routing (:class:`ExpertFigures`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
@@ -62,6 +63,12 @@ class ExpertFigures:
     skew: float
     groups: int = 1
     top_groups: int = 1
+    traffic: float | None = None
+    backward_traffic: float | None = None
+    weight_traffic: float | None = None
+    backward_weight_traffic: float | None = None
+    # What the experts' own traffic changes of the layer's, forward and backward.
+    traffic_change: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass
@@ -190,6 +197,22 @@ def _routed_forward(
     return assumed_forward(module, hidden, index, weights, skew, record)
 
 
+def one_expert(module: nn.Module, experts: int) -> nn.Module:
+    """A copy of an experts module on the meta device holding its first expert alone:
+    every parameter stacked over the ``experts`` sliced to its first row. The eager loop
+    takes each expert's weights as a slice of the stacked ones, whose backward writes a
+    gradient of the whole stack per expert; a grouped kernel writes each expert's own."""
+    single = copy.deepcopy(module).to(META)
+    for owner in single.modules():
+        for name, param in list(owner._parameters.items()):
+            if param is not None and param.dim() >= 2 and param.shape[0] == experts:
+                owner._parameters[name] = nn.Parameter(
+                    torch.empty((1, *param.shape[1:]), dtype=param.dtype, device=META),
+                    requires_grad=param.requires_grad,
+                )
+    return single
+
+
 class _Alone(nn.Module):
     """Routed experts alone, each on the tokens ``counts`` gives it (routing values are
     never read)."""
@@ -206,8 +229,9 @@ class _Alone(nn.Module):
         )
 
 
-# count(layer, inputs) -> (flops, backward_flops, backward_input_flops, saved)
-Counter = Callable[[nn.Module, tuple[Tensor, ...]], tuple[float, float, float, int]]
+# count(layer, inputs) -> (flops, backward_flops, backward_input_flops, saved, traffic,
+# backward_traffic)
+Counter = Callable[[nn.Module, tuple[Tensor, ...]], tuple[float, float, float, int, float, float]]
 
 
 def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
@@ -217,10 +241,21 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
     equal token counts count alike: ``count`` counts one expert per distinct token count
     (on its own fake state), times the experts that receive it, which keeps 256 experts
     as cheap as 8.
+
+    Their memory traffic is counted as a grouped kernel moves it: each expert on its own
+    rows and its own weights only (gathered in, its matmuls, combined out), and of it the
+    part that does not follow the rows (counted at twice the rows: the weights read, their
+    gradients written and accumulated), which expert parallelism divides. The eager
+    loop's indexing and ``index_add_`` read and write the whole token tensor once per
+    expert, and its backward the whole stack of weights, which the layer's own count
+    includes; ``traffic_change`` gives what replacing that by the experts' own traffic
+    changes of the layer's.
     """
     if not routed.calls:
         return None
-    totals = [0.0, 0.0, 0.0, 0.0]
+    totals = [0.0] * 6
+    eager = [0.0, 0.0]
+    fixed = [0.0, 0.0]
     params = dispatch = 0
     grouped = {limited_groups(routed.topk, c.tokens, c.experts) for c in routed.calls.values()}
     groups, top_groups = min(grouped, key=lambda g: g[1] / g[0])  # the most limited
@@ -229,10 +264,25 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
         tokens = assumed_tokens(call.tokens, call.top_k, call.experts, routed.skew)
         hidden = torch.empty((call.tokens, call.width), dtype=call.hidden, device=META)
         weights = torch.empty((call.tokens, call.top_k), dtype=call.weights, device=META)
+        single = one_expert(module, call.experts)
         for size, times in Tally(n for n in tokens if n).items():
             found = count(_Alone(module, [size]), (hidden, weights))
-            for i, value in enumerate(found):
+            for i, value in enumerate(found[:4]):
                 totals[i] += times * value
+            # An expert on its own rows and weights: its traffic in a grouped kernel.
+            rows = torch.empty((size, call.width), dtype=call.hidden, device=META)
+            picked = torch.empty((size, call.top_k), dtype=call.weights, device=META)
+            own = count(_Alone(single, [size]), (rows, picked))
+            # Twice the rows: what follows the rows, and what does not (its weights).
+            rows = torch.empty((2 * size, call.width), dtype=call.hidden, device=META)
+            picked = torch.empty((2 * size, call.top_k), dtype=call.weights, device=META)
+            more = count(_Alone(single, [2 * size]), (rows, picked))
+            # One more expert in the eager loop over all the tokens: what each adds.
+            twice = count(_Alone(module, [size, size]), (hidden, weights))
+            for i in (0, 1):
+                totals[4 + i] += times * own[4 + i]
+                fixed[i] += times * max(2.0 * own[4 + i] - more[4 + i], 0.0)
+                eager[i] += times * (twice[4 + i] - found[4 + i])
         params += sum(p.numel() * p.element_size() for p in module.parameters())
         dispatch += call.tokens * call.top_k * call.width * hidden.element_size()
     calls = list(routed.calls.values())
@@ -246,6 +296,11 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
         backward_input_flops=totals[2],
         saved=int(totals[3]),
         dispatch_bytes=dispatch,
+        traffic=totals[4],
+        backward_traffic=totals[5],
+        weight_traffic=fixed[0],
+        backward_weight_traffic=fixed[1],
+        traffic_change=(totals[4] - eager[0], totals[5] - eager[1]),
         skew=routed.skew,
         groups=groups if len(grouped) == 1 else 1,
         top_groups=top_groups if len(grouped) == 1 else 1,

@@ -44,6 +44,14 @@ class ExpertCounts:
             all-to-all sends, and again the combine; the backward sends the same.
         skew: the assumption counted with: the busiest expert receives ``skew`` times
             the mean of the routed tokens (1.0: balanced).
+        traffic: of the forward's memory traffic, the routed experts' as a grouped
+            kernel moves it, each expert on its own rows (``None`` in profiles written
+            before it was counted: then their FLOPs' share of the layer's).
+        backward_traffic: the same for the backward.
+        weight_traffic: of ``traffic``, what does not follow the tokens (the experts'
+            weights read): what a device holding ``1/e`` of the experts moves ``1/e`` of.
+        backward_weight_traffic: the same for the backward (weights read, their
+            gradients written and accumulated).
         groups: equal groups of experts the router first chooses among (DeepSeek's
             ``n_group``; 1: no group limit).
         top_groups: groups each token's experts come from (``topk_group``): expert
@@ -63,6 +71,10 @@ class ExpertCounts:
     skew: float = 1.0
     groups: int = 1
     top_groups: int = 1
+    traffic: list[float] | None = None
+    backward_traffic: list[float] | None = None
+    weight_traffic: list[float] | None = None
+    backward_weight_traffic: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -112,13 +112,16 @@ def read_record(cls: type[_Record], data: object, where: str) -> _Record:
 
 
 def check_figures(record: Any, where: str, n: int) -> None:
-    """Every field of ``record`` is a finite number >= 0, a list one per batch size (``n``).
+    """Every field of ``record`` is a finite number >= 0, a list one per batch size (``n``);
+    an optional field (default ``None``) may be ``None``.
 
     Raises:
         ValueError: naming the field (and the batch size's index).
     """
     for f in fields(record):
         value = getattr(record, f.name)
+        if value is None and f.default is None:  # an optional figure left out
+            continue
         if isinstance(value, list):
             if len(value) != n:
                 raise ValueError(

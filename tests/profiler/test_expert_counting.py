@@ -89,6 +89,48 @@ def test_group_limited_routing_is_read_from_the_router(
     assert (counted.experts.groups, counted.experts.top_groups) == groups
 
 
+def _counted_experts(family: str, experts: int, tokens: int) -> tuple[float, ...]:
+    """``(weight traffic, backward weight traffic, row traffic, backward row traffic,
+    the layer's backward traffic)`` of ``family``'s block with ``experts`` experts."""
+    names = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts"}
+    build, index = FAMILIES[family]
+    model = build(**{names.get(family, "n_routed_experts"): experts})
+    block = model.model.layers[index].mlp.to(torch.float64)
+    x = torch.zeros(1, tokens, HIDDEN, dtype=torch.float64, device="meta")
+    counted, _, _ = count_layer(meta_copy(block), (x,), CPU)
+    found = counted.experts
+    assert found is not None and found.traffic is not None
+    assert found.weight_traffic is not None and found.backward_traffic is not None
+    assert found.backward_weight_traffic is not None
+    return (
+        found.weight_traffic,
+        found.backward_weight_traffic,
+        found.traffic - found.weight_traffic,
+        found.backward_traffic - found.backward_weight_traffic,
+        counted.backward_traffic,
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_experts_traffic_is_a_grouped_kernel_s(family: str) -> None:
+    """Each expert on its own rows and weights: what follows the tokens doubles with
+    them and does not grow with the experts; what does not (the weights) grows with the
+    experts, not the tokens (the backward moves each weight byte 6 times: read, its
+    gradient written, sliced out and accumulated). The eager loop's full-tensor copies
+    per expert are gone from the layer's backward: 8 times the experts add their weights'
+    traffic and a router 8 times wider (under twice the weights'), not a copy of the whole
+    stack per expert (about 16 times)."""
+    few, many = _counted_experts(family, 8, 256), _counted_experts(family, 64, 256)
+    longer = _counted_experts(family, 8, 512)
+    assert few[2:4] == many[2:4]
+    assert longer[2:4] == (2 * few[2], 2 * few[3])
+    assert longer[:2] == few[:2]
+    assert many[1] == 8 * few[1]
+    weights = 8 * 3 * EXPERT_FFN * HIDDEN * 8  # 8 experts' up, gate and down, float64
+    assert few[1] == 6 * weights
+    assert many[4] - few[4] < 2 * (many[1] - few[1])
+
+
 def test_skew_keeps_the_routed_flops_and_records_the_assumption() -> None:
     block = moe_block("mixtral")
     x = _sample(batch=4, sequence=8)  # 32 tokens, 64 copies, mean 16 per expert

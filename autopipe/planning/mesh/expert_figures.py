@@ -20,7 +20,8 @@ From each layer's :class:`profiler.expert_counts.ExpertCounts`, at expert-parall
   ``σ = 1 + (S − 1)·(e − 1)/(E − 1)`` times the mean device's tokens (its ``E/e``
   experts: the busiest at ``S`` times the mean, the others sharing what is left evenly),
   so its routed-expert FLOPs and saved bytes are ``σ`` times the balanced ones (``σ = 1``
-  at ``e = 1``; ``σ = S`` at ``e = E``). Of the experts' memory traffic (their FLOPs'
+  at ``e = 1``; ``σ = S`` at ``e = E``). Of the experts' memory traffic (counted as a
+  grouped kernel moves it, each expert on its own rows; in older profiles their FLOPs'
   share of the layer's), their weights' bytes, read forward and read and written as
   gradients backward, are the device's ``1/e`` whatever its tokens: without expert
   parallelism every device reads every expert for a few tokens each, which is what
@@ -65,8 +66,10 @@ Array = NDArray[np.float64]
 # The counts whose routed-expert part the straggler scales, with the FLOPs they go by.
 _FLOPS = ("flops", "backward_flops", "backward_input_flops")
 _TRAFFIC = {"traffic": "flops", "backward_traffic": "backward_flops"}
-# Times each pass moves the experts' weight bytes: read forward; read for the input's
-# gradient and written as their own gradient backward.
+# The experts' traffic that does not follow the tokens, as counted; in older profiles,
+# their weight bytes moved so many times: read forward; read for the input's gradient and
+# written as their own gradient backward.
+_WEIGHT_TRAFFIC = {"traffic": "weight_traffic", "backward_traffic": "backward_weight_traffic"}
 _WEIGHT_PASSES = {"traffic": 1.0, "backward_traffic": 2.0}
 # The measured times, with the FLOPs whose expert share they scale by.
 _TIMES = {
@@ -85,8 +88,9 @@ class ExpertTable:
         blocks: mixture-of-experts blocks per layer.
         top_k: experts each token goes to, per layer.
         param_bytes: the routed experts' parameter bytes, per layer.
-        counts: ``flops``, ``backward_flops``, ``backward_input_flops``, ``saved`` and
-            ``dispatch_bytes`` of the routed experts, layers × batch sizes.
+        counts: ``flops``, ``backward_flops``, ``backward_input_flops``, ``saved``,
+            ``dispatch_bytes``, ``traffic`` and ``backward_traffic`` (NaN where the
+            profile did not count them) of the routed experts, layers × batch sizes.
         skew: the busiest expert's tokens over the mean, per layer (1: balanced).
         groups: groups the router chooses among, per layer (1: no group limit).
         top_groups: groups a token's experts come from, per layer.
@@ -116,14 +120,24 @@ class ExpertTable:
             return np.array([float(getattr(x, what)) if x else default for x in found])
 
         names = (*_FLOPS, "saved", "dispatch_bytes")
+        unknown = [math.nan] * len(profile.batch_sizes)
+
+        def traffic(what: str) -> Array:
+            # NaN where the profile predates the experts' own traffic.
+            rows = [(getattr(x, what) if x else zeros) or unknown for x in found]
+            return np.array(rows, dtype=float)
+
         return cls(
             experts=scalar("experts").astype(np.int64),
             blocks=scalar("blocks").astype(np.int64),
             top_k=scalar("top_k").astype(np.int64),
             param_bytes=scalar("param_bytes"),
             counts={
-                what: np.array([getattr(x, what) if x else zeros for x in found], dtype=float)
-                for what in names
+                **{
+                    what: np.array([getattr(x, what) if x else zeros for x in found], dtype=float)
+                    for what in names
+                },
+                **{what: traffic(what) for what in (*_TRAFFIC, *_WEIGHT_TRAFFIC.values())},
             },
             skew=scalar("skew", 1.0),
             groups=scalar("groups", 1.0).astype(np.int64),
@@ -184,7 +198,8 @@ def expert_view(
     the sharded part (``min(sharded, total − X)``): divided as replicated figures are
     (by ``c``, and by ``t`` under sequence parallelism), it is the straggler's share. The
     experts' saved bytes join ``replicated_saved`` (divided by ``t`` under sequence
-    parallelism); their traffic is taken in proportion to their FLOPs, and of it their
+    parallelism); their traffic is their own (or, in older profiles, their FLOPs' share
+    of the layer's), and of it their
     weights' bytes (``P_x`` forward, ``2·P_x`` backward, at most all of it) are the
     device's ``1/e`` while the rest is the straggler's share; measured times scale with
     the FLOPs they carry. Parameters: ``P − P_x + P_x / e``.
@@ -197,11 +212,15 @@ def expert_view(
         shards[what] = np.minimum(shards[what], rest)
         counts[what] = counts[what] + x[what] * (sigma - 1.0)
     for what, by in _TRAFFIC.items():
-        part = counts[what] * _share(x[by], table.counts[by])
+        # Their own traffic where counted, else their FLOPs' share of the layer's.
+        shared = counts[what] * _share(x[by], table.counts[by])
+        part = np.where(np.isnan(x[what]), shared, np.minimum(np.nan_to_num(x[what]), counts[what]))
         shards[what] = np.minimum(shards[what], np.maximum(counts[what] - part, 0.0))
         # Of it, the experts' weights (read forward; read and their gradients written
         # backward) are the device's 1/e whatever the tokens; the rest follows the tokens.
-        weights = np.minimum(_WEIGHT_PASSES[what] * experts.param_bytes[:, None], part)
+        counted = x[_WEIGHT_TRAFFIC[what]]
+        passes = _WEIGHT_PASSES[what] * experts.param_bytes[:, None]
+        weights = np.minimum(np.where(np.isnan(counted), passes, np.nan_to_num(counted)), part)
         tokens = part - weights
         counts[what] = counts[what] + tokens * (sigma - 1.0) - weights * (1.0 - 1.0 / mesh.expert)
     for what, by in _TIMES.items():

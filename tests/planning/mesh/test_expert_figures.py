@@ -212,3 +212,16 @@ def test_node_limited_routing_crosses_to_each_other_node_once() -> None:
     assert _node_limited(2, groups=1, top_groups=1) == flat
     assert _node_limited(2, groups=8, top_groups=8) == flat
     assert _node_limited(4, groups=2, top_groups=1) == flat
+
+
+def test_the_experts_counted_traffic_replaces_their_flops_share() -> None:
+    """Counted: 10 B of the layer's 32 forward, 8 of them the weights (a device's 1/4 at
+    e = 4): 32 − 10 + 2 + 8/4 = 26 B at 4 B/s; backward 64 − 20 + 4 + 16/4 = 52 B."""
+    profile = _estimated(2048)
+    experts = profile.layers[0].experts
+    assert experts is not None
+    experts.traffic, experts.weight_traffic = [10.0, 20.0], [8.0, 8.0]
+    experts.backward_traffic, experts.backward_weight_traffic = [20.0, 40.0], [16.0, 16.0]
+    costs = _lines(profile, Mesh(expert=4), 4).at(1)
+    assert costs.forward.tolist() == [26 / 4 + 4.0]
+    assert costs.backward.tolist() == [52 / 4 + 4.0]
