@@ -150,6 +150,34 @@ def plan_model(model: CostModel, profile: Profile, settings: PipelineSettings) -
         balance = _peer_balance(model, profile, strategy)
     result = describe(model, balance, profile, strategy, settings.optimizer, batch=settings.batch)
     _check_fits(model, result, strategy)
+    if strategy == "optimal" and model.checkpoint == "auto" and model.virtual_stages > 1:
+        return _kept_whole(model, profile, settings, result)
+    return result
+
+
+def _kept_whole(
+    model: CostModel, profile: Profile, settings: PipelineSettings, chosen: Plan
+) -> Plan:
+    """``auto``'s plan, or ``never``'s where that fits and is faster.
+
+    With several stages per rank each stage chooses what to re-compute within its share
+    of the device, blind to what its rank's other stages leave free: stages holding very
+    different numbers of micro-batches (a V's 8 and 1) may re-compute where keeping
+    everything fits the rank. So ``never`` is planned too, and ``auto`` is never slower.
+    """
+    options = (model.chunks, "never", model.schedule, model.optimizer, model.options)
+    kept = CostModel(model.layers, model.devices, *options)
+    try:
+        balance = interleaved_balance(kept)
+        result = describe(
+            kept, balance, profile, "optimal", settings.optimizer, batch=settings.batch
+        )
+        _check_fits(kept, result, "optimal")
+    except PlanningError:
+        return chosen
+    if not result.step_time < chosen.step_time:
+        return chosen
+    result.checkpoint = "auto"  # the stages' own modes say never
     return result
 
 
