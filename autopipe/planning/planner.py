@@ -33,6 +33,7 @@ from autopipe.planning.pipeline_settings import (
     with_overrides,
 )
 from autopipe.planning.schedules.interleaving import rank_stages
+from autopipe.planning.schedules.simulation import hidden_alltoalls
 from autopipe.planning.split.balance import baseline_balance
 from autopipe.planning.split.exact import check_cuts, gpipe_step_time, memory_split, optimal_split
 from autopipe.planning.split.interleaved_balance import interleaved_split, pipeline_time
@@ -149,6 +150,34 @@ def plan_model(model: CostModel, profile: Profile, settings: PipelineSettings) -
         balance = _peer_balance(model, profile, strategy)
     result = describe(model, balance, profile, strategy, settings.optimizer, batch=settings.batch)
     _check_fits(model, result, strategy)
+    if strategy == "optimal" and model.checkpoint == "auto" and model.virtual_stages > 1:
+        return _kept_whole(model, profile, settings, result)
+    return result
+
+
+def _kept_whole(
+    model: CostModel, profile: Profile, settings: PipelineSettings, chosen: Plan
+) -> Plan:
+    """``auto``'s plan, or ``never``'s where that fits and is faster.
+
+    With several stages per rank each stage chooses what to re-compute within its share
+    of the device, blind to what its rank's other stages leave free: stages holding very
+    different numbers of micro-batches (a V's 8 and 1) may re-compute where keeping
+    everything fits the rank. So ``never`` is planned too, and ``auto`` is never slower.
+    """
+    options = (model.chunks, "never", model.schedule, model.optimizer, model.options)
+    kept = CostModel(model.layers, model.devices, *options)
+    try:
+        balance = interleaved_balance(kept)
+        result = describe(
+            kept, balance, profile, "optimal", settings.optimizer, batch=settings.batch
+        )
+        _check_fits(kept, result, "optimal")
+    except PlanningError:
+        return chosen
+    if not result.step_time < chosen.step_time:
+        return chosen
+    result.checkpoint = "auto"  # the stages' own modes say never
     return result
 
 
@@ -333,6 +362,8 @@ def describe(
                 update=float(model.update_time(s, e)),
                 forward=float(parts.forward),
                 weight=float(parts.backward * parts.weight),
+                alltoall_forward=float(parts.comm_forward),
+                alltoall_backward=float(parts.comm_backward),
                 tied=float(sum(t.bytes for t, h in zip(model.tied, held, strict=True) if h)),
             )
         )
@@ -361,7 +392,7 @@ def describe(
     # Idle share of the devices over the pipeline; (K−1)/(M+K−1) for K devices when
     # stages are balanced, 0 for stages that all take turns on one.
     bubble = 1.0 - m * float(times.sum()) / (ranks * pipeline) if pipeline > 0 else 0.0
-    return Plan(
+    plan = Plan(
         balance=list(balance),
         stages=stages,
         chunks=m,
@@ -389,6 +420,10 @@ def describe(
         mesh=model.options.mesh,
         device_memory=_device_memory(model, balance, stages),
     )
+    if model.overlapped and pipeline > 0:  # the pairs' hidden all-to-alls keep no rank busy
+        busy = m * float(times.sum()) - sum(hidden_alltoalls(plan))
+        plan.bubble = 1.0 - busy / (ranks * pipeline)
+    return plan
 
 
 def _device_memory(model: CostModel, balance: list[int], stages: list[StagePlan]) -> list[float]:

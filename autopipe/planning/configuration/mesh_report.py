@@ -16,6 +16,8 @@ import numpy as np
 from autopipe.planning.configuration.search_space import Config, Space
 from autopipe.planning.mesh.degree_figures import MeshLines
 from autopipe.planning.model.plans import Plan
+from autopipe.planning.schedules.interleaving import rank_stages, stage_rank
+from autopipe.planning.schedules.simulation import hidden_alltoalls
 from profiler import segments
 
 __all__: list[str] = []
@@ -37,18 +39,20 @@ def model_flops(space: Space, config: Config, batch: int) -> float:
 
 
 def mesh_parts(space: Space, config: Config, plan: Plan) -> dict[str, float]:
-    """Seconds per step the busiest rank spends in each kind of exposed communication."""
+    """Seconds per step the busiest rank spends in each kind of exposed communication
+    (its all-to-alls less what dualpipev's overlapped pairs hide)."""
     lines = space.lines_of(config)
     if not isinstance(lines, MeshLines):
         return {}
     k = plan.num_stages // plan.virtual_stages
-    rank = plan.bottleneck_stage % k
+    v = max(plan.virtual_stages, 1)
+    rank = stage_rank(plan.bottleneck_stage, k, plan.schedule)  # the V placement's too
     m, size = plan.chunks, config.mean_batch
     exposure = lines.at(config.micro_batch, time_batch=size).exposure
     out = {}
     for kind, prefix in _KINDS.items():
         total = 0.0
-        for stage in plan.stages[rank::k]:
+        for stage in (plan.stages[j] for j in rank_stages(rank, k, v, plan.schedule)):
             if kind == "zero":  # by where the stage starts and ends
                 if exposure is None:
                     continue
@@ -61,8 +65,11 @@ def mesh_parts(space: Space, config: Config, plan: Plan) -> dict[str, float]:
                 backward = float(lines.part(f"{prefix}_backward", size)[span].sum())
             forward_share = stage.recompute / stage.forward if stage.forward > 0 else 0.0
             total += forward * (1 + forward_share) + backward
+        total *= m
+        if kind == "expert":  # less what dualpipev's overlapped pairs hide
+            total -= hidden_alltoalls(plan)[rank]
         if total > 0:
-            out[kind] = m * total
+            out[kind] = total
     return out
 
 

@@ -114,10 +114,12 @@ class MeshLines:
         bwd_input = costs.backward_input
         if bwd_input is not None:  # the input's gradients carry the collectives
             bwd_input = bwd_input + p["tp_backward"] + p["cp_backward"]
-        if "ep_forward" in p:  # the all-to-alls, not overlapped with compute
+        alltoall: tuple[Array | None, Array | None] = (None, None)
+        if "ep_forward" in p:  # the all-to-alls, charged whole (DualPipeV's pairs hide some)
             forward, backward = forward + p["ep_forward"], backward + p["ep_backward"]
             if bwd_input is not None:
                 bwd_input = bwd_input + p["ep_backward"]
+            alltoall = (p["ep_forward"], p["ep_backward"])
         if bwd_input is not None:
             bwd_input = np.minimum(bwd_input, backward)
         return dataclasses.replace(
@@ -127,6 +129,8 @@ class MeshLines:
             backward_input=bwd_input,
             peak=costs.peak + self.gathered,
             exposure=exposure,
+            alltoall_forward=alltoall[0],
+            alltoall_backward=alltoall[1],
         )
 
 

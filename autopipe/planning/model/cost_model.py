@@ -165,7 +165,9 @@ class StageParts(NamedTuple):
     one micro-batch keeps, per :mod:`~autopipe.planning.schedules.split_holding`'s counts
     (last axis): its reduced set until its input-gradient pass, its full set from then
     until its weights', and the reduced set again while that pass re-builds the full set
-    (0 where nothing is re-computed).
+    (0 where nothing is re-computed). ``comm_forward`` and ``comm_backward`` are, of
+    ``forward`` and ``backward``, the routed experts' all-to-alls that ``dualpipev``'s
+    overlapped pairs hide in part (0 under other schedules, which charge them whole).
     """
 
     forward: Array
@@ -175,6 +177,8 @@ class StageParts(NamedTuple):
     memory: Array
     weight: Array
     held: Array
+    comm_forward: Array | float = 0.0
+    comm_backward: Array | float = 0.0
 
 
 @dataclass(frozen=True)
@@ -402,6 +406,12 @@ class CostModel:
         self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
         # ``auto``: the cheapest units to re-compute in a stage keeping all would overflow.
         self.units = UnitRecompute.of(layers)
+        # Under dualpipev the all-to-alls are kept apart too: its overlapped pairs hide them.
+        self.overlapped = schedule == "dualpipev" and layers.alltoall_forward is not None
+        self._comm = [
+            prefix_sums(figure if figure is not None and self.overlapped else np.zeros(n))
+            for figure in (layers.alltoall_forward, layers.alltoall_backward)
+        ]
 
     @property
     def num_stages(self) -> int:
@@ -645,7 +655,27 @@ class CostModel:
         recomputed = np.array([mode != "never" for mode in (*self.modes, UNITS_MODE)])[choice]
         again = np.where(recomputed, reduced, 0.0)
         held = np.stack(np.broadcast_arrays(reduced, full, again), axis=-1)
-        return StageParts(fwd * scale + even, backward, transfer, codes, memory, share, held)
+        forward = fwd * scale + even
+        comm_fwd, comm_bwd = self.alltoall_time(k, s, e)
+        return StageParts(
+            forward,
+            backward,
+            transfer,
+            codes,
+            memory,
+            share,
+            held,
+            np.minimum(comm_fwd, forward),
+            np.minimum(comm_bwd, backward),
+        )
+
+    def alltoall_time(self, k: int, s: Index, e: Index) -> tuple[Array, Array]:
+        """Seconds of stage ``k``'s all-to-alls per forward and per backward with layers
+        ``[s, e)`` that ``dualpipev``'s overlapped pairs may hide (parts of its times);
+        zeros under other schedules and without expert parallelism."""
+        speed = self.devices[k].speed
+        forward, backward = (np.asarray(c[e] - c[s]) / speed for c in self._comm)
+        return forward, backward
 
     def weight_share(self, s: Index, e: Index) -> Array:
         """Share of layers ``[s, e)``'s backward that computes their weights' gradients."""

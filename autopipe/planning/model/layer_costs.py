@@ -200,6 +200,10 @@ class LayerCosts:
     # Of ``params``, the routed experts' bytes on the device, whose state shards over the
     # expert-data-parallel group (None: no routed experts; see autopipe.planning.mesh).
     experts: Array | None = None
+    # Of ``forward`` and ``backward`` (and ``backward_input``), the routed experts'
+    # all-to-alls, which DualPipeV's overlapped pairs hide in part (None: none).
+    alltoall_forward: Array | None = None
+    alltoall_backward: Array | None = None
 
     def __post_init__(self) -> None:
         if self.shared is None:  # frozen: set once, at construction

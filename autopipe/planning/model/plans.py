@@ -63,6 +63,10 @@ class StagePlan:
         recompute_units: with checkpoint ``units``, the layers (indices in the model,
             within ``[start, stop)``, ascending) the stage runs under activation
             checkpointing, each on every micro-batch; else empty.
+        alltoall_forward: under ``dualpipev``, of ``forward``, the seconds of the routed
+            experts' all-to-alls, which its overlapped pairs hide in part
+            (:mod:`autopipe.planning.schedules.schedule_replay`); else 0.
+        alltoall_backward: the same of the backward.
     """
 
     index: int
@@ -87,6 +91,8 @@ class StagePlan:
     tied: float = 0.0
     update: float = 0.0
     recompute_units: list[int] = field(default_factory=list)
+    alltoall_forward: float = 0.0
+    alltoall_backward: float = 0.0
 
     @property
     def size(self) -> int:
@@ -277,6 +283,9 @@ class Plan:
             del data["tied"], data["tied_time"]
             for stage in data["stages"]:
                 del stage["tied"]
+        for stage in data["stages"]:  # plans without dualpipev's overlap read as before
+            if not (stage["alltoall_forward"] or stage["alltoall_backward"]):
+                del stage["alltoall_forward"], stage["alltoall_backward"]
         if not self.shared:  # plans for devices of their own read as before
             del data["shared"]
         if not self.step_extra:
@@ -356,6 +365,7 @@ _PLAN_AMOUNTS = (
 _STAGE_AMOUNTS = (
     "compute", "transfer", "time", "memory", "param_memory", "activation_memory",
     "recompute", "overhead", "allreduce", "forward", "weight", "tied",
+    "alltoall_forward", "alltoall_backward",
 )  # fmt: skip
 
 

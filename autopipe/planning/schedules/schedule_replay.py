@@ -13,18 +13,31 @@ events.
 Per micro-batch stage ``s`` takes ``forward[s]`` (then ``transfer[s]`` sending its output,
 the device busy, as the cost model charges the send to the stage) and ``backward[s]``,
 after a re-computation of the forward when the micro-batch is checkpointed on that stage.
+
+**DualPipeV's overlapped pairs.** Where ``dualpipev`` pairs a forward with a whole backward
+of another micro-batch (:func:`~autopipe.planning.schedules.v_schedules.v_pairs`), each
+half's all-to-alls run behind the other half's compute: with ``c`` the pair's compute
+and ``a`` its all-to-alls (both halves' ``comm_forward`` / ``comm_backward``, parts of
+``forward`` and ``backward``), the pair takes ``max(c, a)`` instead of ``c + a``. Its
+halves still run in turn (each input awaited as before); each sheds the same share
+``h = min(1, c / a)`` of its own all-to-alls, so each keeps at least its compute and the
+two add up to ``max(c, a)``. Assumed: the overlap is perfect, the communication taking no
+compute from the pair (DeepSeek gives it some of the GPU's SMs; that is not modelled),
+and a half that waits for its input still hides what it would have. Sends between
+stages, re-computation and every unpaired operation keep their full charge.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
-from autopipe.planning.schedules.interleaving import rank_order, spared
+from autopipe.planning.schedules.interleaving import V_PLACED, rank_order, spared
+from autopipe.planning.schedules.v_schedules import v_pairs
 
 __all__: list[str] = []
 
@@ -47,12 +60,15 @@ class Operation:
             bubble: ``"I"`` the input's gradient (sent on), ``"W"`` the weights'.
         stage: the stage.
         micro_batch: the micro-batch, from 0.
+        partner: under ``dualpipev``, the stage of the other half of the overlapped pair
+            the operation is in; -1: not in one.
     """
 
     rank: int
     kind: str
     stage: int
     micro_batch: int
+    partner: int = -1
 
     @property
     def forward(self) -> bool:
@@ -82,6 +98,7 @@ def replay_order(ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[
     """
     last = ranks * virtual - 1
     orders = [rank_order(r, ranks, virtual, chunks, schedule) for r in range(ranks)]
+    partners = [_partners(r, ranks, chunks, schedule, orders[r]) for r in range(ranks)]
     # Done: ("F", s, i) forwards (sent), ("G", s, i) input gradients (B or I).
     done: set[tuple[str, int, int]] = set()
     position = [0] * ranks
@@ -102,13 +119,89 @@ def replay_order(ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[
                 if needs is not None and needs not in done:
                     break  # waits on another device; come back on the next sweep
                 done.add(("F" if op == "F" else ("G" if op in "BI" else "W"), stage, i))
-                out.append(Operation(r, op, stage, i))
+                out.append(Operation(r, op, stage, i, partners[r].get(position[r], -1)))
                 position[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError(f"the {schedule} schedule deadlocks for K={ranks}, v={virtual}")
     return tuple(out)
+
+
+def _partners(
+    rank: int, ranks: int, chunks: int, schedule: str, order: list[tuple[str, int, int]]
+) -> dict[int, int]:
+    """By position in ``rank``'s order, the stage of the other half of its overlapped pair."""
+    if schedule not in V_PLACED:
+        return {}
+    out = {}
+    for p in v_pairs(rank, ranks, chunks, schedule):
+        out[p], out[p + 1] = order[p + 1][1], order[p][1]
+    return out
+
+
+def _hidden_shares(
+    order: tuple[Operation, ...],
+    forward: NDArray[np.float64],
+    backward: NDArray[np.float64],
+    comm: tuple[NDArray[np.float64], NDArray[np.float64]],
+) -> dict[tuple[int, int], NDArray[np.float64]]:
+    """Per overlapped pair ``(forward's stage, backward's stage)``, the share ``h`` of its
+    all-to-alls that its compute hides (per row): ``min(1, c / a)``, 0 without any."""
+    out = {}
+    comm_f, comm_b = comm
+    for op in order:
+        if op.partner < 0 or op.kind != "F" or (op.stage, op.partner) in out:
+            continue
+        f, b = op.stage, op.partner
+        out[f, b] = hidden_share(forward[:, f], comm_f[:, f], backward[:, b], comm_b[:, b])
+    return out
+
+
+def hidden_share(forward: Any, comm_forward: Any, backward: Any, comm_backward: Any) -> Any:
+    """The share of an overlapped pair's all-to-alls its compute hides: ``min(1, c / a)``
+    for the pair's compute ``c`` (both halves' times less their all-to-alls) and its
+    all-to-alls ``a``; 0 without any (element-wise)."""
+    compute = np.asarray(forward) - comm_forward + backward - comm_backward
+    talk = np.asarray(comm_forward + comm_backward, dtype=float)
+    safe = np.where(talk > 0, talk, 1.0)
+    return np.where(talk > 0, np.clip(compute / safe, 0.0, 1.0), 0.0)
+
+
+def hidden_seconds(
+    forward: NDArray[np.float64],
+    backward: NDArray[np.float64],
+    comm_forward: NDArray[np.float64],
+    comm_backward: NDArray[np.float64],
+    ranks: int,
+    chunks: int,
+    schedule: str,
+) -> NDArray[np.float64]:
+    """Seconds of all-to-alls each rank's overlapped pairs hide in one step: (splits,
+    ranks), zeros but under ``dualpipev`` (arguments as :func:`makespans`'s).
+
+    Raises:
+        ValueError: as :func:`makespans`.
+    """
+    forward = np.atleast_2d(np.asarray(forward, dtype=float))
+    stages = forward.shape[1]
+    if ranks < 1 or not stages or stages % ranks:
+        raise ValueError(f"{stages} stages do not divide among {ranks} ranks")
+    out = np.zeros((len(forward), ranks))
+    if schedule not in V_PLACED:
+        return out
+    order = replay_order(ranks, stages // ranks, chunks, schedule)
+    backward, comm_f, comm_b = (
+        np.atleast_2d(np.asarray(a, dtype=float)) for a in (backward, comm_forward, comm_backward)
+    )
+    shares = _hidden_shares(order, forward, backward, (comm_f, comm_b))
+    for op in order:
+        if op.partner < 0:
+            continue
+        pair = (op.stage, op.partner) if op.kind == "F" else (op.partner, op.stage)
+        comm = comm_f if op.kind == "F" else comm_b
+        out[:, op.rank] += shares[pair] * comm[:, op.stage]
+    return out
 
 
 def makespans(
@@ -120,6 +213,7 @@ def makespans(
     chunks: int,
     schedule: str,
     weight: NDArray[np.float64] | None = None,
+    comm: tuple[NDArray[np.float64], NDArray[np.float64]] | None = None,
 ) -> NDArray[np.float64]:
     """Seconds of one step for every row (split) of per-stage times.
 
@@ -133,6 +227,9 @@ def makespans(
         schedule: ``gpipe``, ``1f1b`` or ``zb``.
         weight: (splits, K·v) share of each backward that computes the weights'
             gradients, which ``zb`` defers (its ``W``); default none.
+        comm: ``(comm_forward, comm_backward)``, (splits, K·v) seconds of all-to-alls in
+            ``forward`` and ``backward``, which ``dualpipev``'s overlapped pairs hide in
+            part (see the module docstring); default none, as other schedules.
 
     Raises:
         ValueError: the stages do not divide among the ranks, or as :func:`replay_order`.
@@ -146,35 +243,38 @@ def makespans(
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in (backward, transfer)]
     share = np.zeros_like(forward) if weight is None else np.atleast_2d(np.asarray(weight))
     codes = np.atleast_2d(np.asarray(recompute))
+    talk = None
+    if comm is not None and schedule in V_PLACED:
+        talk = tuple(np.atleast_2d(np.asarray(a, dtype=float)) for a in comm)
     out = np.empty(len(forward))
     block = max(1, _BLOCK_FLOATS // (stages * chunks))
     for lo in range(0, len(forward), block):
         hi = lo + block
-        out[lo:hi] = _replay(
-            order,
-            forward[lo:hi],
-            arrays[0][lo:hi],
-            arrays[1][lo:hi],
-            share[lo:hi],
-            codes[lo:hi],
-            ranks,
-            chunks,
-            first,
-        )
+        rows = _Rows(forward[lo:hi], arrays[0][lo:hi], arrays[1][lo:hi], share[lo:hi], codes[lo:hi])
+        comm_rows = None if talk is None else (talk[0][lo:hi], talk[1][lo:hi])
+        out[lo:hi] = _replay(order, rows, ranks, chunks, first, comm_rows)
     return out
+
+
+class _Rows(NamedTuple):
+    """One block of splits' per-stage times (rows: splits), as :func:`makespans` takes them."""
+
+    forward: NDArray[np.float64]
+    backward: NDArray[np.float64]
+    transfer: NDArray[np.float64]
+    weight: NDArray[np.float64]
+    codes: NDArray[np.int64]
 
 
 def _replay(
     order: tuple[Operation, ...],
-    forward: NDArray[np.float64],
-    backward: NDArray[np.float64],
-    transfer: NDArray[np.float64],
-    weight: NDArray[np.float64],
-    codes: NDArray[np.int64],
+    times: _Rows,
     ranks: int,
     chunks: int,
     first: tuple[int, ...],
+    comm: tuple[NDArray[np.float64], NDArray[np.float64]] | None,
 ) -> NDArray[np.float64]:
+    forward, backward, transfer, weight, codes = times
     rows, stages = forward.shape
     last = stages - 1
     sent = np.zeros((stages, chunks, rows))  # forward output of (stage, micro-batch) there
@@ -187,18 +287,24 @@ def _replay(
         for i in range(chunks)
         if np.any(codes[:, s] != NONE)
     }
+    shares = {} if comm is None else _hidden_shares(order, forward, backward, comm)
     for op in order:
         s, i, r = op.stage, op.micro_batch, op.rank
+        # An overlapped pair's halves each shed the share of their all-to-alls it hides.
+        hidden: NDArray[np.float64] | float = 0.0
+        if comm is not None and op.partner >= 0:
+            pair = (s, op.partner) if op.kind == "F" else (op.partner, s)
+            hidden = shares[pair] * comm[0 if op.kind == "F" else 1][:, s]
         if op.kind == "F":
             ready = sent[s - 1, i] if s > 0 else free[r]
-            end = np.maximum(free[r], ready) + forward[:, s] + transfer[:, s]
+            end = np.maximum(free[r], ready) + forward[:, s] - hidden + transfer[:, s]
             sent[s, i] = end
         elif op.kind == "W":  # after its own input gradient, on this device
             end = free[r] + backward[:, s] * weight[:, s]
         else:
             ready = sent[s, i] if s == last else grads[s + 1, i]
             part = backward[:, s] if op.kind == "B" else backward[:, s] * (1.0 - weight[:, s])
-            end = np.maximum(free[r], ready) + part
+            end = np.maximum(free[r], ready) + part - hidden
             extra = again.get((s, i))
             if extra is not None:
                 end += extra

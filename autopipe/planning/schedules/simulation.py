@@ -43,11 +43,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from autopipe.planning.schedules.interleaving import spared
 from autopipe.planning.schedules.schedule_replay import (
     ALL_BUT_ONE,
     NONE,
     RECOMPUTE_CODES,
+    Operation,
+    hidden_seconds,
+    hidden_share,
     recomputes,
     replay_order,
 )
@@ -100,6 +105,9 @@ class StageTimes:
             ``forward·(1 + recompute_fraction) + backward + transfer`` is the plan's
             stage time.
         weight: of ``backward``, the weights' gradients (zero bubble runs them apart).
+        comm_forward: of ``forward``, the all-to-alls ``dualpipev``'s overlapped pairs
+            hide in part (:mod:`autopipe.planning.schedules.schedule_replay`).
+        comm_backward: of ``backward``, the same.
     """
 
     forward: float
@@ -107,6 +115,8 @@ class StageTimes:
     transfer: float
     recompute_fraction: float
     weight: float = 0.0
+    comm_forward: float = 0.0
+    comm_backward: float = 0.0
 
     @property
     def recompute(self) -> float:
@@ -182,7 +192,8 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         rest = stage.compute - stage.forward * (1.0 + r)
         if stage.forward > 0 and rest >= 0:
             weight = min(stage.weight, rest)
-            out.append(StageTimes(stage.forward, rest, stage.transfer, r, weight))
+            comm = (min(stage.alltoall_forward, stage.forward), min(stage.alltoall_backward, rest))
+            out.append(StageTimes(stage.forward, rest, stage.transfer, r, weight, *comm))
             continue
         f, b = 1.0, _DEFAULT_BACKWARD_RATIO
         if layers is not None:
@@ -245,9 +256,10 @@ def simulate(plan: Plan) -> list[Event]:
     events: list[Event] = []
     for op in replay_order(ranks, virtual, plan.chunks, plan.schedule):
         k, i, r, t = op.stage, op.micro_batch, op.rank, times[op.stage]
+        hidden = _hidden(op, times)
         if op.forward:
             start = max(free[r], sent[(k - 1, i)] if k > 0 else 0.0)
-            end = start + t.forward
+            end = start + t.forward - hidden
             events.append(Event(k, i, "forward", start, end))
             if k < last and t.transfer > 0:
                 events.append(Event(k, i, "transfer", end, end + t.transfer))
@@ -261,12 +273,39 @@ def simulate(plan: Plan) -> list[Event]:
             if checkpointed(plan, i, k):
                 events.append(Event(k, i, "recompute", start, start + t.forward))
                 start += t.forward
-            end = start + (t.backward if op.kind == "B" else t.backward - t.weight)
+            end = start + (t.backward if op.kind == "B" else t.backward - t.weight) - hidden
             events.append(Event(k, i, "backward", start, end))
             grads[(k, i)] = end
         free[r] = end
     events.sort(key=lambda e: (e.start, e.stage, KINDS.index(e.kind)))
     return events
+
+
+def _hidden(op: Operation, times: Sequence[StageTimes]) -> float:
+    """Seconds of ``op``'s all-to-alls its overlapped pair hides (0 outside a pair)."""
+    if op.partner < 0:
+        return 0.0
+    f, b = (op.stage, op.partner) if op.forward else (op.partner, op.stage)
+    tf, tb = times[f], times[b]
+    share = float(hidden_share(tf.forward, tf.comm_forward, tb.backward, tb.comm_backward))
+    return share * (times[op.stage].comm_forward if op.forward else times[op.stage].comm_backward)
+
+
+def hidden_alltoalls(plan: Plan) -> list[float]:
+    """Seconds of all-to-alls each rank's overlapped pairs hide in one step of ``plan``:
+    all 0 but under ``dualpipev`` with expert parallelism."""
+    ranks = _ranks(plan)
+    if plan.schedule != "dualpipev":
+        return [0.0] * ranks
+    times = stage_times(plan)
+    forward, backward, comm_forward, comm_backward = (
+        np.array([[getattr(t, name) for t in times]])
+        for name in ("forward", "backward", "comm_forward", "comm_backward")
+    )
+    hidden = hidden_seconds(
+        forward, backward, comm_forward, comm_backward, ranks, plan.chunks, plan.schedule
+    )
+    return [float(x) for x in hidden[0]]
 
 
 def makespan(events: Sequence[Event]) -> float:

@@ -13,13 +13,17 @@ its no-op slots left out. Assumptions:
 - ZBV with fewer than 2K−1 micro-batches: torch plans 2K−1 and drops the missing ones; so
   does this order.
 - DualPipeV runs some backwards whole (``"B"``: input and weights at once) and pairs a
-  forward with a backward of the other stage as one overlapped action. torch's runtime
-  runs the pair's two halves one after the other on the rank (the overlap only hides their
-  communication, which the replay charges to the sending stage anyway), so the order lists
-  the forward and then the backward, back to back.
+  forward with a backward of the other stage as one overlapped action (all of its steady
+  phase but the last rank's first pair, which torch runs apart to shorten the bubble). The
+  order lists each pair's forward and then its backward, back to back, and
+  :func:`v_pairs` says where the pairs are: the replay lets each half's all-to-alls hide
+  behind the other half's compute there
+  (:mod:`autopipe.planning.schedules.schedule_replay`).
 """
 
 from __future__ import annotations
+
+import functools
 
 __all__: list[str] = []
 
@@ -84,6 +88,14 @@ def _zbv_order(rank: int, ranks: int, chunks: int) -> list[Action]:
 
 def _dualpipev_order(rank: int, ranks: int, chunks: int) -> list[Action]:
     """ScheduleDualPipeV's order for one rank, each overlapped pair as F then B."""
+    return list(_dualpipev_plan(rank, ranks, chunks)[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _dualpipev_plan(
+    rank: int, ranks: int, chunks: int
+) -> tuple[tuple[Action, ...], frozenset[int]]:
+    """ScheduleDualPipeV's order for one rank and the positions of its pairs' forwards."""
     if chunks < 2 * ranks:
         raise ValueError(
             f"dualpipev needs at least as many micro-batches as stages ({2 * ranks}), "
@@ -93,6 +105,7 @@ def _dualpipev_order(rank: int, ranks: int, chunks: int) -> list[Action]:
     count = {(op, s): 0 for op in "FI" for s in (s0, s1)}
     queue: list[tuple[int, int]] = []  # input gradients whose weights' gradients wait
     order: list[Action] = []
+    pairs: set[int] = set()
 
     def add(op: str, stage: int) -> None:
         key = ("F" if op == "F" else "I", stage)
@@ -115,15 +128,24 @@ def _dualpipev_order(rank: int, ranks: int, chunks: int) -> list[Action]:
         add("I", s1)
         weight()
         add("F", s1)
-    for _ in range(chunks - 2 * ranks + rank + 1):
-        add("F", s0)  # the overlapped pairs F0·B1 and F1·B0, halves in turn
-        add("B", s1)
-        add("F", s1)
-        add("B", s0)
+
+    def pair(forward: int, backward: int) -> None:
+        pairs.add(len(order))
+        add("F", forward)
+        add("B", backward)
+
+    for i in range(chunks - 2 * ranks + rank + 1):
+        # The overlapped pairs F0·B1 and F1·B0, halves in turn; the last rank runs its
+        # first F0 and B1 apart (torch: so as to shorten the bubble).
+        if i == 0 and rank == ranks - 1:
+            add("F", s0)
+            add("B", s1)
+        else:
+            pair(s0, s1)
+        pair(s1, s0)
     for _ in range(ranks - rank - 1):
         add("B", s1)
-        add("F", s1)
-        add("B", s0)
+        pair(s1, s0)
     steps, split = rank + 1, False
     for i in range(steps):
         if i == steps // 2 and rank % 2 == 1:
@@ -137,7 +159,7 @@ def _dualpipev_order(rank: int, ranks: int, chunks: int) -> list[Action]:
         add("I" if split else "B", s0)
     for _ in range(rank + 1):
         weight()
-    return order
+    return tuple(order), frozenset(pairs)
 
 
 def v_order(rank: int, ranks: int, chunks: int, schedule: str) -> list[Action]:
@@ -157,3 +179,16 @@ def v_order(rank: int, ranks: int, chunks: int, schedule: str) -> list[Action]:
     if schedule == "dualpipev":
         return _dualpipev_order(rank, ranks, chunks)
     raise ValueError(f"unknown V schedule {schedule!r}: choose zbv or dualpipev")
+
+
+def v_pairs(rank: int, ranks: int, chunks: int, schedule: str) -> frozenset[int]:
+    """Where in :func:`v_order` rank ``rank`` runs an overlapped pair: the positions of
+    the pairs' forwards, each followed by its backward (none under ``zbv``).
+
+    Raises:
+        ValueError: as :func:`v_order`.
+    """
+    if schedule == "dualpipev":
+        return _dualpipev_plan(rank, ranks, chunks)[1]
+    v_order(rank, ranks, chunks, schedule)  # the same refusals
+    return frozenset()

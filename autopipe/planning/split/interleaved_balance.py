@@ -46,6 +46,7 @@ def _replayed(
     saved = np.empty(shape)
     weight = np.empty(shape)
     held = np.empty((*shape, 3))
+    comm = (np.zeros(shape), np.zeros(shape))  # dualpipev's all-to-alls, which pairs hide
     for k in range(stages):
         s, e = bounds[:, k], bounds[:, k + 1]
         parts = model.stage_parts(k, s, e)
@@ -57,6 +58,7 @@ def _replayed(
         codes[:, k], memory[:, k] = parts.recompute, parts.memory
         saved[:, k] = parts.memory - model.held_state(s, e)  # as model.saved_memory
         weight[:, k], held[:, k] = parts.weight, parts.held
+        comm[0][:, k], comm[1][:, k] = parts.comm_forward, parts.comm_backward
     ranks = model.num_ranks
     if memory_limits:
         fits = fits_memory(model, memory, saved, held)
@@ -75,6 +77,7 @@ def _replayed(
             model.chunks,
             model.schedule,
             weight[fits],
+            (comm[0][fits], comm[1][fits]) if model.overlapped else None,
         )
     return times
 

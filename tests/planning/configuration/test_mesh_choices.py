@@ -28,6 +28,7 @@ from autopipe.planning.model.device_specs import DeviceSpec
 from autopipe.planning.model.layer_costs import ProfileLines
 from autopipe.planning.model.mesh import Mesh
 from autopipe.planning.model.spans import stage_memory
+from autopipe.planning.schedules.simulation import hidden_alltoalls, makespan, simulate
 from autopipe.planning.split.exact import split_value
 from profiler import Profile
 from tests.support.mesh_profiles import block_profile, moe_profile
@@ -195,3 +196,48 @@ def test_a_mesh_search_where_nothing_fits_names_the_closest(
     fix = "--zero 2,3" if max(zero) < 3 else "add memory or devices, or use a smaller batch"
     with pytest.raises(PlanningError, match=rf"the closest, .*needs at least .*{fix}"):
         search(block_profile(4, batch=BATCH), DEVICES, memory=1, optimizer="adam", options=options)
+
+
+def test_dualpipev_with_expert_parallelism_ranks_as_every_replayed_split() -> None:
+    """Under dualpipev the overlapped pairs hide part of the all-to-alls: every expert
+    degree's plan is the best replayed split of its mesh, and a search keeping one plan
+    (pruning on its bounds) finds the best of them all."""
+    from autopipe.planning.split.interleaved_balance import pipeline_time
+
+    profile, batch = moe_profile(4, batch=32), 32
+    options = SearchOptions(
+        schedules=("dualpipev",), checkpoints=("never",), top=1000, micro_batch=1,
+        links=MeshLinks.uniform(LINK), expert_parallel=(1, 2, 4),
+    )  # fmt: skip
+    plans = search(profile, DEVICES, optimizer="adam", options=options)
+    assert {p.mesh.expert for p in plans} == {1, 2, 4}
+    lines, table = ProfileLines.from_profile(profile), ShardTable.from_profile(profile)
+    for plan in plans:
+        d, k = plan.data_parallel, plan.num_stages // 2
+        mesh = Mesh(expert=plan.mesh.expert)
+        costs = mesh_lines(lines, table, mesh, GroupLinks(LINK, LINK, LINK), d).at(1)
+        devices = [DeviceSpec("d", None, 1.0, 64.0, 0.5)] * (2 * k)
+        opts = CostOptions(data_parallel=d, allreduce_bandwidth=64.0, mesh=mesh)
+        model = CostModel(costs, devices, batch // d, "never", "dualpipev", 2.0, opts)
+        best = min(
+            pipeline_time(model, b) + max(float(model.allreduce_time(s, e)) for s, e in spans(b))
+            + model.tied_time(b)
+            for b in splits(4, 2 * k)
+        )  # fmt: skip
+        assert plan.step_time == pytest.approx(best, rel=1e-12)
+        # The pairs hide some of the all-to-alls: the report counts what is left.
+        hidden = hidden_alltoalls(plan)
+        assert (sum(hidden) > 0) == (plan.mesh.expert > 1)
+        assert 0 <= plan.bubble < 1
+        # The plan's timeline replays the same pairs.
+        assert makespan(simulate(plan)) == pytest.approx(plan.pipeline_time, rel=1e-12)
+        if plan.mesh.expert > 1:
+            assert plan.mesh_parts["expert"] > 0 and plan.stages[0].alltoall_forward > 0
+    one = search(profile, DEVICES, optimizer="adam", options=replace(options, top=1))
+    assert one[0].step_time == pytest.approx(min(p.step_time for p in plans), rel=1e-12)
+
+
+def spans(balance: list[int]) -> list[tuple[int, int]]:
+    """Each stage's ``(start, stop)`` layers."""
+    ends = list(itertools.accumulate(balance))
+    return list(zip([0, *ends[:-1]], ends, strict=True))

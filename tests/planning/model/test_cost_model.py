@@ -230,7 +230,7 @@ def test_stage_parts_add_up_to_the_stage_time(checkpoint):
     m = model(devices, checkpoint=checkpoint, overhead=0.25)
     s, e = np.array([0, 0, 1, 3, 2]), np.array([1, 2, 4, 4, 2])  # the last holds no layer
     for k in range(2):
-        forward, backward, transfer, codes, memory, _, _ = m.stage_parts(k, s, e)
+        forward, backward, transfer, codes, memory = m.stage_parts(k, s, e)[:5]
         time, expected_memory, choice = m.stage_costs(k, s, e)
         assert memory == pytest.approx(expected_memory)
         modes = [m.modes[i] for i in choice]
@@ -281,3 +281,23 @@ def test_virtual_stages_choose_what_to_keep_within_their_share_of_the_device() -
         assert max(found.device_memory or []) <= cap
         checked += "units" in found.stage_checkpoints
     assert checked
+
+
+def test_only_dualpipev_keeps_the_all_to_alls_apart():
+    import dataclasses
+
+    talk = np.array([0.5, 0.25, 0.0, 1.0])
+    layers = dataclasses.replace(costs(), alltoall_forward=talk, alltoall_backward=2 * talk)
+    devices = [DeviceSpec(speed=2.0)] * 4
+    for schedule in ("zbv", "dualpipev"):
+        m = CostModel(layers, devices, 4, checkpoint="never", schedule=schedule)
+        parts = m.stage_parts(1, np.array([0, 1]), np.array([2, 4]))
+        if schedule == "zbv":  # charged whole, none kept apart
+            assert not m.overlapped and not np.any(parts.comm_forward)
+            continue
+        # Per forward (0.5 + 0.25 or 0.25 + 1) / 2, the backward twice that: parts of both.
+        assert parts.comm_forward == pytest.approx([0.375, 0.625])
+        assert parts.comm_backward == pytest.approx([0.75, 1.25])
+        assert np.all(parts.comm_forward <= parts.forward)
+    plain = CostModel(costs(), devices, 4, checkpoint="never", schedule="dualpipev")
+    assert not plain.overlapped
