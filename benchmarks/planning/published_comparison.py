@@ -11,7 +11,8 @@ efficiencies (nothing fitted), and reports:
     stage, sequence parallelism, schedule, checkpointing, split) chosen by the planner;
     predicted TFLOP/s per GPU against the published figure, both by the published runs'
     own FLOP count (:func:`~benchmarks.planning.published_runs.flops_per_token`);
-(b) the search's best mesh over TP 1-8, CP (1-2; 1-16 at 131k tokens), ZeRO 0-1, 1 to 8
+(b) the search's best mesh over TP 1-8, CP (1-2; 1-16 at 131k tokens), ZeRO 0-1 (0-3 for
+    the paper's runs, whose data parallelism is FSDP), 1 to 8
     virtual stages and every PP and DP, with its prediction;
 (c) the published mesh's rank among the meshes of the search's first 60 plans (each mesh
     by its best plan; past them, the published mesh is searched alone and its rank is
@@ -49,6 +50,7 @@ from autopipe.cli.search_command import search_inputs  # noqa: E402
 from autopipe.planning import Plan, search  # noqa: E402
 from benchmarks.planning.published_runs import (  # noqa: E402
     LLAMA3,
+    MEGATRON,
     RUNS,
     PublishedRun,
     flops_per_token,
@@ -104,12 +106,15 @@ def model_file(run: PublishedRun, folder: Path, *, fused: bool) -> Path:
 def command_line(run: PublishedRun, path: Path) -> list[str]:
     """``autopipe plan --search`` as a user states the published run."""
     contexts = "1,2,4,8,16" if run.sequence > 8192 else "1,2"
+    # Megatron's runs use its distributed optimizer (ZeRO-1); the Llama 3 paper's data
+    # parallelism is FSDP, which shards parameters and gradients as well.
+    zero = "0,1" if run.source == MEGATRON else "0,1,2,3"
     return [
         "plan", str(path), "--target", "h100", "--peak-dtype", run.dtype, "--search",
         "--devices", str(run.gpus), "--per-node", "8",
         "--global-batch", str(run.global_batch), "--micro-batch", str(run.micro_batch),
         "--sequence", str(run.sequence), "--optimizer", "adam-mixed",
-        "--tensor-parallel", "1,2,4,8", "--context-parallel", contexts, "--zero", "0,1",
+        "--tensor-parallel", "1,2,4,8", "--context-parallel", contexts, "--zero", zero,
         "--sequence-parallel", "--virtual-stages", "8", "--top", str(TOP),
     ]  # fmt: skip
 

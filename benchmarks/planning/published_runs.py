@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LLAMA3", "RUNS", "PublishedRun", "Shape", "flops_per_token"]
+__all__ = ["LLAMA3", "LLAMA3_PAPER", "MEGATRON", "RUNS", "PublishedRun", "Shape", "flops_per_token"]
 
 MEGATRON = "NVIDIA/Megatron-LM examples/llama/README.md, FP8 Performance"
 LLAMA3_PAPER = "The Llama 3 Herd of Models (2024), Table 4"
