@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from autopipe.planning.model.fp8_saved import saved_factor, shared_fp8
 from profiler import Profile, TiedState, segments
 
 __all__: list[str] = []
@@ -292,6 +293,11 @@ class ProfileLines:
         for figure in _FIGURES:
             rows = [profile.values(i, figure) for i in range(n)]
             values[figure] = np.array([r if r is not None else [0.0] * width for r in rows])
+        # Under the FP8 recipe the weight GEMMs' inputs are saved in one byte each.
+        factor = saved_factor(profile)
+        if factor is not None:
+            values["saved"] = values["saved"] * factor
+            values["shared"] = shared_fp8(profile, values["shared"])
         return cls(
             names=profile.names,
             sizes=np.array(profile.batch_sizes, dtype=float),
