@@ -19,7 +19,7 @@ __all__ = ["precision_label", "render_plan", "render_search", "shared_line"]
 
 _BAR_WIDTH = 20
 # Said of a float8 estimate whose layers counted their GEMM inputs: the plan's memory holds
-# them at one byte per element (autopipe.planning.model.fp8_saved).
+# them at one byte per element (autopipe.planning.model.layer_costs).
 _FP8_NOTE = "float8: activations of FP8 GEMMs saved in 1 byte"
 # Step times closer than this (relative) tie: the cost model is not that exact.
 _TIE_TOLERANCE = 0.005

@@ -53,8 +53,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.planning.mesh.mesh_links import GroupLink
-from autopipe.planning.model.fp8_saved import saved_factor
-from autopipe.planning.model.layer_costs import ProfileLines
+from autopipe.planning.model.layer_costs import ProfileLines, saved_factor
 from autopipe.planning.model.mesh import Mesh
 from profiler import Profile
 

@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.planning.mesh.expert_figures import ExpertTable
-from autopipe.planning.model.fp8_saved import saved_factor
+from autopipe.planning.model.layer_costs import saved_factor
 from autopipe.planning.model.mesh import Mesh
 from profiler import Profile
 

@@ -1,4 +1,4 @@
-"""Saved bytes under float8 estimates (autopipe.planning.model.fp8_saved)."""
+"""Saved bytes under float8 estimates (autopipe.planning.model.layer_costs)."""
 
 from __future__ import annotations
 
