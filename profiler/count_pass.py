@@ -151,6 +151,7 @@ def counted_profiles(
                 backward=list(zeros),
                 backward_input=list(zeros),
                 saved=[c.saved for c in found.counts],
+                gemm_saved=[c.gemm_saved for c in found.counts],
                 output=[c.output for c in found.counts],
                 param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
                 buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers()),

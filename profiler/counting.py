@@ -53,6 +53,7 @@ class LayerCounts:
     input_saved: int  # of ``saved``: the input's storages
     output_saved: int  # of ``saved``: the output's storages
     output: int  # bytes of the output, what crosses a cut after the layer
+    gemm_saved: int = 0  # of ``saved``: the activation inputs of weight GEMMs
     shards: ShardFigures | None = None  # counted with a tensor-parallel plan
     experts: ExpertFigures | None = None  # of a layer with routed experts
 
@@ -368,7 +369,7 @@ def _count(
     ):
         exclude = state_storages(layer)
         runs = Pass(layer, fakes, device, label, None, autocast)
-        saved, fresh, of_output = runs.saved(exclude)
+        saved, fresh, of_output, of_gemms = runs.saved(exclude)
         forward_flops, backward_flops = _counter(), _counter()
         forward_bytes, backward_bytes = Traffic(), Traffic()
         flow = None if styles is None else ShardFlow(layer, styles, moved_bytes)
@@ -420,6 +421,7 @@ def _count(
         input_saved=saved - fresh,
         output_saved=of_output,
         output=output_bytes,
+        gemm_saved=of_gemms,
         shards=None if flow is None else flow.finish(input_flow),
     )
     return counts, metas, returns_tuple, routed

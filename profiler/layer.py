@@ -10,13 +10,15 @@ from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from profiler.devices import synchronize
+from profiler.gemm_inputs import GemmInputs, gemm_only
 from profiler.precision import autocast_pass
+from profiler.storages import storage_key
 
 __all__ = ["state_storages", "storage_bytes", "storage_key"]
 
@@ -33,6 +35,24 @@ class LayerFigures:
     output_saved: int = 0  # of ``saved``: the output's storages
     backward_input: float = 0.0  # of ``backward``: the input's gradient alone
     spread: float = 0.0  # of the forward and backward's runs: interquartile range / median
+    gemm_saved: int = 0  # of ``saved``: the activation inputs of weight GEMMs
+
+
+class SavedBytes(NamedTuple):
+    """What one forward saves for backward, de-duplicated by storage.
+
+    Attributes:
+        total: every saved byte but the layer's state.
+        fresh: of ``total``, the newly allocated bytes (not the input's).
+        of_output: of ``total``, the output's bytes.
+        gemm: of ``total``, the activation operands of weight GEMMs that no other
+            operation saves (:mod:`profiler.gemm_inputs`), each storage once.
+    """
+
+    total: int
+    fresh: int
+    of_output: int
+    gemm: int
 
 
 def as_tensors(value: Any, what: str) -> tuple[Tensor, ...]:
@@ -61,20 +81,6 @@ class OneValue(nn.Module):
         return self.layer(inputs)
 
 
-def storage_key(tensor: Tensor) -> tuple[int, int]:
-    """(identity, bytes) of the memory block behind a tensor.
-
-    The identity is the storage object's own, not its data pointer: every storage on the
-    meta device has data pointer 0, and shapes-only counting must still tell them apart.
-    """
-    try:
-        storage = tensor.untyped_storage()
-        return storage._cdata, storage.nbytes()
-    except (RuntimeError, NotImplementedError):
-        # Tensors without a plain storage (sparse, some subclasses): count them as they are.
-        return id(tensor), tensor.numel() * tensor.element_size()
-
-
 def storage_bytes(tensors: list[Tensor], exclude: AbstractSet[int] = frozenset()) -> int:
     """Bytes of the distinct storages behind ``tensors``, skipping those in ``exclude``."""
     seen: dict[int, int] = {}
@@ -97,6 +103,11 @@ def tensor_bytes(tensors: tuple[Tensor, ...]) -> int:
 def state_storages(layer: nn.Module) -> set[int]:
     """Identities of the storages of a layer's parameters and buffers."""
     return {storage_key(t)[0] for t in (*layer.parameters(), *layer.buffers())}
+
+
+def param_storages(layer: nn.Module) -> set[int]:
+    """Identities of the storages of a layer's parameters."""
+    return {storage_key(t)[0] for t in layer.parameters()}
 
 
 def _leaf(tensor: Tensor) -> Tensor:
@@ -268,13 +279,8 @@ class Pass:
         synchronize(self.device)
         return time.perf_counter() - start
 
-    def saved(self, exclude: AbstractSet[int]) -> tuple[int, int, int]:
-        """Bytes autograd saves for backward during one forward (then runs the backward).
-
-        Returns:
-            All saved bytes, those of them newly allocated (not the input's), and those of
-            them that are the output's.
-        """
+    def saved(self, exclude: AbstractSet[int]) -> SavedBytes:
+        """Bytes autograd saves for backward during one forward (then runs the backward)."""
         packed: list[Tensor] = []
         args = self.arguments()
 
@@ -282,16 +288,21 @@ class Pass:
             packed.append(tensor)
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        gemms = GemmInputs(param_storages(self.layer))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), gemms:
             targets = self.forward(args)
         nbytes = storage_bytes(packed, exclude)
         fresh = storage_bytes(packed, {*exclude, *(storage_key(a)[0] for a in args)})
         outputs = {storage_key(t)[0] for t in targets}
         others = {storage_key(t)[0] for t in packed} - outputs
         of_output = storage_bytes(packed, {*exclude, *others})
+        only = gemm_only(targets, gemms)
+        inputs = [t for t in packed if storage_key(t)[0] in only]
+        of_gemms = storage_bytes(inputs, exclude)
         packed.clear()
+        del inputs
         self.backward(targets)
-        return nbytes, fresh, of_output
+        return SavedBytes(nbytes, fresh, of_output, of_gemms)
 
     def peak(self, fresh: int) -> int:
         """CUDA memory above the baseline and the saved tensors during forward + backward.
@@ -343,7 +354,7 @@ def measure_layer(
     runs = Pass(layer, inputs, device, label, flush, autocast)
     # The first pass counts saved tensors and allocates parameter gradients, so the
     # later passes (and the peak) see gradients as existing state, not as transients.
-    saved, fresh, of_output = runs.saved(exclude)
+    saved, fresh, of_output, of_gemms = runs.saved(exclude)
     for _ in range(warmup):
         runs.run()
     times = [runs.timed() for _ in range(repeats)]
@@ -359,6 +370,7 @@ def measure_layer(
         input_saved=saved - fresh,
         output_saved=of_output,
         backward_input=statistics.median(inputs_only),
+        gemm_saved=of_gemms,
     )
 
 

@@ -142,6 +142,7 @@ def _measure_one(
         backward=[f.backward for f in figures],
         backward_input=[min(f.backward_input, f.backward) for f in figures],
         saved=[f.saved for f in figures],
+        gemm_saved=[f.gemm_saved for f in figures],
         output=[tensor_bytes(out) for out in outputs],
         param_bytes=params,
         buffer_bytes=buffers,

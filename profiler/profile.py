@@ -66,6 +66,9 @@ class LayerProfile:
         experts: what expert parallelism divides of the layer's routed experts and what it
             sends (:class:`profiler.expert_counts.ExpertCounts`); ``None``: no routed
             experts.
+        gemm_saved: of ``saved``, the bytes that are the activation operand of a GEMM with
+            a weight (:mod:`profiler.gemm_inputs`), each storage once: what an FP8 recipe
+            saves in one byte per element. ``None`` (older profiles): unknown.
     """
 
     name: str
@@ -88,6 +91,7 @@ class LayerProfile:
     backward_operations: list[float] | None = None
     shards: ShardCounts | None = None
     experts: ExpertCounts | None = None
+    gemm_saved: list[int] | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -98,7 +102,7 @@ class LayerProfile:
 _TIMES = "times must be finite numbers of seconds >= 0"
 _BYTES = "byte counts must be finite numbers >= 0"
 _LAYER_TIMES = ("forward", "backward", "backward_input")
-_LAYER_BYTES = ("saved", "output", "peak", "shared")
+_LAYER_BYTES = ("saved", "output", "peak", "shared", "gemm_saved")
 _LAYER_COUNTS = (
     "flops",
     "backward_flops",
@@ -169,6 +173,13 @@ def _check_layer(layer: LayerProfile, where: str, n: int) -> None:
                 _check_figures(values, f"{where}.{what}", n, rule)
     for what in ("param_bytes", "buffer_bytes"):
         _check_amount(getattr(layer, what), f"{where}.{what}", _BYTES)
+    if layer.gemm_saved is not None:
+        for j, (part, whole) in enumerate(zip(layer.gemm_saved, layer.saved, strict=True)):
+            if part > whole:
+                raise ValueError(
+                    f"{where}.gemm_saved[{j}] is {part!r}, more than the {whole!r} bytes the "
+                    "layer saves; it is a part of them"
+                )
     if layer.shards is not None:
         if not isinstance(layer.shards, ShardCounts):
             raise ValueError(f"{where}.shards must be a ShardCounts, got {layer.shards!r}")
@@ -378,6 +389,8 @@ class Profile:
                 del layer["shards"]
             if layer["experts"] is None:  # and layers without routed experts
                 del layer["experts"]
+            if layer["gemm_saved"] is None:  # and layers counted before GEMM inputs were
+                del layer["gemm_saved"]
         data["fits"] = [
             {key: list(value) for key, value in self.fits(i).items()} for i in range(len(self))
         ]

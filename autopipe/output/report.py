@@ -18,6 +18,9 @@ from autopipe.planning import (
 __all__ = ["precision_label", "render_plan", "render_search", "shared_line"]
 
 _BAR_WIDTH = 20
+# Said of a float8 estimate whose layers counted their GEMM inputs: the plan's memory holds
+# them at one byte per element (autopipe.planning.model.layer_costs).
+_FP8_NOTE = "float8: activations of FP8 GEMMs saved in 1 byte"
 # Step times closer than this (relative) tie: the cost model is not that exact.
 _TIE_TOLERANCE = 0.005
 
@@ -155,7 +158,14 @@ def estimate_label(profile: Mapping[str, Any]) -> str:
     name = found.get("name")
     where = f"{name} ({target})" if name and name != target else str(target)
     how = "efficiencies fitted to measurements" if found.get("fitted") else "default efficiencies"
-    return f"times estimated for {where} from counted FLOPs and bytes, not measured ({how})"
+    label = f"times estimated for {where} from counted FLOPs and bytes, not measured ({how})"
+    layers = profile.get("layers")
+    counted = isinstance(layers, list) and any(
+        isinstance(layer, Mapping) and layer.get("gemm_saved") for layer in layers
+    )
+    if found.get("dtype") == "float8" and counted:
+        label += f"; {_FP8_NOTE}"
+    return label
 
 
 def precision_label(profile: Mapping[str, Any]) -> str:

@@ -140,7 +140,7 @@ def real_counts(layer: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[float, fl
     them on fake ones."""
     device = torch.device("cpu")
     runs = Pass(layer, inputs, device, "the layer")
-    saved, _, _ = runs.saved(state_storages(layer))
+    saved = runs.saved(state_storages(layer)).total
     forward, backward, input_only = (
         FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) for _ in range(3)
     )

@@ -53,7 +53,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.planning.mesh.mesh_links import GroupLink
-from autopipe.planning.model.layer_costs import ProfileLines
+from autopipe.planning.model.layer_costs import ProfileLines, saved_factor
 from autopipe.planning.model.mesh import Mesh
 from profiler import Profile
 
@@ -127,18 +127,22 @@ class ExpertTable:
             rows = [(getattr(x, what) if x else zeros) or unknown for x in found]
             return np.array(rows, dtype=float)
 
+        counts = {
+            **{
+                what: np.array([getattr(x, what) if x else zeros for x in found], dtype=float)
+                for what in names
+            },
+            **{what: traffic(what) for what in (*_TRAFFIC, *_WEIGHT_TRAFFIC.values())},
+        }
+        factor = saved_factor(profile)
+        if factor is not None:  # the FP8 recipe's saved bytes, as the layer's whole ones
+            counts["saved"] = counts["saved"] * factor
         return cls(
             experts=scalar("experts").astype(np.int64),
             blocks=scalar("blocks").astype(np.int64),
             top_k=scalar("top_k").astype(np.int64),
             param_bytes=scalar("param_bytes"),
-            counts={
-                **{
-                    what: np.array([getattr(x, what) if x else zeros for x in found], dtype=float)
-                    for what in names
-                },
-                **{what: traffic(what) for what in (*_TRAFFIC, *_WEIGHT_TRAFFIC.values())},
-            },
+            counts=counts,
             skew=scalar("skew", 1.0),
             groups=scalar("groups", 1.0).astype(np.int64),
             top_groups=scalar("top_groups", 1.0).astype(np.int64),

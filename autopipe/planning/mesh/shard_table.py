@@ -13,6 +13,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from autopipe.planning.mesh.expert_figures import ExpertTable
+from autopipe.planning.model.layer_costs import saved_factor
 from autopipe.planning.model.mesh import Mesh
 from profiler import Profile
 
@@ -134,6 +135,11 @@ class ShardTable:
             )
             for what in _SHARD_LISTS
         }
+
+        factor = saved_factor(profile)
+        if factor is not None:  # the FP8 recipe's saved bytes, divided as the whole ones
+            for what in ("saved", "replicated_saved"):
+                shards[what] = shards[what] * factor
 
         def scalar(what: str) -> Array:
             return np.array([float(getattr(x.shards, what)) if x.shards else 0.0 for x in layers])
