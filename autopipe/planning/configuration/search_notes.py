@@ -171,8 +171,14 @@ def explain_infeasible(space: Space, configs: Sequence[Config], devices: int) ->
             "add memory or devices, use a smaller batch, or shard the optimizer state over "
             "the replicas (--shard-optimizer, shard_optimizer=True)"
         )
+    if missing > 0:
+        closest_says = f"needs at least {format_bytes(missing)} more per device"
+    else:  # a lower bound that passes: the stages cut whole layers, and none fits
+        closest_says = (
+            "holds no more than a device in all, but no split of its layers into its "
+            "stages fits each device"
+        )
     return (
         f"no configuration of up to {devices} devices fits {format_bytes(space.capacity or 0)} "
-        f"per device: the closest, {closest.label()}, needs at least {format_bytes(missing)} "
-        f"more per device; {fixes}"
+        f"per device: the closest, {closest.label()}, {closest_says}; {fixes}"
     )

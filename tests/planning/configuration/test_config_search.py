@@ -265,6 +265,21 @@ def test_nothing_fits():
         search(profile, 2, memory=1000)
 
 
+def test_a_closest_configuration_whose_bound_passes_is_not_said_to_need_0_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the memory bound of the closest configuration passes (a schedule's holding
+    the relaxation does not see, say) but no split fits, the message says so."""
+    from autopipe.planning.configuration import search_notes
+
+    monkeypatch.setattr(search_notes.Relaxation, "shortfall", lambda self: 0.0)
+    profile = linear_profile([1.0] * 4, params=[10_000] * 4)
+    with pytest.raises(PlanningError) as found:
+        search(profile, 2, memory=1000)
+    assert "needs at least 0 B" not in str(found.value)
+    assert "holds no more than a device in all, but no split of its layers" in str(found.value)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
