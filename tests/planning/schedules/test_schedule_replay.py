@@ -139,6 +139,22 @@ def test_rows_are_independent_and_blocks_change_nothing(monkeypatch: pytest.Monk
     assert makespans(f, b, t, codes, k, m, "1f1b") == pytest.approx(together)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "dualpipev"])
+def test_one_split_walks_to_the_same_bits_as_many(schedule: str) -> None:
+    # One row takes the float walk, several the numpy one: the same step to the last bit.
+    rng = np.random.default_rng(1)
+    k, v, m = 3, 2, 6
+    f, b = rng.uniform(0.1, 2.0, (8, k * v)), rng.uniform(0.2, 4.0, (8, k * v))
+    t = rng.uniform(0.0, 0.5, (8, k * v))
+    t[:, -1] = 0.0
+    weight = rng.uniform(0.0, 1.0, (8, k * v))
+    codes = rng.integers(0, 3, (8, k * v)) if schedule in ("gpipe", "1f1b") else 0 * t
+    together = makespans(f, b, t, codes.astype(int), k, m, schedule, weight)
+    for i in range(8):
+        alone = makespans(f[i], b[i], t[i], codes[i].astype(int), k, m, schedule, weight[i])
+        assert alone[0] == together[i]
+
+
 @pytest.mark.parametrize(("k", "v", "m"), [s for s in SHAPES if s[0] > 1])
 def test_balanced_stages_follow_the_closed_formula(k: int, v: int, m: int) -> None:
     # Stage cost c = f + b = 3, one stage per rank: Σc + (M−1)·c; M ≥ K: (M·v + K − 1)·c.
