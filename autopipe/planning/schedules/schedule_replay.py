@@ -33,7 +33,7 @@ __all__: list[str] = []
 # last in GPipe's reversed order, the first in 1F1B's).
 NONE, ALL, ALL_BUT_ONE = 0, 1, 2
 RECOMPUTE_CODES = {"never": NONE, "always": ALL, "except_last": ALL_BUT_ONE}
-# Floats per (splits × stages × micro-batches) array of one block of splits (32 MiB).
+# Floats of the messages in flight of one block of splits (32 MiB).
 _BLOCK_FLOATS = 1 << 22
 
 
@@ -111,6 +111,50 @@ def replay_order(ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[
     return tuple(out)
 
 
+# Operation codes of a :func:`replay_program` step.
+_F, _W, _B, _I = 0, 1, 2, 3
+
+
+@functools.lru_cache(maxsize=64)
+def replay_program(
+    ranks: int, virtual: int, chunks: int, schedule: str
+) -> tuple[tuple[tuple[int, int, int, int, int, int], ...], int]:
+    """:func:`replay_order` with each message in a slot: ``((code, stage, micro-batch,
+    rank, read, write), ...)`` and the slots' count.
+
+    Each message (a forward's output, a backward's input gradient) is read once, so its
+    slot is free again after its reader: the walk holds the messages in flight, not every
+    stage's and micro-batch's. ``read`` is the slot the operation waits on (-1: none, a
+    first stage's forward), ``write`` the one it fills (-1: none, a weights' pass or the
+    first stage's input gradient, which no one reads).
+    """
+    order = replay_order(ranks, virtual, chunks, schedule)
+    last = ranks * virtual - 1
+    held: dict[tuple[str, int, int], int] = {}
+    spare: list[int] = []
+    slots = 0
+    out = []
+    for op in order:
+        s, i = op.stage, op.micro_batch
+        code = {"F": _F, "W": _W, "B": _B, "I": _I}[op.kind]
+        read = write = -1
+        if code == _F:
+            if s > 0:
+                read = held.pop(("F", s - 1, i))
+        elif code != _W:
+            read = held.pop(("F", s, i) if s == last else ("G", s + 1, i))
+        if read >= 0:
+            spare.append(read)
+        if code == _F or (code != _W and s > 0):
+            if spare:
+                write = spare.pop()
+            else:
+                write, slots = slots, slots + 1
+            held["F" if code == _F else "G", s, i] = write
+        out.append((code, s, i, op.rank, read, write))
+    return tuple(out), slots
+
+
 def makespans(
     forward: NDArray[np.float64],
     backward: NDArray[np.float64],
@@ -160,38 +204,37 @@ def makespans(
             first,
         )
         return out
-    block = max(1, _BLOCK_FLOATS // (stages * chunks))
+    program, slots = replay_program(ranks, stages // ranks, chunks, schedule)
+    block = max(1, _BLOCK_FLOATS // max(slots, 1))
     for lo in range(0, len(forward), block):
         hi = lo + block
         out[lo:hi] = _replay(
-            order,
+            program,
+            slots,
             forward[lo:hi],
             arrays[0][lo:hi],
             arrays[1][lo:hi],
             share[lo:hi],
             codes[lo:hi],
             ranks,
-            chunks,
             first,
         )
     return out
 
 
 def _replay(
-    order: tuple[Operation, ...],
+    program: tuple[tuple[int, int, int, int, int, int], ...],
+    slots: int,
     forward: NDArray[np.float64],
     backward: NDArray[np.float64],
     transfer: NDArray[np.float64],
     weight: NDArray[np.float64],
     codes: NDArray[np.int64],
     ranks: int,
-    chunks: int,
     first: tuple[int, ...],
 ) -> NDArray[np.float64]:
-    rows, stages = forward.shape
-    last = stages - 1
-    sent = np.zeros((stages, chunks, rows))  # forward output of (stage, micro-batch) there
-    grads = np.zeros((stages, chunks, rows))  # input gradient of (stage, micro-batch) there
+    rows = len(forward)
+    held = np.zeros((slots, rows))  # the messages in flight (:func:`replay_program`)
     free = np.zeros((ranks, rows))
     # Per stage: whether any row re-computes there, and the re-computation before a
     # backward: of every micro-batch but the spared one, and of the spared one (``ALL``).
@@ -200,21 +243,19 @@ def _replay(
     spared_again = np.where(codes == ALL, forward, 0.0).T.copy()
     # Stage-major copies: the walk reads one stage's column of every row at a time.
     fwd, bwd, send, share = (a.T.copy() for a in (forward, backward, transfer, weight))
-    for op in order:
-        s, i, r = op.stage, op.micro_batch, op.rank
-        if op.kind == "F":
-            ready = sent[s - 1, i] if s > 0 else free[r]
+    for code, s, i, r, read, write in program:
+        if code == _F:
+            ready = held[read] if read >= 0 else free[r]
             end = np.maximum(free[r], ready) + fwd[s] + send[s]
-            sent[s, i] = end
-        elif op.kind == "W":  # after its own input gradient, on this device
+        elif code == _W:  # after its own input gradient, on this device
             end = free[r] + bwd[s] * share[s]
         else:
-            ready = sent[s, i] if s == last else grads[s + 1, i]
-            part = bwd[s] if op.kind == "B" else bwd[s] * (1.0 - share[s])
-            end = np.maximum(free[r], ready) + part
+            part = bwd[s] if code == _B else bwd[s] * (1.0 - share[s])
+            end = np.maximum(free[r], held[read]) + part
             if recomputing[s]:
                 end += spared_again[s] if i == first[s] else again[s]
-            grads[s, i] = end
+        if write >= 0:
+            held[write] = end
         free[r] = end
     return np.asarray(free.max(axis=0))
 
