@@ -412,6 +412,8 @@ class CostModel:
             prefix_sums(figure if figure is not None and self.overlapped else np.zeros(n))
             for figure in (layers.alltoall_forward, layers.alltoall_backward)
         ]
+        # :meth:`_costs` of single stages, by ``(k, s, e)``.
+        self._one_stage: dict[tuple[int, int, int], tuple[Array, Array, Index, Array, Array]] = {}
 
     @property
     def num_stages(self) -> int:
@@ -555,6 +557,21 @@ class CostModel:
     def _costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index, Array, Array]:
         """:meth:`stage_costs`, the seconds per micro-batch of its re-computed units and
         the bytes a micro-batch keeps until its backward (its reduced set)."""
+        if np.ndim(s) or np.ndim(e):
+            return self._stage_costs(k, s, e)
+        # The solvers price one stage at a time over and over (each split they compare
+        # shares most stages with the last): a stage is priced once.
+        key = (k, int(s), int(e))
+        found = self._one_stage.get(key)
+        if found is None:
+            found = self._stage_costs(k, s, e)
+            for part in found:
+                if isinstance(part, np.ndarray):
+                    part.flags.writeable = False  # shared by every caller
+            self._one_stage[key] = found
+        return found
+
+    def _stage_costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index, Array, Array]:
         state = self.held_state(s, e)
         fixed = self.overhead + self.transfer_time(k, e)
         cap, share = self._budget(k)

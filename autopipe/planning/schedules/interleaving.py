@@ -266,6 +266,13 @@ def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -
     Raises:
         ValueError: as :func:`rank_order`.
     """
+    return list(_in_flight(rank, ranks, virtual, chunks, schedule))
+
+
+# A search builds a cost model per configuration, each replaying every rank's order: the
+# replays depend on (K, v, M, schedule) alone, and many configurations share them.
+@functools.lru_cache(maxsize=4096)
+def _in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -> tuple[int, ...]:
     held = [0] * virtual
     peak = [0] * virtual
     local_of = {s: j for j, s in enumerate(rank_stages(rank, ranks, virtual, schedule))}
@@ -275,10 +282,10 @@ def in_flight(rank: int, ranks: int, virtual: int, chunks: int, schedule: str) -
         # (A whole backward, ``"B"``, frees it at once.)
         held[local] += {"F": 1, "B": -1, "W": -1}.get(op, 0)
         peak[local] = max(peak[local], held[local])
-    return peak
+    return tuple(peak)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def held_shares(
     rank: int, ranks: int, virtual: int, chunks: int, schedule: str
 ) -> NDArray[np.float64]:

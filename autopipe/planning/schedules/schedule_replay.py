@@ -46,7 +46,7 @@ __all__: list[str] = []
 # last in GPipe's reversed order, the first in 1F1B's).
 NONE, ALL, ALL_BUT_ONE = 0, 1, 2
 RECOMPUTE_CODES = {"never": NONE, "always": ALL, "except_last": ALL_BUT_ONE}
-# Floats per (splits × stages × micro-batches) array of one block of splits (32 MiB).
+# Floats of the messages in flight of one block of splits (32 MiB).
 _BLOCK_FLOATS = 1 << 22
 
 
@@ -204,6 +204,53 @@ def hidden_seconds(
     return out
 
 
+# Operation codes of a :func:`replay_program` step.
+_F, _W, _B, _I = 0, 1, 2, 3
+# One step of a program: (code, stage, micro-batch, rank, read slot, write slot, partner).
+Step = tuple[int, int, int, int, int, int, int]
+
+
+@functools.lru_cache(maxsize=64)
+def replay_program(
+    ranks: int, virtual: int, chunks: int, schedule: str
+) -> tuple[tuple[Step, ...], int]:
+    """:func:`replay_order` with each message in a slot: ``((code, stage, micro-batch,
+    rank, read, write, partner), ...)`` and the slots' count.
+
+    Each message (a forward's output, a backward's input gradient) is read once, so its
+    slot is free again after its reader: the walk holds the messages in flight, not every
+    stage's and micro-batch's. ``read`` is the slot the operation waits on (-1: none, a
+    first stage's forward), ``write`` the one it fills (-1: none, a weights' pass or the
+    first stage's input gradient, which no one reads); ``partner`` as
+    :attr:`Operation.partner`.
+    """
+    order = replay_order(ranks, virtual, chunks, schedule)
+    last = ranks * virtual - 1
+    held: dict[tuple[str, int, int], int] = {}
+    spare: list[int] = []
+    slots = 0
+    out = []
+    for op in order:
+        s, i = op.stage, op.micro_batch
+        code = {"F": _F, "W": _W, "B": _B, "I": _I}[op.kind]
+        read = write = -1
+        if code == _F:
+            if s > 0:
+                read = held.pop(("F", s - 1, i))
+        elif code != _W:
+            read = held.pop(("F", s, i) if s == last else ("G", s + 1, i))
+        if read >= 0:
+            spare.append(read)
+        if code == _F or (code != _W and s > 0):
+            if spare:
+                write = spare.pop()
+            else:
+                write, slots = slots, slots + 1
+            held["F" if code == _F else "G", s, i] = write
+        out.append((code, s, i, op.rank, read, write, op.partner))
+    return tuple(out), slots
+
+
 def makespans(
     forward: NDArray[np.float64],
     backward: NDArray[np.float64],
@@ -247,12 +294,27 @@ def makespans(
     if comm is not None and schedule in V_PLACED:
         talk = tuple(np.atleast_2d(np.asarray(a, dtype=float)) for a in comm)
     out = np.empty(len(forward))
-    block = max(1, _BLOCK_FLOATS // (stages * chunks))
+    # One split: Python floats walk it many times faster (finite: they compare as numpy's).
+    finite = all(np.isfinite(a).all() for a in (forward, *arrays, share))
+    if len(forward) == 1 and finite and (talk is None or not any(a.any() for a in talk)):
+        out[0] = _replay_one(
+            order,
+            forward[0].tolist(),
+            arrays[0][0].tolist(),
+            arrays[1][0].tolist(),
+            share[0].tolist(),
+            codes[0].tolist(),
+            ranks,
+            first,
+        )
+        return out
+    program, slots = replay_program(ranks, stages // ranks, chunks, schedule)
+    block = max(1, _BLOCK_FLOATS // max(slots, 1))
     for lo in range(0, len(forward), block):
         hi = lo + block
         rows = _Rows(forward[lo:hi], arrays[0][lo:hi], arrays[1][lo:hi], share[lo:hi], codes[lo:hi])
         comm_rows = None if talk is None else (talk[0][lo:hi], talk[1][lo:hi])
-        out[lo:hi] = _replay(order, rows, ranks, chunks, first, comm_rows)
+        out[lo:hi] = _replay(program, slots, rows, ranks, first, comm_rows)
     return out
 
 
@@ -267,47 +329,85 @@ class _Rows(NamedTuple):
 
 
 def _replay(
-    order: tuple[Operation, ...],
+    program: tuple[Step, ...],
+    slots: int,
     times: _Rows,
     ranks: int,
-    chunks: int,
     first: tuple[int, ...],
     comm: tuple[NDArray[np.float64], NDArray[np.float64]] | None,
 ) -> NDArray[np.float64]:
     forward, backward, transfer, weight, codes = times
-    rows, stages = forward.shape
-    last = stages - 1
-    sent = np.zeros((stages, chunks, rows))  # forward output of (stage, micro-batch) there
-    grads = np.zeros((stages, chunks, rows))  # input gradient of (stage, micro-batch) there
+    rows = len(forward)
+    held = np.zeros((slots, rows))  # the messages in flight (:func:`replay_program`)
     free = np.zeros((ranks, rows))
-    # Per stage and micro-batch: the re-computation before its backward, if any.
-    again = {
-        (s, i): np.where(recomputes(codes[:, s], i, first[s]), forward[:, s], 0.0)
-        for s in range(stages)
-        for i in range(chunks)
-        if np.any(codes[:, s] != NONE)
-    }
-    shares = {} if comm is None else _hidden_shares(order, forward, backward, comm)
-    for op in order:
-        s, i, r = op.stage, op.micro_batch, op.rank
-        # An overlapped pair's halves each shed the share of their all-to-alls it hides.
-        hidden: NDArray[np.float64] | float = 0.0
-        if comm is not None and op.partner >= 0:
-            pair = (s, op.partner) if op.kind == "F" else (op.partner, s)
-            hidden = shares[pair] * comm[0 if op.kind == "F" else 1][:, s]
-        if op.kind == "F":
-            ready = sent[s - 1, i] if s > 0 else free[r]
-            end = np.maximum(free[r], ready) + forward[:, s] - hidden + transfer[:, s]
-            sent[s, i] = end
-        elif op.kind == "W":  # after its own input gradient, on this device
-            end = free[r] + backward[:, s] * weight[:, s]
+    # Per stage: whether any row re-computes there, and the re-computation before a
+    # backward: of every micro-batch but the spared one, and of the spared one (``ALL``).
+    recomputing = np.any(codes != NONE, axis=0).tolist()
+    again = np.where(codes != NONE, forward, 0.0).T.copy()
+    spared_again = np.where(codes == ALL, forward, 0.0).T.copy()
+    # Stage-major copies: the walk reads one stage's column of every row at a time.
+    fwd, bwd, send, share = (a.T.copy() for a in (forward, backward, transfer, weight))
+    # An overlapped pair's halves each shed the share of their all-to-alls it hides.
+    # By (forward?, stage, partner's stage): a rank pairs F0 with B1 and F1 with B0.
+    hides: dict[tuple[bool, int, int], NDArray[np.float64]] = {}
+    if comm is not None:
+        comm_f, comm_b = comm
+        for code, s, _, _, _, _, partner in program:
+            if code == _F and partner >= 0 and (True, s, partner) not in hides:
+                f, b = s, partner
+                h = hidden_share(forward[:, f], comm_f[:, f], backward[:, b], comm_b[:, b])
+                hides[True, f, b] = h * comm_f[:, f]
+                hides[False, b, f] = h * comm_b[:, b]
+    for code, s, i, r, read, write, partner in program:
+        hidden = hides.get((code == _F, s, partner)) if partner >= 0 else None
+        if code == _F:
+            ready = held[read] if read >= 0 else free[r]
+            end = np.maximum(free[r], ready) + fwd[s] + send[s]
+        elif code == _W:  # after its own input gradient, on this device
+            end = free[r] + bwd[s] * share[s]
         else:
-            ready = sent[s, i] if s == last else grads[s + 1, i]
-            part = backward[:, s] if op.kind == "B" else backward[:, s] * (1.0 - weight[:, s])
-            end = np.maximum(free[r], ready) + part - hidden
-            extra = again.get((s, i))
-            if extra is not None:
-                end += extra
-            grads[s, i] = end
+            part = bwd[s] if code == _B else bwd[s] * (1.0 - share[s])
+            end = np.maximum(free[r], held[read]) + part
+            if recomputing[s]:
+                end += spared_again[s] if i == first[s] else again[s]
+        if hidden is not None:
+            end = end - hidden
+        if write >= 0:
+            held[write] = end
         free[r] = end
     return np.asarray(free.max(axis=0))
+
+
+def _replay_one(
+    order: tuple[Operation, ...],
+    forward: list[float],
+    backward: list[float],
+    transfer: list[float],
+    weight: list[float],
+    codes: list[int],
+    ranks: int,
+    first: tuple[int, ...],
+) -> float:
+    """:func:`_replay` of one split without overlapped all-to-alls, the same operations on
+    floats in the same order."""
+    last = len(forward) - 1
+    sent: dict[tuple[int, int], float] = {}
+    grads: dict[tuple[int, int], float] = {}
+    free = [0.0] * ranks
+    for op in order:
+        s, i, r = op.stage, op.micro_batch, op.rank
+        if op.kind == "F":
+            ready = sent[s - 1, i] if s > 0 else free[r]
+            end = max(free[r], ready) + forward[s] + transfer[s]
+            sent[s, i] = end
+        elif op.kind == "W":
+            end = free[r] + backward[s] * weight[s]
+        else:
+            ready = sent[s, i] if s == last else grads[s + 1, i]
+            part = backward[s] if op.kind == "B" else backward[s] * (1.0 - weight[s])
+            end = max(free[r], ready) + part
+            if codes[s] == ALL or (codes[s] == ALL_BUT_ONE and i != first[s]):
+                end += forward[s]
+            grads[s, i] = end
+        free[r] = end
+    return max(free)

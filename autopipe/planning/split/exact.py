@@ -60,7 +60,9 @@ def _band(model: CostModel) -> int:
     """
     n = model.num_layers
     width, seen = 1, set()
-    for k in range(model.num_stages):
+    # The last stages hold the fewest micro-batches (1F1B): the widest band comes first,
+    # and a stage whose band cannot be wider is passed over after one look.
+    for k in reversed(range(model.num_stages)):
         key = model.signature(k)
         if key in seen:
             continue
@@ -73,6 +75,8 @@ def _band(model: CostModel) -> int:
             starts = np.arange(n - d + 1)
             return bool(np.any(model.stage_costs(k, starts, starts + d)[1] <= cap))
 
+        if width < n and not fits(width + 1):
+            continue
         lo, hi = width, n  # fits(lo) or lo == 1; find the largest d that fits
         if fits(hi):
             return n

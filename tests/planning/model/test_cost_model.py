@@ -243,6 +243,26 @@ def test_stage_parts_add_up_to_the_stage_time(checkpoint):
         assert forward[4] > 0 and backward[4] > 0  # only overhead: shared out anyway
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "auto"])
+def test_one_stage_is_priced_once_as_every_stage_is(checkpoint):
+    # A single stage's figures are kept for the next ask: the same as pricing it among
+    # many, asked once or again, and read-only (every caller shares them).
+    cap = 2 * (4 * 1000 + 7) + 500  # makes auto choose per stage
+    devices = [DeviceSpec(memory=cap, speed=2.0, bandwidth=5.0, latency=0.5), DeviceSpec()]
+    m = model(devices, checkpoint=checkpoint, overhead=0.25, schedule="1f1b")
+    s, e = np.array([0, 0, 1, 3, 2, 0]), np.array([1, 2, 4, 4, 3, 4])
+    for k in range(2):
+        many = m.stage_costs(k, s, e)
+        for i in range(len(s)):
+            first = m.stage_costs(k, s[i], e[i])
+            again = m.stage_costs(k, int(s[i]), int(e[i]))
+            for part, other, whole in zip(first, again, many, strict=True):
+                assert part == whole[i] and other == whole[i]
+                if isinstance(part, np.ndarray):
+                    assert not part.flags.writeable
+        assert m.recompute_time(k, s[2], e[2]) == m.recompute_time(k, s, e)[2]
+
+
 def test_weight_share_is_measured_when_the_profile_has_it():
     measured = costs(backward_input=np.array([1.0, 2.0, 6.0, 8.0]))  # backward 2, 4, 6, 8
     m = CostModel(measured, [DeviceSpec(), DeviceSpec()], 4, checkpoint="never", schedule="zb")

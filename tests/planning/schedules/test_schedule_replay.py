@@ -125,6 +125,34 @@ def test_makespans_equal_the_simulation() -> None:
             assert plan.step_time == pytest.approx(got[0])
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "dualpipev"])
+@pytest.mark.parametrize(("k", "v", "m"), [(1, 1, 3), (3, 2, 6), (4, 2, 8)])
+def test_program_reads_every_message_once_from_its_slot(
+    k: int, v: int, m: int, schedule: str
+) -> None:
+    # Each forward output and input gradient is read once, by the operation waiting on it;
+    # slots are reused only once read, so no read finds a message overwritten.
+    if schedule == "dualpipev" and (v != 2 or m < 2 * k):
+        return
+    program, slots = schedule_replay.replay_program(k, v, m, schedule)
+    order = replay_order(k, v, m, schedule)
+    assert [(c, s, i, r) for c, s, i, r, _, _, _ in program] == [
+        ("FWBI".index(o.kind), o.stage, o.micro_batch, o.rank) for o in order
+    ]
+    holder: dict[int, tuple[str, int, int]] = {}
+    last = k * v - 1
+    for code, s, i, _, read, write, _ in program:
+        kind = "FWBI"[code]
+        if kind == "F" and s > 0:
+            assert holder.pop(read) == ("F", s - 1, i)
+        elif kind in "BI":
+            assert holder.pop(read) == (("F", s, i) if s == last else ("G", s + 1, i))
+        if write >= 0:
+            assert write not in holder and write < slots
+            holder[write] = ("F" if kind == "F" else "G", s, i)
+    assert slots < k * v * m or k * v * m <= 3
+
+
 def test_rows_are_independent_and_blocks_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(0)
     k, v, m = 2, 2, 4
@@ -135,8 +163,25 @@ def test_rows_are_independent_and_blocks_change_nothing(monkeypatch: pytest.Monk
     together = makespans(f, b, t, codes, k, m, "1f1b")
     alone = [makespans(f[i], b[i], t[i], codes[i], k, m, "1f1b")[0] for i in range(50)]
     assert together == pytest.approx(alone)
-    monkeypatch.setattr(schedule_replay, "_BLOCK_FLOATS", 3 * k * v * m)  # blocks of 3 rows
+    _, slots = schedule_replay.replay_program(k, v, m, "1f1b")
+    monkeypatch.setattr(schedule_replay, "_BLOCK_FLOATS", 3 * slots)  # blocks of 3 rows
     assert makespans(f, b, t, codes, k, m, "1f1b") == pytest.approx(together)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "dualpipev"])
+def test_one_split_walks_to_the_same_bits_as_many(schedule: str) -> None:
+    # One row takes the float walk, several the numpy one: the same step to the last bit.
+    rng = np.random.default_rng(1)
+    k, v, m = 3, 2, 6
+    f, b = rng.uniform(0.1, 2.0, (8, k * v)), rng.uniform(0.2, 4.0, (8, k * v))
+    t = rng.uniform(0.0, 0.5, (8, k * v))
+    t[:, -1] = 0.0
+    weight = rng.uniform(0.0, 1.0, (8, k * v))
+    codes = rng.integers(0, 3, (8, k * v)) if schedule in ("gpipe", "1f1b") else 0 * t
+    together = makespans(f, b, t, codes.astype(int), k, m, schedule, weight)
+    for i in range(8):
+        alone = makespans(f[i], b[i], t[i], codes[i].astype(int), k, m, schedule, weight[i])
+        assert alone[0] == together[i]
 
 
 @pytest.mark.parametrize(("k", "v", "m"), [s for s in SHAPES if s[0] > 1])

@@ -122,3 +122,23 @@ def test_memory_split_minimizes_the_largest_stage_memory() -> None:
 def test_one_stage_holds_every_layer() -> None:
     model = random_model(2, stages=1)
     assert solve_split(model) == (pytest.approx(split_value(model, [7])), [7])
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "auto"])
+def test_band_is_the_most_layers_any_stage_holds(seed: int, checkpoint: str) -> None:
+    # The band looks at each stage's signature once where it cannot widen: the same
+    # width as every stage and every length tried.
+    from autopipe.planning.split.exact import _band
+
+    share = [0.2, 0.35, 0.5][seed % 3]
+    model = random_model(seed, 9, 4, capacity_share=share, checkpoint=checkpoint, chunks=6)
+    n = model.num_layers
+    fitting = [
+        d
+        for d in range(1, n + 1)
+        for k in range(model.num_stages)
+        if np.any(model.stage_costs(k, np.arange(n - d + 1), np.arange(d, n + 1))[1]
+                  <= model.capacity(k))
+    ]  # fmt: skip
+    assert _band(model) == max(fitting, default=1)
