@@ -319,6 +319,13 @@ def _add_mesh_options(search: Any) -> None:
         "ranks",
     )
     search.add_argument(
+        "--pipeline-parallel",
+        type=_degrees,
+        metavar="K[,K...]",
+        help="pipeline depths (ranks per pipeline) to weigh, e.g. a published run's "
+        "(default: every depth the devices allow)",
+    )
+    search.add_argument(
         "--global-batch",
         type=positive,
         metavar="B",

@@ -61,6 +61,8 @@ def _mesh_options(args: argparse.Namespace) -> dict[str, Any]:
         out["sequence"] = args.sequence
     if out and args.one_device:
         raise ValueError("--one-device searches no mesh: leave out the mesh options")
+    if args.pipeline_parallel:  # not a mesh option: any search may fix its depths
+        out["pipeline_parallel"] = args.pipeline_parallel
     return out
 
 
@@ -139,7 +141,7 @@ def search_inputs(args: argparse.Namespace) -> SearchInputs:
         virtual_stages=tuple(range(1, args.virtual_stages + 1)),
         shard_optimizer=args.shard_optimizer,
         one_device=args.one_device,
-        links=_mesh_links(args, target) if mesh else None,
+        links=_mesh_links(args, target) if set(mesh) - {"pipeline_parallel"} else None,
         **mesh,
     )
     return SearchInputs(profile, devices, settings, options)

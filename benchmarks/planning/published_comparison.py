@@ -178,7 +178,8 @@ def compare(run: PublishedRun, folder: Path, *, fused: bool) -> dict[str, Any]:
         inputs.options,
         tensor_parallel=(run.tp,),
         context_parallel=(run.cp,),
-        virtual_stages=tuple(range(1, 9)),
+        pipeline_parallel=(run.pp,),
+        virtual_stages=(run.vp,) if run.source == MEGATRON else tuple(range(1, 9)),
         top=TOP,
     )
     if found is None:  # beyond the ranked plans: the published mesh searched alone

@@ -35,9 +35,20 @@ def test_search_restricted_to_a_mode(
     assert rows and all(" never " in row and " 1f1b " in row for row in rows if row[0].isdigit())
 
 
+def test_search_at_given_pipeline_depths(
+    capsys: pytest.CaptureFixture[str], profile_file: Path
+) -> None:
+    argv = ["plan", "--profile", str(profile_file), "--search", "--devices", "4", "--top", "50"]
+    code, out, err = run(capsys, *argv, "--pipeline-parallel", "2")
+    assert code == 0, err
+    rows = [row.split() for row in out.split("\n\n")[0].splitlines()[1:] if row[:1].isdigit()]
+    assert rows and all(row[1] == "2" for row in rows)  # the K column
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
+        (["--pipeline-parallel", "5"], "no configuration of 2 devices has a pipeline of 5"),
         (["--stages", "2"], "--search chooses the stages itself"),
         (["--memory", "1GB,2GB"], "--search needs one --memory size"),
         (["--memory", "1KB"], "no configuration of up to 2 devices fits"),

@@ -139,6 +139,7 @@ class SearchOptions:
     sequence: int = 0
     links: MeshLinks | None = None
     expert_parallel: Sequence[int] | None = None
+    pipeline_parallel: Sequence[int] | None = None
 
     @property
     def meshed(self) -> bool:
@@ -231,6 +232,8 @@ def search(
             (:mod:`autopipe.planning.mesh.expert_figures`). Given (other than ``(1,)``),
             it makes the search a mesh search; ``None`` (default): every such degree when
             other options make it one.
+        pipeline_parallel: the pipeline depths K (ranks per pipeline) to weigh, e.g. a
+            published run's; ``None`` (default): every depth the devices allow.
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its
@@ -275,6 +278,16 @@ def search(
         isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in virtual_stages
     ):
         raise ValueError(f"virtual_stages must be positive integers, got {virtual_stages!r}")
+    if opts.pipeline_parallel is not None and (
+        isinstance(opts.pipeline_parallel, (int, str))
+        or not opts.pipeline_parallel
+        or any(
+            isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in opts.pipeline_parallel
+        )
+    ):
+        raise ValueError(
+            f"pipeline_parallel lists positive pipeline depths, got {opts.pipeline_parallel!r}"
+        )
     if not isinstance(opts.one_device, bool):
         raise TypeError(f"one_device must be True or False, got {opts.one_device!r}")
     if opts.one_device:
@@ -320,6 +333,15 @@ def search(
             )
     else:
         configs = configurations(bounds, even, shard is not False)
+    if opts.pipeline_parallel is not None:
+        depths = set(opts.pipeline_parallel)
+        configs = [c for c in configs if c.stages in depths]
+        if not configs:
+            raise ValueError(
+                f"no configuration of {devices} devices has a pipeline of "
+                f"{', '.join(map(str, sorted(depths)))} ranks: give depths dividing the "
+                "devices over the other degrees"
+            )
     ranking = _Ranking(space, top, checkpoints)
     ranking.run(configs)
     ranked = _rank(ranking.found, checkpoints, schedules)[:top]

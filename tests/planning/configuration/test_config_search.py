@@ -382,3 +382,21 @@ def test_v_schedules_search_re_computes_only_where_keeping_everything_is_over() 
     assert tight and all(p.checkpoint in ("auto", "always") for p in tight)
     assert {"units", "always"} & set(tight[0].stage_checkpoints)
     assert max(tight[0].device_memory) <= cap
+
+
+def test_pipeline_depths_restrict_the_search_to_them() -> None:
+    """The plans of K = 2 alone are the unrestricted search's plans of K = 2, in order."""
+    profile = random_profile(np.random.default_rng(5), 8)
+    options = {"memory": 12_000, "bandwidth": 300.0, "allreduce_bandwidth": 1000.0}
+    every = search(profile, 4, batch=8, top=1000, **options)
+    two = search(profile, 4, batch=8, top=1000, pipeline_parallel=(2,), **options)
+    assert two and {p.num_stages // max(p.virtual_stages, 1) for p in two} == {2}
+    expected = [p for p in every if p.num_stages // max(p.virtual_stages, 1) == 2]
+    assert [(p.balance, p.step_time) for p in two] == [(p.balance, p.step_time) for p in expected]
+
+
+@pytest.mark.parametrize("depths", [(), (0,), 2, (5,)])
+def test_pipeline_depths_that_cannot_be_are_refused(depths: object) -> None:
+    profile = random_profile(np.random.default_rng(5), 8)
+    with pytest.raises(ValueError, match="pipeline"):
+        search(profile, 4, batch=8, pipeline_parallel=depths)
