@@ -266,18 +266,19 @@ def markdown(results: list[dict[str, Any]]) -> str:
                     f"the counted memory: {r['refusal'] or 'not among the plans found'}"
                 )
             else:
-                if r.get("over_gib") is not None:
+                over = r.get("over_gib")
+                if over is not None:
                     lines.append(
                         "- The published mesh (PP16 DualPipeV, EP64, ZeRO-1) does not fit "
-                        f"under the counted memory, {r['over_gib']:.1f} GiB over each device "
-                        "(predicted here without the cap): "
-                        f"{r['refusal'] or 'not among the plans found'}"
+                        f"under the counted memory, {over:.1f} GiB over each device: it is "
+                        "predicted here without the cap, keeping every activation, and not "
+                        "ranked."
                     )
+                rank = "" if over is not None else f"; rank {r['rank']} of {r['meshes'] + 1}"
                 lines.append(
                     f"- Published mesh predicted at {r['published']['tokens_per_gpu']:.0f} "
                     f"tokens/s per GPU against the report's {reported:.0f} (derived: 14.8T "
-                    f"tokens over 2,664K GPU-hours, FP8): {r['ratio']:.2f}; rank "
-                    f"{r['rank']} of {r['meshes'] + 1}."
+                    f"tokens over 2,664K GPU-hours, FP8): {r['ratio']:.2f}{rank}."
                 )
             for note in r["best"]["notes"]:
                 lines.append(f"- The search's best: {note}.")
