@@ -14,7 +14,7 @@ from autopipe.planning.model.plan_settings import build_model
 from autopipe.planning.model.spans import split_fits
 from autopipe.planning.pipeline_settings import PipelineSettings
 from autopipe.planning.split.interleaved_balance import pipeline_time
-from tests.support.planning_cases import linear_profile, splits
+from tests.support.planning_cases import linear_profile, splits, uneven_profile
 
 PROFILE = linear_profile([1.0, 2, 3, 1, 2, 3, 1, 2, 1, 1])
 
@@ -56,14 +56,7 @@ def test_v_schedules_refuse_other_virtual_stage_counts() -> None:
         plan(PROFILE, 3, schedule="dualpipev", chunks=6)
 
 
-RECOMPUTING = linear_profile(
-    [1.0, 2, 1, 3, 1, 2, 1, 1],
-    saved=[400, 900, 300, 800, 500, 700, 200, 600],
-    output=[50, 120, 30, 90, 60, 80, 20, 10],
-    params=[10] * 8,
-    batch=8,
-    chunks=8,
-)
+RECOMPUTING = uneven_profile()
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])

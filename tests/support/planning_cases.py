@@ -94,3 +94,17 @@ def random_profile(rng: np.random.Generator, n: int, *, peaks: bool = False) -> 
         peak=peak,
         shared=shared,
     )
+
+
+def uneven_profile(*, input_bytes: int = 0) -> Profile:
+    """Eight layers of uneven times, saved and output bytes, 8 samples in 8 micro-batches:
+    the V and zero-bubble schedules' re-computation cases."""
+    return linear_profile(
+        [1.0, 2, 1, 3, 1, 2, 1, 1],
+        saved=[400, 900, 300, 800, 500, 700, 200, 600],
+        output=[50, 120, 30, 90, 60, 80, 20, 10],
+        params=[10] * 8,
+        batch=8,
+        chunks=8,
+        input_bytes=input_bytes,
+    )

@@ -18,7 +18,7 @@ from autopipe.output.report import render_search
 from autopipe.planning.configuration.config_search import search
 from autopipe.planning.configuration.search_notes import breakdown
 from autopipe.planning.model.names import SEARCH_CHECKPOINTS
-from tests.support.planning_cases import linear_profile, random_profile
+from tests.support.planning_cases import linear_profile, random_profile, uneven_profile
 from tests.support.planning_references import exhaustive
 
 
@@ -364,14 +364,7 @@ def test_expert_degrees_are_listed_or_left_to_the_rule() -> None:
 
 
 def test_v_schedules_search_re_computes_only_where_keeping_everything_is_over() -> None:
-    profile = linear_profile(
-        [1.0, 2, 1, 3, 1, 2, 1, 1],
-        saved=[400, 900, 300, 800, 500, 700, 200, 600],
-        output=[50, 120, 30, 90, 60, 80, 20, 10],
-        params=[10] * 8,
-        batch=8,
-        chunks=8,
-    )
+    profile = uneven_profile()
     kept = plan(profile, 4, schedule="zbv", chunks=8, checkpoint="never", optimizer="sgd")
     roomy = search(
         profile, 2, memory=int(max(kept.device_memory)), optimizer="sgd", schedules=["zbv"]

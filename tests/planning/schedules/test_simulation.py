@@ -14,7 +14,7 @@ from autopipe.planning.model.plans import Plan
 from autopipe.planning.planner import evaluate
 from autopipe.planning.schedules.interleaving import rank_order
 from autopipe.planning.schedules.simulation import makespan, simulate, stage_times
-from tests.support.planning_cases import linear_profile, splits
+from tests.support.planning_cases import linear_profile, splits, uneven_profile
 from tests.support.timeline_cases import (
     CHECKPOINTS,
     SCHEDULES,
@@ -314,14 +314,7 @@ def test_split_backward_recomputes_before_each_input_gradient(schedule: str) -> 
 
 @pytest.mark.parametrize("schedule", ["zb", "zbv"])
 def test_recomputed_units_run_with_the_input_gradient(schedule: str) -> None:
-    profile = linear_profile(
-        [1.0, 2, 1, 3, 1, 2, 1, 1],
-        saved=[400, 900, 300, 800, 500, 700, 200, 600],
-        output=[50, 120, 30, 90, 60, 80, 20, 10],
-        params=[10] * 8,
-        batch=8,
-        chunks=8,
-    )
+    profile = uneven_profile()
     options = {"schedule": schedule, "chunks": 8, "optimizer": "sgd"}
     kept = evaluate(profile, [2, 2, 2, 2], checkpoint="never", **options)
     units = evaluate(profile, [2, 2, 2, 2], checkpoint="auto", memory=3000, **options)

@@ -17,7 +17,7 @@ from autopipe.planning.schedules.interleaving import (
     stage_placement,
 )
 from autopipe.planning.schedules.split_holding import split_moments, stage_holdings
-from tests.support.planning_cases import linear_profile
+from tests.support.planning_cases import uneven_profile
 
 CASES = [
     *((s, k, 2, m) for s in ("zbv", "dualpipev") for k in (1, 2, 3, 4) for m in (2 * k, 2 * k + 3)),
@@ -96,15 +96,7 @@ def test_the_first_zbv_stage_keeps_every_micro_batch_but_re_computed_only_inputs
     assert stage_holdings(0, 3, 2, 6, "zbv")[0] == ((6, 1),)
 
 
-PROFILE = linear_profile(
-    [1.0, 2, 1, 3, 1, 2, 1, 1],
-    saved=[400, 900, 300, 800, 500, 700, 200, 600],
-    output=[50, 120, 30, 90, 60, 80, 20, 10],
-    params=[10] * 8,
-    batch=8,
-    chunks=8,
-    input_bytes=40,
-)
+PROFILE = uneven_profile(input_bytes=40)
 
 
 @pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
