@@ -58,7 +58,7 @@ def _peak(plan: Plan) -> float:
     return max(stage.memory for stage in plan.stages)
 
 
-def _why_slower(plan: Plan, best: Plan) -> str:
+def why_slower(plan: Plan, best: Plan) -> str:
     """One line on why ``plan`` predicts a longer step than ``best``."""
     if plan.step_time <= best.step_time * (1 + SAME_TIME):
         same = "ties with the best"
@@ -106,7 +106,7 @@ def annotate(
     """Fills every plan's ``notes``: why it loses to the best, or, on the best, the search."""
     best = plans[0]
     for plan in plans[1:]:
-        plan.notes = [_why_slower(plan, best)]
+        plan.notes = [why_slower(plan, best)]
     interleaved = stats.get("interleaved", 0)
     replayed = f", {interleaved} interleaved by replayed schedules" if interleaved else ""
     best.notes = [
