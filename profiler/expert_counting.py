@@ -112,7 +112,6 @@ class RoutingWatch(TorchDispatchMode):
         self.routed = routed
         self.owners = owners
         self.autocast = autocast
-        self.topk = routed.topk  # (rows, choices, k) of every topk, in order
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -122,7 +121,9 @@ class RoutingWatch(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func is aten.topk.default and args[0].dim() >= 2:
             scores = args[0]
-            self.topk.append((scores.numel() // scores.shape[-1], scores.shape[-1], int(args[1])))
+            self.routed.topk.append(
+                (scores.numel() // scores.shape[-1], scores.shape[-1], int(args[1]))
+            )
         elif self.owners:
             for value in tree_leaves((args, kwargs)):
                 if isinstance(value, Tensor):
@@ -139,7 +140,7 @@ class RoutingWatch(TorchDispatchMode):
         assert found is not None
         up, down = found
         experts = int(up.shape[0])
-        for rows, choices, k in reversed(self.topk):
+        for rows, choices, k in reversed(self.routed.topk):
             if choices == experts:
                 dtype = getattr(torch, self.autocast) if self.autocast else up.dtype
                 width = hidden_size(module, up, down)
@@ -257,8 +258,9 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
     eager = [0.0, 0.0]
     fixed = [0.0, 0.0]
     params = dispatch = 0
-    grouped = {limited_groups(routed.topk, c.tokens, c.experts) for c in routed.calls.values()}
-    groups, top_groups = min(grouped, key=lambda g: g[1] / g[0])  # the most limited
+    # One group limit where every block of the layer has the same, else none.
+    limits = {limited_groups(routed.topk, c.tokens, c.experts) for c in routed.calls.values()}
+    groups, top_groups = limits.pop() if len(limits) == 1 else (1, 1)
     for name, call in routed.calls.items():
         module = routed.modules[name]
         tokens = assumed_tokens(call.tokens, call.top_k, call.experts, routed.skew)
@@ -302,6 +304,6 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
         backward_weight_traffic=fixed[1],
         traffic_change=(totals[4] - eager[0], totals[5] - eager[1]),
         skew=routed.skew,
-        groups=groups if len(grouped) == 1 else 1,
-        top_groups=top_groups if len(grouped) == 1 else 1,
+        groups=groups,
+        top_groups=top_groups,
     )
