@@ -12,7 +12,7 @@ from profiler.batch_sizes import batch_refusal
 from profiler.counting import LayerCounts, count_layer, fresh_like, meta_copy
 from profiler.expert_counts import ExpertCounts
 from profiler.expert_routing import unassumed_routing
-from profiler.layer import OneValue
+from profiler.layer import OneValue, with_grad
 from profiler.pooling import layer_signature
 from profiler.profile import LayerProfile
 from profiler.shard_counts import ShardCounts
@@ -75,7 +75,9 @@ def count_layers(
     """
     results: list[CountedLayer] = []
     seen: dict[str, tuple[int, list[Inputs], bool]] = {}
-    current = [tuple(x) for x in inputs]
+    # As in :func:`profiler.measure_pass.measure_layers`: the first layer's floating
+    # inputs get gradients, later ones what the previous layer's outputs require.
+    current = [tuple(with_grad(t, True) for t in x) for x in inputs]
     if styles is not None and len(styles) != len(layers):
         raise ValueError(f"got {len(styles)} style maps for {len(layers)} layers")
     for given, name in zip(styles or [], names, strict=False):
@@ -108,6 +110,7 @@ def count_layers(
                     autocast=autocast,
                     styles=named,
                     skew=skew,
+                    grads=[t.requires_grad for t in x],
                 )
             except Exception as exc:
                 # A size the layer refuses is refused with real weights too.

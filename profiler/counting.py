@@ -28,7 +28,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.expert_counting import ExpertFigures, Routed, expert_figures, routed_experts
 from profiler.fused_attention import FusedAttention
-from profiler.layer import Pass, as_tensors, state_storages, storage_key, tensor_bytes
+from profiler.layer import (
+    Pass,
+    as_tensors,
+    state_storages,
+    storage_key,
+    tensor_bytes,
+    with_grad,
+)
 from profiler.op_flops import CPU_ATTENTION_FLOPS
 from profiler.precision import autocast_pass
 from profiler.shard_counting import ShardFigures, ShardFlow, saving
@@ -167,8 +174,8 @@ _EMBEDDING_BAG = torch.ops.aten._embedding_bag.default
 
 
 def fresh_like(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """Meta tensors with the shapes, strides and dtypes of ``tensors`` on new storages,
-    shared as theirs are.
+    """Meta tensors with the shapes, strides, dtypes and ``requires_grad`` of ``tensors`` on
+    new storages, shared as theirs are.
 
     What one layer passes the next must keep its layout: a transposed output (a
     batch-first LSTM's) is copied by a next layer that needs it contiguous, not saved,
@@ -182,7 +189,7 @@ def fresh_like(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             storages[key] = torch.empty(nbytes, dtype=torch.uint8, device=META).untyped_storage()
         view = torch.empty(0, dtype=tensor.dtype, device=META)
         view.set_(storages[key], tensor.storage_offset(), tensor.shape, tensor.stride())
-        fresh.append(view)
+        fresh.append(with_grad(view, tensor.requires_grad))
     return tuple(fresh)
 
 
@@ -268,8 +275,12 @@ def quiet_fakes() -> Iterator[None]:
 def fake_inputs(
     tensors: Sequence[Tensor], mode: FakeTensorMode, device: torch.device | None = None
 ) -> tuple[Tensor, ...]:
-    """Fake copies of ``tensors`` (shapes and dtypes, no data), on ``device`` or their own."""
-    return tuple(FakeTensor(mode, t.detach().to(META), device or t.device) for t in tensors)
+    """Fake copies of ``tensors`` (shapes, dtypes and ``requires_grad``, no data), on
+    ``device`` or their own."""
+    return tuple(
+        with_grad(FakeTensor(mode, t.detach().to(META), device or t.device), t.requires_grad)
+        for t in tensors
+    )
 
 
 def _flops(counter: FlopCounterMode) -> float:
@@ -290,13 +301,15 @@ def count_layer(
     autocast: str | None = None,
     styles: Mapping[str, str] | None = None,
     skew: float = 1.0,
+    grads: Sequence[bool] | None = None,
 ) -> tuple[LayerCounts, tuple[Tensor, ...], bool]:
     """Counts one layer as it would run on ``device``, without storage.
 
     Args:
         layer: a copy of the layer with its state on the meta device (:func:`meta_copy`);
             its state is replaced by fake tensors.
-        inputs: its positional inputs, on the meta device; floating ones get gradients.
+        inputs: its positional inputs, on the meta device; floating ones get gradients
+            (unless ``grads`` says otherwise).
         device: the device whose kernels and autocast rules apply (it must exist here:
             ``cuda`` only where CUDA is available).
         label: how error messages name the layer.
@@ -307,16 +320,19 @@ def count_layer(
         skew: the routing assumed for routed experts (:mod:`profiler.expert_routing`):
             1 balanced, else the busiest expert's tokens over the mean. Their figures
             are counted alone too (:attr:`LayerCounts.experts`).
+        grads: which inputs require a gradient, as the model's earlier layers made them;
+            ``None``: every floating one.
 
     Returns:
-        The counts, the layer's outputs on the meta device, and whether they were a tuple.
+        The counts, the layer's outputs on the meta device (each requiring a gradient
+        where the counted forward's did), and whether they were a tuple.
 
     Raises:
         RuntimeError: the layer needs tensor values (``.item()``, ``nonzero``), which fake
             tensors do not have.
     """
     counts, outputs, returns_tuple, routed = _count(
-        layer, inputs, device, label, autocast, styles, skew
+        layer, inputs, device, label, autocast, styles, skew, grads
     )
 
     def alone(
@@ -353,6 +369,7 @@ def _count(
     autocast: str | None,
     styles: Mapping[str, str] | None,
     skew: float,
+    grads: Sequence[bool] | None = None,
 ) -> tuple[LayerCounts, tuple[Tensor, ...], bool, Routed]:
     """:func:`count_layer` without the routed experts' own figures, and what it saw of
     them."""
@@ -368,7 +385,7 @@ def _count(
         watch,
     ):
         exclude = state_storages(layer)
-        runs = Pass(layer, fakes, device, label, None, autocast)
+        runs = Pass(layer, fakes, device, label, None, autocast, grads)
         saved, fresh, of_output, of_gemms = runs.saved(exclude)
         forward_flops, backward_flops = _counter(), _counter()
         forward_bytes, backward_bytes = Traffic(), Traffic()
@@ -405,7 +422,10 @@ def _count(
         # same tensor (the measuring pass counts a tensor returned twice once).
         with torch.no_grad(), autocast_pass(device.type, autocast):
             raw = layer(*fakes)
-        outputs = as_tensors(raw, f"the output of {label}")
+        # Requiring a gradient where the counted forward's outputs did: what the next
+        # layer's inputs require.
+        plain = as_tensors(raw, f"the output of {label}")
+        outputs = tuple(with_grad(t, g) for t, g in zip(plain, runs.output_grads, strict=True))
         returns_tuple = not isinstance(raw, Tensor)
         output_bytes = tensor_bytes(outputs)
         metas = fresh_like(outputs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ class LayerFigures:
     backward_input: float = 0.0  # of ``backward``: the input's gradient alone
     spread: float = 0.0  # of the forward and backward's runs: interquartile range / median
     gemm_saved: int = 0  # of ``saved``: the activation inputs of weight GEMMs
+    output_grads: tuple[bool, ...] = ()  # which outputs require a gradient
 
 
 class SavedBytes(NamedTuple):
@@ -110,10 +111,10 @@ def param_storages(layer: nn.Module) -> set[int]:
     return {storage_key(t)[0] for t in layer.parameters()}
 
 
-def _leaf(tensor: Tensor) -> Tensor:
-    """A stage input: floating tensors need gradients, integer ones (token ids) cannot."""
+def with_grad(tensor: Tensor, grad: bool) -> Tensor:
+    """``tensor`` detached, requiring a gradient if ``grad`` and it can (floating)."""
     leaf = tensor.detach()
-    if leaf.is_floating_point() or leaf.is_complex():
+    if grad and (leaf.is_floating_point() or leaf.is_complex()):
         leaf.requires_grad_(True)
     return leaf
 
@@ -190,10 +191,20 @@ class Pass:
         label: str,
         flush: CacheFlush | None = None,
         autocast: str | None = None,
+        grads: Sequence[bool] | None = None,
     ):
         self.layer = layer
         self.label = label
-        self.leaves = tuple(_leaf(t) for t in inputs)
+        # A layer inside a model gets gradients for its floating inputs unless ``grads``
+        # says which of them the model's earlier layers make require one (rotary tables
+        # and masks computed from positions alone do not).
+        wanted = [True] * len(inputs) if grads is None else list(grads)
+        if len(wanted) != len(inputs):
+            raise ValueError(f"got {len(wanted)} gradient flags for {len(inputs)} inputs")
+        self.leaves = tuple(with_grad(t, g) for t, g in zip(inputs, wanted, strict=True))
+        # Which outputs require a gradient, as the last forward found: what the next
+        # layer's inputs require (:func:`with_grad`).
+        self.output_grads: tuple[bool, ...] = ()
         self.device = device
         self.grads: list[Tensor] | None = None
         self.flush = flush or (lambda: None)
@@ -216,6 +227,7 @@ class Pass:
     def forward(self, args: tuple[Tensor, ...]) -> list[Tensor]:
         with self.region():
             outputs = as_tensors(self.layer(*args), f"the output of {self.label}")
+        self.output_grads = tuple(t.requires_grad for t in outputs)
         targets = _targets(outputs)
         if self.grads is None:
             self.grads = [torch.ones_like(t) for t in targets]
@@ -331,12 +343,14 @@ def measure_layer(
     label: str = "the layer",
     flush: CacheFlush | None = None,
     autocast: str | None = None,
+    grads: Sequence[bool] | None = None,
 ) -> LayerFigures:
     """Measures one layer, already on ``device``, on ``inputs`` (also on ``device``).
 
     Args:
         layer: the module; its parameter gradients accumulate, so pass a copy.
-        inputs: the layer's positional inputs; floating ones get ``requires_grad``.
+        inputs: the layer's positional inputs; floating ones get ``requires_grad``
+            (unless ``grads`` says otherwise).
         device: where ``layer`` and ``inputs`` live.
         exclude: storage identities not to count as saved (parameters and buffers).
         warmup: untimed runs before the timed ones.
@@ -346,12 +360,14 @@ def measure_layer(
             read as cold as in a whole step (``None``: warm caches).
         autocast: run every forward and backward under ``torch.autocast`` with this dtype
             (``bfloat16`` or ``float16``); ``None``: as the caller runs.
+        grads: which inputs require a gradient, as the model's earlier layers made them
+            (:attr:`LayerFigures.output_grads`); ``None``: every floating one.
 
     Returns:
         Median forward and backward seconds (and of a backward to the input alone), saved
         bytes and, on CUDA, the peak.
     """
-    runs = Pass(layer, inputs, device, label, flush, autocast)
+    runs = Pass(layer, inputs, device, label, flush, autocast, grads)
     # The first pass counts saved tensors and allocates parameter gradients, so the
     # later passes (and the peak) see gradients as existing state, not as transients.
     saved, fresh, of_output, of_gemms = runs.saved(exclude)
@@ -371,6 +387,7 @@ def measure_layer(
         output_saved=of_output,
         backward_input=statistics.median(inputs_only),
         gemm_saved=of_gemms,
+        output_grads=runs.output_grads,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,7 @@ from profiler.layer import (
     measure_layer,
     state_storages,
     tensor_bytes,
+    with_grad,
 )
 from profiler.materialize import has_meta, materialize
 from profiler.memory_guard import check_fits
@@ -68,6 +69,7 @@ class _Measured:
     returns_tuple: bool
     call: nn.Module | None  # the replica, to compute a twin's outputs
     spread: float = 0.0  # of its timed runs, the mean over the batch sizes
+    output_grads: list[tuple[bool, ...]] = field(default_factory=list)  # per batch size
 
 
 def _replica(layer: nn.Module, device: torch.device) -> nn.Module:
@@ -82,11 +84,22 @@ def _replica(layer: nn.Module, device: torch.device) -> nn.Module:
     return replica.to(device)
 
 
-def _outputs(call: nn.Module, inputs: list[Inputs], settings: MeasureSettings, label: str):
+def _outputs(
+    call: nn.Module,
+    inputs: list[Inputs],
+    settings: MeasureSettings,
+    label: str,
+    grads: Sequence[tuple[bool, ...]],
+):
     # Under autocast the next layer gets what the model passes it: half-precision outputs.
     with torch.no_grad(), autocast_pass(settings.device.type, settings.autocast):
         raw = [call(*x) for x in inputs]
-    outputs = [as_tensors(out, f"the output of {label}") for out in raw]
+    # Each output requires a gradient where the measured forward's did (``grads``, per
+    # batch size): the next layer's inputs as the model passes them.
+    outputs = []
+    for out, flags in zip(raw, grads, strict=True):
+        plain = as_tensors(out, f"the output of {label}")
+        outputs.append(tuple(with_grad(t, g) for t, g in zip(plain, flags, strict=True)))
     return outputs, not isinstance(raw[0], Tensor)
 
 
@@ -118,6 +131,7 @@ def _measure_one(
                     label=label,
                     flush=settings.flush,
                     autocast=settings.autocast,
+                    grads=[t.requires_grad for t in x],
                 )
             except Exception as exc:
                 refusal = batch_refusal(exc, label, x)
@@ -125,7 +139,8 @@ def _measure_one(
                     raise
                 raise ValueError(refusal) from None
             figures.append(found)
-        outputs, returns_tuple = _outputs(call, inputs, settings, label)
+        grads = [f.output_grads for f in figures]
+        outputs, returns_tuple = _outputs(call, inputs, settings, label, grads)
         params = sum(p.numel() * p.element_size() for p in replica.parameters())
         buffers = sum(b.numel() * b.element_size() for b in replica.buffers())
     finally:
@@ -155,6 +170,7 @@ def _measure_one(
         returns_tuple,
         call if keep else None,
         sum(f.spread for f in figures) / len(figures),
+        grads,
     )
     return measured, outputs
 
@@ -200,6 +216,10 @@ def measure_layers(
         MemoryShortage: a layer to measure does not fit the device's free memory.
     """
     reuse, progress = settings.reuse, settings.progress
+    # The first layer's floating inputs get gradients, as a layer inside a model (the
+    # figures of a first layer are those of any other); later layers get what the
+    # previous one's outputs require.
+    inputs = [tuple(with_grad(t, True) for t in x) for x in inputs]
     remaining = Counter(signatures) if signatures is not None else None
     kept: OrderedDict[str, _Measured] = OrderedDict()
     results: list[LayerProfile] = []
@@ -215,7 +235,7 @@ def measure_layers(
         if twin is not None and twin.call is not None:
             label = f"layer {name} ({type(layer).__name__})"
             measured = twin
-            inputs, _ = _outputs(twin.call, inputs, settings, label)
+            inputs, _ = _outputs(twin.call, inputs, settings, label, twin.output_grads)
             profile = replace(twin.profile, name=name)
         else:
             if needs is not None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 __all__ = ["FusedRMSNorm", "fuse", "swiglu"]
 
@@ -121,18 +123,35 @@ class _FusedMLP(nn.Module):
         return out
 
 
+# Causal attention without a mask, as Megatron's and torchtitan's kernels run it: an
+# attention implementation Hugging Face builds no mask for (its mask functions know only
+# their own implementations' names), whose calls are SDPA's with ``is_causal``. Traced, the
+# eager model would build the whole s × s mask, send it between stages and save a float
+# copy of it in every block: 2·s bytes per token per block that these runs never hold.
+CAUSAL = "autopipe_causal_sdpa"
+AttentionInterface.register(CAUSAL, sdpa_attention_forward)
+
+
 def fuse(model: nn.Module) -> nn.Module:
-    """Swaps ``model``'s RMSNorms and Llama MLPs for the fused-kernel forms, in place.
+    """Swaps ``model``'s RMSNorms and Llama MLPs for the fused-kernel forms, in place, and
+    makes its attention causal without a mask (:data:`CAUSAL`).
 
     Any module whose class name ends in ``RMSNorm`` (with ``weight`` and
     ``variance_epsilon``) and any with ``gate_proj``, ``up_proj`` and ``down_proj``
     children is replaced; parameters are shared, not copied.
     """
+    config = getattr(model, "config", None)
+    if config is not None:
+        config._attn_implementation = CAUSAL
+    _fuse(model)
+    return model
+
+
+def _fuse(model: nn.Module) -> None:
     for name, child in list(model.named_children()):
         if type(child).__name__.endswith("RMSNorm") and hasattr(child, "variance_epsilon"):
             setattr(model, name, FusedRMSNorm(child.weight, child.variance_epsilon))
         elif all(hasattr(child, p) for p in ("gate_proj", "up_proj", "down_proj")):
             setattr(model, name, _FusedMLP(child))
         else:
-            fuse(child)
-    return model
+            _fuse(child)

@@ -62,3 +62,22 @@ def test_fused_model_trains_as_the_eager_one_and_saves_less() -> None:
     for (name, p), q in zip(eager.named_parameters(), fused.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
     assert fused_saved < 0.9 * eager_saved
+
+
+def test_fused_model_attends_causally_without_a_mask() -> None:
+    from autopipe.graph import unit_sequential
+
+    eager = _tiny()
+    fused = fuse(copy.deepcopy(eager))
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, eager(ids).logits)
+    # Traced, the eager model passes its blocks a 16 × 16 mask; the fused one passes none.
+    for model, masks in ((eager, 1), (fused, 0)):
+        units, flat = unit_sequential(model, ids)
+        value = flat
+        shapes = set()
+        for unit in units:
+            shapes |= {tuple(t.shape[-2:]) for t in value if t.dim() == 4}
+            value = unit(*value)
+        assert len(shapes & {(16, 16)}) == masks

@@ -544,3 +544,39 @@ def test_cache_bytes_reads_the_largest_cpu_cache() -> None:
     found = cache_bytes(torch.device("cpu"))
     assert found is None or found >= 1 << 10
     assert cache_bytes(torch.device("meta")) is None
+
+
+class Positions(nn.Module):
+    """Passes its input on beside a table computed from a buffer alone, as rotary
+    embeddings' cosines are: nothing in the table requires a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(3))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, self.table.expand(x.shape[0], 3).clone()
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        x, table = pair
+        return self.linear(x) * table
+
+
+@pytest.mark.parametrize("measure", [True, False])
+def test_an_input_that_needs_no_gradient_is_not_given_one(measure: bool) -> None:
+    # The product saves the table (for the linear output's gradient) but not the linear
+    # output, which only the table's gradient would need: the table depends on no
+    # parameter, as in the model, so it needs none (a layer's first inputs still get one).
+    x = torch.randn(4, 3)
+    profile = profile_layers([Positions(), Mix()], x, batch_sizes=[2, 4], measure=measure)
+    mix = profile.layers[1]
+    assert mix.saved == [2 * b * 3 * F32 for b in (2, 4)]  # the linear's input and the table
+    # First, the same layer gets gradients for every floating input: the output is saved.
+    first = profile_layers([Mix()], ((x, x),), batch_sizes=[2, 4], measure=measure)
+    assert first.layers[0].saved == [3 * b * 3 * F32 for b in (2, 4)]
