@@ -168,6 +168,16 @@ def hidden_share(forward: Any, comm_forward: Any, backward: Any, comm_backward: 
     return np.where(talk > 0, np.clip(compute / safe, 0.0, 1.0), 0.0)
 
 
+def _per_stage(forward: Any, ranks: int) -> tuple[NDArray[np.float64], int]:
+    """``forward`` as (splits, stages) floats and its stages, which must divide among
+    ``ranks``."""
+    rows = np.atleast_2d(np.asarray(forward, dtype=float))
+    stages = rows.shape[1]
+    if ranks < 1 or not stages or stages % ranks:
+        raise ValueError(f"{stages} stages do not divide among {ranks} ranks")
+    return rows, stages
+
+
 def hidden_seconds(
     forward: NDArray[np.float64],
     backward: NDArray[np.float64],
@@ -183,10 +193,7 @@ def hidden_seconds(
     Raises:
         ValueError: as :func:`makespans`.
     """
-    forward = np.atleast_2d(np.asarray(forward, dtype=float))
-    stages = forward.shape[1]
-    if ranks < 1 or not stages or stages % ranks:
-        raise ValueError(f"{stages} stages do not divide among {ranks} ranks")
+    forward, stages = _per_stage(forward, ranks)
     out = np.zeros((len(forward), ranks))
     if schedule not in V_PLACED:
         return out
@@ -281,10 +288,7 @@ def makespans(
     Raises:
         ValueError: the stages do not divide among the ranks, or as :func:`replay_order`.
     """
-    forward = np.atleast_2d(np.asarray(forward, dtype=float))
-    stages = forward.shape[1]
-    if ranks < 1 or not stages or stages % ranks:
-        raise ValueError(f"{stages} stages do not divide among {ranks} ranks")
+    forward, stages = _per_stage(forward, ranks)
     order = replay_order(ranks, stages // ranks, chunks, schedule)
     first = spared(ranks, stages // ranks, chunks, schedule)
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in (backward, transfer)]
