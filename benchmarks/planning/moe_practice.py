@@ -18,8 +18,13 @@ assumed balanced, the default efficiencies (nothing fitted):
   micro-batch, bfloat16): the best plan with EP8 × TP1 against the best with EP4 × TP2
   (Megatron-LM's MoE guide reports the first faster), and the search's best.
 
-Run: ``python -m benchmarks.planning.moe_practice [--cases deepseek-v3,mixtral-8,...]``;
-results go to ``benchmarks/results/moe_practice.{json,md}``.
+Both models are planned with the kernels these runs train with (``--eager``: Hugging
+Face's modules unchanged): RMSNorm and SwiGLU fused, keeping their inputs only, and
+attention causal without a mask (:mod:`benchmarks.planning.fused_llama`); the routed
+experts run as counted (:mod:`profiler.expert_routing`).
+
+Run: ``python -m benchmarks.planning.moe_practice [--cases deepseek-v3,mixtral-8,...]
+[--eager]``; results go to ``benchmarks/results/moe_practice.{json,md}``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import platform
 import resource
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +72,8 @@ class Case:
         sequence: tokens per sequence.
         dtype: the peak the FLOPs are priced at.
         flags: the rest of ``autopipe plan``'s arguments.
+        fused: a folder to write the model with fused kernels to (``None``: the example
+            unchanged).
     """
 
     name: str
@@ -76,11 +84,18 @@ class Case:
     sequence: int
     dtype: str
     flags: tuple[str, ...] = ()
+    fused: Path | None = None
+
+    def path(self) -> Path:
+        """The model file: the example, or its fused form in the folder ``fused``."""
+        if self.fused is None:
+            return ROOT / "examples" / self.model
+        return fused_file(self.model, self.fused)
 
     def arguments(self, *extra: str) -> list[str]:
         """``autopipe plan --search`` as a user states the job."""
         return [
-            "plan", str(ROOT / "examples" / self.model), "--target", self.target,
+            "plan", str(self.path()), "--target", self.target,
             "--peak-dtype", self.dtype, "--search", "--devices", str(self.gpus),
             "--per-node", "8", "--global-batch", str(self.global_batch), "--micro-batch",
             "1", "--sequence", str(self.sequence), "--optimizer", "adam-mixed",
@@ -88,6 +103,19 @@ class Case:
         ]  # fmt: skip
 
 
+# The example's model with the training runs' fused kernels, as a model file.
+FUSED_FILE = '''"""{example} with fused norms and SwiGLU and causal attention without a mask."""
+import sys
+
+sys.path[:0] = [{examples!r}, {root!r}]
+from benchmarks.planning.fused_llama import fuse  # noqa: E402
+from {module} import model as _model  # noqa: E402
+from {module} import sample  # noqa: E402, F401
+
+
+def model():
+    return fuse(_model())
+'''
 DEEPSEEK = Case(
     "deepseek-v3", "deepseek_v3.py", "h800", 2048, 15360, 4096, "float8",
     ("--tensor-parallel", "1,2,4,8", "--zero", "0,1", "--expert-parallel", "auto",
@@ -106,6 +134,18 @@ MIXTRAL = {
     )
     for gpus in (8, 64)
 }
+
+
+def fused_file(example: str, folder: Path) -> Path:
+    """The example ``example`` (a file under ``examples/``) with fused kernels, in ``folder``."""
+    module = example.removesuffix(".py")
+    path = folder / f"{module}_fused.py"
+    if not path.exists():
+        text = FUSED_FILE.format(
+            example=example, examples=str(ROOT / "examples"), root=str(ROOT), module=module
+        )
+        path.write_text(text)
+    return path
 
 
 def mesh_of(plan: Plan) -> tuple[int, int, int, int, int, int]:
@@ -168,9 +208,9 @@ def _row(plan: Plan, case: Case) -> dict[str, Any]:
     }
 
 
-def deepseek() -> dict[str, Any]:
+def deepseek(fused: Path | None) -> dict[str, Any]:
     """(a), (b) and (c) for DeepSeek-V3 (see the module docstring)."""
-    case = DEEPSEEK
+    case = dataclasses.replace(DEEPSEEK, fused=fused)
     plans, seconds, peak, _ = _search(case)
     best = plans[0]
     as_published = (
@@ -211,9 +251,9 @@ def deepseek() -> dict[str, Any]:
     return result
 
 
-def mixtral(gpus: int) -> dict[str, Any]:
+def mixtral(gpus: int, fused: Path | None) -> dict[str, Any]:
     """The best plan at EP8 × TP1 and at EP4 × TP2, and the search's best."""
-    case = MIXTRAL[gpus]
+    case = dataclasses.replace(MIXTRAL[gpus], fused=fused)
     started = time.perf_counter()
     try:
         plans, seconds, peak, _ = _search(
@@ -230,13 +270,18 @@ def mixtral(gpus: int) -> dict[str, Any]:
     return rows
 
 
-def markdown(results: list[dict[str, Any]]) -> str:
+def markdown(results: list[dict[str, Any]], *, fused: bool) -> str:
+    kernels = (
+        "fused norms and SwiGLU, causal attention without a mask"
+        if fused
+        else "Hugging Face's modules unchanged (`--eager`)"
+    )
     lines = [
         "# Mixtures of experts planned as trained",
         "",
         f"`python -m benchmarks.planning.moe_practice` on {platform.node() or 'this host'} "
-        f"({platform.processor() or platform.machine()}); routing assumed balanced; "
-        "default efficiencies (nothing fitted).",
+        f"({platform.processor() or platform.machine()}); models: {kernels}; routing "
+        "assumed balanced; default efficiencies (nothing fitted).",
         "",
     ]
     for r in results:
@@ -317,18 +362,22 @@ def markdown(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="deepseek-v3,mixtral-8,mixtral-64")
+    parser.add_argument("--eager", action="store_true", help="plan HF's models unchanged")
     args = parser.parse_args()
     results = []
-    for name in args.cases.split(","):
-        print(f"{name}: planning ...", file=sys.stderr, flush=True)
-        if name == "deepseek-v3":
-            results.append(deepseek())
-        else:
-            results.append(mixtral(int(name.split("-")[1])))
-        print(json.dumps(results[-1], indent=1)[:2000], file=sys.stderr, flush=True)
-    (RESULTS / "moe_practice.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / "moe_practice.md").write_text(markdown(results))
-    print(markdown(results))
+    with tempfile.TemporaryDirectory() as folder:
+        fused = None if args.eager else Path(folder)
+        for name in args.cases.split(","):
+            print(f"{name}: planning ...", file=sys.stderr, flush=True)
+            if name == "deepseek-v3":
+                results.append(deepseek(fused))
+            else:
+                results.append(mixtral(int(name.split("-")[1]), fused))
+            print(json.dumps(results[-1], indent=1)[:2000], file=sys.stderr, flush=True)
+    name = "moe_practice" + ("_eager" if args.eager else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(results, fused=not args.eager))
+    print(markdown(results, fused=not args.eager))
 
 
 if __name__ == "__main__":
