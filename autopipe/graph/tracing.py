@@ -23,6 +23,7 @@ from autopipe.graph.export import (
 from autopipe.graph.flat_io import FlatSpec, check_batch_major
 from autopipe.graph.grad_modes import KEY, inline_grad_regions, tracking
 from autopipe.graph.meta import META, has_meta_state, meta_shadow, rebind_state
+from autopipe.graph.repeats import cut, extend, find_repeats
 from autopipe.graph.shapes import DynamicSpec, InputShapes, dynamic_dims, input_names
 from autopipe.graph.trace_checks import PREFIX, verify_gradients, verify_outputs
 from autopipe.graph.trace_errors import failure_message
@@ -253,6 +254,25 @@ def _without_cache(model: nn.Module) -> Iterator[None]:
             config.use_cache = True
 
 
+def _export(
+    model: nn.Module,
+    flat: _FlatModel,
+    tensors: tuple[Tensor, ...],
+    dynamic: tuple[list[dict[int, Any]], list[tuple[str | int, str]]],
+) -> tuple[nn.Module, fx.Graph, InputShapes]:
+    """:func:`export_graph` of the flat model; a long list of alike blocks is exported
+    cut to a few and its graph extended (:mod:`autopipe.graph.repeats`)."""
+    repeats = find_repeats(model)
+    if repeats is not None:
+        with cut(model, repeats):
+            root, graph, shapes = export_graph(flat, tensors, *dynamic)
+        if extend(graph, root, model, repeats, PREFIX):
+            graph.lint()
+            root.graph = graph  # type: ignore[assignment]
+            return root, graph, shapes
+    return export_graph(flat, tensors, *dynamic)
+
+
 def _trace(
     model: nn.Module,
     flat: _FlatModel,
@@ -272,7 +292,7 @@ def _trace(
                 if name == "fx":
                     root, graph = flat, _trace_fx(flat, len(tensors), leaves)
                 else:
-                    root, graph, exported = export_graph(flat, tensors, *dynamic)
+                    root, graph, exported = _export(model, flat, tensors, dynamic)
                     inline_grad_regions(root, graph)
             strip_checks(graph)
             values, output, buffers = record_values(root, graph, tensors)
