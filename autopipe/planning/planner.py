@@ -36,7 +36,7 @@ from autopipe.planning.schedules.interleaving import rank_stages
 from autopipe.planning.schedules.simulation import hidden_alltoalls
 from autopipe.planning.split.balance import baseline_balance
 from autopipe.planning.split.exact import check_cuts, gpipe_step_time, memory_split, optimal_split
-from autopipe.planning.split.interleaved_balance import interleaved_split, pipeline_time
+from autopipe.planning.split.interleaved_balance import pipeline_time, timed_split
 from profiler import Profile
 
 __all__ = ["CHUNKS_PER_STAGE", "default_chunks", "evaluate", "plan"]
@@ -229,6 +229,12 @@ def _replayed(model: CostModel) -> bool:
 def interleaved_balance(model: CostModel) -> list[int]:
     """The best split for virtual stages: a local search from the exact K·v-stage split
     and the uniform one (:mod:`autopipe.planning.split.interleaved_balance`)."""
+    return timed_interleaved_balance(model)[0]
+
+
+def timed_interleaved_balance(model: CostModel) -> tuple[list[int], float]:
+    """:func:`interleaved_balance` and its split's replayed pipeline time
+    (:func:`autopipe.planning.split.interleaved_balance.pipeline_time`)."""
     # A rank holds at least what each of its stages needs alone: where no K·v-stage split
     # fits stage by stage, no interleaved one fits either (the search meets thousands).
     try:
@@ -239,7 +245,7 @@ def interleaved_balance(model: CostModel) -> list[int]:
     if exact is not None:
         params = model.layers.params + model.layers.buffers
         uniform = baseline_balance("uniform", model.layer_time(), model.num_stages, params)
-        balance = interleaved_split(model, [exact, uniform])
+        balance = timed_split(model, [exact, uniform])
     if balance is None:
         raise PlanningError(
             f"no split into {model.num_stages} stages, {model.virtual_stages} per device, fits "

@@ -71,9 +71,8 @@ from autopipe.planning.model.plans import Plan
 from autopipe.planning.model.quantities import parse_bytes
 from autopipe.planning.model.spans import split_fits, stage_bounds, stage_memory, stage_spans
 from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
-from autopipe.planning.planner import describe, interleaved_balance
+from autopipe.planning.planner import describe, timed_interleaved_balance
 from autopipe.planning.split.exact import solve_split, split_value
-from autopipe.planning.split.interleaved_balance import pipeline_time
 from autopipe.planning.split.intervals import IntervalSolver
 from autopipe.planning.split.screening import Relaxation
 from autopipe.planning.split.tolerances import SAME_TIME
@@ -500,11 +499,11 @@ class _Ranking:
         self.stats["interleaved"] += 1
         model = self.space.model(config)
         try:
-            balance = interleaved_balance(model)
+            balance, value = timed_interleaved_balance(model)
         except PlanningError:
             self.infeasible.append((bound, config))
             return
-        value = pipeline_time(model, balance) + _allreduce(model, balance)
+        value += _allreduce(model, balance)
         value += model.tied_time(balance)
         self.record(config, _Found(value, balance, model, True))
 

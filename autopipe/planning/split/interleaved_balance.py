@@ -119,14 +119,16 @@ def every_split(layers: int, stages: int) -> NDArray[np.int64]:
     return np.concatenate([np.zeros_like(ends), cuts, ends], axis=1)
 
 
-def _exhaustive_split(model: CostModel) -> list[int] | None:
-    """The split with the least interleaved step time among all that fit, by evaluating
-    every one (``None``: none fits). Only for at most :data:`EXHAUSTIVE` splits."""
+def _exhaustive_split(model: CostModel) -> tuple[list[int], float] | None:
+    """The split with the least interleaved step time among all that fit, and that time,
+    by evaluating every one (``None``: none fits). Only for at most :data:`EXHAUSTIVE`
+    splits."""
     bounds = every_split(model.num_layers, model.num_stages)
     cost = _replayed(model, bounds)
     if not np.isfinite(cost).any():
         return None
-    return [int(b) for b in np.diff(bounds[int(np.argmin(cost))])]
+    best = int(np.argmin(cost))
+    return [int(b) for b in np.diff(bounds[best])], float(cost[best])
 
 
 def interleaved_split(model: CostModel, starts: Sequence[Sequence[int]]) -> list[int] | None:
@@ -138,6 +140,15 @@ def interleaved_split(model: CostModel, starts: Sequence[Sequence[int]]) -> list
         The balance with the smallest :func:`_interleaved_cost`, or ``None`` when none that
         was tried fits.
     """
+    found = timed_split(model, starts)
+    return None if found is None else found[0]
+
+
+def timed_split(
+    model: CostModel, starts: Sequence[Sequence[int]]
+) -> tuple[list[int], float] | None:
+    """:func:`interleaved_split` and the split's :func:`pipeline_time`, which its search
+    computed (a caller need not replay it again)."""
     if math.comb(model.num_layers - 1, model.num_stages - 1) <= EXHAUSTIVE:
         return _exhaustive_split(model)
     best: list[int] | None = None
@@ -158,4 +169,4 @@ def interleaved_split(model: CostModel, starts: Sequence[Sequence[int]]) -> list
             current, cost = moves[pick], float(found[pick])
         if cost < best_cost:
             best, best_cost = current, cost
-    return best
+    return None if best is None else (best, best_cost)
