@@ -254,23 +254,59 @@ def _without_cache(model: nn.Module) -> Iterator[None]:
             config.use_cache = True
 
 
+def _checked(
+    root: nn.Module, graph: fx.Graph, flat: _FlatModel, tensors: tuple[Tensor, ...], name: str
+) -> dict[str, ValueInfo]:
+    """Records what each node holds on the sample and checks the graph against the model
+    (without dropping the constant copies the checks' fake runs need)."""
+    strip_checks(graph)
+    values, output, buffers = record_values(root, graph, tensors)
+    # False: the model cannot run on meta, export's graph is kept unchecked.
+    if verify_outputs(flat, tensors, (output, buffers), name):
+        verify_gradients(flat, root, graph, tensors, name)
+    return values
+
+
+def _exported(
+    root: nn.Module, graph: fx.Graph, shapes: InputShapes, values: dict[str, ValueInfo]
+) -> tuple[nn.Module, fx.Graph, InputShapes, dict[str, ValueInfo]]:
+    drop_constant_copies(graph)
+    return root, graph, shapes, values
+
+
 def _export(
     model: nn.Module,
     flat: _FlatModel,
     tensors: tuple[Tensor, ...],
     dynamic: tuple[list[dict[int, Any]], list[tuple[str | int, str]]],
-) -> tuple[nn.Module, fx.Graph, InputShapes]:
-    """:func:`export_graph` of the flat model; a long list of alike blocks is exported
-    cut to a few and its graph extended (:mod:`autopipe.graph.repeats`)."""
+) -> tuple[nn.Module, fx.Graph, InputShapes, dict[str, ValueInfo]]:
+    """:func:`export_graph` of the flat model, checked; a long list of alike blocks is
+    exported cut to a few and its graph extended (:mod:`autopipe.graph.repeats`).
+
+    A model with real tensors is checked whole (its values compared); on meta, where the
+    checks compare shapes and which tensors take gradients, the same in every alike
+    block, the cut model's graph is.
+    """
     repeats = find_repeats(model)
     if repeats is not None:
+        meta = any(t.is_meta for t in tensors)
         with cut(model, repeats):
-            root, graph, shapes = export_graph(flat, tensors, *dynamic)
+            with tracking():  # keeps the model's no_grad / enable_grad regions
+                root, graph, shapes = export_graph(flat, tensors, *dynamic)
+                inline_grad_regions(root, graph)
+            values = _checked(root, graph, flat, tensors, "export") if meta else {}
         if extend(graph, root, model, repeats, PREFIX):
             graph.lint()
             root.graph = graph  # type: ignore[assignment]
-            return root, graph, shapes
-    return export_graph(flat, tensors, *dynamic)
+            if meta:
+                values = record_values(root, graph, tensors)[0]
+            else:
+                values = _checked(root, graph, flat, tensors, "export")
+            return _exported(root, graph, shapes, values)
+    with tracking():
+        root, graph, shapes = export_graph(flat, tensors, *dynamic)
+        inline_grad_regions(root, graph)
+    return _exported(root, graph, shapes, _checked(root, graph, flat, tensors, "export"))
 
 
 def _trace(
@@ -288,19 +324,14 @@ def _trace(
     exported: InputShapes | None = None
     for name in ("fx", "export") if method == "auto" else (method,):
         try:
-            with tracking():  # keeps the model's no_grad / enable_grad regions
-                if name == "fx":
+            if name == "fx":
+                with tracking():  # keeps the model's no_grad / enable_grad regions
                     root, graph = flat, _trace_fx(flat, len(tensors), leaves)
-                else:
-                    root, graph, exported = _export(model, flat, tensors, dynamic)
-                    inline_grad_regions(root, graph)
-            strip_checks(graph)
-            values, output, buffers = record_values(root, graph, tensors)
-            # False: the model cannot run on meta, export's graph is kept unchecked.
-            if verify_outputs(flat, tensors, (output, buffers), name):
-                verify_gradients(flat, root, graph, tensors, name)
-            # After the checks: their fake run needs the copies of plain-tensor constants.
-            drop_constant_copies(graph)
+                values = _checked(root, graph, flat, tensors, name)
+                # After the checks: their fake run needs the copies of plain-tensor constants.
+                drop_constant_copies(graph)
+            else:
+                root, graph, exported, values = _export(model, flat, tensors, dynamic)
             break
         except Exception as exc:
             errors.append((name, exc))
