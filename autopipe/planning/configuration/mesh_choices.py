@@ -81,9 +81,10 @@ def mesh_configurations(bounds: Bounds, choices: MeshChoices) -> list[Config]:
                 for sp in choices.sequence_parallel:
                     if sp and t == 1:
                         continue
-                    for zero in choices.zero:
-                        if zero > 0 and d * c == 1:
-                            continue
+                    # Sharding over a single replica shards nothing: there every stage
+                    # listed is ZeRO-0 (the configuration kept, once).
+                    zeros = choices.zero if d * c > 1 else (0,)
+                    for zero in zeros:
                         for e in degrees:
                             for m, micro in options:
                                 point = Config(

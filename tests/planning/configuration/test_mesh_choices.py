@@ -46,6 +46,14 @@ def test_every_configuration_takes_every_device_and_m_follows_from_the_batch() -
     assert not any(c.sequence_parallel and c.tensor == 1 for c in configs)
     assert not any(c.zero > 0 and c.replicas * c.context == 1 for c in configs)
     assert all(c.stages <= 4 for c in configs)
+    # Sharding over one replica shards nothing: asked for ZeRO-1 alone, such meshes are
+    # searched as ZeRO-0, once (a deep pipeline over every device is one).
+    sharded = mesh_configurations(
+        Bounds(8, 8, 16, ("never",), ("gpipe",)), replace(choices, zero=(1, 2))
+    )
+    lone = [c for c in sharded if c.replicas * c.context == 1]
+    assert {c.zero for c in lone} == {0} and any(c.stages == 8 for c in lone)
+    assert len(lone) == len({(c.tensor, c.stages, c.sequence_parallel) for c in lone})
     # A D whose micro-batches do not divide the batch is left out.
     odd = mesh_configurations(Bounds(8, 8, 6, ("never",), ("gpipe",)), choices)
     assert {c.replicas for c in odd} <= {1, 2}
