@@ -10,6 +10,12 @@ read from that block's, its carried inputs (the hidden state) taken from the cop
 everything else it reads (masks, rotary tables) shared. The last two traced blocks must
 record the same operations (the third the image of the second), or the model is exported
 whole; so must the graph's tail read nothing of the blocks but the last one's outputs.
+
+Blocks that differ only in code reading their own index (``if self.layer_idx in ...``)
+look alike here; Hugging Face's models set such differences as attributes when built
+(``attention_type``, ``sliding_window``), which tell them apart. A model with real
+tensors is checked whole against its own outputs (:mod:`autopipe.graph.trace_checks`),
+which would show such a difference; a meta model's checks compare shapes only.
 """
 
 from __future__ import annotations
@@ -81,8 +87,8 @@ def _key(block: nn.Module, index: int) -> tuple[Any, ...]:
 
 
 def find_repeats(model: nn.Module) -> Repeats | None:
-    """The model's longest list of blocks that ends in at least :data:`MIN_BLOCKS` alike
-    ones (three past the three traced), or ``None``."""
+    """The model's longest list of at least :data:`MIN_BLOCKS` blocks whose alike tail
+    runs three or more blocks past the three traced, or ``None``."""
     best: Repeats | None = None
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < MIN_BLOCKS:
