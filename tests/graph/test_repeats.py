@@ -44,6 +44,19 @@ def _operations(units: nn.Module) -> list[tuple[str, list[tuple[Any, ...]]]]:
     return found
 
 
+def _watch_extend(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What each extension of a cut graph returns, appended as it happens."""
+    extended: list[bool] = []
+    real_extend = tracing.extend
+
+    def watched(*args: Any) -> bool:
+        extended.append(real_extend(*args))
+        return extended[-1]
+
+    monkeypatch.setattr(tracing, "extend", watched)
+    return extended
+
+
 def _train(units: nn.Module, flat: tuple[Tensor, ...], model: nn.Module) -> Tensor:
     model.zero_grad()
     value: Any = flat
@@ -57,14 +70,7 @@ def test_alike_blocks_are_exported_once_and_repeated(monkeypatch: pytest.MonkeyP
     model = _llama(10)
     assert find_repeats(model) == Repeats("model.layers", 10, 0)
     ids = torch.randint(0, 50, (2, 8))
-    extended: list[bool] = []
-    real_extend = tracing.extend
-
-    def watched(*args: Any) -> bool:
-        extended.append(real_extend(*args))
-        return extended[-1]
-
-    monkeypatch.setattr(tracing, "extend", watched)
+    extended = _watch_extend(monkeypatch)
     units, flat = unit_sequential(model, ids, both_modes=False)
     assert extended == [True]
     out = _train(units, flat, model)
@@ -120,14 +126,7 @@ def test_a_tail_reading_earlier_blocks_is_exported_whole(
     # fx traces this model; export is asked for to reach the repeats.
     model = Stack(12, differing=2, every_output=every_output).double()
     x = torch.randn(3, 4, dtype=torch.float64)
-    extended: list[bool] = []
-    real_extend = tracing.extend
-
-    def watched(*args: Any) -> bool:
-        extended.append(real_extend(*args))
-        return extended[-1]
-
-    monkeypatch.setattr(tracing, "extend", watched)
+    extended = _watch_extend(monkeypatch)
     traced = tracing.trace(model, (x,), method="export")
     assert extended == [not every_output]
     (out,) = fx.GraphModule(traced.root, traced.graph)(x)
