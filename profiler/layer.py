@@ -337,7 +337,6 @@ def measure_layer(
     inputs: tuple[Tensor, ...],
     device: torch.device,
     *,
-    exclude: AbstractSet[int],
     warmup: int,
     repeats: int,
     label: str = "the layer",
@@ -352,7 +351,6 @@ def measure_layer(
         inputs: the layer's positional inputs; floating ones get ``requires_grad``
             (unless ``grads`` says otherwise).
         device: where ``layer`` and ``inputs`` live.
-        exclude: storage identities not to count as saved (parameters and buffers).
         warmup: untimed runs before the timed ones.
         repeats: timed runs; the median is reported.
         label: how error messages name the layer.
@@ -368,6 +366,7 @@ def measure_layer(
         bytes and, on CUDA, the peak.
     """
     runs = Pass(layer, inputs, device, label, flush, autocast, grads)
+    exclude = state_storages(layer)  # parameters and buffers are state, not saved
     # The first pass counts saved tensors and allocates parameter gradients, so the
     # later passes (and the peak) see gradients as existing state, not as transients.
     saved, fresh, of_output, of_gemms = runs.saved(exclude)

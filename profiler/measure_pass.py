@@ -17,7 +17,6 @@ from profiler.layer import (
     OneValue,
     as_tensors,
     measure_layer,
-    state_storages,
     tensor_bytes,
     with_grad,
 )
@@ -117,7 +116,6 @@ def _measure_one(
     label = f"layer {name} ({type(layer).__name__})"
     call: nn.Module = OneValue(replica) if packed else replica
     try:
-        exclude = state_storages(replica)
         figures: list[LayerFigures] = []
         for x in inputs:
             try:
@@ -125,7 +123,6 @@ def _measure_one(
                     call,
                     x,
                     device,
-                    exclude=exclude,
                     warmup=settings.warmup,
                     repeats=settings.repeats,
                     label=label,
