@@ -53,7 +53,8 @@ def meta_shadow(*models: nn.Module) -> contextlib.AbstractContextManager[None]:
     return swapped_state(models, lambda t: None if t.is_meta else torch.empty_like(t, device=META))
 
 
-def _lookup(model: nn.Module, path: str) -> object:
+def model_attribute(model: nn.Module, path: str) -> object:
+    """The attribute at ``path`` (``layers.3.mlp.weight``) of ``model``."""
     owner, _, field = path.rpartition(".")
     return getattr(model.get_submodule(owner) if owner else model, field)
 
@@ -83,7 +84,7 @@ def rebind_state(module: nn.Module, model: nn.Module, prefix: str = "model") -> 
             if not target.startswith(prefix + "."):
                 continue
             try:
-                current = _lookup(model, target[len(prefix) + 1 :])
+                current = model_attribute(model, target[len(prefix) + 1 :])
                 parent, _, field = target.rpartition(".")
                 holder = graph_module.get_submodule(parent)
             except AttributeError:

@@ -28,6 +28,8 @@ from typing import Any
 import torch.fx as fx
 from torch import Tensor, nn
 
+from autopipe.graph.meta import model_attribute
+
 __all__: list[str] = []
 
 # Fewer blocks than this are exported whole: cutting saves little.
@@ -151,12 +153,6 @@ def _blocks(
     return one, two
 
 
-def _attr_key(value: Any) -> Any:
-    if isinstance(value, fx.Node) and value.op == "get_attr":
-        return ("attr", str(value.target))
-    return value
-
-
 def _leaves(node: fx.Node) -> list[Any]:
     """The leaves of a node's arguments, in order."""
     found: list[Any] = []
@@ -213,19 +209,13 @@ def _attr(root: nn.Module, model: nn.Module, target: str, prefix: str) -> None:
         if part not in holder._modules:
             holder._modules[part] = nn.Module()
         holder = holder._modules[part]  # type: ignore[assignment]
-    value = _lookup(model, target[len(prefix) + 1 :])
+    value = model_attribute(model, target[len(prefix) + 1 :])
+    if not isinstance(value, Tensor):
+        raise AttributeError(f"{target} is not a tensor")
     if isinstance(value, nn.Parameter):
         holder._parameters[field] = value
     else:
         holder._buffers[field] = value
-
-
-def _lookup(model: nn.Module, name: str) -> Tensor:
-    owner, _, field = name.rpartition(".")
-    value = getattr(model.get_submodule(owner), field)
-    if not isinstance(value, Tensor):
-        raise AttributeError(f"{name} is not a tensor")
-    return value
 
 
 class _Copies:
@@ -283,7 +273,8 @@ def extend(
     nodes = list(graph.nodes)
     after = nodes[nodes.index(two[-1]) + 1 :]
     # The tail may read the last block's nodes, and nothing of the earlier ones.
-    if any(arg in set(one) for node in after for arg in node.all_input_nodes):
+    earlier = set(one)
+    if any(arg in earlier for node in after for arg in node.all_input_nodes):
         return False
     copies = _Copies(graph, root, model, prefix, new)
     copies.previous = dict(zip(one, two, strict=True))

@@ -291,9 +291,7 @@ def _export(
     if repeats is not None:
         meta = any(t.is_meta for t in tensors)
         with cut(model, repeats):
-            with tracking():  # keeps the model's no_grad / enable_grad regions
-                root, graph, shapes = export_graph(flat, tensors, *dynamic)
-                inline_grad_regions(root, graph)
+            root, graph, shapes = _export_graph(flat, tensors, dynamic)
             values = _checked(root, graph, flat, tensors, "export") if meta else {}
         if extend(graph, root, model, repeats, PREFIX):
             graph.lint()
@@ -303,10 +301,20 @@ def _export(
             else:
                 values = _checked(root, graph, flat, tensors, "export")
             return _exported(root, graph, shapes, values)
+    root, graph, shapes = _export_graph(flat, tensors, dynamic)
+    return _exported(root, graph, shapes, _checked(root, graph, flat, tensors, "export"))
+
+
+def _export_graph(
+    flat: _FlatModel,
+    tensors: tuple[Tensor, ...],
+    dynamic: tuple[list[dict[int, Any]], list[tuple[str | int, str]]],
+) -> tuple[nn.Module, fx.Graph, InputShapes]:
+    """:func:`export_graph` with the model's no_grad / enable_grad regions kept."""
     with tracking():
         root, graph, shapes = export_graph(flat, tensors, *dynamic)
         inline_grad_regions(root, graph)
-    return _exported(root, graph, shapes, _checked(root, graph, flat, tensors, "export"))
+    return root, graph, shapes
 
 
 def _trace(

@@ -153,12 +153,21 @@ def test_program_reads_every_message_once_from_its_slot(
     assert slots < k * v * m or k * v * m <= 3
 
 
+def _stage_times(
+    rng: np.random.Generator, rows: int, stages: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random forward, backward and transfer seconds of ``rows`` splits (the last stage
+    sends nothing); drawn in this order, as the tests' seeds expect."""
+    f, b = rng.uniform(0.1, 2.0, (rows, stages)), rng.uniform(0.2, 4.0, (rows, stages))
+    t = rng.uniform(0.0, 0.5, (rows, stages))
+    t[:, -1] = 0.0
+    return f, b, t
+
+
 def test_rows_are_independent_and_blocks_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(0)
     k, v, m = 2, 2, 4
-    f, b = rng.uniform(0.1, 2.0, (50, k * v)), rng.uniform(0.2, 4.0, (50, k * v))
-    t = rng.uniform(0.0, 0.5, (50, k * v))
-    t[:, -1] = 0.0
+    f, b, t = _stage_times(rng, 50, k * v)
     codes = rng.integers(0, 3, (50, k * v))
     together = makespans(f, b, t, codes, k, m, "1f1b")
     alone = [makespans(f[i], b[i], t[i], codes[i], k, m, "1f1b")[0] for i in range(50)]
@@ -173,9 +182,7 @@ def test_one_split_walks_to_the_same_bits_as_many(schedule: str) -> None:
     # One row takes the float walk, several the numpy one: the same step to the last bit.
     rng = np.random.default_rng(1)
     k, v, m = 3, 2, 6
-    f, b = rng.uniform(0.1, 2.0, (8, k * v)), rng.uniform(0.2, 4.0, (8, k * v))
-    t = rng.uniform(0.0, 0.5, (8, k * v))
-    t[:, -1] = 0.0
+    f, b, t = _stage_times(rng, 8, k * v)
     weight = rng.uniform(0.0, 1.0, (8, k * v))
     codes = rng.integers(0, 3, (8, k * v)) if schedule in ("gpipe", "1f1b") else 0 * t
     together = makespans(f, b, t, codes.astype(int), k, m, schedule, weight)
