@@ -40,17 +40,24 @@ class Measured:
 
 def merge_stage_seconds(parts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """Every rank's recorded step as one: each stage's figures from the rank that ran it,
-    the slowest rank's step and recorded span; ``None`` when a rank recorded none."""
+    the slowest rank's step and recorded span, and, where the ranks timed unrecorded
+    steps (``steps``), the slowest rank's seconds of each; ``None`` when a rank recorded
+    none."""
     if not parts or any(part is None for part in parts):
         return None
     stages: dict[int, dict[str, float]] = {}
     for part in parts:
         stages.update({int(k): dict(v) for k, v in part["stages"].items()})  # type: ignore[index]
-    return {
+    merged: dict[str, Any] = {
         "stages": [stages[i] for i in sorted(stages)],
         "step": max(part["step"] for part in parts),  # type: ignore[index]
         "span": max(part["span"] for part in parts),  # type: ignore[index]
     }
+    lists = [part.get("steps") for part in parts]  # type: ignore[union-attr]
+    if all(lists) and len({len(found) for found in lists}) == 1:  # type: ignore[arg-type]
+        # The same steps on every rank: each one's seconds is its slowest rank's.
+        merged["steps"] = [max(seconds) for seconds in zip(*lists, strict=True)]
+    return merged
 
 
 def median_spread(times: Sequence[float]) -> tuple[float, float]:

@@ -54,6 +54,10 @@ def test_merge_stage_seconds_takes_each_stage_from_its_rank() -> None:
         "step": 6.0,
         "span": 4.0,
     }
+    # The unrecorded steps the fit of the runner's cost per step reads: each step's
+    # slowest rank.
+    first["steps"], second["steps"] = [5.0, 7.0], [6.0, 6.5]
+    assert merge_stage_seconds([first, second])["steps"] == [6.0, 7.0]  # type: ignore[index]
     # A rank that recorded nothing: nothing to merge.
     assert merge_stage_seconds([first, None]) is None
     assert merge_stage_seconds([]) is None
