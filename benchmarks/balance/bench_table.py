@@ -101,9 +101,12 @@ def render(record: dict[str, Any], strategies: Sequence[str]) -> str:
         "Σc/K (none: the gap is measured over predicted).",
         "",
         "*meas/pred*: optimal's measured step over its predicted one, and the range over "
-        "every strategy's split. On one process the stages take turns on the CPU and are "
-        "predicted so (M·Σc); on ranks the predictions are calibrated (the runner's cost per "
-        "stage and micro-batch and its messages) and the profile made bound to a rank's CPUs.",
+        "every strategy's split. Each split is predicted from the later half of its own "
+        "warm-up steps, timed in place among the timed ones: on ranks every stage's forward "
+        "and backward on its rank (one step in three recorded), the optimizer's step per "
+        "parameter byte and the runner's cost per step (the median over the unrecorded "
+        "steps), from a profile made bound to a rank's CPUs; in one process, where the stages "
+        "take turns on the CPU (predicted so, M·Σc), one factor for every layer.",
         "",
         "| model | setting | M | "
         + " | ".join(strategies)
@@ -132,4 +135,15 @@ def render(record: dict[str, Any], strategies: Sequence[str]) -> str:
             + f" | {row['optimal_over_ideal']:.2f}x | {row['optimal_predicted_over_ideal']:.2f}x"
             f" | {verdict} | {_bound(row)} |"
         )
+    done = [row for row in record["rows"] if "error" not in row]
+    if done:
+        ratios = [row["optimal_over_predicted"] for row in done]
+        within = sum(abs(ratio - 1.0) <= 0.05 for ratio in ratios)
+        no_slower = sum(bool(row["optimal_no_slower"]) for row in done)
+        lines += [
+            "",
+            f"Optimal's measured over predicted: {min(ratios):.2f}–{max(ratios):.2f}, "
+            f"{within} of {len(done)} rows within ±5%; optimal no slower in {no_slower} "
+            f"of {len(done)}.",
+        ]
     return "\n".join(lines) + "\n"
