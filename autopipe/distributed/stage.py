@@ -11,7 +11,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from autopipe.microbatching import checkpointing, recomputing
+from autopipe.microbatching import BufferSnapshot, checkpointing, recomputing
 from autopipe.planning import CHECKPOINT_MODES, FIXED_CHECKPOINT_MODES, Plan
 from profiler import autocast_pass
 
@@ -210,34 +210,27 @@ class StageModule(nn.Module):
 class _Replay:
     """A checkpointed forward for ``torch.utils.checkpoint``: ``run`` over the layers of
     ``owner`` (a whole stage, or one unit of it). The first call computes; a later one (the
-    re-computation in backward) runs on copies of the owner's buffers, so batch-norm
-    running statistics are updated once, and the buffers themselves are not modified in
-    place (a micro-batch or unit that was not re-computed may have saved them for its
-    backward). It runs marked as a re-computation, so deferred batch-norm layers do not
-    count the micro-batch a second time."""
+    re-computation in backward) runs on copies of the buffers the owner may write, as the
+    first call found them (:class:`~autopipe.microbatching.BufferSnapshot`): it computes
+    what the first call computed, batch-norm running statistics and counters move once, and
+    the live buffers are not modified in place (a micro-batch or unit that was not
+    re-computed may have saved them for its backward). It runs marked as a
+    re-computation, so deferred batch-norm layers do not count the micro-batch a second
+    time."""
 
     def __init__(self, owner: nn.Module, run: Callable[..., Any]) -> None:
         self.owner, self.run, self.calls = owner, run, 0
+        self.buffers: BufferSnapshot | None = None
 
     def __call__(self, *args: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
+            self.buffers = BufferSnapshot(self.owner)
             with checkpointing():
                 return self.run(*args)
-        originals = [
-            (module, name, buffer)
-            for module in self.owner.modules()
-            for name, buffer in module._buffers.items()
-            if buffer is not None
-        ]
-        for module, name, buffer in originals:
-            module._buffers[name] = buffer.detach().clone()
-        try:
-            with recomputing():
-                return self.run(*args)
-        finally:
-            for module, name, buffer in originals:
-                module._buffers[name] = buffer
+        assert self.buffers is not None
+        with self.buffers.restored(), recomputing():
+            return self.run(*args)
 
 
 def _versions(value: Any) -> list[int]:

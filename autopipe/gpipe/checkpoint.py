@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from autopipe.gpipe.autocast_state import AutocastState
 from autopipe.gpipe.microbatch import Batch, TensorOrTensors
-from autopipe.microbatching import checkpointing, recomputing
+from autopipe.microbatching import BufferSnapshot, checkpointing, recomputing
 
 __all__: list[str] = []  # internal to the package
 
@@ -95,6 +95,8 @@ class Checkpoint(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         ctx.function = function
         ctx.atomic = atomic
+        # The buffers it may write, as this run finds them: the re-computation's inputs.
+        ctx.buffers = BufferSnapshot(function) if isinstance(function, nn.Module) else None
         ctx.rng = RNGState(device)
         ctx.autocast = AutocastState()
         ctx.set_materialize_grads(False)
@@ -121,7 +123,14 @@ class Checkpoint(torch.autograd.Function):
         # saved the running buffers and check that they did not change.
         with _frozen_running_stats(function):
             # Recomputed as first computed: same random numbers, same autocast dtypes.
-            with ctx.rng.restored(), ctx.autocast.applied(), recomputing(), torch.enable_grad():
+            buffers = ctx.buffers.restored() if ctx.buffers else contextlib.nullcontext()
+            with (
+                ctx.rng.restored(),
+                ctx.autocast.applied(),
+                recomputing(),
+                torch.enable_grad(),
+                buffers,
+            ):
                 # Copies again: in-place layers may not modify a leaf that requires grad.
                 output = function(_copies(leaves, ctx.atomic).value)
             outputs = (output,) if isinstance(output, Tensor) else tuple(output)

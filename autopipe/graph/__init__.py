@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         unit_sequential,
     )
     from autopipe.graph.shapes import DynamicSpec
-    from autopipe.graph.sharing import check_placement, copied_written
+    from autopipe.graph.sharing import check_placement, copied_written, graph_writes
     from autopipe.graph.stage_modules import UnitModule, UnitSequential
     from autopipe.graph.tp_plan import (
         check_tp_plan,
@@ -57,6 +57,7 @@ __all__ = [
     "check_placement",
     "check_tp_plan",
     "copied_written",
+    "graph_writes",
     "has_meta_state",
     "layout_model",
     "materialize_units",
@@ -91,6 +92,7 @@ _HOMES = {
     "check_placement": "autopipe.graph.sharing",
     "check_tp_plan": "autopipe.graph.tp_plan",
     "copied_written": "autopipe.graph.sharing",
+    "graph_writes": "autopipe.graph.sharing",
     "has_meta_state": "autopipe.graph.meta",
     "layout_model": "autopipe.graph.layout",
     "materialize_units": "autopipe.graph.meta",

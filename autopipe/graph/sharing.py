@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from profiler import physical_device
 
-__all__ = ["check_placement", "copied_written"]
+__all__ = ["check_placement", "copied_written", "graph_writes"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,28 @@ def _names(model: nn.Module) -> dict[int, str]:
     for name, tensor in named:
         names.setdefault(id(tensor), name)
     return names
+
+
+def graph_writes(root: fx.GraphModule) -> list[tuple[nn.Module, str]]:
+    """The buffers ``root``'s graph may write in place, as ``(owner module, name)``: those
+    read by ``get_attr`` that some node writes, and every buffer of a called module (which
+    may update it, as batch norm does)."""
+    found: dict[tuple[int, str], tuple[nn.Module, str]] = {}
+    for node in root.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        target = str(node.target)
+        if _is_module(root, target):
+            for owner in root.get_submodule(target).modules():
+                for name, buffer in owner._buffers.items():
+                    if buffer is not None:
+                        found[id(owner), name] = (owner, name)
+            continue
+        path, _, name = target.rpartition(".")
+        owner = root.get_submodule(path) if path else root
+        if owner._buffers.get(name) is not None and _written(node):
+            found[id(owner), name] = (owner, name)
+    return list(found.values())
 
 
 def _written(attr: fx.Node) -> bool:

@@ -140,10 +140,44 @@ class _Tracer(fx.Tracer):
 def _trace_fx(flat: _FlatModel, count: int, leaves: Sequence[Any]) -> fx.Graph:
     tracer = _Tracer(count, leaves)
     try:
-        return tracer.trace(flat)
+        with _state_kept(flat):
+            return tracer.trace(flat)
     except Exception as exc:
         exc.autopipe_module = tracer.failed_in  # type: ignore[attr-defined]
         raise
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Puts every module's parameters, buffers and tensor attributes back as they were.
+
+    Symbolic tracing runs the model's own code on proxies: an assignment such as
+    ``self.count += 1`` on a buffer (an in-place add the graph records) or
+    ``self.cache = x`` leaves a proxy in the module, breaking the model for every later run,
+    the traced graph's checks included.
+    """
+    kept = [
+        (
+            module,
+            dict(module._parameters),
+            dict(module._buffers),
+            {k: v for k, v in module.__dict__.items() if isinstance(v, Tensor) or v is None},
+            set(module.__dict__),
+        )
+        for module in model.modules()
+    ]
+    try:
+        yield
+    finally:
+        for module, parameters, buffers, attributes, names in kept:
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for name in set(module.__dict__) - names:  # attributes the trace added
+                if isinstance(module.__dict__[name], fx.Proxy):
+                    del module.__dict__[name]
+            module.__dict__.update(attributes)
 
 
 def _outputs(flat: _FlatModel, graph: fx.Graph, values: dict[str, ValueInfo]) -> FlatSpec:

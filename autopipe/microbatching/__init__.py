@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from autopipe.microbatching.assembly import Assembly, Layers, assemble
     from autopipe.microbatching.batchnorm import DeferredBatchNorm, resolve_deferred
     from autopipe.microbatching.batchnorm_units import defer_layers
+    from autopipe.microbatching.buffer_snapshot import BufferSnapshot, per_micro_batch_writes
     from autopipe.microbatching.recomputation import (
         checkpointing,
         is_checkpointing,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Assembly",
+    "BufferSnapshot",
     "DeferredBatchNorm",
     "Layers",
     "Progress",
@@ -44,6 +46,7 @@ __all__ = [
     "kept_warmup_rounds",
     "mean_output_loss",
     "median_seconds",
+    "per_micro_batch_writes",
     "recomputing",
     "resolve_deferred",
     "take_turns",
@@ -53,6 +56,7 @@ __all__ = [
 
 _HOMES = {
     "Assembly": "autopipe.microbatching.assembly",
+    "BufferSnapshot": "autopipe.microbatching.buffer_snapshot",
     "DeferredBatchNorm": "autopipe.microbatching.batchnorm",
     "Layers": "autopipe.microbatching.assembly",
     "Progress": "autopipe.microbatching.step_timing",
@@ -65,6 +69,7 @@ _HOMES = {
     "kept_warmup_rounds": "autopipe.microbatching.step_timing",
     "mean_output_loss": "autopipe.microbatching.step_timing",
     "median_seconds": "autopipe.microbatching.step_timing",
+    "per_micro_batch_writes": "autopipe.microbatching.buffer_snapshot",
     "recomputing": "autopipe.microbatching.recomputation",
     "resolve_deferred": "autopipe.microbatching.batchnorm",
     "take_turns": "autopipe.microbatching.step_timing",

@@ -21,6 +21,7 @@ from torch import nn
 from autopipe.graph import has_meta_state, materialize_units, meta_bytes, rebind_state, unused_meta
 from autopipe.microbatching.batchnorm import resolve_deferred
 from autopipe.microbatching.batchnorm_units import defer_layers
+from autopipe.microbatching.buffer_snapshot import per_micro_batch_writes
 from autopipe.planning import PipelineSettings, Plan
 from profiler import Profile, format_bytes, physical_device, storage_shortage
 
@@ -233,6 +234,16 @@ def assemble(model: nn.Module, settings: PipelineSettings, steps: BuildSteps) ->
         return made
 
     plan = steps.plan(layers, make)
+    written = per_micro_batch_writes(model, layers.modules.values())
+    if written and plan.chunks > 1:
+        # Nothing a pipeline can do keeps them whole-batch: say so rather than differ.
+        note = (
+            f"the model's forward writes the buffers {', '.join(written)} in place: each of "
+            f"the {plan.chunks} micro-batches writes them (and reads what the micro-batches "
+            "before it wrote), where the plain model writes them once per batch; chunks=1 "
+            "gives the plain model's"
+        )
+        warning = f"{warning}; {note}" if warning else note
     devices = steps.stage_devices(plan)
     if has_meta_state(model):  # these stages only: no process holds the whole model
         problem: ValueError | None = None

@@ -15,6 +15,7 @@ from autopipe.graph.sharing import (
     copied_written,
     find_shared,
     find_written,
+    graph_writes,
     unit_state,
     unit_writes,
 )
@@ -66,6 +67,28 @@ def test_unit_writes_are_buffers_of_called_modules_and_attributes_written_in_pla
     graph = fx.symbolic_trace(model)
     nodes = list(_attr_nodes(graph).values())
     assert _same(unit_writes(graph, nodes), [model.calls, *model.norm.buffers()])
+
+
+def test_graph_writes_are_the_buffers_written_in_place_with_their_owners() -> None:
+    class Steps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("steps", torch.zeros(()))
+            self.register_buffer("scale", torch.ones(()))
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.steps.add_(1)
+            return x * self.scale
+
+    model = Steps()
+    assert graph_writes(fx.symbolic_trace(model)) == []  # buffers are constants without proxies
+    tracer = fx.Tracer()
+    tracer.proxy_buffer_attributes = True
+    graph = fx.GraphModule(model, tracer.trace(model))
+    assert [(owner is graph, name) for owner, name in graph_writes(graph)] == [(True, "steps")]
+    counted = fx.symbolic_trace(Counted())
+    names = {name for _, name in graph_writes(counted)}
+    assert {"calls", "running_mean", "running_var", "num_batches_tracked"} <= names
 
 
 def test_find_written_names_what_the_units_write() -> None:

@@ -198,6 +198,33 @@ def test_tracing_leaves_the_model_untouched(method: str) -> None:
         assert torch.equal(value, buffers[name]), name
 
 
+class _Steps(nn.Module):
+    """Counts its calls with ``+=`` on a buffer, which torch.fx's trace turns into an
+    assignment of a proxy to the attribute (and an add the graph does not write back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.steps += 1
+        return self.linear(x) * 2
+
+
+def test_an_attribute_assigned_while_traced_stays_the_model_s() -> None:
+    model = _Steps()
+    steps = model.steps
+    # fx's graph misses the update (its check says so); export's records it.
+    with pytest.raises(TracingError, match="buffer updates"):
+        trace(model, (torch.randn(3, 4),), method="fx")
+    assert model.steps is steps  # not a proxy: the model still runs, export traces it
+    traced = trace(model, (torch.randn(3, 4),))
+    assert traced.method == "export" and model.steps is steps and steps.item() == 0
+    model(torch.randn(3, 4))
+    assert steps.item() == 1
+
+
 def test_model_mode_restores_each_module() -> None:
     model = DropoutBatchNorm()
     model.drop.eval()

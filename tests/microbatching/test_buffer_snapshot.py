@@ -1,0 +1,85 @@
+"""Re-computed forwards see the buffers their first run saw; written buffers are named."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+import autopipe
+from autopipe.distributed.stage import StageModule
+from autopipe.microbatching import BufferSnapshot, per_micro_batch_writes
+
+
+class Counted(nn.Module):
+    """Counts its calls in a buffer and scales by the count: a re-computation that finds
+    the count its own first run moved computes something else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.linear(x)) * self.calls
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Counted(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_the_snapshot_runs_a_block_on_copies_of_the_values_taken() -> None:
+    counted = Counted()
+    snapshot = BufferSnapshot(counted)
+    counted.calls += 5
+    live = counted.calls
+    with snapshot.restored():
+        assert counted.calls.item() == 0  # as taken, not as moved since
+        counted.calls += 1  # a copy's write
+    assert counted.calls is live and live.item() == 5
+
+
+def test_a_wrapped_model_re_computes_what_its_first_run_computed() -> None:
+    model, x = _model(), torch.randn(4, 6, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    wrapped = autopipe.wrap(model, (x,), stages=2, chunks=1, checkpoint="always")
+    plain(x).pow(2).sum().backward()
+    wrapped(x).pow(2).sum().backward()
+    assert all(map(torch.equal, _grads(model), _grads(plain)))
+    assert model[0].calls.item() == plain[0].calls.item() == 1  # counted once
+
+
+def test_a_checkpointed_stage_re_computes_what_its_first_run_computed() -> None:
+    x = torch.randn(4, 6, dtype=torch.float64)
+    results = []
+    for checkpoint in ("never", "always"):
+        stage = StageModule(list(_model().named_children()), checkpoint=checkpoint, chunks=1)
+        stage(x).pow(2).sum().backward()
+        results.append((_grads(stage), stage.get_submodule("0").calls.item()))
+    (plain, plain_calls), (again, calls) = results
+    assert all(map(torch.equal, again, plain))
+    assert calls == plain_calls == 1
+
+
+def test_buffers_written_per_micro_batch_are_named_and_warned() -> None:
+    model, x = _model(), torch.randn(4, 6, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = autopipe.wrap(model, (x,), stages=2, chunks=2)
+    assert per_micro_batch_writes(model, list(wrapped.pipeline)) == ["0.calls"]
+    assert any("writes the buffers 0.calls in place" in str(w.message) for w in caught)
+    # Batch norm's statistics are kept whole-batch (deferred): no warning for them.
+    norm = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = autopipe.wrap(norm, (torch.randn(8, 6),), stages=2, chunks=2)
+    assert per_micro_batch_writes(norm, list(wrapped.pipeline)) == []
+    assert not any("writes the buffers" in str(w.message) for w in caught)
