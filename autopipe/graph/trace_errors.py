@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from autopipe.graph.meta import has_meta_state, meta_construct
@@ -46,12 +48,39 @@ def failure_message(model: nn.Module, errors: list[tuple[str, BaseException]]) -
                     "torch.cond"
                 )
         else:
-            parts.append(f"torch.export (non-strict) failed: {one_line(exc)}")
+            site = _user_site(exc)
+            parts.append(f"torch.export (non-strict) failed{site}: {one_line(exc)}")
+            if site and "data-dependent" in str(exc):  # the line to change, whatever fx said
+                hint = (
+                    f"make the code{site.split(' (')[0]} not branch on a tensor's value in "
+                    "training (a random layer drop or mask: a Hugging Face config turns "
+                    "those off, e.g. layerdrop=0.0, mask_time_prob=0.0), or express it with "
+                    "torch.where / torch.cond"
+                )
             if "Cache'> in output" in str(exc):
                 hint = "pass use_cache=False (training needs no key/value cache)"
             elif _GROUPED_GEMM in str(exc):
                 hint = _grouped_experts_hint(model)
     return f"cannot trace {type(model).__name__}: " + "; ".join(parts) + f". Fix: {hint}"
+
+
+# torch.export names the model's line it stopped at after this sentence.
+_SITE = re.compile(
+    r"The following call raised this error:\s*"
+    r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)'
+)
+
+
+def _user_site(exc: BaseException) -> str:
+    """`` at FILE:LINE in FUNCTION (`CODE`)`` where torch.export names the model's line
+    that stopped it (a branch on a tensor's value, say), else nothing: the line is what a
+    user has to change, and the message's own text would be cut before it."""
+    found = _SITE.search(str(exc))
+    if found is None:
+        return ""
+    path, line, function, code = found.groups()
+    short = "/".join(path.replace("\\", "/").split("/")[-2:])
+    return f" at {short}:{line} in {function} (`{code.strip()}`)"
 
 
 # torch's grouped GEMM (torch._grouped_mm, Hugging Face's default experts kernel) refusing

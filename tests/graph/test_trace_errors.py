@@ -3,6 +3,9 @@ and the fix that fits what stopped them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from torch import nn
 
 from autopipe.graph.trace_checks import GradientMismatch
@@ -57,3 +60,35 @@ def test_a_grouped_gemm_without_a_kernel_suggests_batched_matmuls() -> None:
     message = failure_message(nn.Linear(2, 2), [("export", exc)])
     assert "Fix: the experts run a grouped GEMM (torch._grouped_mm)" in message
     assert "set_experts_implementation('batched_mm')" in message
+
+
+def test_a_branch_on_a_value_names_the_model_s_line_that_export_stopped_at() -> None:
+    import torch
+
+    from autopipe.graph.tracing import TracingError, trace
+
+    class Gate(nn.Module):
+        """Runs its layer or not by the input's values."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # the line to change
+                x = self.layer(x)
+            return x
+
+    with pytest.raises(TracingError) as caught:
+        trace(nn.Sequential(nn.Linear(4, 4), Gate()), (torch.randn(2, 4),))
+    message = str(caught.value)
+    lines = Path(__file__).read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if "# the line to" in text)
+    site = f"at graph/test_trace_errors.py:{line} in forward (`if x.sum() > 0:"
+    assert f"torch.export (non-strict) failed {site}" in message
+    assert message.endswith(
+        f"Fix: make the code at graph/test_trace_errors.py:{line} in forward not branch on a "
+        "tensor's value in training (a random layer drop or mask: a Hugging Face config "
+        "turns those off, e.g. layerdrop=0.0, mask_time_prob=0.0), or express it with "
+        "torch.where / torch.cond"
+    )
