@@ -210,10 +210,11 @@ class StageModule(nn.Module):
 class _Replay:
     """A checkpointed forward for ``torch.utils.checkpoint``: ``run`` over the layers of
     ``owner`` (a whole stage, or one unit of it). The first call computes; a later one (the
-    re-computation in backward) runs on copies of the buffers the owner may write, as the
-    first call found them (:class:`~autopipe.microbatching.BufferSnapshot`): it computes
-    what the first call computed, batch-norm running statistics and counters move once, and
-    the live buffers are not modified in place (a micro-batch or unit that was not
+    re-computation in backward) runs on copies of the buffers the owner's traced units may
+    write, as the first call found them (:class:`~autopipe.microbatching.BufferSnapshot`),
+    and of its other modules' buffers as they are: it computes what the first call computed
+    where the units say what they write, batch-norm running statistics and counters move
+    once, and the live buffers are not modified in place (a micro-batch or unit that was not
     re-computed may have saved them for its backward). It runs marked as a
     re-computation, so deferred batch-norm layers do not count the micro-batch a second
     time."""
@@ -229,7 +230,7 @@ class _Replay:
             with checkpointing():
                 return self.run(*args)
         assert self.buffers is not None
-        with self.buffers.restored(), recomputing():
+        with self.buffers.restored(copy_others=True), recomputing():
             return self.run(*args)
 
 

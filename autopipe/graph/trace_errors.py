@@ -31,6 +31,7 @@ def failure_message(model: nn.Module, errors: list[tuple[str, BaseException]]) -
         "move the data-dependent code into a submodule and pass it in leaf_modules=, or "
         "express it with torch.where / torch.cond"
     )
+    leaf = False  # whether the fix names fx's submodule as a leaf
     for name, exc in errors:
         where = getattr(exc, "autopipe_module", None)
         if isinstance(exc, GradientMismatch):
@@ -42,6 +43,7 @@ def failure_message(model: nn.Module, errors: list[tuple[str, BaseException]]) -
             place = f" in {where[0]} ({where[1]})" if where else ""
             parts.append(f"torch.fx failed{place}: {one_line(exc)}")
             if where:
+                leaf = True
                 hint = (
                     f"mark that submodule as a leaf (leaf_modules=[{where[0]!r}]) so that it "
                     "runs as one opaque call, or express its control flow with torch.where / "
@@ -50,13 +52,15 @@ def failure_message(model: nn.Module, errors: list[tuple[str, BaseException]]) -
         else:
             site = _user_site(exc)
             parts.append(f"torch.export (non-strict) failed{site}: {one_line(exc)}")
-            if site and "data-dependent" in str(exc):  # the line to change, whatever fx said
-                hint = (
+            if site and "data-dependent" in str(exc):  # the line export stopped at
+                branch = (
                     f"make the code{site.split(' (')[0]} not branch on a tensor's value in "
                     "training (a random layer drop or mask: a Hugging Face config turns "
                     "those off, e.g. layerdrop=0.0, mask_time_prob=0.0), or express it with "
                     "torch.where / torch.cond"
                 )
+                # fx's leaf may be the fix (the branch inside it), or the line may be.
+                hint = f"{hint.split(', or express')[0]}; or {branch}" if leaf else branch
             if "Cache'> in output" in str(exc):
                 hint = "pass use_cache=False (training needs no key/value cache)"
             elif _GROUPED_GEMM in str(exc):

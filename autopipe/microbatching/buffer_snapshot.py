@@ -9,8 +9,12 @@ re-computation runs on copies of them: it computes what the first run computed, 
 writes go to the copies, so nothing is counted twice.
 
 Which buffers: in a traced unit, those its graph may write
-(:func:`autopipe.graph.graph_writes`); in any other module, all of its buffers (its code
-cannot be read).
+(:func:`autopipe.graph.graph_writes`), taken before the first run. The code of any other
+module cannot be read, and taking all its buffers at every checkpointed micro-batch would
+hold a copy of each (a causal-mask table per layer, say) until its backward; there the
+runner's own rule holds (GPipe's: torchgpipe's, the live buffers, which
+:func:`~autopipe.microbatching.is_recomputing` lets a layer tell apart; the stage modules':
+copies of their values at the re-computation).
 """
 
 from __future__ import annotations
@@ -26,15 +30,18 @@ from autopipe.graph import graph_writes
 __all__ = ["BufferSnapshot", "per_micro_batch_writes"]
 
 
-def _written(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+def _written(module: nn.Module, graphs_only: bool = False) -> Iterator[tuple[nn.Module, str]]:
+    """The buffers ``module`` may write: a traced graph's as it says, any other module's
+    all (none with ``graphs_only``)."""
     if isinstance(module, fx.GraphModule):
         yield from graph_writes(module)
         return
-    for name, buffer in module._buffers.items():
-        if buffer is not None:
-            yield module, name
+    if not graphs_only:
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                yield module, name
     for child in module.children():
-        yield from _written(child)
+        yield from _written(child, graphs_only)
 
 
 # Batch norm's running statistics move once per mini-batch where deferred
@@ -57,27 +64,37 @@ def per_micro_batch_writes(model: nn.Module, units: Iterable[nn.Module]) -> list
 
 
 class BufferSnapshot:
-    """The values of the buffers ``owner`` may write, taken now (before its forward).
+    """The values of the buffers ``owner``'s traced units may write, taken now (before its
+    forward), and its other modules' buffers, to copy at the re-computation.
 
     Args:
         owner: the module about to run a forward that will be re-computed.
     """
 
     def __init__(self, owner: nn.Module) -> None:
-        seen: set[tuple[int, str]] = set()
-        self.values: list[tuple[nn.Module, str, Tensor]] = []
-        for module, name in _written(owner):
-            if (id(module), name) not in seen:
-                seen.add((id(module), name))
-                self.values.append((module, name, module._buffers[name].detach().clone()))  # type: ignore[union-attr]
+        taken: dict[tuple[int, str], tuple[nn.Module, str, Tensor]] = {}
+        for module, name in _written(owner, graphs_only=True):
+            buffer = module._buffers[name]
+            assert buffer is not None
+            taken.setdefault((id(module), name), (module, name, buffer.detach().clone()))
+        self.values = list(taken.values())
+        seen = {(id(module), name) for module, name, _ in self.values}
+        self.others = [pair for pair in _written(owner) if (id(pair[0]), pair[1]) not in seen]
 
     @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
-        """Runs the block with copies of the taken values in place of the live buffers,
-        then puts the live buffers back, unchanged by the block."""
-        live = [(module, name, module._buffers[name]) for module, name, _ in self.values]
-        for module, name, value in self.values:
-            module._buffers[name] = value.clone()
+    def restored(self, copy_others: bool = False) -> Iterator[None]:
+        """Runs the block with copies of the taken values in place of the live buffers
+        (and, with ``copy_others``, copies of the other buffers' values now), then puts the
+        live buffers back, unchanged by the block."""
+        swapped = [(module, name, value.clone()) for module, name, value in self.values]
+        if copy_others:
+            swapped += [
+                (module, name, module._buffers[name].detach().clone())  # type: ignore[union-attr]
+                for module, name in self.others
+            ]
+        live = [(module, name, module._buffers[name]) for module, name, _ in swapped]
+        for module, name, value in swapped:
+            module._buffers[name] = value
         try:
             yield
         finally:

@@ -6,6 +6,7 @@ import copy
 import warnings
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 import autopipe
@@ -37,14 +38,36 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 def test_the_snapshot_runs_a_block_on_copies_of_the_values_taken() -> None:
-    counted = Counted()
-    snapshot = BufferSnapshot(counted)
-    counted.calls += 5
-    live = counted.calls
+    class Steps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("steps", torch.zeros(()))
+            self.register_buffer("table", torch.ones(3))  # read only
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.steps.add_(1)
+            return x * self.table * self.steps
+
+    tracer = fx.Tracer()
+    tracer.proxy_buffer_attributes = True
+    steps = Steps()
+    unit = fx.GraphModule(steps, tracer.trace(steps))
+    owner = nn.Sequential(unit, Counted())  # a traced unit and a module of any code
+    snapshot = BufferSnapshot(owner)
+    assert [name for _, name, _ in snapshot.values] == ["steps"]  # only what the graph writes
+    assert [name for _, name in snapshot.others] == ["calls"]
+    unit(torch.ones(2, 3))
+    owner[1].calls += 1
+    live, counted = unit.steps, owner[1].calls
     with snapshot.restored():
-        assert counted.calls.item() == 0  # as taken, not as moved since
-        counted.calls += 1  # a copy's write
-    assert counted.calls is live and live.item() == 5
+        assert unit.steps.item() == 0  # as taken, not as moved since
+        assert owner[1].calls is counted  # left live (GPipe's rule)
+        unit(torch.ones(2, 3))  # a copy's write
+    assert unit.steps is live and live.item() == 1
+    with snapshot.restored(copy_others=True):
+        assert owner[1].calls is not counted and owner[1].calls.item() == 1
+        owner[1].calls += 1
+    assert owner[1].calls is counted and counted.item() == 1
 
 
 def test_a_wrapped_model_re_computes_what_its_first_run_computed() -> None:
@@ -58,12 +81,19 @@ def test_a_wrapped_model_re_computes_what_its_first_run_computed() -> None:
 
 
 def test_a_checkpointed_stage_re_computes_what_its_first_run_computed() -> None:
-    x = torch.randn(4, 6, dtype=torch.float64)
+    model, x = _model(), torch.randn(4, 6, dtype=torch.float64)
+    units = list(autopipe.wrap(model, (x,), stages=1, chunks=1).pipeline)
     results = []
     for checkpoint in ("never", "always"):
-        stage = StageModule(list(_model().named_children()), checkpoint=checkpoint, chunks=1)
-        stage(x).pow(2).sum().backward()
-        results.append((_grads(stage), stage.get_submodule("0").calls.item()))
+        stage = StageModule(
+            [(str(i), copy.deepcopy(unit)) for i, unit in enumerate(units)],
+            checkpoint=checkpoint,
+            chunks=1,
+        )
+        (out,) = stage(x)
+        out.pow(2).sum().backward()
+        calls = [b for name, b in stage.named_buffers() if name.endswith("calls")]
+        results.append((_grads(stage), calls[0].item()))
     (plain, plain_calls), (again, calls) = results
     assert all(map(torch.equal, again, plain))
     assert calls == plain_calls == 1
