@@ -211,10 +211,10 @@ class _Replay:
     """A checkpointed forward for ``torch.utils.checkpoint``: ``run`` over the layers of
     ``owner`` (a whole stage, or one unit of it). The first call computes; a later one (the
     re-computation in backward) runs on copies of the buffers the owner's traced units may
-    write, as the first call found them (:class:`~autopipe.microbatching.BufferSnapshot`),
-    and of its other modules' buffers as they are: it computes what the first call computed
-    where the units say what they write, batch-norm running statistics and counters move
-    once, and the live buffers are not modified in place (a micro-batch or unit that was not
+    write and of its other modules' small buffers, as the first call found them
+    (:class:`~autopipe.microbatching.BufferSnapshot`), and of the larger ones as they are:
+    it computes what the first call computed, batch-norm running statistics and counters
+    move once, and the live buffers are not modified in place (a micro-batch or unit that was not
     re-computed may have saved them for its backward). It runs marked as a
     re-computation, so deferred batch-norm layers do not count the micro-batch a second
     time."""
@@ -226,7 +226,7 @@ class _Replay:
     def __call__(self, *args: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
-            self.buffers = BufferSnapshot(self.owner)
+            self.buffers = BufferSnapshot(self.owner, small=True)
             with checkpointing():
                 return self.run(*args)
         assert self.buffers is not None

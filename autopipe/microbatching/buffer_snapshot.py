@@ -10,11 +10,12 @@ writes go to the copies, so nothing is counted twice.
 
 Which buffers: in a traced unit, those its graph may write
 (:func:`autopipe.graph.graph_writes`), taken before the first run. The code of any other
-module cannot be read, and taking all its buffers at every checkpointed micro-batch would
-hold a copy of each (a causal-mask table per layer, say) until its backward; there the
-runner's own rule holds (GPipe's: torchgpipe's, the live buffers, which
-:func:`~autopipe.microbatching.is_recomputing` lets a layer tell apart; the stage modules':
-copies of their values at the re-computation).
+module cannot be read: the stage modules of ``DistributedPipeline`` (whose units are an
+``nn.Sequential``'s own children) take its small buffers as well (:data:`SMALL_BUFFER`:
+counters, statistics), and copy the larger ones (tables a forward reads, which a copy per
+micro-batch in flight would cost memory for) as they are at the re-computation; GPipe keeps
+torchgpipe's rule for the layers of an ``nn.Sequential`` it is given: the live buffers,
+which :func:`~autopipe.microbatching.is_recomputing` lets a layer tell apart.
 """
 
 from __future__ import annotations
@@ -63,23 +64,39 @@ def per_micro_batch_writes(model: nn.Module, units: Iterable[nn.Module]) -> list
     return list(found)
 
 
+# Other modules' buffers up to this size are taken too where the runner asks: counters and
+# statistics are bytes; what is larger is a table (a causal mask per layer, say), which a
+# copy per micro-batch in flight would cost memory for, and which forwards only read.
+SMALL_BUFFER = 1 << 20
+
+
 class BufferSnapshot:
     """The values of the buffers ``owner``'s traced units may write, taken now (before its
     forward), and its other modules' buffers, to copy at the re-computation.
 
     Args:
         owner: the module about to run a forward that will be re-computed.
+        small: take the other modules' buffers of at most :data:`SMALL_BUFFER` bytes too
+            (their code cannot be read: any may be written); the larger ones stay others.
     """
 
-    def __init__(self, owner: nn.Module) -> None:
+    def __init__(self, owner: nn.Module, small: bool = False) -> None:
         taken: dict[tuple[int, str], tuple[nn.Module, str, Tensor]] = {}
         for module, name in _written(owner, graphs_only=True):
             buffer = module._buffers[name]
             assert buffer is not None
             taken.setdefault((id(module), name), (module, name, buffer.detach().clone()))
+        self.others: list[tuple[nn.Module, str]] = []
+        for module, name in _written(owner):
+            if (id(module), name) in taken:
+                continue
+            buffer = module._buffers[name]
+            assert buffer is not None
+            if small and buffer.numel() * buffer.element_size() <= SMALL_BUFFER:
+                taken[id(module), name] = (module, name, buffer.detach().clone())
+            else:
+                self.others.append((module, name))
         self.values = list(taken.values())
-        seen = {(id(module), name) for module, name, _ in self.values}
-        self.others = [pair for pair in _written(owner) if (id(pair[0]), pair[1]) not in seen]
 
     @contextlib.contextmanager
     def restored(self, copy_others: bool = False) -> Iterator[None]:

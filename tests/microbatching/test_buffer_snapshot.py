@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 import torch.fx as fx
 from torch import nn
@@ -80,23 +81,38 @@ def test_a_wrapped_model_re_computes_what_its_first_run_computed() -> None:
     assert model[0].calls.item() == plain[0].calls.item() == 1  # counted once
 
 
-def test_a_checkpointed_stage_re_computes_what_its_first_run_computed() -> None:
+@pytest.mark.parametrize("units", ["traced", "children"])
+def test_a_checkpointed_stage_re_computes_what_its_first_run_computed(units: str) -> None:
     model, x = _model(), torch.randn(4, 6, dtype=torch.float64)
-    units = list(autopipe.wrap(model, (x,), stages=1, chunks=1).pipeline)
+    # DistributedPipeline's units: a traced model's, or an nn.Sequential's own children.
+    layers = (
+        list(enumerate(autopipe.wrap(model, (x,), stages=1, chunks=1).pipeline))
+        if units == "traced"
+        else list(model.named_children())
+    )
     results = []
     for checkpoint in ("never", "always"):
         stage = StageModule(
-            [(str(i), copy.deepcopy(unit)) for i, unit in enumerate(units)],
+            [(str(name), copy.deepcopy(layer)) for name, layer in layers],
             checkpoint=checkpoint,
             chunks=1,
         )
-        (out,) = stage(x)
-        out.pow(2).sum().backward()
+        out = stage(x)
+        (out[0] if isinstance(out, tuple) else out).pow(2).sum().backward()
         calls = [b for name, b in stage.named_buffers() if name.endswith("calls")]
         results.append((_grads(stage), calls[0].item()))
     (plain, plain_calls), (again, calls) = results
     assert all(map(torch.equal, again, plain))
     assert calls == plain_calls == 1
+
+
+def test_a_stage_takes_small_buffers_of_modules_it_cannot_read_and_leaves_tables() -> None:
+    counted = Counted()
+    counted.register_buffer("table", torch.zeros(512, 1024))  # 2 MiB: read, not copied
+    snapshot = BufferSnapshot(counted, small=True)
+    assert [name for _, name, _ in snapshot.values] == ["calls"]
+    assert [name for _, name in snapshot.others] == ["table"]
+    assert [name for _, name in BufferSnapshot(counted).others] == ["calls", "table"]
 
 
 def test_buffers_written_per_micro_batch_are_named_and_warned() -> None:
