@@ -21,6 +21,7 @@ which :func:`~autopipe.microbatching.is_recomputing` lets a layer tell apart.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch.fx as fx
@@ -31,11 +32,21 @@ from autopipe.graph import graph_writes
 __all__ = ["BufferSnapshot", "per_micro_batch_writes"]
 
 
+# A graph's writes, read once: a snapshot is taken at every checkpointed micro-batch, and
+# reading a unit's graph costs tens of microseconds a unit.
+_GRAPH_WRITES: weakref.WeakKeyDictionary[fx.GraphModule, list[tuple[nn.Module, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _written(module: nn.Module, graphs_only: bool = False) -> Iterator[tuple[nn.Module, str]]:
     """The buffers ``module`` may write: a traced graph's as it says, any other module's
     all (none with ``graphs_only``)."""
     if isinstance(module, fx.GraphModule):
-        yield from graph_writes(module)
+        found = _GRAPH_WRITES.get(module)
+        if found is None:
+            found = _GRAPH_WRITES[module] = graph_writes(module)
+        yield from found
         return
     if not graphs_only:
         for name, buffer in module._buffers.items():
