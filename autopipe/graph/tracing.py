@@ -140,8 +140,7 @@ class _Tracer(fx.Tracer):
 def _trace_fx(flat: _FlatModel, count: int, leaves: Sequence[Any]) -> fx.Graph:
     tracer = _Tracer(count, leaves)
     try:
-        # Put back at once: a proxy left in the model breaks the checks and the fallback.
-        with _state_kept(getattr(flat, PREFIX)):  # the model's, not the root's constants
+        with _state_kept(flat):
             return tracer.trace(flat)
     except Exception as exc:
         exc.autopipe_module = tracer.failed_in  # type: ignore[attr-defined]
@@ -150,32 +149,34 @@ def _trace_fx(flat: _FlatModel, count: int, leaves: Sequence[Any]) -> fx.Graph:
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
-    """Puts every module's parameters, buffers and other attributes back as they were.
+    """Puts every module's parameters, buffers and tensor attributes back as they were.
 
-    Tracing runs the model's own code, on proxies (torch.fx) or fake tensors (torch.export),
-    and the checks run it for real: an assignment such as ``self.count += 1`` on a buffer
-    (torch.fx leaves a proxy there, breaking the model for every later run), ``self.last =
-    h.detach()`` (export leaves a fake tensor) or ``self.calls += 1`` on a Python number
-    would otherwise outlive the trace.
+    Symbolic tracing runs the model's own code on proxies: an assignment such as
+    ``self.count += 1`` on a buffer (an in-place add the graph records) or
+    ``self.cache = x`` leaves a proxy in the module, breaking the model for every later run,
+    the traced graph's checks included.
     """
-    own = ("_parameters", "_buffers", "_modules")
     kept = [
         (
             module,
-            [(name, dict(module.__dict__[name])) for name in own],
-            {k: v for k, v in module.__dict__.items() if k not in own},
+            dict(module._parameters),
+            dict(module._buffers),
+            {k: v for k, v in module.__dict__.items() if isinstance(v, Tensor) or v is None},
+            set(module.__dict__),
         )
         for module in model.modules()
     ]
     try:
         yield
     finally:
-        for module, dicts, attributes in kept:
-            for name, entries in dicts:
-                module.__dict__[name].clear()
-                module.__dict__[name].update(entries)
-            for name in set(module.__dict__) - set(own) - set(attributes):
-                del module.__dict__[name]  # what the trace added
+        for module, parameters, buffers, attributes, names in kept:
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for name in set(module.__dict__) - names:  # attributes the trace added
+                if isinstance(module.__dict__[name], fx.Proxy):
+                    del module.__dict__[name]
             module.__dict__.update(attributes)
 
 
@@ -258,12 +259,7 @@ def trace(
     meta = has_meta_state(model)
     if meta:
         tensors = tuple(t.to(META) for t in tensors)
-    with (
-        torch.enable_grad(),
-        _without_cache(model),
-        meta_shadow(model) if meta else _nothing(),
-        _state_kept(model),
-    ):
+    with torch.enable_grad(), _without_cache(model), meta_shadow(model) if meta else _nothing():
         traced = _trace(model, flat, tensors, inputs, batch, list(leaf_modules), method, dims)
     if meta:  # export's graph module holds the stand-ins of the real tensors
         rebind_state(traced.root, model, PREFIX)
