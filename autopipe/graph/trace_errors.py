@@ -71,7 +71,7 @@ def failure_message(model: nn.Module, errors: list[tuple[str, BaseException]]) -
 # torch.export names the model's line it stopped at after this sentence.
 _SITE = re.compile(
     r"The following call raised this error:\s*"
-    r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)'
+    r'File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]+(\S[^\n]*))?'
 )
 
 
@@ -84,7 +84,8 @@ def _user_site(exc: BaseException) -> str:
         return ""
     path, line, function, code = found.groups()
     short = "/".join(path.replace("\\", "/").split("/")[-2:])
-    return f" at {short}:{line} in {function} (`{code.strip()}`)"
+    # The line's code where its file can be read (not for code typed at a prompt).
+    return f" at {short}:{line} in {function}" + (f" (`{code.strip()}`)" if code else "")
 
 
 # torch's grouped GEMM (torch._grouped_mm, Hugging Face's default experts kernel) refusing

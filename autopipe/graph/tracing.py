@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autopipe import TracingError
 from autopipe.graph.batch_outputs import batch_major_outputs
@@ -149,19 +150,23 @@ def _trace_fx(flat: _FlatModel, count: int, leaves: Sequence[Any]) -> fx.Graph:
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
-    """Puts every module's parameters, buffers and tensor attributes back as they were.
+    """Puts back what tracing changed in the model's modules: parameters, buffers, tensor
+    attributes and Python numbers, and drops the proxies and fake tensors it added.
 
-    Symbolic tracing runs the model's own code on proxies: an assignment such as
-    ``self.count += 1`` on a buffer (an in-place add the graph records) or
-    ``self.cache = x`` leaves a proxy in the module, breaking the model for every later run,
-    the traced graph's checks included.
+    Tracing runs the model's own code on proxies (torch.fx) or fake tensors (torch.export),
+    and the checks run it for real: ``self.count += 1`` on a buffer (fx leaves a proxy
+    there, breaking the model for every later run), ``self.last = h.detach()`` (export
+    leaves a fake tensor) or ``self.calls += 1`` on a Python number would outlive the
+    trace. Other attributes the code adds stay: libraries mark a module once they have
+    installed hooks on it (Hugging Face's output capturing), and dropping the mark while
+    the hooks stay would install them twice.
     """
     kept = [
         (
             module,
             dict(module._parameters),
             dict(module._buffers),
-            {k: v for k, v in module.__dict__.items() if isinstance(v, Tensor) or v is None},
+            {k: v for k, v in module.__dict__.items() if _put_back(v)},
             set(module.__dict__),
         )
         for module in model.modules()
@@ -175,9 +180,17 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
             module._buffers.clear()
             module._buffers.update(buffers)
             for name in set(module.__dict__) - names:  # attributes the trace added
-                if isinstance(module.__dict__[name], fx.Proxy):
+                if isinstance(module.__dict__[name], (fx.Proxy, FakeTensor)):
                     del module.__dict__[name]
             module.__dict__.update(attributes)
+
+
+def _put_back(value: Any) -> bool:
+    """Whether an attribute's value is put back after the trace: tensors, ``None`` and
+    numbers (not flags: a flag may mark work done once, as the added attributes above)."""
+    if isinstance(value, bool):
+        return False
+    return value is None or isinstance(value, (Tensor, int, float))
 
 
 def _outputs(flat: _FlatModel, graph: fx.Graph, values: dict[str, ValueInfo]) -> FlatSpec:
@@ -259,7 +272,12 @@ def trace(
     meta = has_meta_state(model)
     if meta:
         tensors = tuple(t.to(META) for t in tensors)
-    with torch.enable_grad(), _without_cache(model), meta_shadow(model) if meta else _nothing():
+    with (
+        torch.enable_grad(),
+        _without_cache(model),
+        meta_shadow(model) if meta else _nothing(),
+        _state_kept(model),
+    ):
         traced = _trace(model, flat, tensors, inputs, batch, list(leaf_modules), method, dims)
     if meta:  # export's graph module holds the stand-ins of the real tensors
         rebind_state(traced.root, model, PREFIX)

@@ -94,3 +94,17 @@ def test_a_branch_on_a_value_names_the_model_s_line_that_export_stopped_at() -> 
         "Face config turns those off, e.g. layerdrop=0.0, mask_time_prob=0.0), or express "
         "it with torch.where / torch.cond"
     )
+
+
+def test_a_line_without_its_source_is_named_without_code() -> None:
+    text = (
+        "Could not guard on data-dependent expression Eq(u0, 1)\n\n"
+        'The following call raised this error:\n  File "<stdin>", line 10, in forward\n\n\n'
+        "The error above occurred when calling torch.export.export."
+    )
+    message = failure_message(nn.Linear(2, 2), [("export", RuntimeError(text))])
+    assert message.startswith(
+        "cannot trace Linear: torch.export (non-strict) failed at <stdin>:10 in forward: "
+        "Could not guard on data-dependent expression Eq(u0, 1) The following call"
+    )
+    assert "Fix: make the code at <stdin>:10 in forward not branch" in message

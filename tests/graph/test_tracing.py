@@ -225,6 +225,32 @@ def test_an_attribute_assigned_while_traced_stays_the_model_s() -> None:
     assert steps.item() == 1
 
 
+def test_what_the_model_sets_while_traced_is_put_back_but_its_marks_stay() -> None:
+    class Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.last: Tensor | None = None
+            self.calls = 0
+
+        def forward(self, x: Tensor) -> Tensor:
+            for _ in range(x.shape[1]):  # torch.fx cannot range over a proxy: export traces
+                x = x + 0.0
+            self.last, self.calls = x.detach(), self.calls + 1
+            self.seen = x.detach()  # added: a fake tensor under export
+            if not getattr(self, "hooked", False):  # a library's mark of work done once
+                self.hooked = True
+            return self.linear(x)
+
+    model = Keeps()
+    traced = trace(model, (torch.randn(3, 4),))
+    assert traced.method == "export"
+    assert model.last is None and model.calls == 0  # no fake tensor left, nothing counted
+    seen = getattr(model, "seen", None)
+    assert seen is None or type(seen) is Tensor  # not a fake tensor
+    assert model.hooked is True
+
+
 def test_model_mode_restores_each_module() -> None:
     model = DropoutBatchNorm()
     model.drop.eval()
