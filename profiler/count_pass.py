@@ -208,6 +208,11 @@ def with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
         backward_traffic=[c.backward_traffic for c in counts],
         operations=[float(c.operations) for c in counts],
         backward_operations=[float(c.backward_operations) for c in counts],
+        # Of the bytes measured: counted and measured saved sets may differ a little.
+        norm_saved=[min(c.norm_saved, s) for c, s in zip(counts, profile.saved, strict=True)],
+        norm_flops=[c.norm_flops for c in counts],
+        norm_traffic=[c.norm_traffic for c in counts],
+        norm_operations=[float(c.norm_operations) for c in counts],
         shards=shard_counts(counts),
         experts=expert_counts(counts),
     )

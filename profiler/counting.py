@@ -32,10 +32,12 @@ from profiler.layer import (
     Pass,
     as_tensors,
     state_storages,
+    storage_bytes,
     storage_key,
     tensor_bytes,
     with_grad,
 )
+from profiler.norm_counting import NormWatch, Work
 from profiler.op_flops import CPU_ATTENTION_FLOPS
 from profiler.precision import autocast_pass
 from profiler.shard_counting import ShardFigures, ShardFlow, saving
@@ -61,6 +63,10 @@ class LayerCounts:
     output_saved: int  # of ``saved``: the output's storages
     output: int  # bytes of the output, what crosses a cut after the layer
     gemm_saved: int = 0  # of ``saved``: the activation inputs of weight GEMMs
+    norm_saved: int = 0  # of ``saved``: normalization outputs (profiler.norm_counting)
+    norm_flops: float = 0.0  # of ``flops``: the normalization modules' forward
+    norm_traffic: float = 0.0  # of ``traffic``: the same
+    norm_operations: int = 0  # of ``operations``: the same
     shards: ShardFigures | None = None  # counted with a tensor-parallel plan
     experts: ExpertFigures | None = None  # of a layer with routed experts
 
@@ -393,8 +399,15 @@ def _count(
         following = flow or contextlib.nullcontext()
         kept: list[Tensor] = []
         args = runs.arguments()
-        with forward_flops, forward_bytes, following, saving(kept):
+        norms = NormWatch(
+            layer,
+            lambda: Work(
+                _flops(forward_flops), float(forward_bytes.bytes), forward_bytes.operations
+            ),
+        )
+        with forward_flops, forward_bytes, following, saving(kept), norms.watching():
             targets = runs.forward(args)
+        norm_saved = storage_bytes(norms.saved_outputs(kept), exclude)
         if flow is not None:
             flow.leave(targets)
             flow.saved(kept, exclude)
@@ -442,6 +455,10 @@ def _count(
         output_saved=of_output,
         output=output_bytes,
         gemm_saved=of_gemms,
+        norm_saved=min(norm_saved, saved),
+        norm_flops=norms.flops,
+        norm_traffic=norms.traffic,
+        norm_operations=norms.operations,
         shards=None if flow is None else flow.finish(input_flow),
     )
     return counts, metas, returns_tuple, routed

@@ -69,6 +69,14 @@ class LayerProfile:
         gemm_saved: of ``saved``, the bytes that are the activation operand of a GEMM with
             a weight (:mod:`profiler.gemm_inputs`), each storage once: what an FP8 recipe
             saves in one byte per element. ``None`` (older profiles): unknown.
+        norm_saved: of ``saved``, the bytes that are outputs of the layer's normalization
+            modules (``LayerNorm``, ``RMSNorm``; :mod:`profiler.norm_counting`): what
+            re-computing the norms in the backward frees per micro-batch. ``None``: not
+            counted.
+        norm_flops: of ``flops``, the normalization modules' own: what re-computing them
+            runs again in the backward.
+        norm_traffic: of ``traffic``, the same.
+        norm_operations: of ``operations``, the same.
     """
 
     name: str
@@ -92,6 +100,10 @@ class LayerProfile:
     shards: ShardCounts | None = None
     experts: ExpertCounts | None = None
     gemm_saved: list[int] | None = None
+    norm_saved: list[int] | None = None
+    norm_flops: list[float] | None = None
+    norm_traffic: list[float] | None = None
+    norm_operations: list[float] | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -102,7 +114,7 @@ class LayerProfile:
 _TIMES = "times must be finite numbers of seconds >= 0"
 _BYTES = "byte counts must be finite numbers >= 0"
 _LAYER_TIMES = ("forward", "backward", "backward_input")
-_LAYER_BYTES = ("saved", "output", "peak", "shared", "gemm_saved")
+_LAYER_BYTES = ("saved", "output", "peak", "shared", "gemm_saved", "norm_saved")
 _LAYER_COUNTS = (
     "flops",
     "backward_flops",
@@ -111,6 +123,9 @@ _LAYER_COUNTS = (
     "backward_traffic",
     "operations",
     "backward_operations",
+    "norm_flops",
+    "norm_traffic",
+    "norm_operations",
 )
 _COUNTS = "operation and byte counts must be finite numbers >= 0"
 
@@ -173,11 +188,12 @@ def _check_layer(layer: LayerProfile, where: str, n: int) -> None:
                 _check_figures(values, f"{where}.{what}", n, rule)
     for what in ("param_bytes", "buffer_bytes"):
         _check_amount(getattr(layer, what), f"{where}.{what}", _BYTES)
-    if layer.gemm_saved is not None:
-        for j, (part, whole) in enumerate(zip(layer.gemm_saved, layer.saved, strict=True)):
+    for what in ("gemm_saved", "norm_saved"):
+        parts = getattr(layer, what)
+        for j, (part, whole) in enumerate(zip(parts or [], layer.saved, strict=False)):
             if part > whole:
                 raise ValueError(
-                    f"{where}.gemm_saved[{j}] is {part!r}, more than the {whole!r} bytes the "
+                    f"{where}.{what}[{j}] is {part!r}, more than the {whole!r} bytes the "
                     "layer saves; it is a part of them"
                 )
     if layer.shards is not None:
@@ -389,8 +405,9 @@ class Profile:
                 del layer["shards"]
             if layer["experts"] is None:  # and layers without routed experts
                 del layer["experts"]
-            if layer["gemm_saved"] is None:  # and layers counted before GEMM inputs were
-                del layer["gemm_saved"]
+            for what in ("gemm_saved", "norm_saved"):  # and layers counted before these were
+                if layer[what] is None:
+                    del layer[what]
         data["fits"] = [
             {key: list(value) for key, value in self.fits(i).items()} for i in range(len(self))
         ]

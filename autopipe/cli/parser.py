@@ -132,6 +132,13 @@ def _add_plan_parser(commands: Any) -> None:
         "every activation; with --search: all modes)",
     )
     parser.add_argument(
+        "--recompute-norms",
+        action="store_true",
+        help="plan the layers' LayerNorm/RMSNorm outputs re-computed in the backward, not "
+        "kept (Megatron-LM's --recompute-modules layernorm); planned and exported to "
+        "Megatron-LM, not run by autopipe's runners",
+    )
+    parser.add_argument(
         "--schedule",
         choices=ALL_SCHEDULES,
         help="pipeline schedule (default: gpipe; with --search: gpipe and 1f1b); zb is "

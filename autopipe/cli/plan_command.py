@@ -108,6 +108,7 @@ def plan_command(args: argparse.Namespace) -> int:
         bandwidth=costs.bandwidth,
         virtual_stages=virtual,
         colocated=args.one_device,
+        recompute_norms=args.recompute_norms,
     ).resolved(stages, inputs.batch or profile.batch_size)
     compared = compare_plans(profile, devices, settings)
     result, baseline, other = compared.plan, compared.baseline, compared.baseline_strategy

@@ -127,6 +127,7 @@ def search_inputs(args: argparse.Namespace) -> SearchInputs:
     settings = PipelineSettings(
         memory=memory,
         batch=inputs.batch,
+        recompute_norms=args.recompute_norms,
         optimizer=costs.optimizer,
         bandwidth=bandwidth,
         allreduce_bandwidth=allreduce,

@@ -471,6 +471,7 @@ def setup_on_rank0(
         plan = rank0_plan(found, num_stages, ranks or num_stages, settings, unsplit)
     else:
         check_given_plan(plan, chunks, schedule)
+    plan.check_runnable("DistributedPipeline")
     shared = shared_state(list(sequential), plan.balance, ranks, written)
     if shared:
         raise ValueError(shared)

@@ -148,7 +148,11 @@ def plan_recomputation(plan: Plan) -> tuple[str | list[str], list[list[int]] | N
     A plan made with ``checkpoint="auto"`` gives one mode per stage; its ``units`` stages
     list the units they re-compute by their index in the model, here made positions
     within the stage's partition.
+
+    Raises:
+        ValueError: a plan GPipe does not run (:meth:`Plan.check_runnable`).
     """
+    plan.check_runnable("GPipe")
     units = any(stage.checkpoint == UNITS for stage in plan.stages)
     if plan.checkpoint != "auto" and not units:
         return plan.checkpoint, None

@@ -180,11 +180,13 @@ def precision_label(profile: Mapping[str, Any]) -> str:
 
 
 def _checkpoint_label(plan: Plan) -> str:
-    """The checkpoint mode; for ``auto``, which stages checkpoint, e.g. ``auto (1 of 4)``."""
+    """The checkpoint mode; for ``auto``, which stages checkpoint, e.g. ``auto (1 of 4)``;
+    with the norms re-computed (:attr:`Plan.recompute_norms`), that too."""
+    norms = " + norms re-computed" if plan.recompute_norms else ""
     if plan.checkpoint != "auto":
-        return plan.checkpoint
+        return plan.checkpoint + norms
     chosen = sum(mode != "never" for mode in plan.stage_checkpoints)
-    return f"auto ({chosen} of {plan.num_stages} stages checkpoint)"
+    return f"auto ({chosen} of {plan.num_stages} stages checkpoint){norms}"
 
 
 def _stage_mode(stage: StagePlan, plan: Plan) -> str:

@@ -18,6 +18,7 @@ from autopipe.planning.model.plan_settings import build_model
 from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
 from autopipe.planning.planner import plan_model
+from autopipe.planning.recomputed_norms import planned_profile
 from profiler import Profile
 
 __all__ = ["compare_plans", "profile_devices"]
@@ -82,6 +83,7 @@ def compare_plans(
             recorded instead).
         ValueError: invalid settings.
     """
+    profile = planned_profile(profile, settings)
     model = build_model(profile, devices, settings)
     result = plan_model(model, profile, settings)
     other = baseline_strategy(settings.strategy)

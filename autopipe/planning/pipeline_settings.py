@@ -86,6 +86,11 @@ class PipelineSettings:
         dynamic: the dims besides the batch whose size may vary (torch.export only).
         replicate_shared: a later stage using a shared parameter gets its own copy even
             on the owner's device.
+        recompute_norms: plan the layers' normalization outputs re-computed in the
+            backward instead of kept (Megatron-LM's ``--recompute-modules layernorm``,
+            DeepSeek-V3's RMSNorm re-computation; :mod:`autopipe.planning.recomputed_norms`).
+            Planned and exported to Megatron-LM; autopipe's runners re-compute whole
+            units only and refuse such a plan.
     """
 
     chunks: int | None = None
@@ -112,6 +117,7 @@ class PipelineSettings:
     method: str = "auto"
     dynamic: Any = None
     replicate_shared: bool = False
+    recompute_norms: bool = False
 
     def __post_init__(self) -> None:
         # A generator given as leaf_modules would be used up by the first trace.
@@ -167,6 +173,7 @@ PLAN_FIELDS = frozenset(
         "padded",
         "shard_optimizer",
         "colocated",
+        "recompute_norms",
     }
 )
 

@@ -32,6 +32,7 @@ from autopipe.planning.pipeline_settings import (
     default_chunks,
     with_overrides,
 )
+from autopipe.planning.recomputed_norms import planned_profile
 from autopipe.planning.schedules.interleaving import rank_stages
 from autopipe.planning.schedules.simulation import hidden_alltoalls
 from autopipe.planning.split.balance import baseline_balance
@@ -117,6 +118,7 @@ def plan(
             :meth:`Profile.load`), or another argument is of the wrong kind.
     """
     settings = with_overrides(settings, overrides, "plan", PLAN_FIELDS)
+    profile = planned_profile(profile, settings)
     return plan_model(
         build_model(profile, devices, settings, uniform_mesh_lines), profile, settings
     )
@@ -131,6 +133,12 @@ def plan_model(model: CostModel, profile: Profile, settings: PipelineSettings) -
         PlanningError: as :func:`plan`.
         ValueError: an unknown strategy.
     """
+    result = _planned(model, profile, settings)
+    result.recompute_norms = settings.recompute_norms
+    return result
+
+
+def _planned(model: CostModel, profile: Profile, settings: PipelineSettings) -> Plan:
     strategy = settings.strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")

@@ -77,6 +77,7 @@ def megatron_parser() -> argparse.ArgumentParser:
         default="torch_dist",
         choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
     )
+    parser.add_argument("--recompute-modules", nargs="*", type=str, default=None)
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--global-batch-size", type=int, default=None)
     parser.add_argument("--seq-length", type=int, default=None)
@@ -98,6 +99,8 @@ def transformer_config(arguments: argparse.Namespace) -> Any:
 
     values = vars(arguments)
     config = {name: values[name] for name in CONFIG_FLAGS}
+    if values["recompute_modules"] is not None:
+        config["recompute_modules"] = values["recompute_modules"]
     config |= {
         field: values[flag] for flag, field in SPLIT_FIELDS.items() if values[flag] is not None
     }

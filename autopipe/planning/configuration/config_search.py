@@ -72,6 +72,7 @@ from autopipe.planning.model.quantities import parse_bytes
 from autopipe.planning.model.spans import split_fits, stage_bounds, stage_memory, stage_spans
 from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
 from autopipe.planning.planner import describe, timed_interleaved_balance
+from autopipe.planning.recomputed_norms import planned_profile
 from autopipe.planning.split.exact import solve_split, split_value
 from autopipe.planning.split.intervals import IntervalSolver
 from autopipe.planning.split.screening import Relaxation
@@ -156,7 +157,9 @@ class SearchOptions:
 
 
 # The settings the search reads; the rest (chunks, checkpoint, schedule, ...) it searches.
-SEARCH_SETTINGS = frozenset({"memory", "batch", "optimizer", "bandwidth", "allreduce_bandwidth"})
+SEARCH_SETTINGS = frozenset(
+    {"memory", "batch", "optimizer", "bandwidth", "allreduce_bandwidth", "recompute_norms"}
+)
 _OPTIONS = frozenset(f.name for f in fields(SearchOptions))
 
 
@@ -252,6 +255,7 @@ def search(
     rest = {k: v for k, v in overrides.items() if k not in _OPTIONS}
     accepted = SEARCH_SETTINGS | _OPTIONS
     chosen = with_overrides(settings, rest, "search", accepted)
+    profile = planned_profile(profile, chosen)
     schedules, checkpoints, top = opts.schedules, opts.checkpoints, opts.top
     max_chunks, even, virtual_stages = opts.max_chunks, opts.even, opts.virtual_stages
     memory, batch, optimizer = chosen.memory, chosen.batch, chosen.optimizer
@@ -307,7 +311,7 @@ def search(
         links=opts.links,
     )
     if opts.one_device:
-        return one_device_search(
+        found = one_device_search(
             profile,
             space,
             devices,
@@ -318,6 +322,7 @@ def search(
             even=even,
             optimizer=optimizer,
         )
+        return _flagged(found, chosen.recompute_norms)
     bounds = Bounds(
         devices, len(profile), total_batch, checkpoints, schedules, max_chunks,
         tuple(virtual_stages),
@@ -370,6 +375,13 @@ def search(
     for result, s in zip(plans, settled, strict=True):
         if s.note and (result is plans[0] or result.shard_optimizer != plans[0].shard_optimizer):
             result.notes.append(s.note)
+    return _flagged(plans, chosen.recompute_norms)
+
+
+def _flagged(plans: list[Plan], recompute_norms: bool) -> list[Plan]:
+    """The plans, marked as planned with the norms re-computed where they were."""
+    for result in plans:
+        result.recompute_norms = recompute_norms
     return plans
 
 

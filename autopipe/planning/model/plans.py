@@ -176,6 +176,9 @@ class Plan:
         device_memory: with virtual stages, each rank's predicted peak bytes: its stages'
             parameters and state, and the most their in-flight micro-batches hold at once
             (its stages do not all peak together); empty with one stage per device.
+        recompute_norms: the layers' normalization outputs are re-computed in the backward,
+            not kept (Megatron-LM's ``--recompute-modules layernorm``): the figures are
+            those of :mod:`autopipe.planning.recomputed_norms`, which ``profile`` records.
     """
 
     balance: list[int]
@@ -210,6 +213,7 @@ class Plan:
     sequence: int = 0
     mesh_parts: dict[str, float] = field(default_factory=dict)
     device_memory: list[float] = field(default_factory=list)
+    recompute_norms: bool = False
 
     @property
     def pipeline_time(self) -> float:
@@ -255,6 +259,21 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.balance)
+
+    def check_runnable(self, runner: str) -> None:
+        """Refuses a plan that asks ``runner`` (one of autopipe's) for what it does not run.
+
+        Raises:
+            ValueError: the plan re-computes the norms alone (:attr:`recompute_norms`):
+                autopipe's runners re-compute whole units, and would run it keeping the
+                norms' outputs, holding more than the plan predicts.
+        """
+        if self.recompute_norms:
+            raise ValueError(
+                f"the plan re-computes the norms alone (recompute_norms), which {runner} "
+                "does not run (it re-computes whole units): plan without recompute_norms to "
+                "run here, or export this plan to Megatron-LM"
+            )
 
     def export(self, fmt: str) -> str:
         """The split as another runtime takes it, as text to paste or save.

@@ -175,3 +175,21 @@ def test_routed_experts_under_tensor_parallelism_get_sequence_parallelism() -> N
     text = with_experts(mesh_plan(case, GPT2)).export("megatron")
     assert "only under sequence parallelism: --sequence-parallel is written" in text
     assert all(moe_transformer_config(a).sequence_parallel for a in moe_command_lines(text))
+
+
+def test_recomputed_norms_are_megatrons_selective_layernorm_recompute() -> None:
+    case = MeshCase(balance=(5, 4, 4, 3), mesh=Mesh(tensor=2), checkpoint="never")
+    plan = dataclasses.replace(mesh_plan(case, GPT2), recompute_norms=True)
+    text = plan.export("megatron")
+    for arguments in command_lines(text):
+        config = transformer_config(arguments)  # megatron-core's own checks run
+        assert config.recompute_granularity == "selective"
+        assert config.recompute_modules == ["layernorm"]
+        assert config.recompute_method is None
+
+
+def test_recomputed_norms_with_whole_layers_recomputed_are_refused() -> None:
+    case = MeshCase(balance=(5, 4, 4, 3), checkpoint="always")
+    plan = dataclasses.replace(mesh_plan(case, GPT2), recompute_norms=True)
+    with pytest.raises(ValueError, match="--recompute-granularity takes one of them"):
+        plan.export("megatron")

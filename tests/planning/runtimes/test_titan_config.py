@@ -201,3 +201,12 @@ def test_torchtitan_loads_the_plans_expert_parallel_degree(
 def test_a_dense_plan_writes_no_expert_degree() -> None:
     config, data = _loaded(mesh_plan(MeshCase(mesh=Mesh(zero=1), replicas=2)))
     assert "expert_parallel_degree" not in data and config.parallelism.expert_parallel_degree == 1
+
+
+def test_a_plan_recomputing_the_norms_alone_is_refused() -> None:
+    plan = dataclasses.replace(
+        mesh_plan(MeshCase(balance=(2, 2, 2), checkpoint="never")), recompute_norms=True
+    )
+    for fmt in ("torchtitan", "torchtitan-json"):
+        with pytest.raises(ValueError, match="re-computes the norms alone, which torchtitan"):
+            plan.export(fmt)

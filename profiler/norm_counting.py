@@ -1,0 +1,162 @@
+"""What re-computing a layer's normalizations in the backward frees and costs.
+
+Megatron-LM's ``--recompute-granularity selective --recompute-modules layernorm`` (and
+DeepSeek-V3's training, which re-computes every RMSNorm) keeps no normalization's output
+for the backward: the operation that saved it (the next projection) gets it again by
+running the normalization once more from its input, which the normalization's own backward
+keeps anyway. Counted in the layer's counting forward:
+
+- the bytes of the layer's saved tensors that are outputs of its normalization modules
+  (each storage once): what that re-computation frees per micro-batch;
+- the forward work of those modules (FLOPs, memory traffic, operations): what the backward
+  runs again.
+
+A normalization module is one whose class name ends in ``LayerNorm`` or ``RMSNorm``
+(torch's, Hugging Face's and fused ones alike); a normalization inside another counts with
+the outer one. In a traced unit (an fx graph) the modules are gone: the nodes each
+normalization left (``nn_module_stack``) are found and marked on the counting copy, so the
+same figures come out. Norm outputs cast by autocast before the next operation saves them
+are copies made outside the module and are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from profiler.storages import storage_key
+
+__all__: list[str] = []
+
+NORM_SUFFIXES = ("LayerNorm", "RMSNorm")
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Whether the module is a normalization whose output re-computation may drop."""
+    return type(module).__name__.endswith(NORM_SUFFIXES)
+
+
+# The watch the marks of a traced graph report to, while one is watching.
+_ACTIVE: list[NormWatch] = []
+
+
+def norm_entered(region: str) -> None:
+    """A marked graph enters a normalization's nodes."""
+    if _ACTIVE:
+        _ACTIVE[-1].enter()
+
+
+def norm_left(region: str, *outputs: Any) -> None:
+    """A marked graph leaves a normalization's nodes, with the values it passes on."""
+    if _ACTIVE:
+        _ACTIVE[-1].leave(outputs)
+
+
+def _norm_path(node: fx.Node) -> str | None:
+    """The outermost normalization module a node was traced in, by its path."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, kind in stack.values():
+        name = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
+        if name.endswith(NORM_SUFFIXES):
+            return str(path)
+    return None
+
+
+def mark_norms(module: fx.GraphModule) -> int:
+    """Marks each normalization's nodes in the graph (in place): a call before the first
+    and one after the last, with the values its nodes pass to the rest. Returns how many."""
+    graph = module.graph
+    regions: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            if node.target in (norm_entered, norm_left):
+                return 0  # marked already
+            path = _norm_path(node)
+            if path is not None:
+                regions.setdefault(path, []).append(node)
+    for path, nodes in regions.items():
+        inside = set(nodes)
+        passed = [n for n in nodes if any(user not in inside for user in n.users)]
+        with graph.inserting_before(nodes[0]):
+            graph.call_function(norm_entered, (path,))
+        with graph.inserting_after(nodes[-1]):
+            graph.call_function(norm_left, (path, *passed))
+    if regions:
+        module.recompile()
+    return len(regions)
+
+
+class Work(NamedTuple):
+    """FLOPs, bytes moved and operations run so far in a pass."""
+
+    flops: float
+    traffic: float
+    operations: int
+
+
+class NormWatch:
+    """Records, during one forward, the normalization modules' outputs and their work.
+
+    Args:
+        layer: the layer whose normalization modules are watched.
+        totals: the pass's work counted so far (read before and after each module).
+    """
+
+    def __init__(self, layer: nn.Module, totals: Callable[[], Work]) -> None:
+        self.norms = [m for m in layer.modules() if is_norm(m)]
+        for module in layer.modules():
+            if isinstance(module, fx.GraphModule):
+                mark_norms(module)
+        self.totals = totals
+        self.outputs: set[int] = set()
+        self.flops = 0.0
+        self.traffic = 0.0
+        self.operations = 0
+        self._depth = 0
+        self._start = Work(0.0, 0.0, 0)
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        self.enter()
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.leave(output)
+
+    def enter(self) -> None:
+        if self._depth == 0:
+            self._start = self.totals()
+        self._depth += 1
+
+    def leave(self, output: Any) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        now = self.totals()
+        self.flops += now.flops - self._start.flops
+        self.traffic += now.traffic - self._start.traffic
+        self.operations += now.operations - self._start.operations
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, Tensor):
+                self.outputs.add(storage_key(leaf)[0])
+
+    @contextmanager
+    def watching(self) -> Iterator[NormWatch]:
+        handles = []
+        for module in self.norms:
+            handles.append(module.register_forward_pre_hook(self._before))
+            handles.append(module.register_forward_hook(self._after))
+        _ACTIVE.append(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.remove(self)
+            for handle in handles:
+                handle.remove()
+
+    def saved_outputs(self, saved: list[Tensor]) -> list[Tensor]:
+        """Of the tensors the forward saved, those that are a normalization's output."""
+        return [t for t in saved if storage_key(t)[0] in self.outputs]

@@ -1,0 +1,88 @@
+"""Planning with the norms re-computed: the figures, the plans and the search."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from autopipe import Plan, plan, search
+from autopipe.planning.recomputed_norms import recomputed_norms
+from profiler import Profile, profile_model
+
+H = 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.up = nn.Linear(H, 4 * H)
+        self.down = nn.Linear(4 * H, H)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _profile() -> Profile:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block() for _ in range(4)))
+    # Counted at the micro-batch the plans run (2 rows of 10 tokens).
+    return profile_model(model, torch.randn(8, 10, H), measure=False, batch_sizes=[2])
+
+
+def test_the_norms_outputs_leave_the_saved_bytes_and_their_work_joins_the_backward() -> None:
+    profile = _profile()
+    changed = recomputed_norms(profile)
+    for before, after in zip(profile.layers, changed.layers, strict=True):
+        assert before.norm_saved is not None and before.norm_saved[0] > 0
+        assert after.saved == [before.saved[0] - before.norm_saved[0]]
+        assert before.backward_flops is not None and before.norm_flops is not None
+        assert after.backward_flops == [before.backward_flops[0] + before.norm_flops[0]]
+        assert before.backward_traffic is not None and before.norm_traffic is not None
+        assert after.backward_traffic == [before.backward_traffic[0] + before.norm_traffic[0]]
+        assert after.forward == before.forward and after.flops == before.flops
+        assert after.norm_saved is None and after.norm_traffic is None  # re-computed already
+    with pytest.raises(ValueError, match="count their LayerNorm or RMSNorm outputs"):
+        recomputed_norms(changed)
+
+
+def test_a_profile_without_norm_counts_is_refused_with_what_to_do() -> None:
+    profile = _profile()
+    older = dataclasses.replace(
+        profile, layers=[dataclasses.replace(x, norm_saved=None) for x in profile.layers]
+    )
+    with pytest.raises(ValueError, match="profile the model again"):
+        plan(older, 2, recompute_norms=True)
+
+
+def test_a_plan_holds_less_by_the_norms_outputs_of_its_micro_batches_in_flight() -> None:
+    profile = _profile()
+    kept = plan(profile, 2, checkpoint="never", chunks=4, batch=8)
+    freed = plan(profile, 2, checkpoint="never", chunks=4, batch=8, recompute_norms=True)
+    assert freed.recompute_norms and not kept.recompute_norms
+    assert freed.balance == kept.balance
+    for a, b in zip(kept.stages, freed.stages, strict=True):
+        norms = sum(profile.layers[i].norm_saved[0] for i in range(a.start, a.stop))  # type: ignore[index]
+        # GPipe's fill-drain holds all four micro-batches at the peak.
+        assert a.activation_memory - b.activation_memory == pytest.approx(4 * norms)
+    again = Plan.from_dict(freed.to_dict())
+    assert again.recompute_norms
+
+
+def test_the_search_plans_with_the_norms_recomputed() -> None:
+    plans = search(_profile(), 2, checkpoints=("never",), recompute_norms=True, top=3)
+    assert plans and all(p.recompute_norms for p in plans)
+
+
+def test_the_runners_refuse_a_plan_recomputing_the_norms() -> None:
+    freed = plan(_profile(), 2, checkpoint="never", recompute_norms=True)
+    for runner in ("GPipe", "DistributedPipeline"):
+        with pytest.raises(ValueError, match=f"which {runner} does not run"):
+            freed.check_runnable(runner)
+    from autopipe import GPipe
+
+    with pytest.raises(ValueError, match="re-computes the norms alone"):
+        GPipe.from_plan(nn.Sequential(*(Block() for _ in range(4))), freed)

@@ -1,0 +1,85 @@
+"""The bytes re-computing a layer's norms frees and the work it runs again, counted."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from profiler import profile_model
+
+H = 16
+TOKENS = (8, 10)  # batch, sequence
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block: the RMSNorm's output is saved by the projection after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(H)
+        self.up = nn.Linear(H, 4 * H)
+        self.down = nn.Linear(4 * H, H)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TwoNorms(nn.Module):
+    """A LayerNorm and an RMSNorm, each output taken by a projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.LayerNorm(H), nn.RMSNorm(H)
+        self.a, self.b = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x + self.a(self.first(x))
+        return h + self.b(self.second(h))
+
+
+def _norm_output() -> int:
+    """Bytes of one norm's float32 output at the sample's batch."""
+    return TOKENS[0] * TOKENS[1] * H * 4
+
+
+def test_a_norms_saved_output_is_counted_with_its_forward_work() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    for measure in (False, True):
+        found = profile_model(
+            model, torch.randn(*TOKENS, H), measure=measure, batch_sizes=[TOKENS[0]]
+        )
+        for layer in found.layers:
+            assert layer.norm_saved == [_norm_output()]
+            assert layer.norm_saved[0] < layer.saved[0]
+            assert layer.norm_traffic is not None and layer.traffic is not None
+            assert 0 < layer.norm_traffic[0] < layer.traffic[0]
+            assert layer.norm_operations is not None and layer.norm_operations[0] >= 1
+
+
+def test_every_norm_of_a_layer_counts() -> None:
+    torch.manual_seed(0)
+    found = profile_model(
+        nn.Sequential(TwoNorms()), torch.randn(*TOKENS, H), measure=False, batch_sizes=[8]
+    )
+    assert found.layers[0].norm_saved == [2 * _norm_output()]
+
+
+def test_a_traced_unit_counts_its_inlined_norms_as_the_modules_do() -> None:
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(*TOKENS, H)
+    # torch.export inlines the modules: the norm is nodes carrying its module stack.
+    graph = torch.export.export(block, (x,)).module()
+    assert not any(isinstance(m, nn.RMSNorm) for m in graph.modules())
+    plain = profile_model(nn.Sequential(block), x, measure=False, batch_sizes=[8])
+    traced = profile_model(nn.Sequential(graph), x, measure=False, batch_sizes=[8])
+    assert traced.layers[0].norm_saved == plain.layers[0].norm_saved == [_norm_output()]
+    assert traced.layers[0].norm_traffic == plain.layers[0].norm_traffic
+
+
+def test_a_layer_without_norms_counts_none() -> None:
+    found = profile_model(
+        nn.Sequential(nn.Linear(H, H), nn.ReLU()), torch.randn(8, H), measure=False
+    )
+    assert all(layer.norm_saved == [0] * len(found.batch_sizes) for layer in found.layers)
+    assert all(layer.norm_flops == [0.0] * len(found.batch_sizes) for layer in found.layers)
