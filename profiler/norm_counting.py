@@ -45,10 +45,10 @@ def is_norm(module: nn.Module) -> bool:
 _ACTIVE: list[NormWatch] = []
 
 
-def norm_entered(region: str) -> None:
-    """A marked graph enters a normalization's nodes."""
+def norm_entered(region: str, *inputs: Any) -> None:
+    """A marked graph enters a normalization's nodes, with the values they read."""
     if _ACTIVE:
-        _ACTIVE[-1].enter()
+        _ACTIVE[-1].enter(inputs)
 
 
 def norm_left(region: str, *outputs: Any) -> None:
@@ -82,8 +82,9 @@ def mark_norms(module: fx.GraphModule) -> int:
     for path, nodes in regions.items():
         inside = set(nodes)
         passed = [n for n in nodes if any(user not in inside for user in n.users)]
+        read = {a: None for n in nodes for a in n.all_input_nodes if a not in inside}
         with graph.inserting_before(nodes[0]):
-            graph.call_function(norm_entered, (path,))
+            graph.call_function(norm_entered, (path, *read))
         with graph.inserting_after(nodes[-1]):
             graph.call_function(norm_left, (path, *passed))
     if regions:
@@ -119,16 +120,20 @@ class NormWatch:
         self.operations = 0
         self._depth = 0
         self._start = Work(0.0, 0.0, 0)
+        self._read: set[int] = set()
 
     def _before(self, module: nn.Module, args: Any) -> None:
-        self.enter()
+        self.enter(args)
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
         self.leave(output)
 
-    def enter(self) -> None:
+    def enter(self, inputs: Any) -> None:
         if self._depth == 0:
             self._start = self.totals()
+            # What the norm returns of its own input (a cast to its dtype already, which
+            # a trace may pass on in the input's place) is no output of its.
+            self._read = {storage_key(t)[0] for t in tree_leaves(inputs) if isinstance(t, Tensor)}
         self._depth += 1
 
     def leave(self, output: Any) -> None:
@@ -140,7 +145,7 @@ class NormWatch:
         self.traffic += now.traffic - self._start.traffic
         self.operations += now.operations - self._start.operations
         for leaf in tree_leaves(output):
-            if isinstance(leaf, Tensor):
+            if isinstance(leaf, Tensor) and storage_key(leaf)[0] not in self._read:
                 self.outputs.add(storage_key(leaf)[0])
 
     @contextmanager

@@ -45,12 +45,20 @@ def recomputed_norms(profile: Profile) -> Profile:
 
     Raises:
         ValueError: no layer has counted norm figures (a profile counted before they
-            were, or a model without ``LayerNorm``/``RMSNorm`` modules).
+            were), or none keeps a norm's output (a model without ``LayerNorm`` or
+            ``RMSNorm`` modules before a projection).
     """
-    if not any(layer.norm_saved for layer in profile.layers if layer.norm_saved):
+    counted = [layer.norm_saved for layer in profile.layers if layer.norm_saved is not None]
+    if not counted:
         raise ValueError(
             "re-computing the norms needs a profile whose layers count their LayerNorm or "
-            "RMSNorm outputs (profile the model again with this version); this one has none"
+            "RMSNorm outputs; this one was made before they were counted (or after they "
+            "were re-computed): profile the model again (--no-cache)"
+        )
+    if not any(value > 0 for values in counted for value in values):
+        raise ValueError(
+            "the model's layers keep no LayerNorm or RMSNorm output for the backward: there "
+            "are no norms to re-compute; plan without recompute_norms (--recompute-norms)"
         )
     return dataclasses.replace(profile, layers=[_layer(layer) for layer in profile.layers])
 

@@ -45,7 +45,7 @@ def test_the_norms_outputs_leave_the_saved_bytes_and_their_work_joins_the_backwa
         assert after.backward_traffic == [before.backward_traffic[0] + before.norm_traffic[0]]
         assert after.forward == before.forward and after.flops == before.flops
         assert after.norm_saved is None and after.norm_traffic is None  # re-computed already
-    with pytest.raises(ValueError, match="count their LayerNorm or RMSNorm outputs"):
+    with pytest.raises(ValueError, match="or after they were re-computed"):
         recomputed_norms(changed)
 
 
@@ -56,6 +56,14 @@ def test_a_profile_without_norm_counts_is_refused_with_what_to_do() -> None:
     )
     with pytest.raises(ValueError, match="profile the model again"):
         plan(older, 2, recompute_norms=True)
+
+
+def test_a_model_without_norms_is_told_it_has_none_to_recompute() -> None:
+    found = profile_model(
+        nn.Sequential(nn.Linear(H, H), nn.ReLU()), torch.randn(8, H), measure=False
+    )
+    with pytest.raises(ValueError, match="there are no norms to re-compute"):
+        plan(found, 2, recompute_norms=True)
 
 
 def test_a_plan_holds_less_by_the_norms_outputs_of_its_micro_batches_in_flight() -> None:

@@ -83,3 +83,38 @@ def test_a_layer_without_norms_counts_none() -> None:
     )
     assert all(layer.norm_saved == [0] * len(found.batch_sizes) for layer in found.layers)
     assert all(layer.norm_flops == [0.0] * len(found.batch_sizes) for layer in found.layers)
+
+
+class CastingRMSNorm(nn.Module):
+    """Hugging Face's RMSNorm: a cast of its input first (none at float32: the same tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(H))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = CastingRMSNorm()
+        self.proj = nn.Linear(H, H)
+
+    def forward(self, x: Tensor) -> Tensor:
+        residual = x
+        return residual + self.proj(self.input_layernorm(x))
+
+
+def test_the_input_a_traced_norm_passes_on_is_not_its_output() -> None:
+    # Exported, the residual reads the norm's no-op cast of its input: the same storage as
+    # the input, which re-computing the norm does not free.
+    torch.manual_seed(0)
+    block, x = ResidualBlock(), torch.randn(*TOKENS, H)
+    graph = torch.export.export(block, (x,)).module()
+    plain = profile_model(nn.Sequential(block), x, measure=False, batch_sizes=[8])
+    traced = profile_model(nn.Sequential(graph), x, measure=False, batch_sizes=[8])
+    assert traced.layers[0].norm_saved == plain.layers[0].norm_saved == [_norm_output()]
