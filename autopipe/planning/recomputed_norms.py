@@ -57,8 +57,9 @@ def recomputed_norms(profile: Profile) -> Profile:
         )
     if not any(value > 0 for values in counted for value in values):
         raise ValueError(
-            "the model's layers keep no LayerNorm or RMSNorm output for the backward: there "
-            "are no norms to re-compute; plan without recompute_norms (--recompute-norms)"
+            "no layer keeps the output of a LayerNorm or RMSNorm of its own for the backward "
+            "(a norm that is a unit by itself, its output saved by the next, stays kept): "
+            "there are no norms to re-compute; plan without recompute_norms (--recompute-norms)"
         )
     return dataclasses.replace(profile, layers=[_layer(layer) for layer in profile.layers])
 

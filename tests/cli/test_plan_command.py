@@ -428,3 +428,54 @@ def test_plan_float64_mixtral_by_following_the_advice(
     code, out, err = run(capsys, "plan", str(path), "--stages", "2", *FAST, "--json", str(out_file))
     assert code == 0, err
     assert sum(Plan.load(out_file).balance) == 6 and "dtype float64" in out
+
+
+PRE_NORM_MODEL = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+model = Net()
+sample = torch.randn(8, 32)
+"""
+
+
+def test_recompute_norms_plans_and_exports_megatrons_flags(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "blocks.py"
+    path.write_text(PRE_NORM_MODEL)
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", str(path), *FAST, "--recompute-norms", "--checkpoint", "never"]
+    code, out, err = run(capsys, *argv, "--json", str(out_file), "--export", "megatron")
+    assert code == 0, err
+    assert "checkpoint never + norms re-computed" in err  # the export took stdout
+    assert "--recompute-granularity selective --recompute-modules layernorm" in out
+    assert Plan.load(out_file).recompute_norms
+    # The MLP example's LayerNorm is a unit by itself: its output is the head's to keep.
+    code, out, err = run(
+        capsys, "plan", MLP, *FAST, "--recompute-norms", "--json", str(tmp_path / "no.json")
+    )
+    assert_error(code, out, err, "there are no norms to re-compute")
+    assert not (tmp_path / "no.json").exists()
