@@ -19,16 +19,19 @@ layer is a norm alone it is the whole forward. The re-computed outputs live agai
 the layer's backward runs (``peak``, an upper bound: they are rebuilt one norm at a time).
 Under tensor parallelism the norms' outputs are replicated activations (sequence
 parallelism divides them by ``t``), so their bytes leave the shard counts' replicated part.
-The figures it has used are dropped (``norm_saved`` and the norms' work ``None``): applied
+Only schedules that run each backward whole are priced so (:func:`check_schedules`). The
+figures it has used are dropped (``norm_saved`` and the norms' work ``None``): applied
 to its own result it finds nothing left to re-compute, and says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from autopipe.planning.pipeline_settings import PipelineSettings
+from autopipe.planning.schedules.split_holding import SPLIT_SCHEDULES
 from profiler import LayerProfile, Profile
 
 __all__: list[str] = []
@@ -36,8 +39,39 @@ __all__: list[str] = []
 
 def planned_profile(profile: Profile, settings: PipelineSettings) -> Profile:
     """The profile planning prices under ``settings``: :func:`recomputed_norms` of it with
-    ``recompute_norms``, else itself."""
-    return recomputed_norms(profile) if settings.recompute_norms else profile
+    ``recompute_norms``, else itself.
+
+    Raises:
+        ValueError: as :func:`recomputed_norms`, or ``recompute_norms`` under a schedule
+            that splits the backward (:func:`check_schedules`).
+    """
+    if not settings.recompute_norms:
+        return profile
+    if settings.schedule is not None:
+        check_schedules([settings.schedule])
+    return recomputed_norms(profile)
+
+
+def check_schedules(schedules: Sequence[str]) -> list[str]:
+    """The schedules the norms' re-computation is priced under: those that run each
+    backward whole.
+
+    Under split backward (``zb``, ``zbv``, ``dualpipev``) the weights' gradients run after
+    the input's and need the norms' outputs again: re-built for the input's gradient, they
+    stay until the weights' (the bytes freed hold only until the input's gradient, as for
+    re-computed units), which these figures, freed for the whole backward, do not price.
+
+    Raises:
+        ValueError: none of ``schedules`` runs its backward whole.
+    """
+    whole = [s for s in schedules if s not in SPLIT_SCHEDULES]
+    if not whole:
+        raise ValueError(
+            f"re-computing the norms is planned under schedules whose backward runs whole; "
+            f"{', '.join(schedules)} split it (the weights' gradients need the norms' "
+            "outputs again): use gpipe or 1f1b, or plan without recompute_norms"
+        )
+    return whole
 
 
 def recomputed_norms(profile: Profile) -> Profile:

@@ -7,8 +7,7 @@ assumed balanced, the default efficiencies (nothing fitted):
 - **DeepSeek-V3 on 2,048 H800s** at the end of its batch schedule (15,360 sequences of
   4,096 tokens, one per micro-batch), FP8 pricing (``--peak-dtype float8``: the report
   trains its GEMMs in FP8), Adam in mixed precision: (a) the published mesh (TP1, PP16
-  under DualPipeV, EP64, ZeRO-1 data parallelism over the other 128 ranks, its RMSNorms
-  re-computed in the backward as the report says: ``--recompute-norms``) predicted in
+  under DualPipeV, EP64, ZeRO-1 data parallelism over the other 128 ranks) predicted in
   tokens/s per GPU against the report's 14.8T tokens in 2,664K H800 GPU-hours, 1,543
   tokens/s per GPU (a figure derived from the whole pre-training, not measured at one
   step); (b) the search's best mesh over TP 1-8, every EP, ZeRO 0-1 and the 1F1B, GPipe
@@ -168,8 +167,7 @@ def label(plan: Plan) -> str:
     t, c, e, k, d, v = mesh_of(plan)
     zero = f" ZeRO-{plan.mesh.zero}" if plan.mesh.zero else ""
     sp = " SP" if plan.mesh.sequence_parallel else ""
-    norms = "+norms" if plan.recompute_norms else ""
-    return f"TP{t}{sp} CP{c} EP{e} PP{k} VP{v} DP{d}{zero} {plan.schedule} {plan.checkpoint}{norms}"
+    return f"TP{t}{sp} CP{c} EP{e} PP{k} VP{v} DP{d}{zero} {plan.schedule} {plan.checkpoint}"
 
 
 def tokens_per_gpu(plan: Plan, case: Case) -> float:
@@ -221,11 +219,9 @@ def deepseek(fused: Path | None) -> dict[str, Any]:
     plans, ranking_s, _, _ = _search(case)
     best = plans[0]
     assert mesh_of(quick[0]) == mesh_of(best), "the ten plans' best is the ranking's"
-    # The report re-computes every RMSNorm (and its latent attention's up-projections,
-    # which autopipe does not re-compute alone) in the backward.
     as_published = (
         "--schedule", "dualpipev", "--expert-parallel", "64", "--zero", "1",
-        "--tensor-parallel", "1", "--pipeline-parallel", "16", "--recompute-norms",
+        "--tensor-parallel", "1", "--pipeline-parallel", "16",
     )  # fmt: skip
     try:
         published_plans, _, _, _ = _search(case, *as_published)
@@ -320,16 +316,14 @@ def markdown(results: list[dict[str, Any]], *, fused: bool) -> str:
             reported = r["reported_tokens_per_gpu"]
             if r["published"] is None:
                 lines.append(
-                    "- The published mesh (PP16 DualPipeV, EP64, ZeRO-1, norms re-computed) "
-                    "does not fit under "
+                    "- The published mesh (PP16 DualPipeV, EP64, ZeRO-1) does not fit under "
                     f"the counted memory: {r['refusal'] or 'not among the plans found'}"
                 )
             else:
                 over = r.get("over_gib")
                 if over is not None:
                     lines.append(
-                        "- The published mesh (PP16 DualPipeV, EP64, ZeRO-1, norms re-computed) "
-                        "does not fit "
+                        "- The published mesh (PP16 DualPipeV, EP64, ZeRO-1) does not fit "
                         f"under the counted memory, {over:.1f} GiB over each device: it is "
                         "predicted here without the cap, keeping every activation, and not "
                         "ranked."

@@ -94,3 +94,13 @@ def test_the_runners_refuse_a_plan_recomputing_the_norms() -> None:
 
     with pytest.raises(ValueError, match="re-computes the norms alone"):
         GPipe.from_plan(nn.Sequential(*(Block() for _ in range(4))), freed)
+
+
+def test_schedules_splitting_the_backward_are_not_priced_with_the_norms_recomputed() -> None:
+    profile = _profile()
+    with pytest.raises(ValueError, match="zb split it"):
+        plan(profile, 2, schedule="zb", chunks=4, batch=8, recompute_norms=True)
+    plans = search(profile, 2, schedules=("1f1b", "zbv", "dualpipev"), recompute_norms=True, top=20)
+    assert plans and {p.schedule for p in plans} == {"1f1b"}
+    with pytest.raises(ValueError, match="use gpipe or 1f1b"):
+        search(profile, 2, schedules=("dualpipev",), recompute_norms=True)
