@@ -71,15 +71,21 @@ def mark_norms(module: fx.GraphModule) -> int:
     """Marks each normalization's nodes in the graph (in place): a call before the first
     and one after the last, with the values its nodes pass to the rest. Returns how many."""
     graph = module.graph
-    regions: dict[str, list[fx.Node]] = {}
+    # One region per call: a run of consecutive operations in one norm (a norm called
+    # twice leaves two runs, each its own output and work).
+    regions: list[tuple[str, list[fx.Node]]] = []
+    last: str | None = None
     for node in graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
             if node.target in (norm_entered, norm_left):
                 return 0  # marked already
             path = _norm_path(node)
-            if path is not None:
-                regions.setdefault(path, []).append(node)
-    for path, nodes in regions.items():
+            if path is not None and path == last:
+                regions[-1][1].append(node)
+            elif path is not None:
+                regions.append((path, [node]))
+            last = path
+    for path, nodes in regions:
         inside = set(nodes)
         passed = [n for n in nodes if any(user not in inside for user in n.users)]
         read = {a: None for n in nodes for a in n.all_input_nodes if a not in inside}

@@ -118,3 +118,28 @@ def test_the_input_a_traced_norm_passes_on_is_not_its_output() -> None:
     plain = profile_model(nn.Sequential(block), x, measure=False, batch_sizes=[8])
     traced = profile_model(nn.Sequential(graph), x, measure=False, batch_sizes=[8])
     assert traced.layers[0].norm_saved == plain.layers[0].norm_saved == [_norm_output()]
+
+
+class SharedNorm(nn.Module):
+    """One RMSNorm called twice, a projection between: each call its own region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(H)
+        self.a, self.b = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x + self.a(self.norm(x))
+        return h + self.b(self.norm(h))
+
+
+def test_a_norm_called_twice_counts_each_call_alone() -> None:
+    torch.manual_seed(0)
+    block, x = SharedNorm(), torch.randn(*TOKENS, H)
+    graph = torch.export.export(block, (x,)).module()
+    plain = profile_model(nn.Sequential(block), x, measure=False, batch_sizes=[8])
+    traced = profile_model(nn.Sequential(graph), x, measure=False, batch_sizes=[8])
+    assert traced.layers[0].norm_saved == plain.layers[0].norm_saved == [2 * _norm_output()]
+    # The projection between the calls is no norm's work.
+    assert traced.layers[0].norm_flops == plain.layers[0].norm_flops
+    assert traced.layers[0].norm_traffic == plain.layers[0].norm_traffic
