@@ -133,10 +133,12 @@ def _add_plan_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--recompute-norms",
-        action="store_true",
+        nargs="?",
+        const="on",
+        choices=("on", "auto"),
         help="plan the layers' LayerNorm/RMSNorm outputs re-computed in the backward, not "
-        "kept (Megatron-LM's --recompute-modules layernorm); planned and exported to "
-        "Megatron-LM, not run by autopipe's runners",
+        "kept (Megatron-LM's --recompute-modules layernorm); auto (with --search): weigh "
+        "both; planned and exported to Megatron-LM, not run by autopipe's runners",
     )
     parser.add_argument(
         "--schedule",

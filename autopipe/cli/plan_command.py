@@ -37,6 +37,11 @@ def plan_command(args: argparse.Namespace) -> int:
             "--one-device plans one pipeline whose stages take turns on one device; leave "
             "out --virtual-stages and --target"
         )
+    if args.recompute_norms == "auto":
+        raise ValueError(
+            "--recompute-norms auto weighs the norms kept and re-computed in --search; "
+            "without --search give --recompute-norms alone"
+        )
     if args.devices or args.allreduce_bandwidth or args.even:
         raise ValueError(
             "--devices, --allreduce-bandwidth and --even go with --search; use --stages"
@@ -108,7 +113,7 @@ def plan_command(args: argparse.Namespace) -> int:
         bandwidth=costs.bandwidth,
         virtual_stages=virtual,
         colocated=args.one_device,
-        recompute_norms=args.recompute_norms,
+        recompute_norms=args.recompute_norms == "on",
     ).resolved(stages, inputs.batch or profile.batch_size)
     compared = compare_plans(profile, devices, settings)
     result, baseline, other = compared.plan, compared.baseline, compared.baseline_strategy

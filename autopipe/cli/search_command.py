@@ -127,7 +127,7 @@ def search_inputs(args: argparse.Namespace) -> SearchInputs:
     settings = PipelineSettings(
         memory=memory,
         batch=inputs.batch,
-        recompute_norms=args.recompute_norms,
+        recompute_norms=args.recompute_norms == "on",
         optimizer=costs.optimizer,
         bandwidth=bandwidth,
         allreduce_bandwidth=allreduce,
@@ -143,6 +143,7 @@ def search_inputs(args: argparse.Namespace) -> SearchInputs:
         shard_optimizer=args.shard_optimizer,
         one_device=args.one_device,
         links=_mesh_links(args, target) if set(mesh) - {"pipeline_parallel"} else None,
+        recompute_norms=(False, True) if args.recompute_norms == "auto" else None,
         **mesh,
     )
     return SearchInputs(profile, devices, settings, options)

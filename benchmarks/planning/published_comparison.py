@@ -14,9 +14,9 @@ efficiencies (nothing fitted), and reports:
 (b) the search's best mesh over TP 1-8, CP (1-2; 1-16 at 131k tokens), ZeRO 0-1 (0-3 for
     the paper's runs, whose data parallelism is FSDP), 1 to 8
     virtual stages and every PP and DP, with its prediction;
-    each searched twice, keeping the norms' outputs and re-computing them in the backward
-    (``--recompute-norms``, Megatron-LM's ``--recompute-modules layernorm``), the plans of
-    both ranked together (a plan re-computing them is labelled ``+norms``);
+    the norms' outputs kept and re-computed in the backward weighed both
+    (``--recompute-norms auto``; Megatron-LM's ``--recompute-modules layernorm``), the
+    plans of both ranked together (a plan re-computing them is labelled ``+norms``);
 (c) the published mesh's rank among the meshes of the search's first 10 plans (each mesh
     by its best plan; past them, the published mesh is searched alone and its rank is
     only known to follow theirs), its prediction over the best's, and the search's one
@@ -48,10 +48,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from autopipe import PlanningError  # noqa: E402
 from autopipe.cli.parser import build_parser  # noqa: E402
 from autopipe.cli.search_command import search_inputs  # noqa: E402
-from autopipe.planning import PipelineSettings, Plan, SearchOptions, search  # noqa: E402
+from autopipe.planning import Plan, search  # noqa: E402
 from autopipe.planning.configuration.search_notes import why_slower  # noqa: E402
 from benchmarks.planning.published_runs import (  # noqa: E402
     LLAMA3,
@@ -122,7 +121,8 @@ def command_line(run: PublishedRun, path: Path) -> list[str]:
         "--global-batch", str(run.global_batch), "--micro-batch", str(run.micro_batch),
         "--sequence", str(run.sequence), "--optimizer", "adam-mixed",
         "--tensor-parallel", "1,2,4,8", "--context-parallel", contexts, "--zero", zero,
-        "--sequence-parallel", "--virtual-stages", "8", "--top", str(TOP),
+        "--sequence-parallel", "--virtual-stages", "8", "--recompute-norms", "auto",
+        "--top", str(TOP),
     ]  # fmt: skip
 
 
@@ -160,24 +160,6 @@ def label(plan: Plan) -> str:
     return f"TP{t}{sp} CP{c} PP{k} VP{v} DP{d}{zero} {plan.schedule} {plan.checkpoint}{norms}"
 
 
-def both_ways(
-    profile: Any, devices: int, settings: PipelineSettings, options: SearchOptions
-) -> list[Plan]:
-    """The search's plans keeping the norms' outputs and re-computing them, ranked
-    together (fastest first, ``options.top`` of them)."""
-    plans: list[Plan] = []
-    refusals = []
-    for norms in (False, True):
-        try:
-            chosen = dataclasses.replace(settings, recompute_norms=norms)
-            plans += search(profile, devices, chosen, options)
-        except PlanningError as exc:  # nothing fits one way: the other may
-            refusals.append(exc)
-    if not plans:
-        raise refusals[0]
-    return sorted(plans, key=lambda p: p.step_time)[: options.top]
-
-
 def tflops(plan: Plan, run: PublishedRun) -> float:
     """Predicted TFLOP/s per GPU by the published runs' FLOP count."""
     tokens = run.global_batch * run.sequence / plan.step_time / run.gpus
@@ -195,7 +177,7 @@ def compare(run: PublishedRun, folder: Path, *, fused: bool) -> dict[str, Any]:
     inputs = search_inputs(args)
     counted = time.perf_counter() - started
     started = time.perf_counter()
-    plans = both_ways(inputs.profile, inputs.devices, inputs.settings, inputs.options)
+    plans = search(inputs.profile, inputs.devices, inputs.settings, inputs.options)
     searched = time.perf_counter() - started
     best = plans[0]
     # Each mesh ranked by its best plan, in the search's order.
@@ -214,12 +196,12 @@ def compare(run: PublishedRun, folder: Path, *, fused: bool) -> dict[str, Any]:
         top=TOP,
     )
     if found is None:  # beyond the ranked plans: the published mesh searched alone
-        alone = both_ways(inputs.profile, inputs.devices, inputs.settings, options)
+        alone = search(inputs.profile, inputs.devices, inputs.settings, options)
         found = next((p for p in alone if is_published(p, run)), None)
     fits = found is not None
     if found is None:  # over memory: predicted without a cap
         settings = dataclasses.replace(inputs.settings, memory=None)
-        alone = both_ways(inputs.profile, inputs.devices, settings, options)
+        alone = search(inputs.profile, inputs.devices, settings, options)
         found = next(p for p in alone if is_published(p, run))
     capacity = float(inputs.settings.memory or 0)
     published = tflops(found, run)

@@ -473,6 +473,12 @@ def test_recompute_norms_plans_and_exports_megatrons_flags(
     assert "checkpoint never + norms re-computed" in err  # the export took stdout
     assert "--recompute-granularity selective --recompute-modules layernorm" in out
     assert Plan.load(out_file).recompute_norms
+    code, out, err = run(capsys, "plan", str(path), *FAST, "--recompute-norms", "auto")
+    assert_error(code, out, err, "--recompute-norms auto weighs the norms kept and re-computed")
+    argv = ["plan", str(path), *FAST, "--search", "--devices", "2", "--recompute-norms", "auto"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "weighed with the norms' outputs kept and re-computed" in out + err
     # The MLP example's LayerNorm is a unit by itself: its output is the head's to keep.
     code, out, err = run(
         capsys, "plan", MLP, *FAST, "--recompute-norms", "--json", str(tmp_path / "no.json")

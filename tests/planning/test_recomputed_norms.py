@@ -104,3 +104,28 @@ def test_schedules_splitting_the_backward_are_not_priced_with_the_norms_recomput
     assert plans and {p.schedule for p in plans} == {"1f1b"}
     with pytest.raises(ValueError, match="use gpipe or 1f1b"):
         search(profile, 2, schedules=("dualpipev",), recompute_norms=True)
+
+
+def test_the_search_weighs_both_ways_of_the_norms_when_asked() -> None:
+    counted = _profile()
+    # Times of their own: re-computing the norms then costs backward time.
+    profile = dataclasses.replace(
+        counted,
+        layers=[
+            dataclasses.replace(x, forward=[1e-3], backward=[2e-3], backward_input=[1e-3])
+            for x in counted.layers
+        ],
+    )
+    both = search(
+        profile, 2, checkpoints=("never",), schedules=("gpipe",), recompute_norms=(False, True),
+        top=20,
+    )  # fmt: skip
+    assert {p.recompute_norms for p in both} == {False, True}
+    assert not both[0].recompute_norms  # no cap: keeping them is faster
+    assert any(n.startswith("best of") for n in both[0].notes)
+    assert "weighed with the norms' outputs kept and re-computed" in both[0].notes
+    assert all(p.throughput <= both[0].throughput for p in both)
+    slower = next(p for p in both if p.recompute_norms)
+    assert "the best step" in slower.notes[0]
+    with pytest.raises(ValueError, match="lists the ways"):
+        search(profile, 2, recompute_norms=())

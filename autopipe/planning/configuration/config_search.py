@@ -55,7 +55,11 @@ from autopipe.planning.configuration.one_device_search import (
     one_device_search,
 )
 from autopipe.planning.configuration.optimizer_sharding import check_shard_optimizer, settle
-from autopipe.planning.configuration.search_notes import annotate, explain_infeasible
+from autopipe.planning.configuration.search_notes import (
+    annotate,
+    explain_infeasible,
+    why_slower,
+)
 from autopipe.planning.configuration.search_space import Bounds, Config, Space, configurations
 from autopipe.planning.mesh.mesh_links import MeshLinks
 from autopipe.planning.model.cost_model import CostModel
@@ -140,6 +144,7 @@ class SearchOptions:
     links: MeshLinks | None = None
     expert_parallel: Sequence[int] | None = None
     pipeline_parallel: Sequence[int] | None = None
+    recompute_norms: Sequence[bool] | bool | None = None
 
     @property
     def meshed(self) -> bool:
@@ -236,6 +241,10 @@ def search(
             other options make it one.
         pipeline_parallel: the pipeline depths K (ranks per pipeline) to weigh, e.g. a
             published run's; ``None`` (default): every depth the devices allow.
+        recompute_norms: the norms' outputs kept (``False``) and/or re-computed (``True``)
+            to weigh, one or a list, e.g. ``(False, True)``: each is searched and their
+            plans ranked together (:mod:`autopipe.planning.recomputed_norms`); ``None``
+            (default): as the settings' ``recompute_norms`` says.
 
     Returns:
         Up to ``top`` plans, fastest (highest throughput) first, each with its
@@ -255,6 +264,11 @@ def search(
     rest = {k: v for k, v in overrides.items() if k not in _OPTIONS}
     accepted = SEARCH_SETTINGS | _OPTIONS
     chosen = with_overrides(settings, rest, "search", accepted)
+    if opts.recompute_norms is not None:
+        ways = _norm_ways(opts.recompute_norms)
+        if len(ways) > 1:
+            return _both_ways(profile, devices, chosen, opts, ways)
+        chosen, opts = replace(chosen, recompute_norms=ways[0]), replace(opts, recompute_norms=None)
     profile = planned_profile(profile, chosen)
     if chosen.recompute_norms:  # under split backward the norms' outputs come back
         opts = replace(opts, schedules=tuple(check_schedules(opts.schedules)))
@@ -378,6 +392,55 @@ def search(
         if s.note and (result is plans[0] or result.shard_optimizer != plans[0].shard_optimizer):
             result.notes.append(s.note)
     return _flagged(plans, chosen.recompute_norms)
+
+
+def _norm_ways(given: Sequence[bool] | bool) -> tuple[bool, ...]:
+    """The ways of the norms to weigh: one (``True``/``False``) or a list of them."""
+    if isinstance(given, bool):
+        return (given,)
+    if isinstance(given, str) or not given or any(not isinstance(w, bool) for w in given):
+        raise ValueError(
+            f"recompute_norms lists the ways to weigh, e.g. (False, True), got {given!r}"
+        )
+    return tuple(dict.fromkeys(given))
+
+
+def _both_ways(
+    profile: Profile,
+    devices: int,
+    settings: PipelineSettings,
+    options: SearchOptions,
+    ways: tuple[bool, ...],
+) -> list[Plan]:
+    """The plans of one search per way of the norms, ranked together: the best keeps its
+    search's notes (and says both were weighed), every other one says why it is slower
+    than that best."""
+    plans: list[Plan] = []
+    refusals: list[tuple[bool, Exception]] = []
+    for way in ways:
+        try:
+            plans += search(
+                profile,
+                devices,
+                replace(settings, recompute_norms=way),
+                replace(options, recompute_norms=(way,)),
+            )
+        except (PlanningError, ValueError) as exc:  # this way fits nothing, or no schedule
+            refusals.append((way, exc))
+    if not plans:
+        raise refusals[0][1]
+    plans.sort(key=lambda p: -p.throughput)
+    plans = plans[: options.top]
+    best = plans[0]
+    for result in plans[1:]:
+        result.notes[:1] = [why_slower(result, best)]
+    if refusals:
+        for way, refusal in refusals:
+            kept = "re-computed" if way else "kept"
+            best.notes.append(f"with the norms' outputs {kept}: nothing planned ({refusal})")
+    else:
+        best.notes.append("weighed with the norms' outputs kept and re-computed")
+    return plans
 
 
 def _flagged(plans: list[Plan], recompute_norms: bool) -> list[Plan]:
