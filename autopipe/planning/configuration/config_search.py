@@ -417,9 +417,10 @@ def _both_ways(
     than that best."""
     plans: list[Plan] = []
     refusals: list[tuple[bool, Exception]] = []
+    firsts: list[Plan] = []  # each way's best, whose notes were about its own search
     for way in ways:
         try:
-            plans += search(
+            found = search(
                 profile,
                 devices,
                 replace(settings, recompute_norms=way),
@@ -427,13 +428,19 @@ def _both_ways(
             )
         except (PlanningError, ValueError) as exc:  # this way fits nothing, or no schedule
             refusals.append((way, exc))
+            continue
+        plans += found
+        firsts.append(found[0])
     if not plans:
         raise refusals[0][1]
     plans.sort(key=lambda p: -p.throughput)
     plans = plans[: options.top]
     best = plans[0]
     for result in plans[1:]:
-        result.notes[:1] = [why_slower(result, best)]
+        if any(result is first for first in firsts):
+            result.notes = [why_slower(result, best)]
+        else:
+            result.notes[:1] = [why_slower(result, best)]
     if refusals:
         for way, refusal in refusals:
             kept = "re-computed" if way else "kept"
