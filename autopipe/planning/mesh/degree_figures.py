@@ -200,10 +200,12 @@ def mesh_lines(
     shard_over = replicas * c
     units = None
     if mesh.zero >= 2 and shard_over >= 2 and len(params):
-        moved = params
+        moved, steps = params, None
         if lines.experts is not None:  # the experts' exchange runs over S_x devices
-            moved = exchanged(params, lines.experts, shard_over, mesh.expert_replicas(replicas))
-        units = unit_exchange(moved, shard_over, links.data)
+            moved, steps = exchanged(
+                params, lines.experts, shard_over, mesh.expert_replicas(replicas)
+            )
+        units = unit_exchange(moved, shard_over, links.data, steps)
     saved_rep = np.maximum(
         values["saved"] - sh["saved"] - (sh["replicated_saved"] if sp else 0.0), 0.0
     )

@@ -308,10 +308,16 @@ def alltoall(
     return {"ep_forward": seconds, "ep_backward": seconds}
 
 
-def exchanged(params: Array, experts: Array, shard_over: int, expert_replicas: int) -> Array:
+def exchanged(
+    params: Array, experts: Array, shard_over: int, expert_replicas: int
+) -> tuple[Array, Array]:
     """Bytes whose ZeRO-2/3 exchange over ``shard_over`` devices takes as long as one
-    unit's: the dense part over ``S``, the experts' over ``S_x`` devices."""
+    unit's (the dense part over ``S``, the experts' over ``S_x`` devices), and the ring
+    steps of its two exchanges (``S − 1`` and ``S_x − 1``)."""
+    dense = params - experts
+    steps = np.where(dense > 0, shard_over - 1.0, 0.0)
+    steps = steps + np.where(experts > 0, max(expert_replicas - 1.0, 0.0), 0.0)
     if shard_over < 2:
-        return params
+        return params, steps
     rate = (expert_replicas - 1) / expert_replicas / ((shard_over - 1) / shard_over)
-    return np.asarray(params - experts + experts * rate)
+    return np.asarray(dense + experts * rate), np.asarray(steps)

@@ -2,8 +2,11 @@
 
 Over ``S`` devices (the ``D`` replicas times the context-parallel group, over which the
 parameters are replicated) a unit's exchange moves ``(S−1)/S · P`` bytes per device
-(``P``: its parameter bytes on the device, gradients in the same dtype), plus one
-latency. Every unit is one layer of the profile; each exchange runs beside the compute of
+(``P``: its parameter bytes on the device, gradients in the same dtype) in the ``S − 1``
+steps of a ring, each paying the link's latency: NCCL runs all-gathers and
+reduce-scatters as rings, so over thousands of devices the latencies, not the bytes, can
+outlast a layer's compute (why practice shards over a node or a few rather than over
+every replica). Every unit is one layer of the profile; each exchange runs beside the compute of
 the neighbouring unit *of the same stage* in the model's order (the units of the next
 stage run on another device, which hides nothing here), and only what outlasts that
 compute is exposed. For a stage of layers ``[s, e)``:
@@ -43,12 +46,24 @@ Array = NDArray[np.float64]
 Index = NDArray[np.int64] | int
 
 
-def unit_exchange(params: Array, shard_over: int, link: GroupLink) -> Array:
-    """Seconds of one all-gather (or reduce-scatter) of each unit, per device."""
+def unit_exchange(
+    params: Array, shard_over: int, link: GroupLink, steps: Array | None = None
+) -> Array:
+    """Seconds of one ring all-gather (or reduce-scatter) of each unit, per device.
+
+    Args:
+        params: bytes per unit whose exchange over ``shard_over`` devices it takes.
+        shard_over: ``S``.
+        link: the ring's link.
+        steps: the ring steps per unit (default ``S − 1``; a unit of experts sharded over
+            their own replicas runs a second ring).
+    """
     if shard_over < 2:
         return np.zeros_like(params)
     moved = (shard_over - 1) / shard_over * params
-    return np.where(params > 0, link.seconds(moved, np.ones_like(moved)), 0.0)
+    if steps is None:
+        steps = np.full_like(moved, shard_over - 1.0)
+    return np.where(params > 0, link.seconds(moved, steps), 0.0)
 
 
 def _windows(exchanged: Array, compute: Array) -> Array:

@@ -144,8 +144,8 @@ def test_every_device_reads_every_expert_without_expert_parallelism() -> None:
 def test_zero_exchanges_move_the_experts_over_their_own_replicas() -> None:
     lines = _lines(moe_profile(1), Mesh(zero=2, expert=2), 4)
     # 3/4 of the dense 2048 bytes over 4 devices, 1/2 of the experts' 1024 over 2:
-    # 2048 bytes at 64 B/s and one message.
-    assert lines.units is not None and lines.units.tolist() == [2048 / 64 + 0.5]
+    # 2048 bytes at 64 B/s, in a ring of 3 steps and one of 1.
+    assert lines.units is not None and lines.units.tolist() == [2048 / 64 + 4 * 0.5]
 
 
 @pytest.mark.parametrize(

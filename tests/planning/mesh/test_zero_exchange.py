@@ -21,9 +21,10 @@ from tests.support.mesh_profiles import block_profile
 LINK = GroupLink(64.0, 0.5)
 
 
-def test_a_unit_moves_its_share_of_the_others_parameters() -> None:
+def test_a_unit_moves_its_share_of_the_others_parameters_in_a_ring() -> None:
     params = np.array([4096.0, 0.0])
-    assert unit_exchange(params, 4, LINK).tolist() == [3 / 4 * 4096 / 64 + 0.5, 0.0]
+    # S − 1 = 3 steps, each paying the link's latency.
+    assert unit_exchange(params, 4, LINK).tolist() == [3 / 4 * 4096 / 64 + 3 * 0.5, 0.0]
     assert unit_exchange(params, 1, LINK).tolist() == [0.0, 0.0]
 
 
