@@ -77,6 +77,12 @@ class LayerProfile:
             runs again in the backward.
         norm_traffic: of ``traffic``, the same.
         norm_operations: of ``operations``, the same.
+        rebuilt: bytes the backward re-builds before it runs, from what the layer keeps:
+            no part of ``saved`` (which no longer holds them), set when planning
+            re-computes part of the layer (its norms: ``autopipe.planning``'s
+            ``recompute_norms``). They live while the backward runs, and under a schedule
+            that splits it, from the input gradient's pass until the weights'. ``None``:
+            nothing is re-built.
     """
 
     name: str
@@ -104,6 +110,7 @@ class LayerProfile:
     norm_flops: list[float] | None = None
     norm_traffic: list[float] | None = None
     norm_operations: list[float] | None = None
+    rebuilt: list[int] | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -114,7 +121,7 @@ class LayerProfile:
 _TIMES = "times must be finite numbers of seconds >= 0"
 _BYTES = "byte counts must be finite numbers >= 0"
 _LAYER_TIMES = ("forward", "backward", "backward_input")
-_LAYER_BYTES = ("saved", "output", "peak", "shared", "gemm_saved", "norm_saved")
+_LAYER_BYTES = ("saved", "output", "peak", "shared", "gemm_saved", "norm_saved", "rebuilt")
 _LAYER_COUNTS = (
     "flops",
     "backward_flops",
@@ -405,7 +412,8 @@ class Profile:
                 del layer["shards"]
             if layer["experts"] is None:  # and layers without routed experts
                 del layer["experts"]
-            for what in ("gemm_saved", "norm_saved"):  # and layers counted before these were
+            # and layers counted before these were, or nothing re-built
+            for what in ("gemm_saved", "norm_saved", "rebuilt"):
                 if layer[what] is None:
                     del layer[what]
         data["fits"] = [

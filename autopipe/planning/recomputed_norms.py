@@ -15,23 +15,26 @@ The backward runs the norms' forward once more before its own (so the input grad
 it too); a counted profile's backward FLOPs, traffic and operations grow by the norms'
 own, which a target's estimates price again. ``share`` is the norms' part of the layer's
 forward by the larger of its FLOPs and bytes moved: norms are memory bound, and where a
-layer is a norm alone it is the whole forward. The re-computed outputs live again while
-the layer's backward runs (``peak``, an upper bound: they are rebuilt one norm at a time).
+layer is a norm alone it is the whole forward. The re-computed outputs are the layer's
+``rebuilt`` bytes (:attr:`profiler.LayerProfile.rebuilt`): under a schedule whose
+backward runs whole they live again while it runs (``peak``, an upper bound: they are
+rebuilt one norm at a time); under one that splits it (``zb``, ``zbv``, ``dualpipev``)
+the input gradient's pass re-builds them and they stay until the weights' (whose
+projections read them), as re-computed units' activations do
+(:mod:`autopipe.planning.schedules.split_holding`): the cost model counts them with the
+micro-batches between the two passes, and not in the peak.
 Under tensor parallelism the norms' outputs are replicated activations (sequence
 parallelism divides them by ``t``), so their bytes leave the shard counts' replicated part.
-Only schedules that run each backward whole are priced so (:func:`check_schedules`). The
-figures it has used are dropped (``norm_saved`` and the norms' work ``None``): applied
+The figures it has used are dropped (``norm_saved`` and the norms' work ``None``): applied
 to its own result it finds nothing left to re-compute, and says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 from autopipe.planning.pipeline_settings import PipelineSettings
-from autopipe.planning.schedules.split_holding import SPLIT_SCHEDULES
 from profiler import LayerProfile, Profile
 
 __all__: list[str] = []
@@ -42,36 +45,11 @@ def planned_profile(profile: Profile, settings: PipelineSettings) -> Profile:
     ``recompute_norms``, else itself.
 
     Raises:
-        ValueError: as :func:`recomputed_norms`, or ``recompute_norms`` under a schedule
-            that splits the backward (:func:`check_schedules`).
+        ValueError: as :func:`recomputed_norms`.
     """
     if not settings.recompute_norms:
         return profile
-    if settings.schedule is not None:
-        check_schedules([settings.schedule])
     return recomputed_norms(profile)
-
-
-def check_schedules(schedules: Sequence[str]) -> list[str]:
-    """The schedules the norms' re-computation is priced under: those that run each
-    backward whole.
-
-    Under split backward (``zb``, ``zbv``, ``dualpipev``) the weights' gradients run after
-    the input's and need the norms' outputs again: re-built for the input's gradient, they
-    stay until the weights' (the bytes freed hold only until the input's gradient, as for
-    re-computed units), which these figures, freed for the whole backward, do not price.
-
-    Raises:
-        ValueError: none of ``schedules`` runs its backward whole.
-    """
-    whole = [s for s in schedules if s not in SPLIT_SCHEDULES]
-    if not whole:
-        raise ValueError(
-            f"re-computing the norms is planned under schedules whose backward runs whole; "
-            f"{', '.join(schedules)} split it (the weights' gradients need the norms' "
-            "outputs again): use gpipe or 1f1b, or plan without recompute_norms"
-        )
-    return whole
 
 
 def recomputed_norms(profile: Profile) -> Profile:
@@ -118,6 +96,7 @@ def _layer(layer: LayerProfile) -> LayerProfile:
     changes: dict[str, Any] = {
         "saved": saved,
         "backward": [b + a for b, a in zip(layer.backward, again, strict=True)],
+        "rebuilt": [r + f for r, f in zip(layer.rebuilt or [0] * n, freed, strict=True)],
         "norm_saved": None,
         "norm_flops": None,
         "norm_traffic": None,

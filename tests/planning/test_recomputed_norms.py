@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autopipe import Plan, plan, search
+from autopipe import Plan, PlanningError, plan, search
 from autopipe.planning.recomputed_norms import recomputed_norms
+from autopipe.planning.schedules.interleaving import rank_stages
+from autopipe.planning.schedules.split_holding import split_moments
 from profiler import Profile, profile_model
 
 H = 16
@@ -96,14 +98,68 @@ def test_the_runners_refuse_a_plan_recomputing_the_norms() -> None:
         GPipe.from_plan(nn.Sequential(*(Block() for _ in range(4))), freed)
 
 
-def test_schedules_splitting_the_backward_are_not_priced_with_the_norms_recomputed() -> None:
+@pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
+def test_under_split_backward_the_norms_outputs_live_from_the_input_gradient_to_the_weights(
+    schedule: str,
+) -> None:
+    """Each micro-batch holds its saved set less the norms' outputs until its I, and all
+    of it from its I until its W: the peaks of the replayed order, stage by stage and
+    rank by rank."""
     profile = _profile()
-    with pytest.raises(ValueError, match="zb split it"):
-        plan(profile, 2, schedule="zb", chunks=4, batch=8, recompute_norms=True)
-    plans = search(profile, 2, schedules=("1f1b", "zbv", "dualpipev"), recompute_norms=True, top=20)
-    assert plans and {p.schedule for p in plans} == {"1f1b"}
-    with pytest.raises(ValueError, match="use gpipe or 1f1b"):
-        search(profile, 2, schedules=("dualpipev",), recompute_norms=True)
+    virtual = 1 if schedule == "zb" else 2
+    options = {"schedule": schedule, "virtual_stages": virtual, "checkpoint": "never"}
+    stages = 2 * virtual  # on two ranks
+    kept = plan(profile, stages, strategy="uniform", chunks=4, batch=8, **options)
+    freed = plan(
+        profile, stages, strategy="uniform", chunks=4, batch=8, recompute_norms=True, **options
+    )
+    assert freed.balance == kept.balance and freed.recompute_norms
+    norms, full = [], []
+    for a, b in zip(kept.stages, freed.stages, strict=True):
+        norms.append(sum(profile.layers[i].norm_saved[0] for i in range(b.start, b.stop)))  # type: ignore[index]
+        full.append(a.activation_memory / a.in_flight)  # keeping all, each holds its set
+    # Where every micro-batch in flight is past its I at the peak, nothing is saved.
+    assert any(b.activation_memory < a.activation_memory for a, b in zip(kept.stages, freed.stages))
+    for rank in range(2):
+        local = rank_stages(rank, 2, virtual, schedule)
+        peaks = [0.0] * virtual
+        device = 0.0
+        for row in split_moments(rank, 2, virtual, 4, schedule):
+            held = [
+                row[3 * j] * (full[k] - norms[k]) + row[3 * j + 1] * full[k]
+                for j, k in enumerate(local)
+            ]
+            peaks = [max(p, h) for p, h in zip(peaks, held, strict=True)]
+            device = max(device, sum(held))
+        for j, k in enumerate(local):
+            assert freed.stages[k].activation_memory == pytest.approx(peaks[j])
+            assert peaks[j] <= kept.stages[k].activation_memory
+        state = sum(freed.stages[k].param_memory for k in local)
+        # One stage per rank: the stage's memory is the device's.
+        devices = freed.device_memory or [stage.memory for stage in freed.stages]
+        assert devices[rank] == pytest.approx(state + device)
+
+
+def test_under_split_backward_a_capped_plan_recomputes_units_besides_the_norms() -> None:
+    profile = _profile()
+    options = {"schedule": "dualpipev", "virtual_stages": 2, "chunks": 4, "batch": 8}
+    free = plan(profile, 4, checkpoint="never", recompute_norms=True, **options)
+    assert free.device_memory is not None
+    cap = int(0.9 * max(free.device_memory))
+    capped = plan(profile, 4, checkpoint="auto", memory=cap, recompute_norms=True, **options)
+    assert capped.device_memory is not None and max(capped.device_memory) <= cap
+    assert any(stage.checkpoint != "never" for stage in capped.stages)
+    with pytest.raises(PlanningError, match="more"):
+        plan(profile, 4, checkpoint="never", memory=cap, recompute_norms=True, **options)
+
+
+def test_the_search_weighs_split_backward_schedules_with_the_norms_recomputed() -> None:
+    plans = search(
+        _profile(), 2, schedules=("1f1b", "zbv", "dualpipev"), checkpoints=("never",),
+        recompute_norms=True, top=20,
+    )  # fmt: skip
+    assert {p.schedule for p in plans} == {"1f1b", "zbv", "dualpipev"}
+    assert all(p.recompute_norms for p in plans)
 
 
 def test_the_search_weighs_both_ways_of_the_norms_when_asked() -> None:

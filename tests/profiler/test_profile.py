@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -59,6 +60,19 @@ def test_json_round_trip(tmp_path: Path, peak: bool) -> None:
     assert loaded == profile
     assert loaded.fits(2) == profile.fits(2)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_rebuilt_bytes_round_trip_and_are_written_only_when_set(tmp_path: Path) -> None:
+    profile = make_profile()
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert all("rebuilt" not in layer for layer in json.loads(path.read_text())["layers"])
+    layers = [dataclasses.replace(layer, rebuilt=[32, 64]) for layer in profile.layers]
+    rebuilt = dataclasses.replace(profile, layers=layers)
+    rebuilt.save(path)
+    assert Profile.load(path) == rebuilt
+    with pytest.raises(ValueError, match="rebuilt"):
+        dataclasses.replace(profile, layers=[dataclasses.replace(layers[0], rebuilt=[-1, 0])])
 
 
 @pytest.mark.parametrize("autocast", [None, "bfloat16", "float16"])

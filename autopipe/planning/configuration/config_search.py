@@ -76,7 +76,7 @@ from autopipe.planning.model.quantities import parse_bytes
 from autopipe.planning.model.spans import split_fits, stage_bounds, stage_memory, stage_spans
 from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
 from autopipe.planning.planner import describe, timed_interleaved_balance
-from autopipe.planning.recomputed_norms import check_schedules, planned_profile
+from autopipe.planning.recomputed_norms import planned_profile
 from autopipe.planning.split.exact import solve_split, split_value
 from autopipe.planning.split.intervals import IntervalSolver
 from autopipe.planning.split.screening import Relaxation
@@ -270,8 +270,6 @@ def search(
             return _both_ways(profile, devices, chosen, opts, ways)
         chosen, opts = replace(chosen, recompute_norms=ways[0]), replace(opts, recompute_norms=None)
     profile = planned_profile(profile, chosen)
-    if chosen.recompute_norms:  # under split backward the norms' outputs come back
-        opts = replace(opts, schedules=tuple(check_schedules(opts.schedules)))
     schedules, checkpoints, top = opts.schedules, opts.checkpoints, opts.top
     max_chunks, even, virtual_stages = opts.max_chunks, opts.even, opts.virtual_stages
     memory, batch, optimizer = chosen.memory, chosen.batch, chosen.optimizer

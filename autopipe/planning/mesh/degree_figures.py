@@ -221,6 +221,8 @@ def mesh_lines(
         peak=values["peak"] * ratio,
         output=values["output"] / (c * rep),
     )
+    if "rebuilt" in values:  # re-computed norms' outputs: replicated activations
+        new_values["rebuilt"] = values["rebuilt"] / (rep * c)
     tied = tuple(
         dataclasses.replace(
             item,

@@ -110,6 +110,7 @@ from autopipe.planning.schedules.split_holding import (
     SPLIT_SCHEDULES,
     split_moments,
     stage_holdings,
+    stage_keeps,
 )
 
 __all__ = ["optimizer_factor"]
@@ -360,11 +361,20 @@ class CostModel:
             else []
         )
         self._pairs: list[tuple[tuple[int, int], ...]] = [((0, 0),)] * len(self.devices)
+        self._keeps = list(self._pairs)
         if self.split_backward:
             for r in range(ranks):
                 pairs = stage_holdings(r, ranks, virtual_stages, chunks, schedule)
+                keeps = stage_keeps(r, ranks, virtual_stages, chunks, schedule)
                 for local, k in enumerate(rank_stages(r, ranks, virtual_stages, schedule)):
                     self._pairs[k] = pairs[local]
+                    self._keeps[k] = keeps[local]
+        # Bytes the backward re-builds beyond the saved sets (re-computed norms' outputs):
+        # under split backward held from a micro-batch's I until its W with its full set;
+        # under a whole backward only while it runs, which the layers' peaks price.
+        rebuilt = layers.rebuilt if self.split_backward else None
+        self.rebuilds = rebuilt is not None and bool(np.any(rebuilt > 0))
+        self._rebuilt = prefix_sums(rebuilt if rebuilt is not None else np.zeros(len(layers)))
         # ``auto``: keep everything, else the other fixed mode (except_last; ``always``
         # under split backward, which has no except_last), else re-computed units.
         if checkpoint != "auto":
@@ -403,7 +413,9 @@ class CostModel:
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output])
         self._sends = np.concatenate([[0.0], layers.output[:-1], [0.0]])
-        self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
+        # Re-built bytes held with the full sets are not held again as a transient peak.
+        peak = np.maximum(layers.peak - rebuilt, 0.0) if rebuilt is not None else layers.peak
+        self._peak = RangeMax(peak) if np.any(peak > 0) else None
         # ``auto``: the cheapest units to re-compute in a stage keeping all would overflow.
         self.units = UnitRecompute.of(layers)
         # Under dualpipev the all-to-alls are kept apart too: its overlapped pairs hide them.
@@ -474,6 +486,10 @@ class CostModel:
             if self.split_backward:
                 return Holding(n, self._pairs[k], transient=False)
             return Holding.whole(n)
+        if self.split_backward and mode == "never" and self.rebuilds:
+            # ``never`` re-building bytes: ``c`` keep their saved set, ``y`` it and what
+            # their I re-built (split_holding's stage_keeps).
+            return Holding(n, self._keeps[k])
         if self.split_backward and mode != "auto":
             # ``never``: every micro-batch in flight keeps its saved set until its W.
             return Holding(n, self._pairs[k] if mode == "always" else ((0, n),))
@@ -537,12 +553,19 @@ class CostModel:
         """Bytes one micro-batch saves for the backward of layers ``[s, e)``."""
         return np.asarray(self._saved[e] - self._saved[s] + self._shared[s])
 
+    def rebuilt_set(self, s: Index, e: Index) -> Array:
+        """Bytes one micro-batch's backward of layers ``[s, e)`` re-builds and holds with
+        its saved set until its weights' gradients (0 unless the backward is split)."""
+        return np.asarray(self._rebuilt[e] - self._rebuilt[s])
+
     def _saved_sets(self, k: int, s: Index, e: Index, mode: str) -> Array:
         saved = self._full_set(s, e)
+        reduced = saved if mode == "never" else self._inputs[s]
+        full = saved + self.rebuilt_set(s, e) if self.rebuilds else saved
         pairs = self.holding(k, mode).pairs
-        held = pairs[0][0] * self._inputs[s] + pairs[0][1] * saved
+        held = pairs[0][0] * reduced + pairs[0][1] * full
         for c, y in pairs[1:]:
-            held = np.maximum(held, c * self._inputs[s] + y * saved)
+            held = np.maximum(held, c * reduced + y * full)
         return np.asarray(held)
 
     def stage_costs(self, k: int, s: Index, e: Index) -> tuple[Array, Array, Index]:
@@ -595,7 +618,8 @@ class CostModel:
             over = kept > budget
             s_over, e_over = (np.broadcast_to(a, shape)[over] for a in (s, e))
             holding = self.holding(k, UNITS_MODE)
-            extra, held, left, _ = self.units.choose(s_over, e_over, holding, budget[over])
+            rebuilt = self.rebuilt_set(s_over, e_over)
+            extra, held, left, _ = self.units.choose(s_over, e_over, holding, budget[over], rebuilt)
             units[over] = extra / self.devices[k].speed
             time[over] += units[over]
             memory[over] = state[over] + held
@@ -668,7 +692,7 @@ class CostModel:
         codes = np.array([RECOMPUTE_CODES[mode] for mode in (*self.modes, "never")])[choice]
         backward = bwd * scale + even
         share = np.where(backward > 0, weight * scale / np.where(backward > 0, backward, 1.0), 0.0)
-        full = self._full_set(s, e)
+        full = self._full_set(s, e) + self.rebuilt_set(s, e)
         recomputed = np.array([mode != "never" for mode in (*self.modes, UNITS_MODE)])[choice]
         again = np.where(recomputed, reduced, 0.0)
         held = np.stack(np.broadcast_arrays(reduced, full, again), axis=-1)
@@ -717,7 +741,9 @@ class CostModel:
             return []
         state = float(self.held_state(np.array(s), np.array(e)))
         cap, share = self._budget(k)  # as stage_costs chose them
-        return self.units.units(s, e, self.holding(k, UNITS_MODE), (cap - state) / share)
+        rebuilt = float(self.rebuilt_set(np.array(s), np.array(e)))
+        holding = self.holding(k, UNITS_MODE)
+        return self.units.units(s, e, holding, (cap - state) / share, rebuilt)
 
     def _fractions(self, choice: Index) -> Array:
         """Per mode index (:data:`UNITS` included), the share of micro-batches re-computed

@@ -204,6 +204,10 @@ class LayerCosts:
     # all-to-alls, which DualPipeV's overlapped pairs hide in part (None: none).
     alltoall_forward: Array | None = None
     alltoall_backward: Array | None = None
+    # Bytes each layer's backward re-builds before it runs, no part of ``saved`` (its
+    # re-computed norms' outputs; None: none), held from the input gradient's pass until
+    # the weights' under split backward.
+    rebuilt: Array | None = None
 
     def __post_init__(self) -> None:
         if self.shared is None:  # frozen: set once, at construction
@@ -292,6 +296,9 @@ class ProfileLines:
         for figure in _FIGURES:
             rows = [profile.values(i, figure) for i in range(n)]
             values[figure] = np.array([r if r is not None else [0.0] * width for r in rows])
+        rebuilt = [profile.values(i, "rebuilt") for i in range(n)]
+        if any(r is not None for r in rebuilt):
+            values["rebuilt"] = np.array([r if r is not None else [0.0] * width for r in rebuilt])
         # Under the FP8 recipe the weight GEMMs' inputs are saved in one byte each.
         factor = saved_factor(profile)
         if factor is not None:
@@ -354,6 +361,7 @@ class ProfileLines:
             update_per_byte=self.update_per_byte,
             step_overhead=self.step_overhead,
             experts=self.experts,
+            rebuilt=self.figure("rebuilt", micro_batch) if "rebuilt" in self.values else None,
         )
 
 

@@ -84,23 +84,33 @@ class Holding:
         """A stage whose backward runs whole: ``n`` micro-batches keep their reduced set."""
         return cls(n, ((n, 0),))
 
-    def memory(self, kept: Array, freed: Array, transient: Array) -> Array:
-        """Activation bytes when each micro-batch frees ``freed`` of its ``kept`` bytes."""
+    def memory(
+        self, kept: Array, freed: Array, transient: Array, rebuilt: Array | float = 0.0
+    ) -> Array:
+        """Activation bytes when each micro-batch frees ``freed`` of its ``kept`` bytes.
+
+        ``rebuilt``: bytes each micro-batch's backward re-builds beyond ``kept`` (its
+        norms' outputs), held with its full set. Where nothing is freed, the stage keeps
+        everything: ``n·kept`` plus the most full sets' ``rebuilt`` (an upper bound).
+        """
         held = np.zeros(np.shape(kept))
         for c, y in self.pairs:
-            held = np.maximum(held, c * (kept - freed) + y * kept)
+            held = np.maximum(held, c * (kept - freed) + y * (kept + rebuilt))
         if self.transient:
             held = held + transient
-        return np.where(np.asarray(freed) > 0, held, self.n * kept)
+        most = max(y for _, y in self.pairs)
+        return np.where(np.asarray(freed) > 0, held, self.n * kept + most * rebuilt)
 
-    def need(self, kept: Array, headroom: Array, transient: Array) -> Array:
+    def need(
+        self, kept: Array, headroom: Array, transient: Array, rebuilt: Array | float = 0.0
+    ) -> Array:
         """The bytes per micro-batch to free so that :meth:`memory` fits ``headroom``
         (``inf`` where no freeing fits)."""
         room = headroom - (transient if self.transient else 0.0)
         need = np.full(np.shape(kept), -np.inf)
         fits = room > 0
         for c, y in self.pairs:
-            left = room - y * kept
+            left = room - y * (kept + rebuilt)
             if c > 0:
                 need = np.maximum(need, kept - left / c)
             else:
@@ -222,7 +232,12 @@ class UnitRecompute:
         return self._largest.query(np.asarray(s), np.asarray(e))
 
     def choose(
-        self, s: Index, e: Index, holding: Holding, headroom: Array
+        self,
+        s: Index,
+        e: Index,
+        holding: Holding,
+        headroom: Array,
+        rebuilt: Array | float = 0.0,
     ) -> tuple[Array, Array, Array, NDArray[np.bool_]]:
         """Per candidate stage ``[s, e)``: ``(seconds, memory, reduced, fits)`` of its
         cheapest set.
@@ -232,6 +247,8 @@ class UnitRecompute:
             holding: the micro-batches the stage holds at its candidate peaks.
             headroom: bytes of the device left for the micro-batches' activations (its
                 capacity less the stage's state and transient peaks).
+            rebuilt: per candidate stage, the bytes a micro-batch's backward re-builds
+                beyond its saved set, held with its full set (:meth:`Holding.memory`).
 
         Returns:
             The re-computation seconds per micro-batch (speed 1) of the cheapest set that
@@ -241,8 +258,9 @@ class UnitRecompute:
         """
         s_arr, e_arr = np.broadcast_arrays(np.asarray(s), np.asarray(e))
         head = np.broadcast_to(np.asarray(headroom, dtype=float), s_arr.shape)
+        again = np.broadcast_to(np.asarray(rebuilt, dtype=float), s_arr.shape)
         reduced = np.array(self.kept(s_arr, e_arr), dtype=float)
-        memory = holding.n * reduced
+        memory = holding.memory(reduced, np.zeros(s_arr.shape), np.zeros(s_arr.shape), again)
         seconds = np.zeros(s_arr.shape)
         over = memory > head
         if not over.any():
@@ -253,15 +271,16 @@ class UnitRecompute:
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         starts, ends = s_arr[over][first], e_arr[over][first]
         heads = head[over][first]
+        rebuilds = again[over][first]
         kept = self.kept(starts, ends)
         transient = self.transient(starts, ends)
         most, slowest = self.most_freed(starts, ends)
-        need = holding.need(kept, heads, transient)
+        need = holding.need(kept, heads, transient, rebuilds)
         # Where even every unit that frees bytes re-computed does not fit, that set is the
         # answer (the least memory) and no search is needed; the rest search their front,
         # all the stages of one front at once.
         found_s = slowest.copy()
-        found_m = holding.memory(kept, most, transient)
+        found_m = holding.memory(kept, most, transient, rebuilds)
         found_r = kept - most
         search = np.flatnonzero(need <= most)
         if len(search):
@@ -284,7 +303,9 @@ class UnitRecompute:
                 j = np.searchsorted(front.freed, need[members], side="left")
                 found_s[members] = front.seconds[j]
                 freed = front.freed[j]
-                found_m[members] = holding.memory(kept[members], freed, transient[members])
+                found_m[members] = holding.memory(
+                    kept[members], freed, transient[members], rebuilds[members]
+                )
                 found_r[members] = kept[members] - freed
         seconds[over] = found_s[inverse.ravel()]
         memory[over] = found_m[inverse.ravel()]
@@ -304,24 +325,26 @@ class UnitRecompute:
         return np.asarray(freed), np.asarray(cost)
 
     def _pick(
-        self, s: int, e: int, holding: Holding, headroom: float
+        self, s: int, e: int, holding: Holding, headroom: float, rebuilt: float = 0.0
     ) -> tuple[int, Front, float, float]:
         """The front point :meth:`choose` takes for stage ``[s, e)``, with the front, the
         bytes a micro-batch keeps re-computing nothing, and the re-computation's transient."""
         front = self.front(s, e)
         kept = float(self._kept[e] - self._kept[s] + self.shared[s])
         transient = float(self.transient(np.array(s), np.array(e)))
-        need = float(holding.need(np.array(kept), np.array(headroom), np.array(transient)))
+        need = float(holding.need(np.array(kept), np.array(headroom), np.array(transient), rebuilt))
         j = front.cheapest(need) if np.isfinite(need) else -1
         if j < 0:
             j = len(front.freed) - 1  # the least memory: free the most
         return j, front, kept, transient
 
-    def units(self, s: int, e: int, holding: Holding, headroom: float) -> list[int]:
+    def units(
+        self, s: int, e: int, holding: Holding, headroom: float, rebuilt: float = 0.0
+    ) -> list[int]:
         """The units (layer indices) :meth:`choose` re-computes in stage ``[s, e)``."""
         kept = float(self._kept[e] - self._kept[s] + self.shared[s])
-        if holding.n * kept <= headroom:
+        if float(holding.memory(np.array(kept), np.array(0.0), np.array(0.0), rebuilt)) <= headroom:
             return []
-        j, front, _, _ = self._pick(s, e, holding, headroom)
+        j, front, _, _ = self._pick(s, e, holding, headroom, rebuilt)
         mask = front.masks[j]
         return [s + i for i in range(e - s) if mask >> i & 1]

@@ -15,10 +15,15 @@ of stage ``j`` runs (the moment just after it re-built its set), and ``r_j = a_j
 re-computing stage; a stage that keeps everything has ``a_j = b_j`` and ``r_j = 0``, which
 gives its micro-batches in flight times ``b_j`` (:func:`in_flight`).
 
+A stage that keeps its saved set ``a`` but re-builds ``r`` more bytes in its ``I`` (its
+norms' outputs, :mod:`autopipe.planning.recomputed_norms`) holds ``(x + y)·a + y·r``: the
+re-built bytes join the kept set rather than replace it, so ``z`` adds nothing.
+
 :func:`split_moments` lists those ``(x, y, z)`` counts per moment (moments that another
 bounds in every count dropped: all bytes are >= 0, so they never set a peak);
 :func:`stage_holdings` a stage's own ``(x + z, y)`` pairs, the peak of a re-computing stage
-being ``max (x + z)·a + y·b`` over them.
+being ``max (x + z)·a + y·b`` over them; :func:`stage_keeps` its ``(x, y)`` pairs, the peak
+of one that keeps its saved set being ``max x·a + y·(a + r)``.
 """
 
 from __future__ import annotations
@@ -99,5 +104,27 @@ def stage_holdings(
     for j in range(virtual):
         x, y, z = rows[:, 3 * j], rows[:, 3 * j + 1], rows[:, 3 * j + 2]
         kept = _undominated({(int(c), int(d)) for c, d in zip(x + z, y, strict=True)})
+        out.append(tuple(sorted((row[0], row[1]) for row in kept)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def stage_keeps(
+    rank: int, ranks: int, virtual: int, chunks: int, schedule: str
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per local stage of ``rank``, its ``(x, y)`` pairs none bounds in both counts.
+
+    A stage that keeps its saved set ``a`` and re-builds ``r`` more in each ``I`` peaks at
+    the largest ``x·a + y·(a + r)`` over them (the micro-batch in its ``I`` is one of the
+    ``y``).
+
+    Raises:
+        ValueError: as :func:`rank_order`.
+    """
+    rows = split_moments(rank, ranks, virtual, chunks, schedule)
+    out = []
+    for j in range(virtual):
+        x, y = rows[:, 3 * j], rows[:, 3 * j + 1]
+        kept = _undominated({(int(c), int(d)) for c, d in zip(x, y, strict=True)})
         out.append(tuple(sorted((row[0], row[1]) for row in kept)))
     return tuple(out)

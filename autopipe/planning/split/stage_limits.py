@@ -52,7 +52,12 @@ class MemoryLimits:
         # As in the cost model: shared bytes count once, added back at a stage's start.
         self._shared = layers.shared_bytes
         self._saved = prefix_sums(layers.saved - self._shared)
-        self._peak = RangeMax(layers.peak) if np.any(layers.peak > 0) else None
+        # As in the cost model: bytes the backward re-builds, held with the full sets under
+        # split backward, and then not in the peaks.
+        rebuilt = layers.rebuilt if m.rebuilds else None
+        self._rebuilt = prefix_sums(rebuilt if rebuilt is not None else np.zeros(self.n))
+        peak = np.maximum(layers.peak - rebuilt, 0.0) if rebuilt is not None else layers.peak
+        self._peak = RangeMax(peak) if np.any(peak > 0) else None
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output[:-1]])
         # ``auto`` re-computing units (:mod:`autopipe.planning.model.unit_recompute`): the
@@ -74,19 +79,26 @@ class MemoryLimits:
             cap = m.capacity(k) + extra
             for mu in (*m.modes, *units):
                 holding = m.holding(k, mu)
-                key = (id(layers), m.state_factor, m.expert_factor, mu == UNITS_MODE, holding, cap)
+                key = (
+                    id(layers), m.state_factor, m.expert_factor, mu, m.rebuilds, holding, cap
+                )  # fmt: skip
                 if key not in cache:
                     # Memory grows with the end under every count pair: a stage fits
                     # while it fits under each (split backward has several).
                     found = np.full(self.n, self.n, dtype=np.int64)
+                    full = self._saved + self._rebuilt  # y hold what their I re-built too
                     for c, y in holding.pairs:
                         if mu == UNITS_MODE:
-                            additive = self._state + c * self._least + y * self._saved
+                            additive = self._state + c * self._least + y * full
                             const = c * self._least_first + y * self._shared
                             one = self._ends(additive, const, cap, holding.transient)
+                        elif mu == "never":  # c keep their saved set
+                            additive = self._state + c * self._saved + y * full
+                            const = (c + y) * self._shared
+                            one = self._ends(additive, const, cap)
                         else:
                             const = c * self._inputs + y * self._shared
-                            one = self._ends(self._state + y * self._saved, const, cap)
+                            one = self._ends(self._state + y * full, const, cap)
                         found = np.minimum(found, one)
                     rise = np.maximum.accumulate(found)
                     same = bool((found == rise).all())

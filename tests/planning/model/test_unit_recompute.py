@@ -160,3 +160,17 @@ def test_units_that_free_nothing_are_never_chosen() -> None:
     # Unit a keeps 10 bytes but its input is 40: re-computing it would hold more.
     assert units.benefit(0, 0) < 0 and units.benefit(1, 0) == 50.0
     assert units.units(0, 2, Holding.whole(2), 150.0) == [1]
+
+
+def test_bytes_the_backward_rebuilds_are_held_with_the_full_sets() -> None:
+    """Under split backward ``y`` micro-batches hold their full set and what their input
+    gradient re-built (re-computed norms' outputs); ``need`` frees just enough for it."""
+    holding = Holding(4, ((3, 1), (1, 2)), transient=False)
+    kept, freed, rebuilt = np.array([100.0]), np.array([60.0]), np.array([20.0])
+    memory = holding.memory(kept, freed, np.zeros(1), rebuilt)
+    # max(3·40 + 1·120, 1·40 + 2·120)
+    assert memory.tolist() == [280.0]
+    need = holding.need(kept, np.array([280.0]), np.zeros(1), rebuilt)
+    assert holding.memory(kept, need, np.zeros(1), rebuilt).tolist() == [280.0]
+    # Nothing freed: every micro-batch keeps all, and the most full sets their re-built bytes.
+    assert holding.memory(kept, np.zeros(1), np.zeros(1), rebuilt).tolist() == [4 * 100 + 2 * 20]
