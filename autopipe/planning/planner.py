@@ -148,45 +148,62 @@ def _planned(model: CostModel, profile: Profile, settings: PipelineSettings) -> 
             f"use at most {model.num_layers} stages"
         )
     check_cuts(model)
-    if strategy == "optimal" and _one_device(model):
-        balance = memory_split(model)
-    elif strategy == "optimal" and _replayed(model):
-        balance = interleaved_balance(model)
-    elif strategy == "optimal":
-        balance = optimal_split(model)
-    else:
-        balance = _peer_balance(model, profile, strategy)
-    result = describe(model, balance, profile, strategy, settings.optimizer, batch=settings.batch)
-    _check_fits(model, result, strategy)
-    if strategy == "optimal" and model.checkpoint == "auto" and model.virtual_stages > 1:
-        return _kept_whole(model, profile, settings, result)
+    whole_modes = strategy == "optimal" and model.checkpoint == "auto" and model.virtual_stages > 1
+    try:
+        if strategy == "optimal" and _one_device(model):
+            balance = memory_split(model)
+        elif strategy == "optimal" and _replayed(model):
+            balance = interleaved_balance(model)
+        elif strategy == "optimal":
+            balance = optimal_split(model)
+        else:
+            balance = _peer_balance(model, profile, strategy)
+        result = describe(
+            model, balance, profile, strategy, settings.optimizer, batch=settings.batch
+        )
+        _check_fits(model, result, strategy)
+    except PlanningError:
+        if not whole_modes:
+            raise
+        found = _whole_modes(model, profile, settings, None)
+        if found is None:
+            raise
+        return found
+    if whole_modes:
+        return _whole_modes(model, profile, settings, result) or result
     return result
 
 
-def _kept_whole(
-    model: CostModel, profile: Profile, settings: PipelineSettings, chosen: Plan
-) -> Plan:
-    """``auto``'s plan, or ``never``'s where that fits and is faster.
+def _whole_modes(
+    model: CostModel, profile: Profile, settings: PipelineSettings, chosen: Plan | None
+) -> Plan | None:
+    """``auto``'s plan (``chosen``; ``None`` where none fits), or that of a mode applied
+    to every stage alike where it fits and is faster.
 
     With several stages per rank each stage chooses what to re-compute within its share
     of the device, blind to what its rank's other stages leave free: stages holding very
     different numbers of micro-batches (a V's 8 and 1) may re-compute where keeping
-    everything fits the rank. So ``never`` is planned too, and ``auto`` is never slower.
+    everything fits the rank, or find no choice that fits where re-computing every stage
+    does. So ``never`` and ``always`` are planned too (and ``except_last`` where the
+    schedule runs it), and ``auto`` is never slower nor refused where one of them fits.
     """
-    options = (model.chunks, "never", model.schedule, model.optimizer, model.options)
-    kept = CostModel(model.layers, model.devices, *options)
-    try:
-        balance = interleaved_balance(kept)
-        result = describe(
-            kept, balance, profile, "optimal", settings.optimizer, batch=settings.batch
-        )
-        _check_fits(kept, result, "optimal")
-    except PlanningError:
-        return chosen
-    if not result.step_time < chosen.step_time:
-        return chosen
-    result.checkpoint = "auto"  # the stages' own modes say never
-    return result
+    best = chosen
+    modes = ["never", "always"] if model.split_backward else ["never", "except_last", "always"]
+    for mode in modes:
+        options = (model.chunks, mode, model.schedule, model.optimizer, model.options)
+        whole = CostModel(model.layers, model.devices, *options)
+        try:
+            balance = interleaved_balance(whole)
+            result = describe(
+                whole, balance, profile, "optimal", settings.optimizer, batch=settings.batch
+            )
+            _check_fits(whole, result, "optimal")
+        except PlanningError:
+            continue
+        if best is None or result.step_time < best.step_time:
+            result.checkpoint = "auto"  # the stages' own modes say which
+            best = result
+    return best
 
 
 def _one_device(model: CostModel) -> bool:

@@ -82,6 +82,34 @@ def test_re_computation_makes_a_v_plan_fit_and_auto_keeps_everything_where_it_fi
     assert roomy.step_time == pytest.approx(kept.step_time)
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_auto_is_never_refused_nor_slower_where_a_mode_for_every_stage_fits(schedule: str) -> None:
+    """Each stage of a rank chooses within its share of the device: where no per-stage
+    choice fits but re-computing every stage does, auto plans that."""
+    options = {"schedule": schedule, "chunks": 8, "optimizer": "sgd"}
+    always = plan(RECOMPUTING, 4, checkpoint="always", **options)
+    kept = plan(RECOMPUTING, 4, checkpoint="never", **options)
+    low, high = max(always.device_memory), max(kept.device_memory)
+    for cap in np.linspace(low, high, 7).astype(int).tolist():
+        fixed = [
+            found
+            for mode in ("never", "always")
+            if (found := _fitting(RECOMPUTING, cap, checkpoint=mode, **options)) is not None
+        ]
+        auto = _fitting(RECOMPUTING, cap, checkpoint="auto", **options)
+        assert (auto is None) == (not fixed), cap
+        if auto is not None:
+            assert max(auto.device_memory) <= cap
+            assert auto.step_time <= min(p.step_time for p in fixed) * (1 + 1e-12)
+
+
+def _fitting(profile, memory: int, **options) -> Plan | None:
+    try:
+        return plan(profile, 4, memory=memory, **options)
+    except PlanningError:
+        return None
+
+
 def test_the_fastest_v_split_with_re_computation_is_found() -> None:
     model: CostModel = build_model(
         RECOMPUTING,
