@@ -17,7 +17,7 @@ LLAMA = ["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm", "output"]
 class MeshCase:
     """What a test plan runs on: ``balance`` over ranks times ``virtual``, the mesh
     around it, ``replicas`` of it, ``chunks`` micro-batches of ``micro`` samples per
-    replica, one checkpoint mode per stage (or one for all)."""
+    replica, one checkpoint mode per stage (or one for all), under ``schedule``."""
 
     balance: tuple[int, ...] = (3, 2, 2, 2)
     virtual: int = 1
@@ -26,6 +26,7 @@ class MeshCase:
     chunks: int = 4
     micro: int = 2
     checkpoint: str | tuple[str, ...] = "always"
+    schedule: str = "1f1b"
 
 
 def mesh_plan(case: MeshCase, names: list[str] | None = None) -> Plan:
@@ -42,6 +43,7 @@ def mesh_plan(case: MeshCase, names: list[str] | None = None) -> Plan:
         made,
         stages=stages,
         checkpoint=modes[0] if len(set(modes)) == 1 else "auto",
+        schedule=case.schedule,
         mesh=case.mesh,
         data_parallel=case.replicas,
         shard_optimizer=case.mesh.zero >= 1 and case.replicas > 1,

@@ -106,6 +106,13 @@ def megatron_mesh(plan: Plan, stages: Stages) -> tuple[str, list[str]]:
         flags.append(f"{RECOMPUTE_FIRST} {figures.recompute_layers}")
     elif figures.recompute:
         flags.append(RECOMPUTE)
+    if plan.schedule != "1f1b":
+        # Its pipeline schedules are 1F1B and, with virtual stages, interleaved 1F1B.
+        notes.append(
+            f"Megatron-LM runs its 1F1B schedule, not the plan's {plan.schedule}: the split "
+            "holds, but the step and memory are those of --schedule 1f1b (plan with it to "
+            "see them)"
+        )
     comments = [f"# Megatron-LM, {world_line(figures)}"]
     comments += [f"# note: {note}" for note in notes]
     return " ".join(flags), comments

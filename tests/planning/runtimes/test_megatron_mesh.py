@@ -193,3 +193,11 @@ def test_recomputed_norms_with_whole_layers_recomputed_are_refused() -> None:
     plan = dataclasses.replace(mesh_plan(case, GPT2), recompute_norms=True)
     with pytest.raises(ValueError, match="--recompute-granularity takes one of them"):
         plan.export("megatron")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_a_schedule_megatron_does_not_run_is_named_with_what_runs_instead(schedule: str) -> None:
+    plan = mesh_plan(MeshCase(balance=(5, 4, 4, 3), checkpoint="never", schedule=schedule), GPT2)
+    text = plan.export("megatron")
+    assert f"# note: Megatron-LM runs its 1F1B schedule, not the plan's {schedule}" in text
+    assert "1F1B schedule" not in mesh_plan(MeshCase(balance=(5, 4, 4, 3)), GPT2).export("megatron")
