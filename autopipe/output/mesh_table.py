@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from autopipe.output.report import checkpoint_label, device_memory
 from autopipe.planning import Plan, format_bytes, format_time
 
 __all__: list[str] = []
@@ -67,13 +68,13 @@ def render_mesh_search(plans: Sequence[Plan]) -> str:
     headers += ["TFLOP/s/GPU", "MFU", "memory", "bottleneck", "vs the best"]
     rows = []
     for rank, plan in enumerate(plans, start=1):
-        peak = max(stage.memory for stage in plan.stages)
+        peak = max(device_memory(plan))  # a rank's stages together
         rows.append(
             [
                 str(rank),
                 mesh_label(plan),
                 f"{plan.chunks} x {plan.micro_batch}",
-                plan.checkpoint,
+                checkpoint_label(plan).replace(" stages checkpoint", ""),
                 plan.schedule,
                 format_time(plan.step_time),
                 _rate(plan.tokens_per_device) if plan.sequence else "-",

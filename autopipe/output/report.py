@@ -15,7 +15,14 @@ from autopipe.planning import (
     rank_stages,
 )
 
-__all__ = ["precision_label", "render_plan", "render_search", "shared_line"]
+__all__ = [
+    "checkpoint_label",
+    "device_memory",
+    "precision_label",
+    "render_plan",
+    "render_search",
+    "shared_line",
+]
 
 _BAR_WIDTH = 20
 # Said of a float8 estimate whose layers counted their GEMM inputs: the plan's memory holds
@@ -136,7 +143,7 @@ def render_header(plan: Plan) -> str:
     first = f"{layers} layers on {stages}, {split}"
     second = (
         f"strategy {plan.strategy}, schedule {plan.schedule}, "
-        f"checkpoint {_checkpoint_label(plan)}, optimizer {plan.optimizer}"
+        f"checkpoint {checkpoint_label(plan)}, optimizer {plan.optimizer}"
     )
     if plan.shard_optimizer:
         second += f" (optimizer state sharded over {plan.data_parallel} replicas, ZeRO-1)"
@@ -179,7 +186,7 @@ def precision_label(profile: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _checkpoint_label(plan: Plan) -> str:
+def checkpoint_label(plan: Plan) -> str:
     """The checkpoint mode; for ``auto``, which stages checkpoint, e.g. ``auto (1 of 4)``;
     with the norms re-computed (:attr:`Plan.recompute_norms`), that too."""
     norms = " + norms re-computed" if plan.recompute_norms else ""
@@ -241,7 +248,7 @@ def render_stages(plan: Plan) -> str:
     return _table(headers, rows, right)
 
 
-def _device_memory(plan: Plan) -> list[float]:
+def device_memory(plan: Plan) -> list[float]:
     """Each device's predicted peak bytes: with virtual stages, or stages sharing a
     device (``plan.shared``), its stages' together."""
     virtual = max(plan.virtual_stages, 1)
@@ -279,7 +286,7 @@ def render_summary(plan: Plan) -> str:
     if plan.throughput > 0 and plan.data_parallel > 1:
         lines.append(("throughput", format_rate(plan.throughput)))
     if plan.virtual_stages > 1:
-        memory = ", ".join(format_bytes(m) for m in _device_memory(plan))
+        memory = ", ".join(format_bytes(m) for m in device_memory(plan))
         lines.append(("memory", f"{memory} per device (its stages together)"))
     lines += [("tied", tied_line(item)) for item in plan.tied]
     lines += [("shared", shared_line(plan, group)) for group in plan.shared]
@@ -402,14 +409,14 @@ def render_search(plans: Sequence[Plan]) -> str:
     headers.append("vs the best")
     rows = []
     for rank, plan in enumerate(plans, start=1):
-        peak = max(_device_memory(plan))
+        peak = max(device_memory(plan))
         rows.append(
             [
                 str(rank),
                 str(plan.num_stages // plan.virtual_stages),
                 str(plan.data_parallel),
                 f"{plan.chunks} x {plan.micro_batch}",
-                _checkpoint_label(plan).replace(" stages checkpoint", ""),
+                checkpoint_label(plan).replace(" stages checkpoint", ""),
                 schedule_label(plan),
                 format_time(plan.step_time),
                 format_rate(plan.throughput),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from autopipe.output import render_search
 from autopipe.output.mesh_table import bottleneck, mesh_label
-from autopipe.planning import SearchOptions, search
+from autopipe.planning import SearchOptions, format_bytes, search
 from autopipe.planning.mesh.mesh_links import GroupLink, MeshLinks
 from tests.support.mesh_profiles import block_profile, roofline_record
 
@@ -68,3 +68,14 @@ def test_a_runner_up_that_ties_is_not_said_to_lose() -> None:
     assert "loses: ties" not in text
     plans[1].notes[0] = "1.20x the best step: bubble 20% vs 10%"
     assert "loses: 1.20x the best step" in render_search(plans)
+
+
+def test_the_memory_column_is_a_devices_and_the_checkpoint_says_the_norms() -> None:
+    """With virtual stages a device holds its stages together: the column is the rank's
+    peak, not one stage's; a plan re-computing its norms says so."""
+    plan = _plans()[0]
+    plan.virtual_stages, plan.device_memory = 2, [123_456_789.0]
+    plan.recompute_norms = True
+    row = render_search([plan]).splitlines()[1]
+    assert format_bytes(123_456_789.0) in row
+    assert f"{plan.checkpoint} + norms re-computed" in row
