@@ -24,6 +24,7 @@ from autopipe.planning.model.spans import (
     stage_bounds,
     stage_held,
     stage_saved,
+    stage_spans,
 )
 from autopipe.planning.pipeline_settings import (
     CHUNKS_PER_STAGE,
@@ -262,21 +263,40 @@ def timed_interleaved_balance(model: CostModel) -> tuple[list[int], float]:
     (:func:`autopipe.planning.split.interleaved_balance.pipeline_time`)."""
     # A rank holds at least what each of its stages needs alone: where no K·v-stage split
     # fits stage by stage, no interleaved one fits either (the search meets thousands).
+    where = f"{model.num_stages} stages, {model.virtual_stages} per device,"
     try:
         exact = optimal_split(model)
-    except PlanningError:
-        exact = None
-    balance = None
-    if exact is not None:
-        params = model.layers.params + model.layers.buffers
-        uniform = baseline_balance("uniform", model.layer_time(), model.num_stages, params)
-        balance = timed_split(model, [exact, uniform])
+    except PlanningError as exc:  # names the stage and the bytes it lacks
+        message = str(exc).replace(f"{model.num_stages} stages", where, 1)
+        raise PlanningError(message) from None
+    params = model.layers.params + model.layers.buffers
+    uniform = baseline_balance("uniform", model.layer_time(), model.num_stages, params)
+    balance = timed_split(model, [exact, uniform])
     if balance is None:
+        r, over = _most_over_rank(model, exact)
+        held = rank_stages(r, model.num_ranks, model.virtual_stages, model.schedule)
         raise PlanningError(
-            f"no split into {model.num_stages} stages, {model.virtual_stages} per device, fits "
-            "memory; use fewer virtual stages, more memory or checkpointing"
+            f"no split into {where} fits memory: each stage of the best split {exact} fits "
+            f"a device alone, but rank {r} holds stages {held}, which need "
+            f"{format_bytes(over)} more than its {format_bytes(model.capacity(held[0]))} "
+            "together; give the devices more memory, re-compute more (--checkpoint always), "
+            "or use fewer virtual stages"
         )
     return balance
+
+
+def _most_over_rank(model: CostModel, balance: Sequence[int]) -> tuple[int, float]:
+    """The rank whose stages together are the most over its device under ``balance``,
+    and by how many bytes."""
+    spans = stage_spans(balance)
+    memory = np.array(
+        [[float(model.stage_memory(k, np.array(s), np.array(e))) for k, (s, e) in enumerate(spans)]]
+    )
+    saved = stage_saved(model, balance)[None, :]
+    parts = stage_held(model, balance)[None]
+    rank_over = overflows(model, memory, saved, parts)[1][0]
+    r = int(np.argmax(rank_over))
+    return r, float(rank_over[r])
 
 
 def _check_fits(model: CostModel, result: Plan, strategy: str) -> None:

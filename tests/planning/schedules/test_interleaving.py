@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 
@@ -185,8 +186,15 @@ def test_a_rank_whose_stages_do_not_fit_is_named() -> None:
     assert stage < limit < total / 2
     with pytest.raises(PlanningError, match=r"rank \d holds stages \[\d, \d\], which need"):
         plan(profile, 4, memory=limit, strategy="uniform", **options)
-    with pytest.raises(PlanningError, match="no split into 4 stages, 2 per device, fits"):
-        plan(profile, 4, memory=limit, **options)  # optimal: every split tried
+    # Optimal: every split tried; the refusal says which rank of the best one is over.
+    with pytest.raises(PlanningError, match="no split into 4 stages, 2 per device, fits") as found:
+        plan(profile, 4, memory=limit, **options)
+    assert re.search(
+        r"but rank \d holds stages \[\d, \d\], which need [\d.]+ \w?i?B more", str(found.value)
+    )
+    # Where even one stage is over its device alone, the stage and the bytes are named.
+    with pytest.raises(PlanningError, match=r"2 per device, fits memory: even the best split"):
+        plan(profile, 4, memory=int(0.5 * stage), **options)
 
 
 def test_stages_must_divide_among_ranks() -> None:
