@@ -19,7 +19,11 @@ saved-for-backward bytes S of one micro-batch and the largest transient peak of 
 Of the ``n_k`` micro-batches in flight on stage k (GPipe: M; 1F1B: min(M, K−k); with
 virtual stages see :mod:`autopipe.planning.schedules.interleaving`), ``ck_k`` are checkpointed and
 keep only their input; the others keep all saved tensors, and a re-computation holds one
-micro-batch's saved tensors at a time (``keep_k = n_k − ck_k``, at least 1).
+micro-batch's saved tensors at a time (``keep_k = n_k − ck_k``, at least 1). Under split
+backward (zb, zbv, dualpipev) the counts come from the replayed order instead
+(:mod:`autopipe.planning.schedules.split_holding`), and bytes the backward re-builds
+beyond the saved set (``layers.rebuilt``: re-computed norms' outputs) are held by the
+micro-batches between their input gradient and their weights'.
 
 Checkpoint mode ``auto`` decides per stage: a stage runs ``never`` if its memory fits, else
 ``except_last``, so it checkpoints only when it must. (``always`` never does better than
