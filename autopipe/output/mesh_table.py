@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopipe.output.report import checkpoint_label, device_memory
+from autopipe.output.plan_summary import checkpoint_label, device_memory
 from autopipe.planning import Plan, format_bytes, format_time
 
 __all__: list[str] = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from autopipe.output.mesh_table import render_mesh_search
+from autopipe.output.plan_summary import checkpoint_label, device_memory
 from autopipe.planning import (
     Mesh,
     Plan,
@@ -12,17 +14,9 @@ from autopipe.planning import (
     TiedPlan,
     format_bytes,
     format_time,
-    rank_stages,
 )
 
-__all__ = [
-    "checkpoint_label",
-    "device_memory",
-    "precision_label",
-    "render_plan",
-    "render_search",
-    "shared_line",
-]
+__all__ = ["precision_label", "render_plan", "render_search", "shared_line"]
 
 _BAR_WIDTH = 20
 # Said of a float8 estimate whose layers counted their GEMM inputs: the plan's memory holds
@@ -186,16 +180,6 @@ def precision_label(profile: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def checkpoint_label(plan: Plan) -> str:
-    """The checkpoint mode; for ``auto``, which stages checkpoint, e.g. ``auto (1 of 4)``;
-    with the norms re-computed (:attr:`Plan.recompute_norms`), that too."""
-    norms = " + norms re-computed" if plan.recompute_norms else ""
-    if plan.checkpoint != "auto":
-        return plan.checkpoint + norms
-    chosen = sum(mode != "never" for mode in plan.stage_checkpoints)
-    return f"auto ({chosen} of {plan.num_stages} stages checkpoint){norms}"
-
-
 def _stage_mode(stage: StagePlan, plan: Plan) -> str:
     """A stage's checkpoint mode; re-computed units by their count and first names, e.g.
     ``units 2 of 5 (h.0, h.1)``."""
@@ -246,22 +230,6 @@ def render_stages(plan: Plan) -> str:
         rows.append(row)
     right = {0, 3, 4} if sends else {0, 3}
     return _table(headers, rows, right)
-
-
-def device_memory(plan: Plan) -> list[float]:
-    """Each device's predicted peak bytes: with virtual stages, or stages sharing a
-    device (``plan.shared``), its stages' together."""
-    virtual = max(plan.virtual_stages, 1)
-    ranks = plan.num_stages // virtual
-    if plan.device_memory and not plan.shared:  # the ranks' peaks, as the planner holds them
-        return list(plan.device_memory)
-    held = [
-        sum(plan.stages[k].memory for k in rank_stages(r, ranks, virtual, plan.schedule))
-        for r in range(ranks)
-    ]
-    grouped = {k for group in plan.shared for k in group}
-    shared = [sum(plan.stages[k].memory for k in group) for group in plan.shared]
-    return [m for r, m in enumerate(held) if r not in grouped] + shared
 
 
 def render_summary(plan: Plan) -> str:
@@ -402,8 +370,6 @@ def render_search(plans: Sequence[Plan]) -> str:
     why it is slower than the best; the best plan's tied parameters last.
     """
     if any(plan.model_flops or plan.sequence or plan.mesh != Mesh() for plan in plans):
-        from autopipe.output.mesh_table import render_mesh_search
-
         return render_mesh_search(plans)  # a mesh search: per device, every device taken
     headers = ["#", "K", "D", "M", "checkpoint", "schedule", "step", "throughput", "memory"]
     headers.append("vs the best")
