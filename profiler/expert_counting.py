@@ -36,6 +36,7 @@ from profiler.expert_routing import (
     assumed_forward,
     assumed_tokens,
     expert_weights,
+    experts_kernel,
     hidden_size,
     routed_modules,
 )
@@ -250,7 +251,8 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
     loop's indexing and ``index_add_`` read and write the whole token tensor once per
     expert, and its backward the whole stack of weights, which the layer's own count
     includes; ``traffic_change`` gives what replacing that by the experts' own traffic
-    changes of the layer's.
+    changes of the layer's (none for experts that run the grouped path, whose count is
+    a grouped kernel's already).
     """
     if not routed.calls:
         return None
@@ -267,6 +269,7 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
         hidden = torch.empty((call.tokens, call.width), dtype=call.hidden, device=META)
         weights = torch.empty((call.tokens, call.top_k), dtype=call.weights, device=META)
         single = one_expert(module, call.experts)
+        grouped = experts_kernel(module) == "grouped"
         for size, times in Tally(n for n in tokens if n).items():
             found = count(_Alone(module, [size]), (hidden, weights))
             for i, value in enumerate(found[:4]):
@@ -279,12 +282,15 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
             rows = torch.empty((2 * size, call.width), dtype=call.hidden, device=META)
             picked = torch.empty((2 * size, call.top_k), dtype=call.weights, device=META)
             more = count(_Alone(single, [2 * size]), (rows, picked))
-            # One more expert in the eager loop over all the tokens: what each adds.
-            twice = count(_Alone(module, [size, size]), (hidden, weights))
+            if grouped:  # the layer's count is the grouped path's already
+                added = own
+            else:  # one more expert in the eager loop over all the tokens: what each adds
+                twice = count(_Alone(module, [size, size]), (hidden, weights))
+                added = tuple(a - b for a, b in zip(twice, found, strict=True))
             for i in (0, 1):
                 totals[4 + i] += times * own[4 + i]
                 fixed[i] += times * max(2.0 * own[4 + i] - more[4 + i], 0.0)
-                eager[i] += times * (twice[4 + i] - found[4 + i])
+                eager[i] += times * added[4 + i]
         params += sum(p.numel() * p.element_size() for p in module.parameters())
         dispatch += call.tokens * call.top_k * call.width * hidden.element_size()
     calls = list(routed.calls.values())

@@ -9,9 +9,18 @@ times that mean, the others share the rest evenly).
 Routed experts are found by their structure, Hugging Face's experts modules' (called as
 ``experts(hidden_states, top_k_index, top_k_weights)``): 3-d parameters ``down_proj`` and
 ``gate_up_proj`` (or ``up_proj``) holding one matrix per expert. While a layer is counted,
-their forward is replaced by :func:`assumed_forward`, the operations of Hugging Face's
-per-expert loop (gather the tokens, up projection, activation, down projection, routing
-weight, ``index_add_``) on the assumed token counts, whichever kernel the model chose.
+their forward is replaced by :func:`assumed_forward`, the operations of the kernel the
+model chose (:func:`experts_kernel`) on the assumed token counts:
+
+- ``eager``: Hugging Face's per-expert loop (gather the tokens, up projection,
+  activation, down projection, routing weight, ``index_add_``);
+- ``grouped``: Hugging Face's ``grouped_mm`` experts (its default where
+  ``torch._grouped_mm`` runs): the tokens gathered once in expert order, one grouped
+  matmul per projection over them, the routing weight, the inverse permutation and a sum
+  over each token's choices. It keeps for the backward what that path keeps (the gathered
+  tokens, each projection's input, the indices and the offsets; not ``index_add_``'s
+  source), with one matmul per expert on its rows standing for the grouped one (the same
+  FLOPs, in any dtype).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -138,6 +148,80 @@ def _activation(module: nn.Module) -> Callable[[Tensor], Tensor]:
     return act if callable(act) else F.silu  # a traced unit's stand-in keeps no act_fn
 
 
+# Hugging Face's experts implementations (``config._experts_implementation``) that run
+# the grouped path; the others (``eager``, and ``batched_mm``, which gathers each token's
+# expert weights) are counted as the eager loop.
+GROUPED_IMPLEMENTATIONS = ("grouped_mm",)
+
+
+def experts_kernel(module: nn.Module) -> str:
+    """``grouped`` where the experts module runs Hugging Face's grouped path, else
+    ``eager``: read from the model's config the module holds (a traced unit's stand-in
+    holds none: eager)."""
+    config = getattr(module, "config", None)
+    chosen = getattr(config, "_experts_implementation", None)
+    return "grouped" if chosen in GROUPED_IMPLEMENTATIONS else "eager"
+
+
+class _KeepOffsets(torch.autograd.Function):
+    """The identity on the gathered tokens that keeps the grouped kernel's offsets for
+    the backward, as ``torch._grouped_mm`` does: the per-expert matmuls standing for it
+    keep none."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, offsets: Tensor) -> Tensor:
+        ctx.save_for_backward(offsets)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def _grouped_forward(
+    module: nn.Module,
+    hidden_states: Tensor,
+    top_k_weights: Tensor,
+    counts: Sequence[int],
+    transposed: bool,
+) -> Tensor:
+    """Hugging Face's grouped experts path on the assumed token counts (see the module's
+    docstring); the sort's indices are zeros, whose values nothing reads."""
+    up, down = expert_weights(module) or (None, None)
+    assert up is not None and down is not None
+    tokens, top_k = int(hidden_states.shape[0]), int(top_k_weights.shape[-1])
+    rows = sum(counts)
+    gated = "gate_up_proj" in module._parameters
+    up_bias = getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None)
+    down_bias = getattr(module, "down_proj_bias", None)
+    # The sort's outputs: each copy's expert in expert order, and the permutation.
+    ids = top_k_weights.new_zeros(rows, dtype=torch.long)
+    perm = torch.zeros_like(ids)
+    selected = hidden_states[perm // top_k]
+    weights = top_k_weights.reshape(-1)[perm]
+    offsets = hidden_states.new_zeros(len(counts), dtype=torch.int32)
+    selected = _KeepOffsets.apply(selected, offsets)
+
+    def grouped(x: Tensor, stacked: Tensor, bias: Tensor | None) -> Tensor:
+        # Split once: the rows' and the weights' gradients are each written once, as the
+        # grouped kernel writes them, not once per expert as slicing each would.
+        pieces, each = x.split(list(counts)), stacked.unbind(0)
+        out = torch.cat(
+            [_project(pieces[e], each[e], None, transposed) for e, n in enumerate(counts) if n]
+        )
+        return out if bias is None else out + bias[ids]
+
+    projected = grouped(selected, up, up_bias)
+    inner = _gate(module, projected) if gated else _activation(module)(projected)
+    out = grouped(inner, down, down_bias)
+    if getattr(module, "has_post_expert_norm", False):
+        out = module.get_submodule("post_expert_norm")(out)
+    weighted = (out * weights.unsqueeze(-1))[torch.zeros_like(perm)]  # the inverse order
+    if rows != tokens * top_k:  # some experts alone (their figures): their rows only
+        return weighted.to(hidden_states.dtype)
+    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
 def assumed_forward(
     module: nn.Module,
     hidden_states: Tensor,
@@ -179,6 +263,8 @@ def assumed_forward(
         mask.sum(dim=(-1, -2)).gt(0)
     if counts is None:
         counts = assumed_tokens(tokens, top_k, experts, skew)
+    if experts_kernel(module) == "grouped":
+        return _grouped_forward(module, hidden_states, top_k_weights, counts, transposed)
     for expert, count in enumerate(counts):
         if count == 0:
             continue  # the eager loop visits only the experts hit

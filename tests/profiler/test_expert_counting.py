@@ -47,6 +47,46 @@ def test_balanced_assumption_counts_what_balanced_real_routing_computes(family: 
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_grouped_path_counts_what_hugging_face_s_grouped_mm_keeps(family: str) -> None:
+    """Hugging Face's default experts kernel where ``torch._grouped_mm`` runs (bfloat16
+    here): the block on real tensors routed balanced and on fake ones routed by the
+    assumption, FLOPs and saved bytes equal; it keeps less than the eager loop (no
+    ``index_add_`` source)."""
+    block = moe_block(family, torch.bfloat16, implementation="grouped_mm")
+    force_balanced(block)
+    x = _sample().to(torch.bfloat16)
+    real = real_counts(block, (x,))
+    counted, _, _ = count_layer(meta_copy(block), (x.to("meta"),), CPU)
+    found = (counted.flops, counted.backward_flops, counted.backward_input_flops, counted.saved)
+    assert found == real
+    eager = moe_block(family, torch.bfloat16)
+    loop, _, _ = count_layer(meta_copy(eager), (x.to("meta"),), CPU)
+    assert loop.flops == counted.flops
+    assert loop.saved > counted.saved
+
+
+def test_the_grouped_path_s_expert_figures_by_hand() -> None:
+    """Hand-derived as below, for the grouped path: per copy the gathered hidden state,
+    the up projection, the activation, the gated product, the down projection and the
+    routing weight, and three indices (the gather's, the weights' and the inverse
+    order's); each expert's offset (int32) once."""
+    experts, weight_bytes = SHAPES["mixtral"]
+    block = moe_block("mixtral", implementation="grouped_mm")
+    counted, _, _ = count_layer(meta_copy(block), (_sample().to("meta"),), CPU)
+    figures = counted.experts
+    assert figures is not None
+    copies, h, ffn = 12 * 2, HIDDEN, EXPERT_FFN
+    flops = copies * 2 * (h * 2 * ffn + ffn * h)
+    saved = copies * (3 * 8 + 8 * (h + 2 * ffn + ffn + ffn + h) + weight_bytes) + experts * 4
+    assert (figures.flops, figures.backward_flops, figures.backward_input_flops) == (
+        flops,
+        2 * flops,
+        flops,
+    )
+    assert figures.saved == saved
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_expert_figures_are_those_of_the_routed_experts_alone(family: str) -> None:
     """Hand-derived: 12 tokens, top-2, hidden 16, expert FFN 16, float64."""
     experts, weight_bytes = SHAPES[family]
@@ -89,12 +129,15 @@ def test_group_limited_routing_is_read_from_the_router(
     assert (counted.experts.groups, counted.experts.top_groups) == groups
 
 
-def _counted_experts(family: str, experts: int, tokens: int) -> tuple[float, ...]:
+def _counted_experts(
+    family: str, experts: int, tokens: int, implementation: str
+) -> tuple[float, ...]:
     """``(weight traffic, backward weight traffic, row traffic, backward row traffic,
     the layer's backward traffic)`` of ``family``'s block with ``experts`` experts."""
     names = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts"}
     build, index = FAMILIES[family]
     model = build(**{names.get(family, "n_routed_experts"): experts})
+    model.set_experts_implementation(implementation)
     block = model.model.layers[index].mlp.to(torch.float64)
     x = torch.zeros(1, tokens, HIDDEN, dtype=torch.float64, device="meta")
     counted, _, _ = count_layer(meta_copy(block), (x,), CPU)
@@ -111,8 +154,9 @@ def _counted_experts(family: str, experts: int, tokens: int) -> tuple[float, ...
     )
 
 
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_the_experts_traffic_is_a_grouped_kernel_s(family: str) -> None:
+def test_the_experts_traffic_is_a_grouped_kernel_s(family: str, implementation: str) -> None:
     """Each expert on its own rows and weights: what follows the tokens doubles with
     them and does not grow with the experts; what does not (the weights) grows with the
     experts, not the tokens (the backward moves each weight byte 6 times: read, its
@@ -120,8 +164,9 @@ def test_the_experts_traffic_is_a_grouped_kernel_s(family: str) -> None:
     per expert are gone from the layer's backward: 8 times the experts add their weights'
     traffic and a router 8 times wider (under twice the weights'), not a copy of the whole
     stack per expert (about 16 times)."""
-    few, many = _counted_experts(family, 8, 256), _counted_experts(family, 64, 256)
-    longer = _counted_experts(family, 8, 512)
+    few = _counted_experts(family, 8, 256, implementation)
+    many = _counted_experts(family, 64, 256, implementation)
+    longer = _counted_experts(family, 8, 512, implementation)
     assert few[2:4] == many[2:4]
     assert longer[2:4] == (2 * few[2], 2 * few[3])
     assert longer[:2] == few[:2]

@@ -105,13 +105,18 @@ FAMILIES: dict[str, tuple[Callable[..., nn.Module], int]] = {
 }
 
 
-def moe_block(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+def moe_block(
+    family: str,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    implementation: str = "eager",
+) -> nn.Module:
     """The sparse mixture-of-experts block of one layer of a small ``family`` model, its
-    experts running Hugging Face's eager per-expert loop."""
+    experts running Hugging Face's ``implementation`` (eager: the per-expert loop)."""
     build, layer = FAMILIES[family]
     torch.manual_seed(seed)
     model = build().to(dtype)
-    model.set_experts_implementation("eager")
+    model.set_experts_implementation(implementation)
     block: nn.Module = model.model.layers[layer].mlp
     return block
 
