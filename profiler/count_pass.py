@@ -213,6 +213,10 @@ def with_counts(profile: LayerProfile, counted: CountedLayer) -> LayerProfile:
         norm_flops=[c.norm_flops for c in counts],
         norm_traffic=[c.norm_traffic for c in counts],
         norm_operations=[float(c.norm_operations) for c in counts],
+        up_proj_saved=[min(c.up_proj_saved, s) for c, s in zip(counts, profile.saved, strict=True)],
+        up_proj_flops=[c.up_proj_flops for c in counts],
+        up_proj_traffic=[c.up_proj_traffic for c in counts],
+        up_proj_operations=[float(c.up_proj_operations) for c in counts],
         shards=shard_counts(counts),
         experts=expert_counts(counts),
     )

@@ -41,6 +41,7 @@ from profiler.norm_counting import NormWatch, Work
 from profiler.op_flops import CPU_ATTENTION_FLOPS
 from profiler.precision import autocast_pass
 from profiler.shard_counting import ShardFigures, ShardFlow, saving
+from profiler.up_projection_counting import UpProjectionWatch
 
 __all__ = ["fake_inputs", "fake_state", "quiet_fakes", "swapped_state"]
 
@@ -67,6 +68,12 @@ class LayerCounts:
     norm_flops: float = 0.0  # of ``flops``: the normalization modules' forward
     norm_traffic: float = 0.0  # of ``traffic``: the same
     norm_operations: int = 0  # of ``operations``: the same
+    # Of ``saved``: tensors a latent attention's up-projections made for the attention
+    # (profiler.up_projection_counting); of the forward, their region's work.
+    up_proj_saved: int = 0
+    up_proj_flops: float = 0.0
+    up_proj_traffic: float = 0.0
+    up_proj_operations: int = 0
     shards: ShardFigures | None = None  # counted with a tensor-parallel plan
     experts: ExpertFigures | None = None  # of a layer with routed experts
 
@@ -399,15 +406,27 @@ def _count(
         following = flow or contextlib.nullcontext()
         kept: list[Tensor] = []
         args = runs.arguments()
-        norms = NormWatch(
-            layer,
-            lambda: Work(
-                _flops(forward_flops), float(forward_bytes.bytes), forward_bytes.operations
-            ),
-        )
-        with forward_flops, forward_bytes, following, saving(kept), norms.watching():
+
+        def totals() -> Work:
+            return Work(_flops(forward_flops), float(forward_bytes.bytes), forward_bytes.operations)
+
+        norms, up = NormWatch(layer, totals), UpProjectionWatch(layer, totals)
+        # The up-projections' watch last: it reads the counters around each operation.
+        with (
+            forward_flops,
+            forward_bytes,
+            following,
+            saving(kept),
+            norms.watching(),
+            up.watching(),
+        ):
             targets = runs.forward(args)
-        norm_saved = storage_bytes(norms.saved_outputs(kept), exclude)
+        of_norms = norms.saved_outputs(kept)
+        norm_saved = storage_bytes(of_norms, exclude)
+        # A norm inside the region (none in the MLA attentions known) is the norms' to free.
+        up_saved = storage_bytes(
+            up.saved_outputs(kept), exclude | {storage_key(t)[0] for t in of_norms}
+        )
         if flow is not None:
             flow.leave(targets)
             flow.saved(kept, exclude)
@@ -459,6 +478,10 @@ def _count(
         norm_flops=norms.flops,
         norm_traffic=norms.traffic,
         norm_operations=norms.operations,
+        up_proj_saved=min(up_saved, saved),
+        up_proj_flops=up.flops,
+        up_proj_traffic=up.traffic,
+        up_proj_operations=up.operations,
         shards=None if flow is None else flow.finish(input_flow),
     )
     return counts, metas, returns_tuple, routed

@@ -282,9 +282,8 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
             rows = torch.empty((2 * size, call.width), dtype=call.hidden, device=META)
             picked = torch.empty((2 * size, call.top_k), dtype=call.weights, device=META)
             more = count(_Alone(single, [2 * size]), (rows, picked))
-            if grouped:  # the layer's count is the grouped path's already
-                added = own
-            else:  # one more expert in the eager loop over all the tokens: what each adds
+            added: tuple[float, ...] = own
+            if not grouped:  # one more expert in the eager loop over all the tokens
                 twice = count(_Alone(module, [size, size]), (hidden, weights))
                 added = tuple(a - b for a, b in zip(twice, found, strict=True))
             for i in (0, 1):

@@ -70,16 +70,29 @@ def _norm_path(node: fx.Node) -> str | None:
 def mark_norms(module: fx.GraphModule) -> int:
     """Marks each normalization's nodes in the graph (in place): a call before the first
     and one after the last, with the values its nodes pass to the rest. Returns how many."""
+    return mark_regions(module, _norm_path, norm_entered, norm_left)
+
+
+def mark_regions(
+    module: fx.GraphModule,
+    path_of: Callable[[fx.Node], str | None],
+    entered: Callable[..., None],
+    left: Callable[..., None],
+) -> int:
+    """Marks the nodes each module call left in the graph (in place), the modules those
+    of ``path_of`` (a node's module path, ``None`` outside them): ``entered`` before the
+    first node with the path and the values they read, ``left`` after the last with the
+    values they pass on. Returns how many calls."""
     graph = module.graph
-    # One region per call: a run of consecutive operations in one norm (a norm called
+    # One region per call: a run of consecutive operations in one module (a module called
     # twice leaves two runs, each its own output and work).
     regions: list[tuple[str, list[fx.Node]]] = []
     last: str | None = None
     for node in graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
-            if node.target in (norm_entered, norm_left):
+            if node.target in (entered, left):
                 return 0  # marked already
-            path = _norm_path(node)
+            path = path_of(node)
             if path is not None and path == last:
                 regions[-1][1].append(node)
             elif path is not None:
@@ -90,9 +103,9 @@ def mark_norms(module: fx.GraphModule) -> int:
         passed = [n for n in nodes if any(user not in inside for user in n.users)]
         read = {a: None for n in nodes for a in n.all_input_nodes if a not in inside}
         with graph.inserting_before(nodes[0]):
-            graph.call_function(norm_entered, (path, *read))
+            graph.call_function(entered, (path, *read))
         with graph.inserting_after(nodes[-1]):
-            graph.call_function(norm_left, (path, *passed))
+            graph.call_function(left, (path, *passed))
     if regions:
         module.recompile()
     return len(regions)

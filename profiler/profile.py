@@ -77,6 +77,14 @@ class LayerProfile:
             runs again in the backward.
         norm_traffic: of ``traffic``, the same.
         norm_operations: of ``operations``, the same.
+        up_proj_saved: of ``saved``, the bytes a latent attention's up-projections and
+            what follows them make for the attention (queries, keys, values;
+            :mod:`profiler.up_projection_counting`): what re-computing the up-projections
+            in the backward (Megatron-LM's ``mla_up_proj``) frees per micro-batch.
+            ``None``: not counted.
+        up_proj_flops: of ``flops``, that region's own: what re-computing it runs again.
+        up_proj_traffic: of ``traffic``, the same.
+        up_proj_operations: of ``operations``, the same.
         rebuilt: bytes the backward re-builds before it runs, from what the layer keeps:
             no part of ``saved`` (which no longer holds them), set when planning
             re-computes part of the layer (its norms: ``autopipe.planning``'s
@@ -110,6 +118,10 @@ class LayerProfile:
     norm_flops: list[float] | None = None
     norm_traffic: list[float] | None = None
     norm_operations: list[float] | None = None
+    up_proj_saved: list[int] | None = None
+    up_proj_flops: list[float] | None = None
+    up_proj_traffic: list[float] | None = None
+    up_proj_operations: list[float] | None = None
     rebuilt: list[int] | None = None
 
     @property
@@ -121,7 +133,16 @@ class LayerProfile:
 _TIMES = "times must be finite numbers of seconds >= 0"
 _BYTES = "byte counts must be finite numbers >= 0"
 _LAYER_TIMES = ("forward", "backward", "backward_input")
-_LAYER_BYTES = ("saved", "output", "peak", "shared", "gemm_saved", "norm_saved", "rebuilt")
+_LAYER_BYTES = (
+    "saved",
+    "output",
+    "peak",
+    "shared",
+    "gemm_saved",
+    "norm_saved",
+    "up_proj_saved",
+    "rebuilt",
+)
 _LAYER_COUNTS = (
     "flops",
     "backward_flops",
@@ -133,6 +154,9 @@ _LAYER_COUNTS = (
     "norm_flops",
     "norm_traffic",
     "norm_operations",
+    "up_proj_flops",
+    "up_proj_traffic",
+    "up_proj_operations",
 )
 _COUNTS = "operation and byte counts must be finite numbers >= 0"
 
@@ -195,7 +219,7 @@ def _check_layer(layer: LayerProfile, where: str, n: int) -> None:
                 _check_figures(values, f"{where}.{what}", n, rule)
     for what in ("param_bytes", "buffer_bytes"):
         _check_amount(getattr(layer, what), f"{where}.{what}", _BYTES)
-    for what in ("gemm_saved", "norm_saved"):
+    for what in ("gemm_saved", "norm_saved", "up_proj_saved"):
         parts = getattr(layer, what)
         for j, (part, whole) in enumerate(zip(parts or [], layer.saved, strict=False)):
             if part > whole:
@@ -413,7 +437,7 @@ class Profile:
             if layer["experts"] is None:  # and layers without routed experts
                 del layer["experts"]
             # and layers counted before these were, or nothing re-built
-            for what in ("gemm_saved", "norm_saved", "rebuilt"):
+            for what in ("gemm_saved", "norm_saved", "up_proj_saved", "rebuilt"):
                 if layer[what] is None:
                     del layer[what]
         data["fits"] = [

@@ -141,6 +141,14 @@ def _add_plan_parser(commands: Any) -> None:
         "both; planned and exported to Megatron-LM, not run by autopipe's runners",
     )
     parser.add_argument(
+        "--recompute-up-proj",
+        action="store_true",
+        help="plan a latent attention's (DeepSeek's MLA) queries, keys and values "
+        "re-built from its latents in the backward, not kept (Megatron-LM's "
+        "--recompute-modules mla_up_proj); planned and exported to Megatron-LM, not run "
+        "by autopipe's runners",
+    )
+    parser.add_argument(
         "--schedule",
         choices=ALL_SCHEDULES,
         help="pipeline schedule (default: gpipe; with --search: gpipe and 1f1b); zb is "

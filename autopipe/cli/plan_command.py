@@ -114,6 +114,7 @@ def plan_command(args: argparse.Namespace) -> int:
         virtual_stages=virtual,
         colocated=args.one_device,
         recompute_norms=args.recompute_norms == "on",
+        recompute_up_proj=args.recompute_up_proj,
     ).resolved(stages, inputs.batch or profile.batch_size)
     compared = compare_plans(profile, devices, settings)
     result, baseline, other = compared.plan, compared.baseline, compared.baseline_strategy

@@ -128,6 +128,7 @@ def search_inputs(args: argparse.Namespace) -> SearchInputs:
         memory=memory,
         batch=inputs.batch,
         recompute_norms=args.recompute_norms == "on",
+        recompute_up_proj=args.recompute_up_proj,
         optimizer=costs.optimizer,
         bandwidth=bandwidth,
         allreduce_bandwidth=allreduce,

@@ -10,8 +10,11 @@ __all__: list[str] = []
 
 def checkpoint_label(plan: Plan) -> str:
     """The checkpoint mode; for ``auto``, which stages checkpoint, e.g. ``auto (1 of 4)``;
-    with the norms re-computed (:attr:`Plan.recompute_norms`), that too."""
-    norms = " + norms re-computed" if plan.recompute_norms else ""
+    with the norms or the up-projections re-computed (:attr:`Plan.recompute_norms`,
+    :attr:`Plan.recompute_up_proj`), that too."""
+    asked = {"norms": plan.recompute_norms, "up-projections": plan.recompute_up_proj}
+    parts = [what for what, flag in asked.items() if flag]
+    norms = f" + {' and '.join(parts)} re-computed" if parts else ""
     if plan.checkpoint != "auto":
         return plan.checkpoint + norms
     chosen = sum(mode != "never" for mode in plan.stage_checkpoints)

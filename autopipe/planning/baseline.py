@@ -18,7 +18,7 @@ from autopipe.planning.model.plan_settings import build_model
 from autopipe.planning.model.plans import Plan
 from autopipe.planning.pipeline_settings import PipelineSettings
 from autopipe.planning.planner import plan_model
-from autopipe.planning.recomputed_norms import planned_profile
+from autopipe.planning.recomputed_modules import planned_profile
 from profiler import Profile
 
 __all__ = ["compare_plans", "profile_devices"]

@@ -88,9 +88,13 @@ class PipelineSettings:
             on the owner's device.
         recompute_norms: plan the layers' normalization outputs re-computed in the
             backward instead of kept (Megatron-LM's ``--recompute-modules layernorm``,
-            DeepSeek-V3's RMSNorm re-computation; :mod:`autopipe.planning.recomputed_norms`).
+            DeepSeek-V3's RMSNorm re-computation; :mod:`autopipe.planning.recomputed_modules`).
             Planned and exported to Megatron-LM; autopipe's runners re-compute whole
             units only and refuse such a plan.
+        recompute_up_proj: plan a latent attention's queries, keys and values re-built
+            from its latents in the backward instead of kept (Megatron-LM's
+            ``--recompute-modules mla_up_proj``, DeepSeek-V3's training); planned and
+            exported as ``recompute_norms``.
     """
 
     chunks: int | None = None
@@ -118,6 +122,7 @@ class PipelineSettings:
     dynamic: Any = None
     replicate_shared: bool = False
     recompute_norms: bool = False
+    recompute_up_proj: bool = False
 
     def __post_init__(self) -> None:
         # A generator given as leaf_modules would be used up by the first trace.
@@ -174,6 +179,7 @@ PLAN_FIELDS = frozenset(
         "shard_optimizer",
         "colocated",
         "recompute_norms",
+        "recompute_up_proj",
     }
 )
 

@@ -33,7 +33,7 @@ from autopipe.planning.pipeline_settings import (
     default_chunks,
     with_overrides,
 )
-from autopipe.planning.recomputed_norms import planned_profile
+from autopipe.planning.recomputed_modules import planned_profile
 from autopipe.planning.schedules.interleaving import rank_stages
 from autopipe.planning.schedules.simulation import hidden_alltoalls
 from autopipe.planning.split.balance import baseline_balance
@@ -136,6 +136,7 @@ def plan_model(model: CostModel, profile: Profile, settings: PipelineSettings) -
     """
     result = _planned(model, profile, settings)
     result.recompute_norms = settings.recompute_norms
+    result.recompute_up_proj = settings.recompute_up_proj
     return result
 
 

@@ -485,3 +485,46 @@ def test_recompute_norms_plans_and_exports_megatrons_flags(
     )
     assert_error(code, out, err, "there are no norms to re-compute")
     assert not (tmp_path / "no.json").exists()
+
+
+DEEPSEEK_MODEL = """import torch
+import transformers
+
+config = transformers.DeepseekV3Config(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+    n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+    vocab_size=100, max_position_embeddings=64, use_cache=False,
+)
+model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+sample = torch.randint(0, 100, (4, 16))
+"""
+
+
+def test_recompute_up_proj_plans_deepseek_and_exports_megatrons_flags(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers")
+    path = tmp_path / "deepseek.py"
+    path.write_text(DEEPSEEK_MODEL)
+    base = ["plan", str(path), "--target", "h100", "--stages", "2", "--checkpoint", "never"]
+    kept_file, freed_file = tmp_path / "kept.json", tmp_path / "freed.json"
+    code, out, err = run(capsys, *base, "--json", str(kept_file))
+    assert code == 0, err
+    argv = [*base, "--recompute-up-proj", "--json", str(freed_file), "--export", "megatron"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "checkpoint never + up-projections re-computed" in err  # the export took stdout
+    assert "--recompute-granularity selective --recompute-modules mla_up_proj" in out
+    kept, freed = Plan.load(kept_file), Plan.load(freed_file)
+    assert freed.recompute_up_proj and not kept.recompute_up_proj
+    assert sum(s.activation_memory for s in freed.stages) < sum(
+        s.activation_memory for s in kept.stages
+    )
+    # A model without a latent attention has no up-projections to re-compute.
+    code, out, err = run(
+        capsys, "plan", MLP, *FAST, "--recompute-up-proj", "--json", str(tmp_path / "no.json")
+    )
+    assert_error(code, out, err, "q_b_proj, kv_b_proj")
+    assert not (tmp_path / "no.json").exists()

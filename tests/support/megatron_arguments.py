@@ -92,8 +92,9 @@ def command_lines(text: str) -> list[argparse.Namespace]:
     ]
 
 
-def transformer_config(arguments: argparse.Namespace) -> Any:
-    """megatron-core's ``TransformerConfig`` of the parsed flags (its own checks run)."""
+def transformer_config(arguments: argparse.Namespace, **model: Any) -> Any:
+    """megatron-core's ``TransformerConfig`` of the parsed flags (its own checks run), the
+    model's own settings ``model`` added (the export writes none of them)."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -110,6 +111,7 @@ def transformer_config(arguments: argparse.Namespace) -> Any:
         num_attention_heads=tensor,  # heads divide over the tensor-parallel group
         pipeline_dtype=torch.float32,
         **config,
+        **model,
     )
 
 

@@ -76,7 +76,7 @@ from autopipe.planning.model.quantities import parse_bytes
 from autopipe.planning.model.spans import split_fits, stage_bounds, stage_memory, stage_spans
 from autopipe.planning.pipeline_settings import PipelineSettings, with_overrides
 from autopipe.planning.planner import describe, timed_interleaved_balance
-from autopipe.planning.recomputed_norms import planned_profile
+from autopipe.planning.recomputed_modules import planned_profile
 from autopipe.planning.split.exact import solve_split, split_value
 from autopipe.planning.split.intervals import IntervalSolver
 from autopipe.planning.split.screening import Relaxation
@@ -163,7 +163,15 @@ class SearchOptions:
 
 # The settings the search reads; the rest (chunks, checkpoint, schedule, ...) it searches.
 SEARCH_SETTINGS = frozenset(
-    {"memory", "batch", "optimizer", "bandwidth", "allreduce_bandwidth", "recompute_norms"}
+    {
+        "memory",
+        "batch",
+        "optimizer",
+        "bandwidth",
+        "allreduce_bandwidth",
+        "recompute_norms",
+        "recompute_up_proj",
+    }
 )
 _OPTIONS = frozenset(f.name for f in fields(SearchOptions))
 
@@ -243,7 +251,7 @@ def search(
             published run's; ``None`` (default): every depth the devices allow.
         recompute_norms: the norms' outputs kept (``False``) and/or re-computed (``True``)
             to weigh, one or a list, e.g. ``(False, True)``: each is searched and their
-            plans ranked together (:mod:`autopipe.planning.recomputed_norms`); ``None``
+            plans ranked together (:mod:`autopipe.planning.recomputed_modules`); ``None``
             (default): as the settings' ``recompute_norms`` says.
 
     Returns:
@@ -336,7 +344,7 @@ def search(
             even=even,
             optimizer=optimizer,
         )
-        return _flagged(found, chosen.recompute_norms)
+        return _flagged(found, chosen)
     bounds = Bounds(
         devices, len(profile), total_batch, checkpoints, schedules, max_chunks,
         tuple(virtual_stages),
@@ -389,7 +397,7 @@ def search(
     for result, s in zip(plans, settled, strict=True):
         if s.note and (result is plans[0] or result.shard_optimizer != plans[0].shard_optimizer):
             result.notes.append(s.note)
-    return _flagged(plans, chosen.recompute_norms)
+    return _flagged(plans, chosen)
 
 
 def _norm_ways(given: Sequence[bool] | bool) -> tuple[bool, ...]:
@@ -448,10 +456,12 @@ def _both_ways(
     return plans
 
 
-def _flagged(plans: list[Plan], recompute_norms: bool) -> list[Plan]:
-    """The plans, marked as planned with the norms re-computed where they were."""
+def _flagged(plans: list[Plan], settings: PipelineSettings) -> list[Plan]:
+    """The plans, marked as planned with the norms and the up-projections re-computed
+    where they were."""
     for result in plans:
-        result.recompute_norms = recompute_norms
+        result.recompute_norms = settings.recompute_norms
+        result.recompute_up_proj = settings.recompute_up_proj
     return plans
 
 

@@ -178,7 +178,9 @@ class Plan:
             (its stages do not all peak together); empty with one stage per device.
         recompute_norms: the layers' normalization outputs are re-computed in the backward,
             not kept (Megatron-LM's ``--recompute-modules layernorm``): the figures are
-            those of :mod:`autopipe.planning.recomputed_norms`, which ``profile`` records.
+            those of :mod:`autopipe.planning.recomputed_modules`, which ``profile`` records.
+        recompute_up_proj: a latent attention's queries, keys and values are re-built from
+            its latents in the backward (Megatron-LM's ``mla_up_proj``), likewise.
     """
 
     balance: list[int]
@@ -214,6 +216,7 @@ class Plan:
     mesh_parts: dict[str, float] = field(default_factory=dict)
     device_memory: list[float] = field(default_factory=list)
     recompute_norms: bool = False
+    recompute_up_proj: bool = False
 
     @property
     def pipeline_time(self) -> float:
@@ -264,16 +267,21 @@ class Plan:
         """Refuses a plan that asks ``runner`` (one of autopipe's) for what it does not run.
 
         Raises:
-            ValueError: the plan re-computes the norms alone (:attr:`recompute_norms`):
-                autopipe's runners re-compute whole units, and would run it keeping the
-                norms' outputs, holding more than the plan predicts.
+            ValueError: the plan re-computes the norms or the up-projections alone
+                (:attr:`recompute_norms`, :attr:`recompute_up_proj`): autopipe's runners
+                re-compute whole units, and would run it keeping their outputs, holding
+                more than the plan predicts.
         """
-        if self.recompute_norms:
-            raise ValueError(
-                f"the plan re-computes the norms alone (recompute_norms), which {runner} "
-                "does not run (it re-computes whole units): plan without recompute_norms to "
-                "run here, or export this plan to Megatron-LM"
-            )
+        for flag, what in (
+            ("recompute_norms", "the norms"),
+            ("recompute_up_proj", "the attention's up-projections"),
+        ):
+            if getattr(self, flag):
+                raise ValueError(
+                    f"the plan re-computes {what} alone ({flag}), which {runner} does not "
+                    f"run (it re-computes whole units): plan without {flag} to run here, "
+                    "or export this plan to Megatron-LM"
+                )
 
     def export(self, fmt: str) -> str:
         """The split as another runtime takes it, as text to paste or save.

@@ -30,8 +30,10 @@ __all__: list[str] = []  # autopipe.planning.runtimes.export_formats is the inte
 _FSDP_STRATEGIES = {2: "optim_grads", 3: "optim_grads_params"}
 # Every layer's input kept, the layer recomputed in the backward: the plan's ``always``.
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-# Every layer's norm outputs re-computed from their inputs: the plan's ``recompute_norms``.
-RECOMPUTE_NORMS = "--recompute-granularity selective --recompute-modules layernorm"
+# Selective re-computation of the named modules (Megatron-LM's names): the plan's
+# ``recompute_norms`` (every norm's output re-built from its input) and
+# ``recompute_up_proj`` (the latent attention's queries, keys and values from its latents).
+SELECTIVE = "--recompute-granularity selective --recompute-modules"
 # The first N decoder layers of every stage kept as their input and recomputed, the rest
 # not: the nearest Megatron runs to a plan re-computing some units (N follows).
 RECOMPUTE_FIRST = f"--recompute-granularity full {BLOCK_METHOD} --recompute-num-layers"
@@ -93,15 +95,18 @@ def megatron_mesh(plan: Plan, stages: Stages) -> tuple[str, list[str]]:
         flags.append(f"--global-batch-size {figures.global_batch}")
     if plan.sequence:  # the length the plan was counted at
         flags.append(f"--seq-length {plan.sequence}")
-    if plan.recompute_norms and figures.recompute:
+    asked = {"layernorm": plan.recompute_norms, "mla_up_proj": plan.recompute_up_proj}
+    modules = [name for name, flag in asked.items() if flag]
+    if modules and figures.recompute:
+        flag = "--recompute-norms" if plan.recompute_norms else "--recompute-up-proj"
         raise ValueError(
-            "cannot export the plan as megatron: it re-computes whole layers and the norms, "
-            "and Megatron-LM's --recompute-granularity takes one of them (full or "
-            "selective); plan with --checkpoint never and --recompute-norms, or without "
-            "--recompute-norms"
+            f"cannot export the plan as megatron: it re-computes whole layers and "
+            f"{' and '.join(modules)} modules, and Megatron-LM's --recompute-granularity "
+            f"takes one of them (full or selective); plan with --checkpoint never and "
+            f"{flag}, or without it"
         )
-    if plan.recompute_norms:
-        flags.append(RECOMPUTE_NORMS)
+    if modules:
+        flags.append(f"{SELECTIVE} {' '.join(modules)}")
     elif figures.recompute_layers is not None:
         flags.append(f"{RECOMPUTE_FIRST} {figures.recompute_layers}")
     elif figures.recompute:

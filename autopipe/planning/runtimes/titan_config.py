@@ -82,13 +82,17 @@ def _sections(
     plan: Plan, parts: list[list[str]], schedule: str, stages: Stages
 ) -> tuple[Sections, MeshFigures]:
     """torchtitan's config sections for the plan (and the figures they come from)."""
-    if plan.recompute_norms:
-        raise ValueError(
-            "cannot export the plan as torchtitan: it re-computes the norms alone, which "
-            "torchtitan's activation checkpointing has no mode for (its selective mode "
-            "re-computes by operation, matrix products included); plan without "
-            "--recompute-norms, or export to megatron"
-        )
+    for asked, what, flag in (
+        (plan.recompute_norms, "the norms", "--recompute-norms"),
+        (plan.recompute_up_proj, "the attention's up-projections", "--recompute-up-proj"),
+    ):
+        if asked:
+            raise ValueError(
+                f"cannot export the plan as torchtitan: it re-computes {what} alone, which "
+                "torchtitan's activation checkpointing has no mode for (its selective mode "
+                "re-computes by operation, matrix products included); plan without "
+                f"{flag}, or export to megatron"
+            )
     # torchtitan checkpoints the entries of the model's ``layers`` (its transformer
     # blocks), all under one policy: a plan re-computing some of them gets ``full``.
     figures = mesh_figures(plan, "torchtitan", LayerStack("layers", stages, first=False))

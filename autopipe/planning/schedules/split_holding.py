@@ -16,7 +16,7 @@ re-computing stage; a stage that keeps everything has ``a_j = b_j`` and ``r_j = 
 gives its micro-batches in flight times ``b_j`` (:func:`in_flight`).
 
 A stage that keeps its saved set ``a`` but re-builds ``r`` more bytes in its ``I`` (its
-norms' outputs, :mod:`autopipe.planning.recomputed_norms`) holds ``(x + y)·a + y·r``: the
+norms' outputs, :mod:`autopipe.planning.recomputed_modules`) holds ``(x + y)·a + y·r``: the
 re-built bytes join the kept set rather than replace it, so ``z`` adds nothing.
 
 :func:`split_moments` lists those ``(x, y, z)`` counts per moment (moments that another

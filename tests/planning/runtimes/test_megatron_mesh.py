@@ -201,3 +201,22 @@ def test_a_schedule_megatron_does_not_run_is_named_with_what_runs_instead(schedu
     text = plan.export("megatron")
     assert f"# note: Megatron-LM runs its 1F1B schedule, not the plan's {schedule}" in text
     assert "1F1B schedule" not in mesh_plan(MeshCase(balance=(5, 4, 4, 3)), GPT2).export("megatron")
+
+
+def test_recomputed_up_projections_join_the_selective_modules() -> None:
+    case = MeshCase(balance=(5, 4, 4, 3), mesh=Mesh(tensor=2), checkpoint="never")
+    plan = dataclasses.replace(mesh_plan(case, GPT2), recompute_norms=True, recompute_up_proj=True)
+    text = plan.export("megatron")
+    assert "--recompute-granularity selective --recompute-modules layernorm mla_up_proj" in text
+    for arguments in command_lines(text):
+        # megatron-core's own checks run, with the latent attention the model declares.
+        config = transformer_config(arguments, multi_latent_attention=True)
+        assert config.recompute_granularity == "selective"
+        assert config.recompute_modules == ["layernorm", "mla_up_proj"]
+
+
+def test_recomputed_up_projections_with_whole_layers_recomputed_are_refused() -> None:
+    case = MeshCase(balance=(5, 4, 4, 3), checkpoint="always")
+    plan = dataclasses.replace(mesh_plan(case, GPT2), recompute_up_proj=True)
+    with pytest.raises(ValueError, match="mla_up_proj modules, and Megatron-LM"):
+        plan.export("megatron")

@@ -210,3 +210,11 @@ def test_a_plan_recomputing_the_norms_alone_is_refused() -> None:
     for fmt in ("torchtitan", "torchtitan-json"):
         with pytest.raises(ValueError, match="re-computes the norms alone, which torchtitan"):
             plan.export(fmt)
+
+
+def test_a_plan_recomputing_the_up_projections_alone_is_refused() -> None:
+    plan = dataclasses.replace(
+        mesh_plan(MeshCase(balance=(2, 2, 2), checkpoint="never")), recompute_up_proj=True
+    )
+    with pytest.raises(ValueError, match="up-projections alone, which torchtitan's .* export to megatron"):
+        plan.export("torchtitan")

@@ -1,4 +1,5 @@
-"""Planning with the norms re-computed: the figures, the plans and the search."""
+"""Planning with the norms or the up-projections re-computed: the figures, the plans and
+the search."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from autopipe import Plan, PlanningError, plan, search
-from autopipe.planning.recomputed_norms import recomputed_norms
+from autopipe.planning.pipeline_settings import PipelineSettings
+from autopipe.planning.recomputed_modules import planned_profile, recomputed_norms
 from autopipe.planning.schedules.interleaving import rank_stages
 from autopipe.planning.schedules.split_holding import split_moments
 from profiler import Profile, profile_model
@@ -185,3 +187,63 @@ def test_the_search_weighs_both_ways_of_the_norms_when_asked() -> None:
     assert len(slower.notes) == 1 and "the best step" in slower.notes[0]
     with pytest.raises(ValueError, match="lists the ways"):
         search(profile, 2, recompute_norms=())
+
+
+class LatentAttention(nn.Module):
+    """A latent attention's up-projections and an eager attention after them, behind a
+    norm: both kinds of re-computation find something."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_a_layernorm = nn.RMSNorm(4)
+        self.q_b_proj, self.kv_b_proj = nn.Linear(4, H), nn.Linear(4, 2 * H)
+        self.o_proj = nn.Linear(H, 4)
+
+    def forward(self, latent: Tensor) -> Tensor:
+        normed = self.kv_a_layernorm(latent)
+        q = self.q_b_proj(normed)
+        k, v = self.kv_b_proj(normed).chunk(2, dim=-1)
+        return latent + self.o_proj(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+def _latent_profile() -> Profile:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LatentAttention() for _ in range(4)))
+    return profile_model(model, torch.randn(8, 10, 4), measure=False, batch_sizes=[2])
+
+
+def test_the_up_projections_outputs_leave_the_saved_bytes_apart_from_the_norms() -> None:
+    profile = _latent_profile()
+    settings = PipelineSettings(recompute_norms=True, recompute_up_proj=True)
+    both = planned_profile(profile, settings)
+    for before, after in zip(profile.layers, both.layers, strict=True):
+        assert before.up_proj_saved is not None and before.norm_saved is not None
+        assert before.up_proj_saved[0] == 2 * 10 * 3 * H * 4  # q, and k and v's storage
+        freed = before.up_proj_saved[0] + before.norm_saved[0]
+        assert after.saved == [before.saved[0] - freed]
+        assert after.rebuilt == [freed]
+        assert before.backward_flops is not None and before.up_proj_flops is not None
+        assert before.norm_flops is not None and after.backward_flops is not None
+        extra = before.up_proj_flops[0] + before.norm_flops[0]
+        assert after.backward_flops == [before.backward_flops[0] + extra]
+        assert after.up_proj_saved is None and after.norm_saved is None
+
+
+def test_a_plan_recomputing_the_up_projections_holds_less_and_says_so() -> None:
+    profile = _latent_profile()
+    kept = plan(profile, 2, checkpoint="never", chunks=4, batch=8)
+    freed = plan(profile, 2, checkpoint="never", chunks=4, batch=8, recompute_up_proj=True)
+    assert freed.recompute_up_proj and not freed.recompute_norms
+    assert Plan.from_dict(freed.to_dict()).recompute_up_proj
+    for a, b in zip(kept.stages, freed.stages, strict=True):
+        ups = sum(profile.layers[i].up_proj_saved[0] for i in range(a.start, a.stop))  # type: ignore[index]
+        assert a.activation_memory - b.activation_memory == pytest.approx(4 * ups)
+    with pytest.raises(ValueError, match="re-computes the attention's up-projections alone"):
+        freed.check_runnable("GPipe")
+    found = search(profile, 2, recompute_up_proj=True, batch=8)
+    assert all(p.recompute_up_proj for p in found)
+
+
+def test_a_model_without_up_projections_is_told_it_has_none_to_recompute() -> None:
+    with pytest.raises(ValueError, match="q_b_proj, kv_b_proj"):
+        plan(_profile(), 2, recompute_up_proj=True)
