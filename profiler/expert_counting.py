@@ -46,6 +46,7 @@ __all__: list[str] = []
 
 aten = torch.ops.aten
 META = torch.device("meta")
+_GROUPED_MM = getattr(aten._grouped_mm, "default", None) if hasattr(aten, "_grouped_mm") else None
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,20 @@ class ExpertFigures:
 
 @dataclass
 class Routed:
-    """What one count saw of the layer's routed experts: calls by module name, and every
-    ``topk`` of the count as ``(rows, choices, k)``, in order."""
+    """What one count saw of the layer's routed experts: calls by module name, every
+    ``topk`` of the count as ``(rows, choices, k)``, in order, and the blocks a traced
+    layer ran as a grouped kernel (``torch._grouped_mm`` on their weights)."""
 
     skew: float
     calls: dict[str, RoutedCall] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)
     topk: list[tuple[int, int, int]] = field(default_factory=list)
+    grouped: set[str] = field(default_factory=set)
+
+    def kernel(self, name: str) -> str:
+        """The path block ``name`` ran: ``grouped`` or ``eager``
+        (:func:`profiler.expert_routing.experts_kernel`)."""
+        return "grouped" if name in self.grouped else experts_kernel(self.modules[name])
 
 
 def limited_groups(topk: list[tuple[int, int, int]], tokens: int, experts: int) -> tuple[int, int]:
@@ -129,6 +137,8 @@ class RoutingWatch(TorchDispatchMode):
             for value in tree_leaves((args, kwargs)):
                 if isinstance(value, Tensor):
                     name = self.owners.get(storage_key(value)[0])
+                    if name is not None and func is _GROUPED_MM:
+                        self.routed.grouped.add(name)
                     if name is not None and name not in self.routed.calls:
                         self._seen(name)
         return out
@@ -219,15 +229,16 @@ class _Alone(nn.Module):
     """Routed experts alone, each on the tokens ``counts`` gives it (routing values are
     never read)."""
 
-    def __init__(self, experts: nn.Module, counts: list[int]) -> None:
+    def __init__(self, experts: nn.Module, counts: list[int], kernel: str) -> None:
         super().__init__()
         self.experts = experts
         self.counts = counts
+        self.kernel = kernel
 
     def forward(self, hidden: Tensor, weights: Tensor) -> Tensor:
         index = weights.new_empty(weights.shape, dtype=torch.long)
         return assumed_forward(
-            self.experts, hidden, index, weights, 1.0, lambda call: None, self.counts
+            self.experts, hidden, index, weights, 1.0, lambda call: None, self.counts, self.kernel
         )
 
 
@@ -269,22 +280,23 @@ def expert_figures(routed: Routed, count: Counter) -> ExpertFigures | None:
         hidden = torch.empty((call.tokens, call.width), dtype=call.hidden, device=META)
         weights = torch.empty((call.tokens, call.top_k), dtype=call.weights, device=META)
         single = one_expert(module, call.experts)
-        grouped = experts_kernel(module) == "grouped"
+        kernel = routed.kernel(name)
+        grouped = kernel == "grouped"
         for size, times in Tally(n for n in tokens if n).items():
-            found = count(_Alone(module, [size]), (hidden, weights))
+            found = count(_Alone(module, [size], kernel), (hidden, weights))
             for i, value in enumerate(found[:4]):
                 totals[i] += times * value
             # An expert on its own rows and weights: its traffic in a grouped kernel.
             rows = torch.empty((size, call.width), dtype=call.hidden, device=META)
             picked = torch.empty((size, call.top_k), dtype=call.weights, device=META)
-            own = count(_Alone(single, [size]), (rows, picked))
+            own = count(_Alone(single, [size], kernel), (rows, picked))
             # Twice the rows: what follows the rows, and what does not (its weights).
             rows = torch.empty((2 * size, call.width), dtype=call.hidden, device=META)
             picked = torch.empty((2 * size, call.top_k), dtype=call.weights, device=META)
-            more = count(_Alone(single, [2 * size]), (rows, picked))
+            more = count(_Alone(single, [2 * size], kernel), (rows, picked))
             added: tuple[float, ...] = own
             if not grouped:  # one more expert in the eager loop over all the tokens
-                twice = count(_Alone(module, [size, size]), (hidden, weights))
+                twice = count(_Alone(module, [size, size], kernel), (hidden, weights))
                 added = tuple(a - b for a, b in zip(twice, found, strict=True))
             for i in (0, 1):
                 totals[4 + i] += times * own[4 + i]

@@ -230,9 +230,11 @@ def assumed_forward(
     skew: float,
     record: Callable[[RoutedCall], None],
     counts: Sequence[int] | None = None,
+    kernel: str | None = None,
 ) -> Tensor:
-    """The per-expert loop of Hugging Face's eager experts on the assumed token counts
-    (``counts``, one per expert from the first, where given).
+    """The experts' path (``kernel``, ``eager`` or ``grouped``; by default the one the
+    module chose, :func:`experts_kernel`) on the assumed token counts (``counts``, one
+    per expert from the first, where given).
 
     Each expert's token and top-k positions are fresh index tensors of its assumed size,
     one ``(n, 2)`` storage as ``torch.where`` makes them; their values are never read (zeros:
@@ -263,7 +265,7 @@ def assumed_forward(
         mask.sum(dim=(-1, -2)).gt(0)
     if counts is None:
         counts = assumed_tokens(tokens, top_k, experts, skew)
-    if experts_kernel(module) == "grouped":
+    if (kernel or experts_kernel(module)) == "grouped":
         return _grouped_forward(module, hidden_states, top_k_weights, counts, transposed)
     for expert, count in enumerate(counts):
         if count == 0:

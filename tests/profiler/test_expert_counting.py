@@ -65,6 +65,26 @@ def test_the_grouped_path_counts_what_hugging_face_s_grouped_mm_keeps(family: st
     assert loop.saved > counted.saved
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_traced_block_s_experts_are_counted_on_the_kernel_it_ran(family: str) -> None:
+    """A trace keeps no experts module to read the kernel from: its grouped matmuls on
+    the experts' weights tell it. Its figures are the module's grouped ones, but for the
+    routing weights' dtype, which the trace does not see (it takes the experts')."""
+    block = moe_block(family, torch.bfloat16, implementation="grouped_mm")
+    x = _sample().to(torch.bfloat16)
+    traced = torch.export.export(block, (x,)).module()
+    found = [
+        count_layer(meta_copy(layer), (x.to("meta"),), CPU)[0].experts
+        for layer in (traced, block, moe_block(family, torch.bfloat16))
+    ]
+    assert all(f is not None for f in found)
+    saved = [f.saved for f in found if f is not None]
+    # Float32 routing weights where float64 blocks have them (4 bytes), else bfloat16.
+    copies, weight_bytes = 12 * 2, 4 if SHAPES[family][1] == 4 else 2
+    assert saved[0] == saved[1] - copies * (weight_bytes - 2)
+    assert saved[2] > saved[1]  # the eager loop keeps more
+
+
 def test_the_grouped_path_s_expert_figures_by_hand() -> None:
     """Hand-derived as below, for the grouped path: per copy the gathered hidden state,
     the up projection, the activation, the gated product, the down projection and the
