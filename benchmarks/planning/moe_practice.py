@@ -10,8 +10,8 @@ assumed balanced, the default efficiencies (nothing fitted):
   under DualPipeV, EP64, ZeRO-1 data parallelism over the other 128 ranks) predicted in
   tokens/s per GPU against the report's 14.8T tokens in 2,664K H800 GPU-hours, 1,543
   tokens/s per GPU (a figure derived from the whole pre-training, not measured at one
-  step); every plan re-computes the norms (``--recompute-norms``), as the report says
-  DeepSeek-V3 trains; (b) the search's best mesh over TP 1-8, every EP, ZeRO 0-1 and the
+  step); every plan re-computes the norms and the latent attention's up-projections
+  (``--recompute-norms --recompute-up-proj``), as the report says DeepSeek-V3 trains; (b) the search's best mesh over TP 1-8, every EP, ZeRO 0-1 and the
   1F1B, GPipe and interleaved schedules; (c) the published mesh's rank among the meshes the search
   ranks, found with a second search held to DualPipeV, TP1 and EP64; and the seconds
   and peak memory of the search as ``autopipe plan --search`` runs it (its default ten
@@ -122,7 +122,7 @@ def model():
 DEEPSEEK = Case(
     "deepseek-v3", "deepseek_v3.py", "h800", 2048, 15360, 4096, "float8",
     ("--tensor-parallel", "1,2,4,8", "--zero", "0,1", "--expert-parallel", "auto",
-     "--virtual-stages", "2", "--recompute-norms"),
+     "--virtual-stages", "2", "--recompute-norms", "--recompute-up-proj"),
 )  # fmt: skip
 MIXTRAL = {
     gpus: Case(
@@ -169,6 +169,7 @@ def label(plan: Plan) -> str:
     zero = f" ZeRO-{plan.mesh.zero}" if plan.mesh.zero else ""
     sp = " SP" if plan.mesh.sequence_parallel else ""
     norms = "+norms" if plan.recompute_norms else ""
+    norms += "+up-proj" if plan.recompute_up_proj else ""
     return f"TP{t}{sp} CP{c} EP{e} PP{k} VP{v} DP{d}{zero} {plan.schedule} {plan.checkpoint}{norms}"
 
 
@@ -328,7 +329,8 @@ def markdown(results: list[dict[str, Any]], *, fused: bool) -> str:
                         "- The published mesh (PP16 DualPipeV, EP64, ZeRO-1) does not fit "
                         f"under the counted memory, {over:.1f} GiB over each device: it is "
                         "predicted here without the cap, keeping every activation but the "
-                        "norms' outputs, and not ranked."
+                        "norms' outputs and the up-projections' queries, keys and values, "
+                        "and not ranked."
                     )
                 rank = "" if over is not None else f"; rank {r['rank']} of {r['meshes'] + 1}"
                 lines.append(
