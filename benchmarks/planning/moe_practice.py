@@ -11,8 +11,9 @@ assumed balanced, the default efficiencies (nothing fitted):
   tokens/s per GPU against the report's 14.8T tokens in 2,664K H800 GPU-hours, 1,543
   tokens/s per GPU (a figure derived from the whole pre-training, not measured at one
   step); every plan re-computes the norms and the latent attention's up-projections
-  (``--recompute-norms --recompute-up-proj``), as the report says DeepSeek-V3 trains; (b) the search's best mesh over TP 1-8, every EP, ZeRO 0-1 and the
-  1F1B, GPipe and interleaved schedules; (c) the published mesh's rank among the meshes the search
+  (``--recompute-norms --recompute-up-proj``), as the report says DeepSeek-V3 trains;
+  (b) the search's best mesh over TP 1-8, every EP, ZeRO 0-1 and the 1F1B, GPipe and
+  interleaved schedules; (c) the published mesh's rank among the meshes the search
   ranks, found with a second search held to DualPipeV, TP1 and EP64; and the seconds
   and peak memory of the search as ``autopipe plan --search`` runs it (its default ten
   plans, the profile counted afresh), beside those of the search that returns the
