@@ -339,7 +339,7 @@ def markdown(results: list[dict[str, Any]], *, fused: bool) -> str:
                         f"under the counted memory, {over:.1f} GiB over each device: it is "
                         "predicted here without the cap, keeping every activation but the "
                         "norms' outputs and the up-projections' queries, keys and values, "
-                        "and not ranked."
+                        "so not ranked among the meshes that fit."
                     )
                 rank = "" if over is not None else f"; rank {r['rank']} of {r['meshes'] + 1}"
                 lines.append(
