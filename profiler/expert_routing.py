@@ -256,6 +256,10 @@ def assumed_forward(
         )
     )
     transposed = _transposed(module, up, down)
+    if counts is None:
+        counts = assumed_tokens(tokens, top_k, experts, skew)
+    if (kernel or experts_kernel(module)) == "grouped":
+        return _grouped_forward(module, hidden_states, top_k_weights, counts, transposed)
     gated = "gate_up_proj" in module._parameters
     up_bias = getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None)
     down_bias = getattr(module, "down_proj_bias", None)
@@ -263,10 +267,6 @@ def assumed_forward(
     with torch.no_grad():  # the expert mask, as the eager loop builds it
         mask = top_k_index.new_zeros((experts + 1, top_k, tokens))
         mask.sum(dim=(-1, -2)).gt(0)
-    if counts is None:
-        counts = assumed_tokens(tokens, top_k, experts, skew)
-    if (kernel or experts_kernel(module)) == "grouped":
-        return _grouped_forward(module, hidden_states, top_k_weights, counts, transposed)
     for expert, count in enumerate(counts):
         if count == 0:
             continue  # the eager loop visits only the experts hit

@@ -236,3 +236,27 @@ def test_a_measured_profile_carries_the_counted_experts() -> None:
 def test_a_bad_skew_is_refused_before_profiling() -> None:
     with pytest.raises(ValueError, match="expert_skew must be a finite number >= 1"):
         profile_layers([moe_block("mixtral")], _sample(), measure=False, expert_skew=0.5)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_gpt_oss_experts_with_biases_and_their_own_gate_count_as_they_run(
+    implementation: str,
+) -> None:
+    """GPT-OSS's experts: transposed weights, biases, a clamped gate of their own (its
+    router gives logits, scores and indices, as Mixtral's does)."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        hidden_size=HIDDEN, intermediate_size=EXPERT_FFN, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, vocab_size=50, head_dim=4, layer_types=["full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).to(torch.bfloat16)
+    model.set_experts_implementation(implementation)
+    block = model.model.layers[0].mlp
+    force_balanced(block, block.router)
+    x = _sample().to(torch.bfloat16)
+    counted, _, _ = count_layer(meta_copy(block), (x.to("meta"),), CPU)
+    found = (counted.flops, counted.backward_flops, counted.backward_input_flops, counted.saved)
+    assert found == real_counts(block, (x,))

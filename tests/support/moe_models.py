@@ -121,12 +121,12 @@ def moe_block(
     return block
 
 
-def force_balanced(block: nn.Module) -> Callable[[], None]:
-    """Makes the block's router send token ``t``'s ``j``-th choice to expert
-    ``(t * k + j) % E``: every expert receives ``tokens * k / E`` tokens (the remainder one
-    more each for the first experts), whatever the values. The router still runs all its
-    operations; only the chosen indices change. Returns the undo."""
-    gate = block.gate
+def force_balanced(block: nn.Module, router: nn.Module | None = None) -> Callable[[], None]:
+    """Makes the block's router (``block.gate`` unless given) send token ``t``'s ``j``-th
+    choice to expert ``(t * k + j) % E``: every expert receives ``tokens * k / E`` tokens
+    (the remainder one more each for the first experts), whatever the values. The router
+    still runs all its operations; only the chosen indices change. Returns the undo."""
+    gate = block.gate if router is None else router
 
     def hook(module: nn.Module, inputs: Any, output: tuple[Tensor, Tensor, Tensor]) -> Any:
         logits, weights, index = output
