@@ -111,6 +111,21 @@ def mark_regions(
     return len(regions)
 
 
+@contextmanager
+def hooked(
+    modules: list[nn.Module], before: Callable[..., Any], after: Callable[..., Any]
+) -> Iterator[None]:
+    """``before`` as a forward pre-hook and ``after`` as a forward hook of each module,
+    while inside."""
+    handles = [m.register_forward_pre_hook(before) for m in modules]
+    handles += [m.register_forward_hook(after) for m in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class Work(NamedTuple):
     """FLOPs, bytes moved and operations run so far in a pass."""
 
@@ -169,17 +184,12 @@ class NormWatch:
 
     @contextmanager
     def watching(self) -> Iterator[NormWatch]:
-        handles = []
-        for module in self.norms:
-            handles.append(module.register_forward_pre_hook(self._before))
-            handles.append(module.register_forward_hook(self._after))
         _ACTIVE.append(self)
         try:
-            yield self
+            with hooked(self.norms, self._before, self._after):
+                yield self
         finally:
             _ACTIVE.remove(self)
-            for handle in handles:
-                handle.remove()
 
     def saved_outputs(self, saved: list[Tensor]) -> list[Tensor]:
         """Of the tensors the forward saved, those that are a normalization's output."""

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from profiler.norm_counting import Work, mark_regions
+from profiler.norm_counting import Work, hooked, mark_regions
 from profiler.storages import storage_key
 
 __all__: list[str] = []
@@ -146,19 +146,13 @@ class UpProjectionWatch(TorchDispatchMode):
 
     @contextmanager
     def watching(self) -> Iterator[UpProjectionWatch]:
-        handles = []
-        for module in self.modules:
-            handles.append(module.register_forward_pre_hook(self.enter))
-            handles.append(module.register_forward_hook(self.leave))
         _ACTIVE.append(self)
         try:
-            with self:
+            with hooked(self.modules, self.enter, self.leave), self:
                 yield self
         finally:
             _ACTIVE.remove(self)
             self._held.clear()
-            for handle in handles:
-                handle.remove()
 
     def saved_outputs(self, saved: list[Tensor]) -> list[Tensor]:
         """Of the tensors the forward saved, those the region made."""
