@@ -14,7 +14,7 @@ from autopipe.planning.model.colocation import device_count, shared_step_time
 from autopipe.planning.model.cost_model import CostModel
 from autopipe.planning.model.cut_rules import crossing
 from autopipe.planning.model.device_specs import DeviceSpec
-from autopipe.planning.model.names import STRATEGIES
+from autopipe.planning.model.names import FIXED_CHECKPOINT_MODES, STRATEGIES
 from autopipe.planning.model.plan_settings import PlanSettings, build_model, check_profile
 from autopipe.planning.model.plans import Plan, StagePlan, TiedPlan
 from autopipe.planning.model.quantities import format_bytes
@@ -190,7 +190,8 @@ def _whole_modes(
     schedule runs it), and ``auto`` is never slower nor refused where one of them fits.
     """
     best = chosen
-    modes = ["never", "always"] if model.split_backward else ["never", "except_last", "always"]
+    # except_last has no meaning where the backward is split (the cost model refuses it).
+    modes = [m for m in FIXED_CHECKPOINT_MODES if m != "except_last" or not model.split_backward]
     for mode in modes:
         options = (model.chunks, mode, model.schedule, model.optimizer, model.options)
         whole = CostModel(model.layers, model.devices, *options)
@@ -286,16 +287,25 @@ def timed_interleaved_balance(model: CostModel) -> tuple[list[int], float]:
     return balance
 
 
+def _over(
+    model: CostModel, balance: Sequence[int], memory: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes each stage and each rank (its stages together) is over its device under
+    ``balance``, the stages' peaks being ``memory``."""
+    saved = stage_saved(model, balance)[None, :]
+    parts = stage_held(model, balance)[None]
+    stage_over, rank_over = overflows(model, np.array([list(memory)]), saved, parts)
+    return stage_over[0], rank_over[0]
+
+
 def _most_over_rank(model: CostModel, balance: Sequence[int]) -> tuple[int, float]:
     """The rank whose stages together are the most over its device under ``balance``,
     and by how many bytes."""
     spans = stage_spans(balance)
-    memory = np.array(
-        [[float(model.stage_memory(k, np.array(s), np.array(e))) for k, (s, e) in enumerate(spans)]]
-    )
-    saved = stage_saved(model, balance)[None, :]
-    parts = stage_held(model, balance)[None]
-    rank_over = overflows(model, memory, saved, parts)[1][0]
+    memory = [
+        float(model.stage_memory(k, np.array(s), np.array(e))) for k, (s, e) in enumerate(spans)
+    ]
+    rank_over = _over(model, balance, memory)[1]
     r = int(np.argmax(rank_over))
     return r, float(rank_over[r])
 
@@ -303,10 +313,7 @@ def _most_over_rank(model: CostModel, balance: Sequence[int]) -> tuple[int, floa
 def _check_fits(model: CostModel, result: Plan, strategy: str) -> None:
     """Refuses a split with a stage over its device (naming the one most over) or, with
     virtual stages, a rank whose stages together are over its device."""
-    memory = np.array([[stage.memory for stage in result.stages]])
-    saved = stage_saved(model, result.balance)[None, :]
-    parts = stage_held(model, result.balance)[None]
-    stage_over, rank_over = (over[0] for over in overflows(model, memory, saved, parts))
+    stage_over, rank_over = _over(model, result.balance, [s.memory for s in result.stages])
     if np.any(stage_over > 0):
         worst = result.stages[int(np.argmax(stage_over))]
         raise PlanningError(
