@@ -22,7 +22,7 @@ keep only their input; the others keep all saved tensors, and a re-computation h
 micro-batch's saved tensors at a time (``keep_k = n_k − ck_k``, at least 1). Under split
 backward (zb, zbv, dualpipev) the counts come from the replayed order instead
 (:mod:`autopipe.planning.schedules.split_holding`), and bytes the backward re-builds
-beyond the saved set (``layers.rebuilt``: re-computed norms' outputs) are held by the
+beyond the saved set (``layers.rebuilt``: re-computed modules' outputs) are held by the
 micro-batches between their input gradient and their weights'.
 
 Checkpoint mode ``auto`` decides per stage: a stage runs ``never`` if its memory fits, else
@@ -373,12 +373,12 @@ class CostModel:
                 for local, k in enumerate(rank_stages(r, ranks, virtual_stages, schedule)):
                     self._pairs[k] = pairs[local]
                     self._keeps[k] = keeps[local]
-        # Bytes the backward re-builds beyond the saved sets (re-computed norms' outputs):
+        # Bytes the backward re-builds beyond the saved sets (re-computed modules' outputs):
         # under split backward held from a micro-batch's I until its W with its full set;
         # under a whole backward only while it runs, which the layers' peaks price.
         rebuilt = layers.rebuilt if self.split_backward else None
         self.rebuilds = rebuilt is not None and bool(np.any(rebuilt > 0))
-        self._rebuilt = prefix_sums(rebuilt if rebuilt is not None else np.zeros(len(layers)))
+        self.rebuilt_sums = prefix_sums(rebuilt if rebuilt is not None else np.zeros(len(layers)))
         # ``auto``: keep everything, else the other fixed mode (except_last; ``always``
         # under split backward, which has no except_last), else re-computed units.
         if checkpoint != "auto":
@@ -419,7 +419,7 @@ class CostModel:
         self._sends = np.concatenate([[0.0], layers.output[:-1], [0.0]])
         # Re-built bytes held with the full sets are not held again as a transient peak.
         peak = np.maximum(layers.peak - rebuilt, 0.0) if rebuilt is not None else layers.peak
-        self._peak = RangeMax(peak) if np.any(peak > 0) else None
+        self.peaks = RangeMax(peak) if np.any(peak > 0) else None
         # ``auto``: the cheapest units to re-compute in a stage keeping all would overflow.
         self.units = UnitRecompute.of(layers)
         # Under dualpipev the all-to-alls are kept apart too: its overlapped pairs hide them.
@@ -560,7 +560,7 @@ class CostModel:
     def rebuilt_set(self, s: Index, e: Index) -> Array:
         """Bytes one micro-batch's backward of layers ``[s, e)`` re-builds and holds with
         its saved set until its weights' gradients (0 unless the backward is split)."""
-        return np.asarray(self._rebuilt[e] - self._rebuilt[s])
+        return np.asarray(self.rebuilt_sums[e] - self.rebuilt_sums[s])
 
     def _saved_sets(self, k: int, s: Index, e: Index, mode: str) -> Array:
         saved = self._full_set(s, e)
@@ -787,8 +787,8 @@ class CostModel:
         """Of a stage's peak with layers ``[s, e)``, what does not depend on the
         micro-batches in flight: its state and its largest transient."""
         state = self.state_memory(s, e)
-        if self._peak is not None:
-            state = state + self._peak.query(s, e)
+        if self.peaks is not None:
+            state = state + self.peaks.query(s, e)
         return state
 
     def activation_memory(self, k: int, s: Index, e: Index) -> Array:

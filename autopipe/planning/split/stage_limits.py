@@ -52,12 +52,10 @@ class MemoryLimits:
         # As in the cost model: shared bytes count once, added back at a stage's start.
         self._shared = layers.shared_bytes
         self._saved = prefix_sums(layers.saved - self._shared)
-        # As in the cost model: bytes the backward re-builds, held with the full sets under
-        # split backward, and then not in the peaks.
-        rebuilt = layers.rebuilt if m.rebuilds else None
-        self._rebuilt = prefix_sums(rebuilt if rebuilt is not None else np.zeros(self.n))
-        peak = np.maximum(layers.peak - rebuilt, 0.0) if rebuilt is not None else layers.peak
-        self._peak = RangeMax(peak) if np.any(peak > 0) else None
+        # The cost model's: bytes the backward re-builds (held with the full sets under
+        # split backward) and the layers' transient peaks beyond them.
+        self._rebuilt = m.rebuilt_sums
+        self._peak = m.peaks
         # Boundary input of a stage starting at s: the model input or layer s−1's output.
         self._inputs = np.concatenate([[layers.input], layers.output[:-1]])
         # ``auto`` re-computing units (:mod:`autopipe.planning.model.unit_recompute`): the
