@@ -528,3 +528,21 @@ def test_recompute_up_proj_plans_deepseek_and_exports_megatrons_flags(
     )
     assert_error(code, out, err, "q_b_proj, kv_b_proj")
     assert not (tmp_path / "no.json").exists()
+
+
+def test_weighing_the_norms_both_ways_keeps_each_runner_ups_mesh_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Runners-up of the two searches say what their mesh costs, then once why they are
+    slower than the best of both."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "deepseek.py"
+    path.write_text(DEEPSEEK_MODEL)
+    argv = ["plan", str(path), "--target", "h100", "--search", "--devices", "4"]
+    code, out, err = run(capsys, *argv, "--recompute-up-proj", "--recompute-norms", "auto")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if "EP=" in line and "the best step" in line]
+    assert rows, out
+    for row in rows:
+        assert row.count("the best step") == 1, row
+        assert "2 all-to-alls per MoE block pass" in row

@@ -420,10 +420,11 @@ def _both_ways(
 ) -> list[Plan]:
     """The plans of one search per way of the norms, ranked together: the best keeps its
     search's notes (and says both were weighed), every other one says why it is slower
-    than that best."""
+    than that best (after what its mesh costs, where its search said so)."""
     plans: list[Plan] = []
     refusals: list[tuple[bool, Exception]] = []
     firsts: list[Plan] = []  # each way's best, whose notes were about its own search
+    own: dict[int, Plan] = {}  # each plan's own search's best
     for way in ways:
         try:
             found = search(
@@ -437,6 +438,7 @@ def _both_ways(
             continue
         plans += found
         firsts.append(found[0])
+        own.update((id(result), found[0]) for result in found)
     if not plans:
         raise refusals[0][1]
     plans.sort(key=lambda p: -p.throughput)
@@ -445,8 +447,10 @@ def _both_ways(
     for result in plans[1:]:
         if any(result is first for first in firsts):
             result.notes = [why_slower(result, best)]
-        else:
-            result.notes[:1] = [why_slower(result, best)]
+        else:  # its own search's reason gives way to the one against the best of both
+            before = why_slower(result, own[id(result)])
+            others = [note for note in result.notes if note != before]
+            result.notes = [*others, why_slower(result, best)]
     if refusals:
         for way, refusal in refusals:
             kept = "re-computed" if way else "kept"
