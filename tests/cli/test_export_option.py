@@ -63,8 +63,11 @@ def test_exports_to_stdout_and_files(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, model_file: Path
 ) -> None:
     files = {fmt: tmp_path / f"split.{fmt}" for fmt in ("torchtitan", "megatron", "deepspeed")}
-    argv = ["plan", str(model_file), "--stages", "2", *FAST, "--json", str(tmp_path / "p.json")]
-    argv += ["--export", "torch", *(f"--export={fmt}={path}" for fmt, path in files.items())]
+    # Times estimated from the counts: the split does not depend on this host's timings
+    # (one ending at the final norm is no split Megatron-LM takes).
+    argv = ["plan", str(model_file), "--stages", "2", "--target", "h100"]
+    argv += ["--json", str(tmp_path / "p.json"), "--export", "torch"]
+    argv += [f"--export={fmt}={path}" for fmt, path in files.items()]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
     plan = Plan.load(tmp_path / "p.json")
