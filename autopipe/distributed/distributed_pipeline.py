@@ -141,7 +141,8 @@ class DistributedPipeline(PipelineRunner):
             (virtual stages each on their own), the other stages' staying on meta, so no
             rank ever holds the whole model. The initializers that exist run on them
             (``reset_parameters``, a Hugging Face model's ``_init_weights``; seeded by the
-            stage's index), then ``init(part)``, once per stage: ``part`` is an
+            stage's index), then ``init(part)``, once per stage with new tensors (not for
+            one whose tensors its rank's other stage made already, a tied head): ``part`` is an
             ``nn.Module`` holding exactly that stage's new tensors under the model's names,
             so ``part.load_state_dict(checkpoint, strict=False)`` loads the rank's part of a
             (sharded) checkpoint (``part.state_dict()`` lists its keys; non-persistent
